@@ -1,0 +1,86 @@
+"""Shared test helpers: shapes, per-dtype tolerances, and running a model through delegates.
+
+``run_delegated`` lowers every compute node of an exported model into one Triton delegate and runs
+its launch plan on host memory (the simulated device), so a kernel test checks the kernel and its
+lowering without the rest of the pipeline. End-to-end tests use the public API instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritondelegate.backend import build_plan
+from tritondelegate.runtime.delegate import DelegateRunner
+
+# Odd sizes first: 1, primes, a power of two plus one.
+SIZES = (1, 17, 33, 64, 129)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# (atol, rtol) per dtype; fp16/bf16 results are judged against an fp32 reference.
+TOLERANCES = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+def assert_close(actual: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype | None = None,
+                 scale: float = 1.0):
+    """Compare with the tolerance of ``dtype`` (default: ``actual``'s); ``scale`` widens it for
+    ops that accumulate over long reductions (documented at each use)."""
+    assert actual.shape == reference.shape, (actual.shape, reference.shape)
+    if not actual.dtype.is_floating_point:
+        assert actual.dtype == reference.dtype
+        assert torch.equal(actual, reference)
+        return
+    atol, rtol = TOLERANCES[dtype or actual.dtype]
+    torch.testing.assert_close(actual.float(), reference.float(), atol=atol * scale, rtol=rtol * scale)
+
+
+def export_decomposed(model, args):
+    from tritondelegate.decompose import decompose
+
+    ep = torch.export.export(model, tuple(args))
+    return decompose(ep)
+
+
+def run_delegated(model, args):
+    """Export ``model``, lower all its compute into one delegate and run it. Returns (outputs, plan)."""
+    ep = export_decomposed(model, args)
+    graph = ep.graph_module.graph
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    outputs = list(out_node.args[0])
+    plan = build_plan(nodes, inputs, outputs)
+    state = {**dict(ep.named_parameters()), **dict(ep.named_buffers()), **ep.constants}
+    user = iter(args)
+    values = [
+        (state[spec.target] if spec.target is not None else next(user)).contiguous()
+        for spec in ep.graph_signature.input_specs
+    ]
+    results = [torch.empty(o.meta["val"].shape, dtype=o.meta["val"].dtype) for o in outputs]
+    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8)
+    DelegateRunner(plan, scratch, simulated=True)(values, results)
+    return results, plan
+
+
+def check_model(model, args, dtype=None, scale=1.0, reference_args=None):
+    """Run ``model`` through a delegate and compare every output with eager.
+
+    For fp16/bf16, pass the fp32 model/args as ``reference_args=(fp32_model, fp32_args)`` to judge
+    against an fp32 reference.
+    """
+    results, plan = run_delegated(model, args)
+    if reference_args is not None:
+        ref_model, ref_args = reference_args
+        expected = ref_model(*ref_args)
+    else:
+        expected = model(*args)
+    expected = expected if isinstance(expected, (tuple, list)) else (expected,)
+    flat = [e for e in torch.utils._pytree.tree_leaves(expected)]
+    assert len(flat) == len(results)
+    for r, e in zip(results, flat):
+        assert_close(r, e.to(r.dtype) if not r.dtype.is_floating_point else e, dtype=dtype or r.dtype,
+                     scale=scale)
+    return results, plan

@@ -1,0 +1,89 @@
+import pytest
+import torch
+
+from harness import FLOAT_DTYPES, check_model
+
+UNARY = {
+    "neg": torch.neg, "exp": torch.exp, "sqrt": lambda x: torch.sqrt(x.abs()),
+    "rsqrt": lambda x: torch.rsqrt(x.abs() + 0.5), "sigmoid": torch.sigmoid,
+    "silu": torch.nn.functional.silu, "relu": torch.relu, "tanh": torch.tanh,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "cos": torch.cos, "sin": torch.sin, "abs": torch.abs, "log": lambda x: torch.log(x.abs() + 1),
+    "reciprocal": lambda x: 1.0 / (x.abs() + 1),
+}
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_unary(name, dtype):
+    x = torch.randn(3, 129, dtype=dtype)
+    fn = UNARY[name]
+    check_model(Fn(fn), (x,), reference_args=(Fn(fn), (x.float(),)))
+
+
+BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": lambda a, b: a / (b.abs() + 1),
+    "add_alpha": lambda a, b: torch.add(a, b, alpha=2.5), "sub_alpha": lambda a, b: torch.sub(a, b, alpha=3),
+    "maximum": torch.maximum, "minimum": torch.minimum,
+    "pow_tensor": torch.pow,  # the base is made positive below
+    "rsub_scalar": lambda a, b: 1 - a + b,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BINARY))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shapes", [((17, 33), (17, 33)), ((4, 1, 33), (17, 1)), ((1,), (5, 3))])
+def test_binary_broadcast(name, dtype, shapes):
+    a = torch.randn(shapes[0], dtype=dtype)
+    b = torch.randn(shapes[1], dtype=dtype)
+    if name == "pow_tensor":
+        a = a.abs() + 0.25
+    fn = BINARY[name]
+    check_model(Fn(fn), (a, b), reference_args=(Fn(fn), (a.float(), b.float())))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_scalar_operands_and_pow(dtype):
+    x = torch.randn(17, 5, dtype=dtype)
+    fn = lambda x: (x * 3 + 2, x - 0.5, x / 4, x.pow(2), x.pow(3), x.abs().pow(0.5), 2.0 ** x)  # noqa: E731
+    check_model(Fn(fn), (x,), reference_args=(Fn(fn), (x.float(),)))
+
+
+def test_comparisons_where_and_bool_ops():
+    a = torch.randn(17, 33)
+    b = torch.randn(33)
+    fn = lambda a, b: (  # noqa: E731
+        a > b, a <= 0.1, a == a, a != b, torch.where(a > b, a, b),
+        (a > 0) & (b > 0), torch.logical_or(a > 0, b < 0), torch.logical_not(a > 0),
+    )
+    check_model(Fn(fn), (a, b))
+
+
+def test_integer_arithmetic_and_casts():
+    i = torch.arange(0, 341).reshape(11, 31)
+    x = torch.randn(11, 31)
+    fn = lambda i, x: (i + 3, i * 2 - 1, x.to(torch.int64), i.to(torch.float16), (x > 0).float(), x.half())  # noqa: E731
+    check_model(Fn(fn), (i, x))
+
+
+def test_strided_operands_need_no_copy():
+    # A transpose and a slice feed a pointwise op directly: one launch, no copy kernel.
+    a = torch.randn(33, 17)
+    b = torch.randn(17, 40)
+    _, plan = check_model(Fn(lambda a, b: a.t() * b[:, 3:36]), (a, b))
+    assert [launch.op for launch in plan.launches] == ["mul"]
+
+
+def test_where_with_scalar_branch():
+    a = torch.randn(17, 33)
+    check_model(Fn(lambda a: torch.where(a < 0, a, 0.0)), (a,))

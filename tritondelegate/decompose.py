@@ -1,0 +1,57 @@
+"""Decomposition to core ATen, keeping whole the ops that have a fused kernel.
+
+``torch.export`` programs are decomposed with the default table minus the ops in ``keep`` (layer_norm,
+scaled_dot_product_attention, linear, ... when the kernel registry has them), so one fused kernel
+replaces a chain of small ones. Ops that only check metadata are then dropped: they do no work and
+would otherwise be left as host instructions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+aten = torch.ops.aten
+
+# Ops worth keeping whole when a kernel exists for them.
+KEEP_CANDIDATES = (
+    aten.linear.default,
+    aten.layer_norm.default,
+    aten.rms_norm.default,
+    aten.scaled_dot_product_attention.default,
+    aten.silu.default,
+    aten.gelu.default,
+    aten.softmax.int,
+    aten.log_softmax.int,
+    aten.embedding.default,
+    aten.conv2d.default,
+    aten.batch_norm.default,
+)
+
+METADATA_ONLY = {
+    aten._assert_tensor_metadata.default,
+    aten._assert_scalar.default,
+    aten.sym_constrain_range_for_size.default,
+    aten._assert_async.default,
+    aten._assert_async.msg,
+}
+
+
+def default_keep() -> list:
+    from .kernels.registry import OPS
+
+    return [op for op in KEEP_CANDIDATES if op in OPS]
+
+
+def decompose(ep: torch.export.ExportedProgram, keep: Iterable | None = None) -> torch.export.ExportedProgram:
+    table = torch.export.default_decompositions()
+    for op in default_keep() if keep is None else keep:
+        table.pop(op, None)
+    ep = ep.run_decompositions(table)
+    graph = ep.graph_module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in METADATA_ONLY and not node.users:
+            graph.erase_node(node)
+    ep.graph_module.recompile()
+    return ep

@@ -1,0 +1,238 @@
+"""LaunchBuilder: what a kernel's lowering function writes its launches into.
+
+A lowering function ``lower(b, node)`` reads its operands with ``b.ref(arg)`` (a :class:`TRef`: a
+strided view with shape, strides and dtype), asks for an output with ``b.out(node)``, and records
+launches with ``b.launch(kernel_name, grid, *args, **constexprs)``. View ops record an alias with
+``b.alias(node, b.view(...))`` and launch nothing.
+
+Every temporary lives in a logical buffer. At :meth:`LaunchBuilder.finish`, buffers that hold a
+delegate output become that output's slot, and the rest are packed into the delegate's scratch block
+with the same greedy planner the method uses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..memory.planner import Interval, greedy_by_size
+from ..plan import Arg, ArgKind, Base, DelegatePlan, Launch, TensorDesc
+
+SCRATCH_ALIGNMENT = 256
+
+
+class LoweringError(RuntimeError):
+    """A node passed its support check but could not be lowered (names the node)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class TRef:
+    """A tensor as kernels see it: a strided view of a buffer."""
+
+    index: int  # TensorDesc index in the plan
+    buffer: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int  # element offset into the buffer
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def is_contiguous(self) -> bool:
+        expected = contiguous_strides(self.shape)
+        return all(s == e for s, e, n in zip(self.strides, expected, self.shape) if n != 1)
+
+
+@dataclass
+class _Buffer:
+    base: Base
+    index: int
+    nbytes: int
+    first: int = -1
+    last: int = -1
+
+
+class LaunchBuilder:
+    def __init__(self, inputs: list[torch.fx.Node], outputs: list[torch.fx.Node]):
+        self._buffers: list[_Buffer] = []
+        self._descs: list[TensorDesc] = []
+        self._refs: list[TRef] = []
+        self._launches: list[Launch] = []
+        self._values: dict[torch.fx.Node, object] = {}
+        self._outputs = outputs
+        self.current: torch.fx.Node | None = None
+        for i, node in enumerate(inputs):
+            val = node.meta["val"]
+            shape = tuple(int(s) for s in val.shape)
+            buf = self._new_buffer(Base.INPUT, i, math.prod(shape) * val.element_size())
+            self._values[node] = self._desc(buf, val.dtype, shape, contiguous_strides(shape), 0)
+
+    # -- values -------------------------------------------------------------------------------
+    def ref(self, arg) -> TRef:
+        """The tensor an fx argument refers to."""
+        value = self._values.get(arg) if isinstance(arg, torch.fx.Node) else None
+        if not isinstance(value, TRef):
+            raise LoweringError(f"{self._where()}: argument {arg!r} is not a tensor lowered in this delegate")
+        return value
+
+    def values(self, arg):
+        """A node's lowered value: a TRef, or a tuple of them for multi-output nodes."""
+        return self._values[arg]
+
+    def bind(self, node: torch.fx.Node, value) -> None:
+        """Record ``value`` (a TRef or a tuple of TRefs) as ``node``'s result."""
+        self._values[node] = value
+
+    def alias(self, node: torch.fx.Node, ref: TRef) -> None:
+        self.bind(node, ref)
+
+    # -- tensors ------------------------------------------------------------------------------
+    def alloc(self, shape, dtype: torch.dtype) -> TRef:
+        """A fresh contiguous temporary."""
+        shape = tuple(int(s) for s in shape)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        buf = self._new_buffer(Base.SCRATCH, 0, nbytes)
+        return self._desc(buf, dtype, shape, contiguous_strides(shape), 0)
+
+    def out(self, node: torch.fx.Node, index: int | None = None) -> TRef:
+        """A fresh contiguous tensor for ``node``'s result (element ``index`` of a tuple result),
+        bound to the node."""
+        val = node.meta["val"] if index is None else node.meta["val"][index]
+        ref = self.alloc(val.shape, val.dtype)
+        if index is None:
+            self.bind(node, ref)
+        else:
+            current = list(self._values.get(node, ())) or [None] * len(node.meta["val"])
+            current[index] = ref
+            self.bind(node, tuple(current))
+        return ref
+
+    def view(self, ref: TRef, shape, strides, offset: int | None = None, dtype=None) -> TRef:
+        """An alias of ``ref``'s buffer with other shape/strides (``offset`` in elements, absolute)."""
+        return self._desc(
+            ref.buffer,
+            ref.dtype if dtype is None else dtype,
+            tuple(int(s) for s in shape),
+            tuple(int(s) for s in strides),
+            ref.offset if offset is None else int(offset),
+        )
+
+    def contiguous(self, ref: TRef) -> TRef:
+        """``ref`` itself when contiguous, else a contiguous copy."""
+        if ref.is_contiguous():
+            return ref
+        from . import elementwise
+
+        out = self.alloc(ref.shape, ref.dtype)
+        elementwise.launch_pointwise(self, "copy", out, [ref])
+        return out
+
+    # -- launches -----------------------------------------------------------------------------
+    def launch(self, kernel: str, grid, *args, **constexprs) -> None:
+        grid = tuple(int(g) for g in grid)
+        if any(g <= 0 for g in grid):
+            return  # nothing to do: an empty tensor
+        position = len(self._launches)
+        self._launches.append(
+            Launch(
+                kernel=kernel,
+                grid=grid,
+                args=[self._arg(a, position) for a in args],
+                constexprs={k: Arg.of(v) for k, v in constexprs.items()},
+                op=self.current.name if self.current is not None else "",
+            )
+        )
+
+    # -- finishing ----------------------------------------------------------------------------
+    def finish(self) -> DelegatePlan:
+        from . import elementwise
+
+        taken: set[int] = set()
+        for i, node in enumerate(self._outputs):
+            ref = self.ref(node)
+            buf = self._buffers[ref.buffer]
+            own = (
+                buf.base == Base.SCRATCH
+                and ref.buffer not in taken
+                and ref.offset == 0
+                and ref.is_contiguous()
+                and buf.nbytes == ref.numel * torch.empty((), dtype=ref.dtype).element_size()
+            )
+            if own:
+                buf.base, buf.index = Base.OUTPUT, i
+                taken.add(ref.buffer)
+                continue
+            val = node.meta["val"]
+            out_buf = self._new_buffer(Base.OUTPUT, i, ref.numel * val.element_size())
+            out = self._desc(out_buf, ref.dtype, ref.shape, contiguous_strides(ref.shape), 0)
+            elementwise.launch_pointwise(self, "copy", out, [ref])
+        scratch = [b for b in self._buffers if b.base == Base.SCRATCH and b.first >= 0]
+        offsets, scratch_bytes = greedy_by_size(
+            [Interval(b.nbytes, b.first, b.last) for b in scratch], SCRATCH_ALIGNMENT
+        )
+        scratch_offset = {id(b): o for b, o in zip(scratch, offsets)}
+        descs = []
+        for desc, ref in zip(self._descs, self._refs):
+            buf = self._buffers[ref.buffer]
+            base_offset = scratch_offset.get(id(buf), 0)
+            descs.append(
+                TensorDesc(
+                    base=buf.base,
+                    index=buf.index,
+                    byte_offset=base_offset + ref.offset * torch.empty((), dtype=ref.dtype).element_size(),
+                    dtype=desc.dtype,
+                    shape=desc.shape,
+                    strides=desc.strides,
+                )
+            )
+        return DelegatePlan(
+            tensors=descs,
+            launches=self._launches,
+            scratch_bytes=scratch_bytes,
+            input_nbytes=[b.nbytes for b in self._buffers if b.base == Base.INPUT],
+            output_nbytes=[b.nbytes for b in sorted(
+                (b for b in self._buffers if b.base == Base.OUTPUT), key=lambda b: b.index)],
+        )
+
+    # -- internals ----------------------------------------------------------------------------
+    def _where(self) -> str:
+        return f"node {self.current.name!r}" if self.current is not None else "delegate"
+
+    def _new_buffer(self, base: Base, index: int, nbytes: int) -> int:
+        self._buffers.append(_Buffer(base, index, nbytes))
+        return len(self._buffers) - 1
+
+    def _desc(self, buffer: int, dtype, shape, strides, offset) -> TRef:
+        ref = TRef(len(self._descs), buffer, dtype, shape, strides, offset)
+        self._descs.append(TensorDesc(Base.SCRATCH, 0, 0, dtype_name(dtype), shape, strides))
+        self._refs.append(ref)
+        return ref
+
+    def _arg(self, value, position: int) -> Arg:
+        if isinstance(value, TRef):
+            buf = self._buffers[value.buffer]
+            buf.first = position if buf.first < 0 else buf.first
+            buf.last = position
+            return Arg(ArgKind.TENSOR, value.index)
+        return Arg.of(value)

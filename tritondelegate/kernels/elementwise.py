@@ -1,0 +1,324 @@
+"""Pointwise ops: unary, binary (with broadcasting and scalar operands) and ``where``, plus casts and
+strided copies. One kernel serves them all; the formula is picked at compile time by ``OP``.
+
+    out[i] = OP(a[i], b[i], c[i])      i over out's shape; a, b, c broadcast with stride 0
+
+Operands may be strided views (a transpose, a slice, an expand), so view ops never need a copy before
+a pointwise consumer. Floating math runs in fp32 and is cast to the output dtype on store.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .builder import TRef
+
+MAX_RANK = 5
+BLOCK = 1024
+
+
+# --- kernel ---------------------------------------------------------------------------------------
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
+    if OP == "copy":
+        r = a
+    elif OP == "neg":
+        r = -a
+    elif OP == "exp":
+        r = tl.exp(a)
+    elif OP == "log":
+        r = tl.log(a)
+    elif OP == "sqrt":
+        r = tl.sqrt(a)
+    elif OP == "rsqrt":
+        r = tl.rsqrt(a)
+    elif OP == "reciprocal":
+        r = 1.0 / a
+    elif OP == "abs":
+        r = tl.abs(a)
+    elif OP == "sigmoid":
+        r = tl.sigmoid(a)
+    elif OP == "silu":
+        r = a * tl.sigmoid(a)
+    elif OP == "relu":
+        r = tl.maximum(a, 0.0)
+    elif OP == "tanh":
+        r = _tanh(a)
+    elif OP == "gelu":  # 0.5 x (1 + erf(x / sqrt 2))
+        r = 0.5 * a * (1.0 + tl.erf(a * 0.7071067811865476))
+    elif OP == "gelu_tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        r = 0.5 * a * (1.0 + _tanh(0.7978845608028654 * (a + 0.044715 * a * a * a)))
+    elif OP == "cos":
+        r = tl.cos(a)
+    elif OP == "sin":
+        r = tl.sin(a)
+    elif OP == "logical_not":
+        r = a == 0
+    elif OP == "add":  # a + alpha * b
+        if ALPHA == 1:
+            r = a + b
+        else:
+            r = a + ALPHA * b
+    elif OP == "sub":  # a - alpha * b
+        if ALPHA == 1:
+            r = a - b
+        else:
+            r = a - ALPHA * b
+    elif OP == "mul":
+        r = a * b
+    elif OP == "div":
+        r = a / b
+    elif OP == "pow":  # a ** b, b a scalar or tensor; integer powers keep the sign of a
+        r = tl.exp2(b * tl.log2(tl.abs(a)))
+        odd = (tl.abs(b) % 2.0) == 1.0
+        r = tl.where((a < 0) & odd, -r, r)
+        r = tl.where(b == 0.0, 1.0, r)
+    elif OP == "maximum":
+        r = tl.maximum(a, b)
+    elif OP == "minimum":
+        r = tl.minimum(a, b)
+    elif OP == "eq":
+        r = a == b
+    elif OP == "ne":
+        r = a != b
+    elif OP == "lt":
+        r = a < b
+    elif OP == "le":
+        r = a <= b
+    elif OP == "gt":
+        r = a > b
+    elif OP == "ge":
+        r = a >= b
+    elif OP == "logical_and":
+        r = (a != 0) & (b != 0)
+    elif OP == "logical_or":
+        r = (a != 0) | (b != 0)
+    elif OP == "bitwise_and":
+        r = a & b
+    elif OP == "bitwise_or":
+        r = a | b
+    elif OP == "where":  # a ? b : c
+        r = tl.where(a != 0, b, c)
+    else:
+        tl.static_assert(False, "unknown pointwise op")
+    return r
+
+
+@triton.jit
+def _operand(ptr, scalar, i0, i1, i2, i3, i4, s0, s1, s2, s3, s4, mask,
+             IS_SCALAR: tl.constexpr, CT: tl.constexpr):
+    if IS_SCALAR:
+        v = tl.zeros(i0.shape, dtype=tl.int1) | True
+        v = tl.where(v, scalar, scalar)
+    else:
+        v = tl.load(ptr + i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3 + i4 * s4, mask=mask, other=0)
+    if CT == "f32":
+        v = v.to(tl.float32)
+    elif CT == "i64":
+        v = v.to(tl.int64)
+    return v
+
+
+@triton.jit
+def pointwise_kernel(
+    out_ptr, a_ptr, b_ptr, c_ptr,
+    a_scalar, b_scalar, c_scalar,
+    n, d1, d2, d3, d4,
+    os0, os1, os2, os3, os4,
+    as0, as1, as2, as3, as4,
+    bs0, bs1, bs2, bs3, bs4,
+    cs0, cs1, cs2, cs3, cs4,
+    OP: tl.constexpr, ALPHA: tl.constexpr, NARGS: tl.constexpr,
+    A_SCALAR: tl.constexpr, B_SCALAR: tl.constexpr, C_SCALAR: tl.constexpr,
+    CT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    rest = offs
+    i4 = rest % d4
+    rest = rest // d4
+    i3 = rest % d3
+    rest = rest // d3
+    i2 = rest % d2
+    rest = rest // d2
+    i1 = rest % d1
+    i0 = rest // d1
+    a = _operand(a_ptr, a_scalar, i0, i1, i2, i3, i4, as0, as1, as2, as3, as4, mask, A_SCALAR, CT)
+    b = a
+    c = a
+    if NARGS >= 2:
+        b = _operand(b_ptr, b_scalar, i0, i1, i2, i3, i4, bs0, bs1, bs2, bs3, bs4, mask, B_SCALAR, CT)
+    if NARGS >= 3:
+        c = _operand(c_ptr, c_scalar, i0, i1, i2, i3, i4, cs0, cs1, cs2, cs3, cs4, mask, C_SCALAR, CT)
+    r = _formula(a, b, c, OP, ALPHA)
+    out_offs = i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3 + i4 * os4
+    tl.store(out_ptr + out_offs, r.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --- host launcher --------------------------------------------------------------------------------
+def broadcast_strides(ref: TRef, shape) -> tuple[int, ...]:
+    """``ref``'s strides seen through broadcasting to ``shape`` (0 on broadcast dims)."""
+    pad = len(shape) - ref.ndim
+    strides = []
+    for d, size in enumerate(shape):
+        if d < pad:
+            strides.append(0)
+        else:
+            own = ref.shape[d - pad]
+            strides.append(0 if own == 1 and size != 1 else ref.strides[d - pad])
+    return tuple(strides)
+
+
+def collapse(shape, stride_sets):
+    """Merge adjacent dims that every operand walks contiguously; drop size-1 dims."""
+    dims = [(size, [s[d] for s in stride_sets]) for d, size in enumerate(shape) if size != 1]
+    merged: list[tuple[int, list[int]]] = []
+    for size, strides in dims:
+        if merged:
+            psize, pstrides = merged[-1]
+            if all(ps == s * size for ps, s in zip(pstrides, strides)):
+                merged[-1] = (psize * size, strides)
+                continue
+        merged.append((size, strides))
+    return [m[0] for m in merged], [[m[1][k] for m in merged] for k in range(len(stride_sets))]
+
+
+def compute_type(dtypes) -> str:
+    if any(d.is_floating_point for d in dtypes):
+        return "f32"
+    if all(d == torch.bool for d in dtypes):
+        return "i1"
+    return "i64"
+
+
+def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | None = None) -> None:
+    """Launch ``out = op(*operands)``; each operand a TRef or a Python scalar."""
+    tensors = [o for o in operands if isinstance(o, TRef)]
+    if compute is None:
+        dtypes = [t.dtype for t in tensors] + [out.dtype] * (op in {"copy"})
+        if any(isinstance(o, float) for o in operands):
+            dtypes.append(torch.float32)
+        if op in {"div", "pow", "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "tanh", "gelu",
+                  "gelu_tanh", "cos", "sin", "reciprocal"}:
+            dtypes.append(torch.float32)
+        if op == "where":
+            dtypes = dtypes[1:] if len(dtypes) > 1 else dtypes
+        compute = compute_type(dtypes)
+    shape = out.shape
+    stride_sets = [out.strides] + [broadcast_strides(t, shape) for t in tensors]
+    sizes, strides = collapse(shape, stride_sets)
+    if len(sizes) > MAX_RANK:
+        raise NotImplementedError(f"pointwise op over {len(sizes)} non-mergeable dims")
+    pad = MAX_RANK - len(sizes)
+    sizes = [1] * pad + sizes
+    strides = [[0] * pad + s for s in strides]
+    out_strides, tensor_strides = strides[0], iter(strides[1:])
+    args_ptr, args_scalar, args_strides, flags = [], [], [], []
+    for o in list(operands) + [0] * (3 - len(operands)):
+        if isinstance(o, TRef):
+            args_ptr.append(o)
+            args_scalar.append(0)
+            args_strides.extend(next(tensor_strides))
+            flags.append(False)
+        else:
+            args_ptr.append(out)  # never read: the operand is a scalar
+            args_scalar.append(float(o) if compute == "f32" else int(o))
+            args_strides.extend([0] * MAX_RANK)
+            flags.append(True)
+    n = math.prod(shape)
+    b.launch(
+        "pointwise", (triton.cdiv(n, BLOCK),),
+        out, *args_ptr, *args_scalar,
+        n, *sizes[1:], *out_strides, *args_strides,
+        OP=op, ALPHA=alpha, NARGS=len(operands), A_SCALAR=flags[0], B_SCALAR=flags[1], C_SCALAR=flags[2],
+        CT=compute, BLOCK=BLOCK,
+    )
+
+
+# --- support checks and lowerings -----------------------------------------------------------------
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPES = FLOAT_DTYPES + (torch.int64, torch.int32, torch.bool)
+
+
+def _tensor_args(node):
+    return [a for a in node.args if hasattr(a, "meta")]
+
+
+def supported(node) -> str | None:
+    """None when every tensor in and out has a supported dtype, else the reason."""
+    vals = [node.meta.get("val")] + [a.meta.get("val") for a in _tensor_args(node)]
+    for v in vals:
+        if not isinstance(v, torch.Tensor):
+            return "output or operand is not a tensor"
+        if v.dtype not in DTYPES:
+            return f"dtype {v.dtype} is not supported (supported: {', '.join(map(str, DTYPES))})"
+    return None
+
+
+def supported_float(node) -> str | None:
+    reason = supported(node)
+    if reason is None and node.meta["val"].dtype not in FLOAT_DTYPES:
+        return f"output dtype {node.meta['val'].dtype} is not floating point"
+    return reason
+
+
+def _operands(b, node, count):
+    return [b.ref(a) if hasattr(a, "meta") else a for a in node.args[:count]]
+
+
+def unary(op):
+    def lower(b, node):
+        launch_pointwise(b, op, b.out(node), _operands(b, node, 1))
+
+    return lower
+
+
+def binary(op):
+    def lower(b, node):
+        alpha = node.kwargs.get("alpha", 1)
+        launch_pointwise(b, op, b.out(node), _operands(b, node, 2), alpha=alpha)
+
+    return lower
+
+
+def rsub(b, node):  # rsub(a, b, alpha) = b - alpha * a
+    x, y = _operands(b, node, 2)
+    launch_pointwise(b, "sub", b.out(node), [y, x], alpha=node.kwargs.get("alpha", 1))
+
+
+def pow_scalar_base(b, node):  # pow(scalar, tensor)
+    launch_pointwise(b, "pow", b.out(node), [float(node.args[0]), b.ref(node.args[1])])
+
+
+def where(b, node):
+    launch_pointwise(b, "where", b.out(node), _operands(b, node, 3))
+
+
+def gelu(b, node):
+    op = "gelu_tanh" if node.kwargs.get("approximate", "none") == "tanh" else "gelu"
+    launch_pointwise(b, op, b.out(node), [b.ref(node.args[0])])
+
+
+def copy(b, node):
+    """clone / _to_copy / to: a cast and copy into a fresh contiguous tensor."""
+    launch_pointwise(b, "copy", b.out(node), [b.ref(node.args[0])])
+
+
+def supported_copy(node) -> str | None:
+    reason = supported(node)
+    if reason:
+        return reason
+    device = node.kwargs.get("device")
+    if device is not None and torch.device(device).type != "cpu":
+        return f"copies to device {device} stay on the host"
+    return None

@@ -1,0 +1,110 @@
+"""View and layout ops: strided aliases, with a copy only where no alias exists.
+
+The shape, strides and offset of a view are computed by running the real ATen view op on a meta
+tensor with the operand's strides, so every view op agrees with PyTorch by construction. A
+``view``/``reshape`` of a layout that cannot be viewed falls back to a contiguous copy first
+(``elementwise`` copy kernel). ``cat`` copies each operand into a slice of its output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import elementwise as ew
+from .builder import TRef
+
+aten = torch.ops.aten
+
+
+def _meta(ref: TRef) -> torch.Tensor:
+    extent = ref.offset + 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.strides) if n > 0)
+    base = torch.empty(max(extent, 1), dtype=ref.dtype, device="meta")
+    return base.as_strided(ref.shape, ref.strides, ref.offset)
+
+
+def _apply(b, node, op, *args) -> None:
+    src = b.ref(node.args[0])
+    try:
+        result = op(_meta(src), *args)
+    except RuntimeError:
+        # Not viewable with these strides (a view of a transpose, say): view a contiguous copy.
+        src = b.contiguous(src)
+        result = op(_meta(src), *args)
+    b.alias(node, b.view(src, result.shape, result.stride(), result.storage_offset()))
+
+
+def view(b, node):
+    _apply(b, node, aten.view.default, node.args[1])
+
+
+def alias(b, node):
+    b.alias(node, b.ref(node.args[0]))
+
+
+def permute(b, node):
+    _apply(b, node, aten.permute.default, node.args[1])
+
+
+def transpose(b, node):
+    _apply(b, node, aten.transpose.int, *node.args[1:])
+
+
+def t(b, node):
+    _apply(b, node, aten.t.default)
+
+
+def expand(b, node):
+    _apply(b, node, aten.expand.default, node.args[1])
+
+
+def slice_(b, node):
+    _apply(b, node, aten.slice.Tensor, *node.args[1:])
+
+
+def select(b, node):
+    _apply(b, node, aten.select.int, *node.args[1:])
+
+
+def unsqueeze(b, node):
+    _apply(b, node, aten.unsqueeze.default, node.args[1])
+
+
+def squeeze(b, node):
+    _apply(b, node, node.target, *node.args[1:])
+
+
+def supported(node) -> str | None:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return "result is not a tensor"
+    if val.dtype not in ew.DTYPES:
+        return f"dtype {val.dtype} is not supported"
+    return None
+
+
+def cat(b, node):
+    """out[..., k0:k1, ...] = input_k for each operand, along ``dim``."""
+    out = b.out(node)
+    dim = node.args[1] if len(node.args) > 1 else 0
+    dim = dim % out.ndim
+    start = 0
+    for arg in node.args[0]:
+        src = b.ref(arg)
+        if src.numel == 0 and src.ndim == 1:
+            continue  # legacy empty operand of cat
+        size = src.shape[dim]
+        shape = list(out.shape)
+        shape[dim] = size
+        dst = b.view(out, shape, out.strides, out.offset + start * out.strides[dim])
+        ew.launch_pointwise(b, "copy", dst, [src])
+        start += size
+
+
+def supported_cat(node) -> str | None:
+    reason = supported(node)
+    if reason:
+        return reason
+    for arg in node.args[0]:
+        if not isinstance(getattr(arg, "meta", {}).get("val"), torch.Tensor):
+            return "an operand of cat is not a tensor"
+    return None

@@ -1,0 +1,72 @@
+"""The launch plan of a delegate: pure data, written by the backend and read by the runtime.
+
+A delegate is a subgraph of ATen nodes turned into a list of Triton launches. Every tensor a launch
+touches is a :class:`TensorDesc`: a strided view of one of the delegate's inputs, outputs, or its scratch
+block (temporaries that live only for the delegate's call). The runtime builds each view once and
+launches ``KERNELS[launch.kernel][grid](*args, **constexprs)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Base(IntEnum):
+    INPUT = 0
+    OUTPUT = 1
+    SCRATCH = 2
+
+
+@dataclass
+class TensorDesc:
+    base: Base
+    index: int  # input/output position; 0 for scratch
+    byte_offset: int  # from the start of the base storage
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+
+
+class ArgKind(IntEnum):
+    TENSOR = 0
+    INT = 1
+    FLOAT = 2
+    BOOL = 3
+    STR = 4
+
+
+@dataclass
+class Arg:
+    kind: ArgKind
+    value: object  # tensor index for TENSOR, else the scalar
+
+    @staticmethod
+    def of(value) -> "Arg":
+        if isinstance(value, bool):
+            return Arg(ArgKind.BOOL, value)
+        if isinstance(value, int):
+            return Arg(ArgKind.INT, value)
+        if isinstance(value, float):
+            return Arg(ArgKind.FLOAT, value)
+        if isinstance(value, str):
+            return Arg(ArgKind.STR, value)
+        raise TypeError(f"cannot pass {type(value).__name__} {value!r} to a kernel")
+
+
+@dataclass
+class Launch:
+    kernel: str
+    grid: tuple[int, ...]
+    args: list[Arg]
+    constexprs: dict[str, Arg] = field(default_factory=dict)
+    op: str = ""  # the ATen node this launch came from, for stats and errors
+
+
+@dataclass
+class DelegatePlan:
+    tensors: list[TensorDesc]
+    launches: list[Launch]
+    scratch_bytes: int
+    input_nbytes: list[int]
+    output_nbytes: list[int]

@@ -1,0 +1,136 @@
+"""The in-memory program: pure data that ``lower()`` builds, ``serialize`` writes and reads, and the
+runtime executes. The AOT side and the runtime meet here and in the kernel registry only.
+
+A program holds methods and one table of constants shared by all of them, so the bytes of a
+constant read by several methods (or read on the host in one and resident on a device in another)
+are stored once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from .plan import DelegatePlan
+
+FORMAT_VERSION = 1
+
+
+class ProgramError(ValueError):
+    """A program file (or a weights file it names) is malformed, truncated or inconsistent."""
+
+
+class Role(IntEnum):
+    INPUT = 0  # a user input of the method
+    CONSTANT = 1  # parameter, non-mutated buffer, lifted tensor constant
+    INTERMEDIATE = 2  # produced by an instruction
+    MUTABLE_BUFFER = 3  # a buffer the method mutates: host state owned by the loaded method
+
+
+@dataclass
+class TensorValue:
+    name: str  # the graph node name (or constant FQN), for errors and summaries
+    dtype: str  # torch dtype name, e.g. "float32"
+    shape: tuple[int, ...]
+    device: str  # "cpu" or "cuda:N"
+    role: Role
+    nbytes: int
+    constant: int = -1  # index into Program.constants when the data comes from a constant
+    arena: int = -1  # index into Method.arenas when planned; -1: not planned
+    arena_offset: int = 0
+    resident: bool = False  # a device constant loaded into its arena once, at load
+
+
+class ArgKind(IntEnum):
+    NONE = 0
+    TENSOR = 1
+    INT = 2
+    FLOAT = 3
+    BOOL = 4
+    STR = 5
+    INT_LIST = 6
+    FLOAT_LIST = 7
+    TENSOR_LIST = 8  # entries may be -1 for None
+    DTYPE = 9  # str: torch dtype name
+    DEVICE = 10  # str
+    MEMORY_FORMAT = 11  # str: torch.contiguous_format etc. without "torch."
+    LAYOUT = 12  # str
+    BOOL_LIST = 13
+
+
+@dataclass
+class HostArg:
+    kind: ArgKind
+    value: object = None  # value id for TENSOR; list of ids for TENSOR_LIST; else the literal
+    name: str = ""  # keyword name; "" for positional
+
+
+class InstrKind(IntEnum):
+    HOST_OP = 0  # an ATen op run on the CPU
+    DELEGATE = 1  # a delegate call: Method.delegates[delegate]
+    COPY_H2D = 2  # inputs[0] (host) -> outputs[0] (device)
+    COPY_D2H = 3  # inputs[0] (device) -> outputs[0] (host)
+    COPY_D2D = 4  # inputs[0] (device a) -> outputs[0] (device b)
+
+
+@dataclass
+class Instruction:
+    kind: InstrKind
+    inputs: list[int] = field(default_factory=list)  # value ids read
+    outputs: list[int] = field(default_factory=list)  # value ids written
+    target: str = ""  # HOST_OP: "aten::add.Tensor"
+    args: list[HostArg] = field(default_factory=list)  # HOST_OP: positional then keyword args
+    delegate: int = -1
+    name: str = ""  # the node this instruction came from
+
+
+@dataclass
+class Delegate:
+    backend_id: str
+    device: str
+    plan: DelegatePlan
+    scratch_arena: int = -1
+    scratch_offset: int = 0
+    # enable_non_cpu_memory_planning=False: the delegate takes host tensors and copies them into
+    # and out of its own device staging buffers inside the call.
+    stage_inputs: bool = False
+
+
+@dataclass
+class Arena:
+    device: str
+    nbytes: int
+    alignment: int
+    lower_bound: int
+
+
+@dataclass
+class Method:
+    name: str
+    values: list[TensorValue]
+    inputs: list[int]  # user inputs in call order
+    outputs: list[int]  # flattened outputs
+    input_spec: str  # pytree spec of (args, kwargs), torch.utils._pytree.treespec_dumps
+    output_spec: str
+    instructions: list[Instruction]
+    delegates: list[Delegate]
+    arenas: list[Arena]
+    mutated_buffers: list[tuple[int, int]] = field(default_factory=list)  # (buffer value, new value)
+
+
+@dataclass
+class Constant:
+    name: str  # fully-qualified name, the key in an external weights file
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    data_offset: int = 0  # in the program's data segment
+    external: int = -1  # index into Program.external_files; -1: stored in the program file
+
+
+@dataclass
+class Program:
+    methods: list[Method]
+    constants: list[Constant]
+    external_files: list[str] = field(default_factory=list)
+    version: int = FORMAT_VERSION

@@ -1,0 +1,106 @@
+"""Runs a delegate's launch plan on views of its input, output and scratch memory.
+
+Views of the scratch block are built once; views of inputs and outputs are rebuilt only when the
+tensors bound to them change (method-planned values keep their arena address from call to call).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels import interpreted
+from ..kernels.registry import KERNELS
+from ..plan import ArgKind, Base, DelegatePlan, TensorDesc
+
+
+class DelegateError(RuntimeError):
+    pass
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise DelegateError(f"unknown dtype {name!r} in a launch plan")
+    return dtype
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _view(base_bytes: torch.Tensor, desc: TensorDesc) -> torch.Tensor:
+    dtype = _dtype(desc.dtype)
+    itemsize = dtype.itemsize
+    extent = 1 + sum((n - 1) * s for n, s in zip(desc.shape, desc.strides)) if math.prod(desc.shape) else 0
+    end = desc.byte_offset + extent * itemsize
+    if desc.byte_offset % itemsize or end > base_bytes.numel():
+        raise DelegateError(
+            f"tensor view [{desc.byte_offset}, {end}) of dtype {desc.dtype} does not fit its "
+            f"{base_bytes.numel()}-byte base"
+        )
+    typed = base_bytes[desc.byte_offset : desc.byte_offset + max(extent, 1) * itemsize]
+    if typed.numel() < itemsize:  # an empty tensor at the very end of its base
+        typed = torch.empty(itemsize, dtype=torch.uint8, device=base_bytes.device)
+    typed = typed.view(dtype)
+    return typed.as_strided(desc.shape, desc.strides, typed.storage_offset())
+
+
+def _kernel(name: str):
+    kernel = KERNELS.get(name)
+    if kernel is None:
+        raise DelegateError(f"launch plan names kernel {name!r}, which this runtime does not have")
+    return kernel
+
+
+class DelegateRunner:
+    def __init__(self, plan: DelegatePlan, scratch: torch.Tensor | None, simulated: bool):
+        self.plan = plan
+        if plan.scratch_bytes and (scratch is None or scratch.numel() < plan.scratch_bytes):
+            raise DelegateError(f"delegate needs {plan.scratch_bytes} scratch bytes")
+        self._kernels = [self._resolve(launch.kernel, simulated) for launch in plan.launches]
+        self._views: list[torch.Tensor | None] = [
+            _view(scratch, d) if d.base == Base.SCRATCH else None for d in plan.tensors
+        ]
+        self._bound: dict[tuple[int, int], int] = {}
+        self._calls = []
+        for launch in plan.launches:
+            args = [a.value if a.kind != ArgKind.TENSOR else None for a in launch.args]
+            tensors = [(i, a.value) for i, a in enumerate(launch.args) if a.kind == ArgKind.TENSOR]
+            constexprs = {k: v.value for k, v in launch.constexprs.items()}
+            self._calls.append((launch.grid, args, tensors, constexprs))
+
+    @staticmethod
+    def _resolve(name: str, simulated: bool):
+        kernel = _kernel(name)
+        if simulated and not interpreted():
+            # A GPU machine asked for the simulated device: interpret this kernel on host memory.
+            from triton.runtime.interpreter import InterpretedFunction
+
+            kernel = InterpretedFunction(kernel.fn)
+        return kernel
+
+    @property
+    def launches(self) -> int:
+        return len(self.plan.launches)
+
+    def _bind(self, base: Base, tensors: list[torch.Tensor]) -> None:
+        for i, t in enumerate(tensors):
+            key = (int(base), i)
+            if self._bound.get(key) == t.data_ptr() and t.data_ptr() != 0:
+                continue
+            self._bound[key] = t.data_ptr()
+            raw = _as_bytes(t)
+            for j, desc in enumerate(self.plan.tensors):
+                if desc.base == base and desc.index == i:
+                    self._views[j] = _view(raw, desc)
+
+    def __call__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        self._bind(Base.INPUT, inputs)
+        self._bind(Base.OUTPUT, outputs)
+        views = self._views
+        for kernel, (grid, args, tensors, constexprs) in zip(self._kernels, self._calls):
+            for pos, index in tensors:
+                args[pos] = views[index]
+            kernel[grid](*args, **constexprs)

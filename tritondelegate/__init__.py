@@ -1,0 +1,44 @@
+"""tritondelegate: torch.export programs -> Triton-kernel delegates with device-resident constants.
+
+    ep = torch.export.export(model, example_args)
+    lowered = td.lower(ep, partitioner=td.TritonPartitioner(device="cuda:0"),
+                       config=td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True)))
+    lowered.save("model.tdp")
+    method = td.load("model.tdp").load_method("forward")
+    out = method(*example_args)
+
+The lowering side (``lower``, the partitioners, the passes) is imported on first use, so a process
+that only runs programs (``td.load``) never loads it.
+"""
+
+from importlib import import_module
+
+from . import kernels as _kernels  # noqa: F401  (decides compiled vs interpreted Triton first)
+
+_EXPORTS = {
+    # lowering side
+    "lower": "lower", "LoweredProgram": "lower",
+    "LowerConfig": "config", "PropagateDeviceConfig": "config",
+    "PerCallCopyWarning": "config", "PerCallCopyError": "config",
+    "Partitioner": "partitioner", "PartitionResult": "partitioner",
+    "DelegationSpec": "partitioner", "TritonPartitioner": "partitioner",
+    # runtime side
+    "load": "runtime", "DeviceAllocator": "runtime", "InputError": "runtime",
+    "register_allocator": "runtime",
+    "ProgramError": "program",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tritondelegate' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

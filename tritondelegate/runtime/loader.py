@@ -1,0 +1,88 @@
+"""``td.load``: open a program file (memory-mapped) and load its methods."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..program import Program, ProgramError
+from .allocator import allocators_for
+from .delegate import _dtype
+from .method import LoadedMethod
+
+
+class InMemorySource:
+    """Constants straight from a lowered program in memory (no file)."""
+
+    def __init__(self, program: Program, constant_data: list[torch.Tensor]):
+        self.program = program
+        self._data = constant_data
+
+    def constant_tensor(self, index: int) -> torch.Tensor:
+        constant = self.program.constants[index]
+        tensor = self._data[index]
+        if tensor.dtype != _dtype(constant.dtype) or tuple(tensor.shape) != tuple(constant.shape):
+            raise ProgramError(f"constant {constant.name!r} data does not match its declared dtype/shape")
+        return tensor
+
+
+class FileSource:
+    """Constants as zero-copy views of the mapped program file or its external weights file."""
+
+    def __init__(self, path: str, data_files: dict[str, str] | None):
+        from ..serialize.reader import load_program
+
+        self._file = load_program(path)
+        self.program = self._file.program
+        self._data_files = data_files
+
+    def constant_tensor(self, index: int) -> torch.Tensor:
+        return self._file.constant_tensor(index, self._data_files)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class LoadedProgram:
+    """A program ready to run: ``load_method(name)`` gives a callable method."""
+
+    def __init__(self, source, devices="auto"):
+        self._source = source
+        self.program: Program = source.program
+        self.allocators = allocators_for(devices)
+
+    @property
+    def method_names(self) -> list[str]:
+        return [m.name for m in self.program.methods]
+
+    @property
+    def device(self) -> str:
+        """``"cuda"`` or ``"simulated"``: what the program's CUDA delegates run on."""
+        allocator = self.allocators.get("cuda")
+        return "simulated" if allocator is None or allocator.simulated else "cuda"
+
+    def load_method(self, name: str = "forward", stream=None, reuse_output_memory: bool = False) -> LoadedMethod:
+        """Allocate the method's arenas once and load its resident constants on ``stream``.
+
+        With ``reuse_output_memory=True`` device outputs are returned as views of the method's arena:
+        no allocation per call, but each call overwrites what the previous one returned. By default
+        they are fresh tensors.
+        """
+        for method in self.program.methods:
+            if method.name == name:
+                return LoadedMethod(method, self._source, self.allocators, stream, reuse_output_memory)
+        raise KeyError(f"no method {name!r} in this program; methods: {', '.join(self.method_names)}")
+
+
+def load(path: str | os.PathLike, *, data_files: dict[str, str] | None = None, devices="auto") -> LoadedProgram:
+    """Open a program file written by ``LoweredProgram.save``.
+
+    ``data_files`` maps an external weights file name recorded in the program to its path (default:
+    that name next to the program file). ``devices``: ``"auto"`` (CUDA when available, else the
+    simulated device), ``"cuda"``, ``"simulated"``, or a dict of device type -> DeviceAllocator.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ProgramError(f"program file {path!r} does not exist")
+    return LoadedProgram(FileSource(path, data_files), devices=devices)

@@ -1,0 +1,71 @@
+"""``LoweredProgram.summary()``: what runs where, what is copied per call, what stays resident."""
+
+from __future__ import annotations
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def method_facts(lowered, name: str) -> dict:
+    """The figures of one method, as plain data (the demo's JSON uses them)."""
+    report = lowered.reports[name]
+    method = next(m for m in lowered.program.methods if m.name == name)
+    nodes = report.nodes
+    return {
+        "nodes_total": nodes.total,
+        "nodes_delegated": nodes.delegated,
+        "view_nodes": nodes.views,
+        "host_nodes": [{"node": n, "op": op, "reason": r} for n, op, r in nodes.host],
+        "delegates": [
+            {"name": tag, "device": method.delegates[i].device, "launches": report.launches[tag]}
+            for i, tag in enumerate(report.launches)
+        ],
+        "per_call_copies": [c.__dict__ for c in report.device.copies],
+        "resident_constants": [{"name": n, "device": d, "bytes": b} for n, d, b in report.device.resident],
+        "arenas": [
+            {"device": a.device, "bytes": a.nbytes, "lower_bound_bytes": a.lower_bound, "alignment": a.alignment}
+            for a in method.arenas
+        ],
+    }
+
+
+def format_summary(lowered) -> str:
+    lines = []
+    for name in lowered.method_names:
+        f = method_facts(lowered, name)
+        share = 100.0 * f["nodes_delegated"] / max(f["nodes_total"], 1)
+        lines.append(f"method {name!r}")
+        lines.append(
+            f"  compute nodes: {f['nodes_total']}, delegated {f['nodes_delegated']} ({share:.1f}%); "
+            f"view/layout nodes: {f['view_nodes']}"
+        )
+        if f["host_nodes"]:
+            lines.append(f"  on the host ({len(f['host_nodes'])}):")
+            for h in f["host_nodes"]:
+                lines.append(f"    {h['node']} [{h['op']}]: {h['reason']}")
+        lines.append(f"  delegates ({len(f['delegates'])}):")
+        for d in f["delegates"]:
+            lines.append(f"    {d['name']} on {d['device']}: {d['launches']} kernel launches")
+        if f["per_call_copies"]:
+            lines.append(f"  per-call copies ({len(f['per_call_copies'])}):")
+            for c in f["per_call_copies"]:
+                lines.append(f"    {c['direction']} {c['value']} -> {c['device']}, {_bytes(c['nbytes'])}: {c['reason']}")
+        else:
+            lines.append("  per-call copies: none")
+        if f["resident_constants"]:
+            total = sum(r["bytes"] for r in f["resident_constants"])
+            lines.append(f"  resident constants ({len(f['resident_constants'])}, {_bytes(total)}, loaded once):")
+            for r in f["resident_constants"]:
+                lines.append(f"    {r['name']} on {r['device']}, {_bytes(r['bytes'])}")
+        for a in f["arenas"]:
+            ratio = a["bytes"] / a["lower_bound_bytes"] if a["lower_bound_bytes"] else 1.0
+            lines.append(
+                f"  arena {a['device']}: {_bytes(a['bytes'])} (lower bound {_bytes(a['lower_bound_bytes'])}, "
+                f"ratio {ratio:.3f})"
+            )
+    return "\n".join(lines)

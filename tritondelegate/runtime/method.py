@@ -179,8 +179,8 @@ class LoadedMethod:
         allocator, index = self._allocators[delegate.device]
         if delegate.stage_inputs:
             scratch = allocator.allocate(delegate.plan.scratch_bytes, index, 256)
-            staging_in = [self._staging(method.values[v], delegate.device) for v in instr.inputs]
-            staging_out = [self._staging(method.values[v], delegate.device) for v in instr.outputs]
+            staging_in = [self._device_tensor(method.values[v], delegate.device) for v in instr.inputs]
+            staging_out = [self._device_tensor(method.values[v], delegate.device) for v in instr.outputs]
         else:
             scratch = None
             if delegate.plan.scratch_bytes:
@@ -190,8 +190,9 @@ class LoadedMethod:
         runner = DelegateRunner(delegate.plan, scratch, simulated=allocator.simulated)
         return runner, instr.inputs, instr.outputs, allocator, index, staging_in, staging_out
 
-    def _staging(self, value, device):
-        return self._alloc(device, value.nbytes).view(_dtype(value.dtype)).view(value.shape)
+    def _device_tensor(self, value, device: str | None = None) -> torch.Tensor:
+        buffer = self._alloc(device or value.device, value.nbytes)
+        return buffer.view(_dtype(value.dtype)).view(value.shape)
 
     # -- calls ----------------------------------------------------------------------------------
     def _check_inputs(self, args, kwargs) -> list:
@@ -242,11 +243,10 @@ class LoadedMethod:
                 step(env)
             elif kind == InstrKind.DELEGATE:
                 runner, ins, outs, allocator, index, staging_in, staging_out = step
-                for vid in outs:
-                    if env[vid] is None:
-                        env[vid] = self._alloc(values[vid].device, values[vid].nbytes).view(
-                            _dtype(values[vid].dtype)).view(values[vid].shape)
                 if staging_in is None:
+                    for vid in outs:
+                        if env[vid] is None:  # not planned (alloc_graph_output=False): fresh memory
+                            env[vid] = self._device_tensor(values[vid])
                     self._launch(runner, [env[v] for v in ins], [env[v] for v in outs], allocator, index, stream)
                 else:
                     s = allocator.stream(index, stream)
@@ -267,8 +267,8 @@ class LoadedMethod:
                 value = values[dst]
                 if kind == InstrKind.COPY_H2D:
                     allocator, index = self._allocators[value.device]
-                    if env[dst] is None:
-                        env[dst] = self._alloc(value.device, value.nbytes).view(_dtype(value.dtype)).view(value.shape)
+                    if env[dst] is None:  # not planned (alloc_graph_input=False): fresh memory
+                        env[dst] = self._device_tensor(value)
                     host = env[src].contiguous()
                     keep_alive.append(host)
                     allocator.copy_host_to_device(env[dst], host, allocator.stream(index, stream))

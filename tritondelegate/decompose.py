@@ -17,6 +17,7 @@ aten = torch.ops.aten
 # Ops worth keeping whole when a kernel exists for them.
 KEEP_CANDIDATES = (
     aten.linear.default,
+    aten.baddbmm.default,
     aten.layer_norm.default,
     aten.rms_norm.default,
     aten.scaled_dot_product_attention.default,

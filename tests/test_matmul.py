@@ -1,0 +1,222 @@
+"""mm / addmm / bmm / baddbmm / linear through the tiled matmul kernel (kernels/matmul.py).
+
+fp16/bf16 results are judged against fp32 eager on the same (already rounded) inputs with the harness
+tolerances, unscaled: the kernel accumulates in fp32 like the reference, so the only difference that
+grows with K is fp32 summation order (~1e-6 relative here); what remains is the final rounding to
+fp16/bf16, one ulp at most (the interpreter truncates fp32 -> bf16 instead of rounding to nearest).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import FLOAT_DTYPES, check_model
+from tritondelegate import decompose
+from tritondelegate.kernels import matmul
+from tritondelegate.kernels.registry import OPS
+
+aten = torch.ops.aten
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def check(fn, *args):
+    """Run ``fn`` through a delegate; judge against eager fp32 on the same inputs."""
+    ref = tuple(a.float() for a in args)
+    return check_model(Fn(fn), args, reference_args=(Fn(fn), ref))
+
+
+def matmul_launches(plan):
+    return [launch for launch in plan.launches if launch.kernel == "matmul"]
+
+
+# (M, N, K): each of 1, 17, 33, 129 in every position, 64 for a full tile
+MM_SHAPES = [(1, 1, 1), (1, 129, 33), (17, 1, 129), (33, 17, 1), (129, 33, 17), (17, 64, 129)]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("mnk", MM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_mm_odd_shapes(mnk, dtype):
+    M, N, K = mnk
+    a, b = torch.randn(M, K, dtype=dtype), torch.randn(K, N, dtype=dtype)
+    _, plan = check(torch.mm, a, b)
+    assert [launch.kernel for launch in plan.launches] == ["matmul"]
+
+
+@pytest.mark.parametrize("name, fn, shapes", [
+    ("x @ w.t()", lambda x, w: x @ w.t(), [(17, 33), (129, 33)]),
+    ("a.t() @ b", lambda a, b: a.t() @ b, [(33, 17), (33, 20)]),
+    ("a.t() @ b.t()", lambda a, b: a.t() @ b.t(), [(33, 17), (20, 33)]),
+])
+def test_transposed_operands_are_read_in_place(name, fn, shapes):
+    args = [torch.randn(s) for s in shapes]
+    _, plan = check(fn, *args)
+    assert [launch.kernel for launch in plan.launches] == ["matmul"], name
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_linear_3d_input_is_one_launch(dtype, bias):
+    lin = torch.nn.Linear(33, 20, bias=bias)
+    x = torch.randn(2, 17, 33)
+    _, plan = check_model(lin.to(dtype), (x.to(dtype),),
+                          reference_args=(copy.deepcopy(lin).float(), (x.to(dtype).float(),)))
+    assert [(launch.kernel, launch.op) for launch in plan.launches] == [("matmul", "linear")]
+    assert plan.launches[0].constexprs["HAS_BIAS"].value is bias
+
+
+def test_linear_strided_input_and_permuted_weight():
+    class Strided(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(33, 20))  # stored [K, N]: linear reads w.t()
+            self.b = torch.nn.Parameter(torch.randn(20))
+
+        def forward(self, x):
+            # x.transpose: leading dims [17, 2] with strides that do not merge -> batch axis
+            return F.linear(x.transpose(0, 1), self.w.t(), self.b), F.linear(x[0], self.w.t())
+
+    _, plan = check_model(Strided(), (torch.randn(2, 17, 33),))
+    assert [launch.kernel for launch in plan.launches] == ["matmul", "matmul"]  # no copies
+    assert plan.launches[0].grid[1] == 17  # the batch axis
+
+
+def test_linear_1d_and_4d_inputs():
+    w, b = torch.randn(20, 33), torch.randn(20)
+    check(lambda x, w, b: F.linear(x, w, b), torch.randn(33), w, b)
+    # three leading dims that no stride merges: one copy to contiguous, then one matmul
+    x = torch.randn(3, 2, 5, 33)
+    _, plan = check(lambda x, w, b: F.linear(x.permute(1, 0, 2, 3), w, b), x, w, b)
+    assert [launch.kernel for launch in plan.launches] == ["pointwise", "matmul"]
+
+
+@pytest.mark.parametrize("bias_shape", [(20,), (17, 20), (1, 20), (17, 1)])
+def test_addmm_beta_alpha_and_bias_broadcast(bias_shape):
+    bias, a, b = torch.randn(bias_shape), torch.randn(17, 33), torch.randn(33, 20)
+    _, plan = check(lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=-2), bias, a, b)
+    assert [launch.kernel for launch in plan.launches] == ["matmul"]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_addmm_dtypes(dtype):
+    bias, a, b = (torch.randn(s, dtype=dtype) for s in [(129,), (33, 17), (17, 129)])
+    check(lambda c, a, b: torch.addmm(c, a, b, beta=3, alpha=0.25), bias, a, b)
+
+
+def test_addmm_beta_zero_ignores_bias():
+    bias = torch.full((20,), float("nan"))
+    a, b = torch.randn(17, 33), torch.randn(33, 20)
+    (out,), plan = check(lambda c, a, b: torch.addmm(c, a, b, beta=0), bias, a, b)
+    assert not out.isnan().any()
+    assert plan.launches[0].constexprs["HAS_BIAS"].value is False
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_bmm_with_permuted_operands(dtype):
+    a = torch.randn(3, 17, 33, dtype=dtype)
+    b = torch.randn(3, 20, 33, dtype=dtype)
+    _, plan = check(lambda a, b: torch.bmm(a, b.permute(0, 2, 1)), a, b)
+    assert [launch.kernel for launch in plan.launches] == ["matmul"]
+    assert plan.launches[0].grid[1] == 3
+    x = torch.randn(17, 3, 33, dtype=dtype)  # batch in the middle
+    check(lambda x, b: torch.bmm(x.transpose(0, 1), b.transpose(1, 2)), x, b)
+
+
+def test_matmul_4d_goes_through_bmm():
+    a, b = torch.randn(2, 3, 17, 33), torch.randn(2, 3, 33, 5)
+    _, plan = check(torch.matmul, a, b)
+    assert len(matmul_launches(plan)) == 1
+
+
+def test_baddbmm_kept_whole(monkeypatch):
+    # The default decomposition splits baddbmm into bmm + mul + mul + add; kept whole it is one launch.
+    monkeypatch.setattr(decompose, "KEEP_CANDIDATES", decompose.KEEP_CANDIDATES + (aten.baddbmm.default,))
+    bias, a, b = torch.randn(17, 1), torch.randn(2, 17, 33), torch.randn(2, 33, 20)
+    _, plan = check(lambda c, a, b: torch.baddbmm(c, a, b, beta=0.5, alpha=2), bias, a, b)
+    assert [(launch.kernel, launch.op) for launch in plan.launches] == [("matmul", "baddbmm")]
+
+
+def test_large_batch_launches_in_chunks(monkeypatch):
+    monkeypatch.setattr(matmul, "MAX_GRID_Y", 2)  # CUDA's 65535, scaled down
+    a, b = torch.randn(5, 17, 16), torch.randn(5, 16, 3)
+    _, plan = check(torch.bmm, a, b)
+    assert [launch.grid[1] for launch in plan.launches] == [2, 2, 1]
+
+
+# --- launch configuration -------------------------------------------------------------------------
+def test_launch_configuration():
+    big = matmul.choose_config(1, 4096, 4096, 4096, torch.bfloat16)
+    assert (big.block_m, big.block_n, big.block_k, big.num_warps) == (128, 128, 64, 8)
+    assert matmul.choose_config(1, 4096, 4096, 4096, torch.float32).block_k == 32
+    # decode shape: a 16-row tile, N split until the SMs have work
+    decode = matmul.choose_config(1, 1, 4096, 4096, torch.float16)
+    assert decode.block_m == 16 and 4096 // decode.block_n >= 64
+    for batch, M, N, K in [(1, 1, 1, 1), (8, 17, 129, 33), (1, 4096, 1, 7), (64, 2048, 2048, 64)]:
+        for dtype in FLOAT_DTYPES:
+            cfg = matmul.choose_config(batch, M, N, K, dtype)
+            for block in (cfg.block_m, cfg.block_n, cfg.block_k):
+                assert block >= 16 and block & (block - 1) == 0
+            stage = (cfg.block_m + cfg.block_n) * cfg.block_k * dtype.itemsize
+            assert 2 <= cfg.num_stages and stage * cfg.num_stages <= matmul.SMEM_BUDGET
+
+
+def test_plan_carries_launch_meta_and_no_upcast():
+    _, plan = check(torch.mm, torch.randn(17, 33), torch.randn(33, 5))
+    meta = {k: v.value for k, v in plan.launches[0].constexprs.items()}
+    assert meta["DOT_UPCAST"] is False  # the runtime turns it on for the simulated device only
+    assert {"num_warps", "num_stages", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"} <= set(meta)
+
+
+# --- support checks -------------------------------------------------------------------------------
+def _node(target, arg_vals, out_val, kwargs=None):
+    graph = torch.fx.Graph()
+    args = []
+    for i, v in enumerate(arg_vals):
+        p = graph.placeholder(f"x{i}")
+        p.meta["val"] = v
+        args.append(p)
+    node = graph.call_function(target, tuple(args), kwargs or {})
+    node.meta["val"] = out_val
+    return node
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("target, args, out, words", [
+    (aten.mm.default, [_meta(2, 3, dtype=torch.float64), _meta(3, 4, dtype=torch.float64)],
+     _meta(2, 4, dtype=torch.float64), "torch.float64"),
+    (aten.mm.default, [_meta(2, 3, dtype=torch.int64), _meta(3, 4, dtype=torch.int64)],
+     _meta(2, 4, dtype=torch.int64), "torch.int64"),
+    (aten.mm.default, [_meta(2, 3), _meta(3, 4, dtype=torch.float16)], _meta(2, 4), "mixed dtypes"),
+    (aten.bmm.default, [_meta(2, 3), _meta(3, 4)], _meta(2, 4), "3-D"),
+    (aten.addmm.default, [_meta(1, 2, 4), _meta(2, 3), _meta(3, 4)], _meta(2, 4), "broadcast"),
+    (aten.linear.default, [_meta(2, 3), _meta(1, 4, 3)], _meta(2, 4), "2-D weight"),
+])
+def test_support_refusals(target, args, out, words):
+    reason = OPS[target].support(_node(target, args, out))
+    assert reason is not None and words in reason
+
+
+def test_support_accepts_and_refuses_dynamic_shapes():
+    class Mm(torch.nn.Module):
+        def forward(self, a, b):
+            return torch.mm(a, b)
+
+    a, b = torch.randn(17, 33), torch.randn(33, 5)
+    ep = torch.export.export(Mm(), (a, b), dynamic_shapes=({0: torch.export.Dim("m")}, None))
+    node = next(n for n in ep.graph.nodes if n.target is aten.mm.default)
+    assert "dynamic shape" in OPS[aten.mm.default].support(node)
+    ep = torch.export.export(Mm(), (a, b))
+    node = next(n for n in ep.graph.nodes if n.target is aten.mm.default)
+    assert OPS[aten.mm.default].support(node) is None

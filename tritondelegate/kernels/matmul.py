@@ -1,0 +1,289 @@
+"""Matrix multiplication: ``mm``, ``addmm``, ``bmm``, ``baddbmm`` and ``linear``, one tiled kernel.
+
+    C[z] = alpha * (A[z] @ B[z]) + beta * X[z]       z over the batch (grid axis 1)
+
+A is [M, K], B is [K, N], C is [M, N] per batch entry; X (the bias) broadcasts to C with stride 0.
+Every operand is addressed through explicit strides, so a transposed or permuted operand (``w.t()``,
+the weight of ``linear``, ``b.permute(0, 2, 1)``) is read in place, never copied. Products accumulate
+in fp32; fp32 operands are multiplied in IEEE fp32 (no TF32), as torch eager does by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .builder import TRef
+from .elementwise import broadcast_strides, collapse
+
+# CUDA caps grid axis 1 (the batch axis here) at 65535 programs; larger batches launch in chunks.
+MAX_GRID_Y = 65535
+
+
+# --- kernel ---------------------------------------------------------------------------------------
+@triton.jit
+def matmul_kernel(
+    a_ptr, b_ptr, c_ptr, x_ptr,
+    M, N, K, alpha, beta,
+    stride_az, stride_am, stride_ak,
+    stride_bz, stride_bk, stride_bn,
+    stride_cz, stride_cm, stride_cn,
+    stride_xz, stride_xm, stride_xn,
+    HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]   (X only when HAS_BIAS)
+    pid = tl.program_id(0)
+    z = tl.program_id(1).to(tl.int64)
+    # GROUP_M swizzle: consecutive programs walk GROUP_M row tiles down one column of tiles, so the
+    # B tiles they share are still in L2 when the next program of the group reads them.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    # int64 offsets: a batch or a row stride times an index can pass 2^31 elements.
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    mask_m = offs_m[:, None] < M
+    mask_n = offs_n[None, :] < N
+    a_ptrs = a_ptr + z * stride_az + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + z * stride_bz + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    step_a = tl.full((), BLOCK_K, tl.int64) * stride_ak
+    step_b = tl.full((), BLOCK_K, tl.int64) * stride_bk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n, other=0.0)
+        if DOT_UPCAST:  # the interpreter's low-precision dot is wrong; the runtime sets this there
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        # "ieee" only affects fp32 operands (no TF32); fp16/bf16 ignore it.
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+        a_ptrs += step_a
+        b_ptrs += step_b
+
+    acc = acc * alpha
+    mask = mask_m & mask_n
+    if HAS_BIAS:
+        x_ptrs = x_ptr + z * stride_xz + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
+        acc += beta * tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    c_ptrs = c_ptr + z * stride_cz + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+# --- host launcher --------------------------------------------------------------------------------
+# The configuration targets Hopper (H100/H200: 132 SMs, 227 KiB of shared memory per SM). It is chosen
+# when the plan is built, from the problem size alone; the interpreter ignores num_warps/num_stages.
+NUM_SMS = 132
+SMEM_BUDGET = 160 * 1024  # bytes of shared memory the software pipeline may use, leaving headroom
+MIN_BLOCK = 16  # tl.dot needs M, N, K >= 16 per tile
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def _tile(size: int, cap: int) -> int:
+    return min(cap, max(MIN_BLOCK, triton.next_power_of_2(max(size, 1))))
+
+
+def choose_config(batch: int, M: int, N: int, K: int, dtype: torch.dtype) -> Config:
+    """Block sizes and launch meta for a [batch x M x N x K] problem.
+
+    Large problems get 128x128 output tiles (the tensor cores' sweet spot on Hopper) with a K step
+    of 32 (fp32) or 64 (fp16/bf16), i.e. 32 KiB of A and B per pipeline stage. Small dimensions get a
+    tile just big enough (16 minimum for ``tl.dot``). When that leaves fewer tiles than SMs, the larger
+    tile side is halved (not below 32) so the whole GPU has work: decode-shaped GEMMs (M = 1) then
+    spread over N.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    block_m = _tile(M, 128)
+    block_n = _tile(N, 128)
+    block_k = _tile(K, 32 if itemsize >= 4 else 64)
+    while batch * triton.cdiv(M, block_m) * triton.cdiv(N, block_n) < NUM_SMS and max(block_m, block_n) > 32:
+        if block_m >= block_n:
+            block_m //= 2
+        else:
+            block_n //= 2
+    stage_bytes = (block_m + block_n) * block_k * itemsize
+    num_stages = max(2, min(4, SMEM_BUDGET // stage_bytes))
+    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return Config(block_m, block_n, block_k, group_m=8, num_warps=num_warps, num_stages=num_stages)
+
+
+def launch_matmul(b, a: TRef, bmat: TRef, c: TRef, bias: TRef | None = None,
+                  alpha: float = 1.0, beta: float = 1.0) -> None:
+    """Launch ``c = alpha * (a @ bmat) + beta * bias``. ``a`` [Z, M, K], ``bmat`` [Z, K, N] and
+    ``c`` [Z, M, N] are 3-D views (stride 0 on a broadcast batch); ``bias`` is a view broadcast to
+    ``c``'s shape, or None."""
+    batch, M, K = a.shape
+    N = c.shape[2]
+    cfg = choose_config(batch, M, N, K, a.dtype)
+    has_bias = bias is not None and beta != 0  # beta = 0 ignores the bias, NaNs included (as torch)
+    x = bias if has_bias else c  # never read without a bias
+    grid_m = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    for start in range(0, max(batch, 1), MAX_GRID_Y):
+        count = min(MAX_GRID_Y, batch - start)
+        views = [_batch_slice(b, t, start, count) for t in (a, bmat, c, x)]
+        x_strides = views[3].strides if has_bias else (0, 0, 0)
+        b.launch(
+            "matmul", (grid_m, count),
+            *views, M, N, K, float(alpha), float(beta),
+            *views[0].strides, *views[1].strides, *views[2].strides, *x_strides,
+            HAS_BIAS=has_bias, DOT_UPCAST=False,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def _batch_slice(b, t: TRef, start: int, count: int) -> TRef:
+    if start == 0 and count == t.shape[0]:
+        return t
+    return b.view(t, (count, *t.shape[1:]), t.strides, t.offset + start * t.strides[0])
+
+
+def _batched(b, t: TRef, batch: int = 1) -> TRef:
+    """A 2-D operand as a [batch, rows, cols] view with batch stride 0."""
+    return b.view(t, (batch, *t.shape), (0, *t.strides))
+
+
+def _bias(b, bias: TRef, shape) -> TRef:
+    """``bias`` broadcast to the 3-D output ``shape``."""
+    return b.view(bias, shape, broadcast_strides(bias, shape))
+
+
+# --- support checks -------------------------------------------------------------------------------
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Operand ranks per op, None for an optional operand of any rank up to the output's.
+_RANKS = {
+    "mm": (2, 2),
+    "bmm": (3, 3),
+    "addmm": (None, 2, 2),
+    "baddbmm": (None, 3, 3),
+}
+
+
+def _check(node, tensors) -> str | None:
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor):
+        return "result is not a tensor"
+    for name, v in tensors + [("result", out)]:
+        if not isinstance(v, torch.Tensor):
+            return f"{name} is not a tensor"
+        if v.dtype not in DTYPES:
+            return (f"{name} has dtype {v.dtype}; matmul supports "
+                    f"{', '.join(str(d) for d in DTYPES)}")
+        if v.dtype != out.dtype:
+            return f"mixed dtypes: {name} is {v.dtype} but the result is {out.dtype}"
+        if not all(isinstance(s, int) for s in v.shape):
+            return f"{name} has a dynamic shape {tuple(v.shape)}; matmul needs static shapes"
+    return None
+
+
+def _val(arg):
+    return arg.meta.get("val") if hasattr(arg, "meta") else arg
+
+
+def supported(node) -> str | None:
+    """mm/bmm/addmm/baddbmm: None, or why the node is refused."""
+    op = node.target.__name__.split(".")[0]
+    ranks = _RANKS[op]
+    names = ("input", "mat1", "mat2") if len(ranks) == 3 else ("mat1", "mat2")
+    tensors = [(n, _val(a)) for n, a in zip(names, node.args)]
+    reason = _check(node, tensors)
+    if reason:
+        return reason
+    out_rank = 3 if op in ("bmm", "baddbmm") else 2
+    for (name, v), rank in zip(tensors, ranks):
+        if rank is not None and v.dim() != rank:
+            return f"{name} is {v.dim()}-D; {op} needs {rank}-D operands"
+        if rank is None and v.dim() > out_rank:
+            return f"{name} is {v.dim()}-D; it must broadcast to the {out_rank}-D result"
+    return None
+
+
+def supported_linear(node) -> str | None:
+    """linear(x [..., K], weight [N, K], bias [N] | None): None, or why the node is refused."""
+    names = ("input", "weight", "bias")
+    tensors = [(n, _val(a)) for n, a in zip(names, node.args) if a is not None]
+    reason = _check(node, tensors)
+    if reason:
+        return reason
+    vals = dict(tensors)
+    if vals["input"].dim() < 1:
+        return "input is 0-D; linear needs at least 1-D input"
+    if vals["weight"].dim() != 2:
+        return f"weight is {vals['weight'].dim()}-D; linear needs a 2-D weight"
+    if "bias" in vals and vals["bias"].dim() > 1:
+        return f"bias is {vals['bias'].dim()}-D; linear needs a 1-D bias"
+    return None
+
+
+# --- lowerings ------------------------------------------------------------------------------------
+def mm(b, node):
+    a, m = b.ref(node.args[0]), b.ref(node.args[1])
+    c = b.out(node)
+    launch_matmul(b, _batched(b, a), _batched(b, m), _batched(b, c))
+
+
+def addmm(b, node):
+    bias, a, m = (b.ref(x) for x in node.args[:3])
+    c = _batched(b, b.out(node))
+    launch_matmul(b, _batched(b, a), _batched(b, m), c, _bias(b, bias, c.shape),
+                  alpha=node.kwargs.get("alpha", 1), beta=node.kwargs.get("beta", 1))
+
+
+def bmm(b, node):
+    launch_matmul(b, b.ref(node.args[0]), b.ref(node.args[1]), b.out(node))
+
+
+def baddbmm(b, node):
+    bias, a, m = (b.ref(x) for x in node.args[:3])
+    c = b.out(node)
+    launch_matmul(b, a, m, c, _bias(b, bias, c.shape),
+                  alpha=node.kwargs.get("alpha", 1), beta=node.kwargs.get("beta", 1))
+
+
+def linear(b, node):
+    """out[..., N] = x[..., K] @ weight[N, K].T + bias: the leading dims of x become M (merged in
+    place when their strides allow, else a batch axis), the weight is read transposed in place."""
+    x, w = b.ref(node.args[0]), b.ref(node.args[1])
+    bias = b.ref(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
+    out = b.out(node)
+    K, N = w.shape[1], w.shape[0]
+    rows = _rows(x.shape[:-1], x.strides[:-1])
+    if rows is None:  # three or more leading dims no stride can merge: make x contiguous
+        x = b.contiguous(x)
+        rows = _rows(x.shape[:-1], x.strides[:-1])
+    (batch, M), (sz, sm) = rows
+    a = b.view(x, (batch, M, K), (sz, sm, x.strides[-1]))
+    wt = b.view(w, (batch, K, N), (0, w.strides[1], w.strides[0]))
+    c = b.view(out, (batch, M, N), (M * N, N, 1))  # out is contiguous: [..., N] = [batch, M, N]
+    launch_matmul(b, a, wt, c, None if bias is None else _bias(b, bias, c.shape))
+
+
+def _rows(shape, strides):
+    """Leading dims as ((batch, M), (batch stride, row stride)), or None if they need 3 axes."""
+    sizes, (merged,) = collapse(shape, [strides])
+    if len(sizes) > 2:
+        return None
+    sizes = [1] * (2 - len(sizes)) + sizes
+    merged = [0] * (2 - len(merged)) + merged
+    return (sizes[0], sizes[1]), (merged[0], merged[1])

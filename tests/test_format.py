@@ -1,0 +1,686 @@
+"""The program file format: round trips, constants stored once, external safetensors data, and
+robustness against damaged files (every failure a ProgramError, never a crash, a hang or a wrong answer).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+import os
+import random
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tritondelegate.plan import Arg, Base, DelegatePlan, Launch, TensorDesc
+from tritondelegate.plan import ArgKind as KArgKind
+from tritondelegate.program import (
+    Arena,
+    ArgKind,
+    Constant,
+    Delegate,
+    HostArg,
+    InstrKind,
+    Instruction,
+    Method,
+    Program,
+    ProgramError,
+    Role,
+    TensorValue,
+)
+from tritondelegate.serialize import header as hdr
+from tritondelegate.serialize import load_program, save_program, writer
+from tritondelegate.serialize.reader import ProgramFile
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _const(name: str, t: torch.Tensor, external: int = -1) -> Constant:
+    return Constant(name, _dtype_name(t), tuple(t.shape), t.numel() * t.element_size(), external=external)
+
+
+def _value(name, t_or_spec, role, device="cpu", **kw) -> TensorValue:
+    dtype, shape = t_or_spec
+    nbytes = math.prod(shape) * getattr(torch, dtype).itemsize
+    return TensorValue(name, dtype, tuple(shape), device, role, nbytes, **kw)
+
+
+def _plan() -> DelegatePlan:
+    return DelegatePlan(
+        tensors=[
+            TensorDesc(Base.INPUT, 0, 0, "float32", (4, 3), (3, 1)),
+            TensorDesc(Base.INPUT, 1, 8, "bfloat16", (3,), (1,)),
+            TensorDesc(Base.OUTPUT, 0, 0, "float32", (3, 4), (1, 3)),
+            TensorDesc(Base.SCRATCH, 0, 256, "float32", (0, 5), (5, 1)),
+        ],
+        launches=[
+            Launch("add_kernel", (2, 1, 1),
+                   [Arg(KArgKind.TENSOR, 0), Arg(KArgKind.TENSOR, 2), Arg(KArgKind.INT, -(2**40)),
+                    Arg(KArgKind.FLOAT, 0.25), Arg(KArgKind.BOOL, True), Arg(KArgKind.STR, "rn")],
+                   {"BLOCK": Arg(KArgKind.INT, 128), "SCALE": Arg(KArgKind.FLOAT, -1.5),
+                    "EVEN": Arg(KArgKind.BOOL, False), "MODE": Arg(KArgKind.STR, "ieee"),
+                    "EXTRA": Arg(KArgKind.TENSOR, 3)},
+                   op="aten::add.Tensor"),
+            Launch("copy_kernel", (7,), [Arg(KArgKind.TENSOR, 1)], {}, op=""),
+        ],
+        scratch_bytes=512,
+        input_nbytes=[48, 16],
+        output_nbytes=[48],
+    )
+
+
+def _all_host_args() -> list[HostArg]:
+    return [
+        HostArg(ArgKind.TENSOR, 0),
+        HostArg(ArgKind.NONE, None, "out"),
+        HostArg(ArgKind.INT, -(2**62), "dim"),
+        HostArg(ArgKind.FLOAT, float("-inf")),
+        HostArg(ArgKind.BOOL, True, "keepdim"),
+        HostArg(ArgKind.STR, "tanh", "approximate"),
+        HostArg(ArgKind.INT_LIST, [1, -1, 0]),
+        HostArg(ArgKind.INT_LIST, []),
+        HostArg(ArgKind.FLOAT_LIST, [0.5, 1e300]),
+        HostArg(ArgKind.TENSOR_LIST, [1, -1, 2]),
+        HostArg(ArgKind.DTYPE, "bfloat16", "dtype"),
+        HostArg(ArgKind.DEVICE, "cuda:1", "device"),
+        HostArg(ArgKind.MEMORY_FORMAT, "contiguous_format", "memory_format"),
+        HostArg(ArgKind.LAYOUT, "strided", "layout"),
+        HostArg(ArgKind.BOOL_LIST, [True, False, True]),
+    ]
+
+
+def _example() -> tuple[Program, list[torch.Tensor]]:
+    """Two methods sharing constants; in-file, zero-byte and external (bf16 too) constants."""
+    data = [
+        torch.randn(4, 3),  # 0 w: read by both methods
+        torch.randn(3).to(torch.bfloat16),  # 1 b: read by both methods
+        torch.empty(0, 5),  # 2 zero-byte
+        torch.tensor(7, dtype=torch.int64),  # 3 0-dim
+        torch.randn(2, 2).to(torch.bfloat16),  # 4 external file 0
+        torch.randn(3),  # 5 external file 0
+        torch.arange(5, dtype=torch.int8),  # 6 external file 1, in a subfolder
+        torch.empty(0, dtype=torch.bfloat16),  # 7 external, zero-byte
+        torch.tensor([True, False, True]),  # 8 bool
+    ]
+    names = ["layer.w", "layer.b", "empty", "step", "ext.w", "ext.b", "ext2.idx", "ext.empty", "mask"]
+    ext = {4: 0, 5: 0, 6: 1, 7: 0}
+    constants = [_const(n, t, ext.get(i, -1)) for i, (n, t) in enumerate(zip(names, data))]
+
+    forward = Method(
+        name="forward",
+        values=[
+            _value("x", ("float32", (4, 3)), Role.INPUT),
+            _value("layer.w", ("float32", (4, 3)), Role.CONSTANT, constant=0, arena=0, arena_offset=0,
+                   device="cuda:0", resident=True),
+            _value("layer.b", ("bfloat16", (3,)), Role.CONSTANT, constant=1),
+            _value("x_dev", ("float32", (4, 3)), Role.INTERMEDIATE, device="cuda:0", arena=0, arena_offset=256),
+            _value("y_dev", ("float32", (3, 4)), Role.INTERMEDIATE, device="cuda:0", arena=0, arena_offset=512),
+            _value("y", ("float32", (3, 4)), Role.INTERMEDIATE),
+            _value("buf", ("int64", ()), Role.MUTABLE_BUFFER),
+            _value("buf_new", ("int64", ()), Role.INTERMEDIATE),
+            _value("ext.w", ("bfloat16", (2, 2)), Role.CONSTANT, constant=4),
+        ],
+        inputs=[0],
+        outputs=[5, 8],
+        input_spec='[1, {"type": "builtins.tuple"}]',
+        output_spec="[1, {}]",
+        instructions=[
+            Instruction(InstrKind.COPY_H2D, [0], [3], name="h2d_x"),
+            Instruction(InstrKind.DELEGATE, [3, 2], [4], delegate=0, name="delegate_0"),
+            Instruction(InstrKind.COPY_D2H, [4], [5], name="d2h_y"),
+            Instruction(InstrKind.HOST_OP, [0, 1, 2], [7], target="aten::add.Tensor", args=_all_host_args(),
+                        name="add"),
+            Instruction(InstrKind.COPY_D2D, [3], [4], name="d2d"),
+        ],
+        delegates=[Delegate("triton", "cuda:0", _plan(), scratch_arena=0, scratch_offset=1024,
+                            stage_inputs=False)],
+        arenas=[Arena("cuda:0", 2048, 256, 1800)],
+        mutated_buffers=[(6, 7)],
+    )
+    decode = Method(
+        name="decode",
+        values=[
+            _value("layer.w", ("float32", (4, 3)), Role.CONSTANT, constant=0),
+            _value("layer.b", ("bfloat16", (3,)), Role.CONSTANT, constant=1),
+            _value("empty", ("float32", (0, 5)), Role.CONSTANT, constant=2),
+            _value("step", ("int64", ()), Role.CONSTANT, constant=3),
+            _value("ext.b", ("float32", (3,)), Role.CONSTANT, constant=5),
+            _value("idx", ("int8", (5,)), Role.CONSTANT, constant=6),
+            _value("mask", ("bool", (3,)), Role.CONSTANT, constant=8),
+            _value("out", ("float32", (4, 3)), Role.INTERMEDIATE),
+        ],
+        inputs=[],
+        outputs=[7],
+        input_spec="",
+        output_spec="",
+        instructions=[Instruction(InstrKind.HOST_OP, [0, 1], [7], target="aten::mul.Tensor",
+                                  args=[HostArg(ArgKind.TENSOR, 0), HostArg(ArgKind.TENSOR, 1)])],
+        delegates=[],
+        arenas=[],
+    )
+    program = Program([forward, decode], constants, ["model.safetensors", "sub/more.safetensors"])
+    return program, data
+
+
+def _with_offsets(program: Program, loaded: Program) -> Program:
+    """``program`` with the data offsets the writer chose (the only field the writer decides)."""
+    constants = [dataclasses.replace(c, data_offset=l.data_offset)
+                 for c, l in zip(program.constants, loaded.constants)]
+    return dataclasses.replace(program, constants=constants)
+
+
+def _save(tmp_path: Path, program=None, data=None, name="model.tdp") -> tuple[Path, Program, list]:
+    if program is None:
+        program, data = _example()
+    path = tmp_path / name
+    save_program(program, data, path)
+    return path, program, data
+
+
+# -------------------------------------------------------------------------------------------------
+# Round trips
+
+
+def test_round_trip(tmp_path):
+    program, data = _example()
+    before = dataclasses.replace(program)
+    files = save_program(program, data, tmp_path / "model.tdp")
+    assert program == before  # the writer does not modify its argument
+    assert files == [str(tmp_path / "model.tdp"), str(tmp_path / "model.safetensors"),
+                     str(tmp_path / "sub" / "more.safetensors")]
+    with load_program(tmp_path / "model.tdp") as pf:
+        assert isinstance(pf, ProgramFile)
+        assert pf.program == _with_offsets(program, pf.program)
+        for i, (c, t) in enumerate(zip(pf.program.constants, data)):
+            if c.external < 0:
+                assert c.data_offset % hdr.CONSTANT_ALIGNMENT == 0
+            got = pf.constant_tensor(i)
+            assert got.dtype == t.dtype and got.shape == t.shape and got.device.type == "cpu"
+            assert torch.equal(got, t), c.name
+            raw = pf.constant_bytes(i)
+            assert raw.dtype == torch.uint8 and raw.numel() == c.nbytes
+            assert torch.equal(raw, t.reshape(-1).view(torch.uint8))
+
+
+def test_types_of_decoded_fields(tmp_path):
+    path, program, _ = _save(tmp_path)
+    with load_program(path) as pf:
+        m = pf.program.methods[0]
+        assert type(m.values[0].shape) is tuple and type(m.values[0].role) is Role
+        assert type(m.instructions[0].kind) is InstrKind
+        args = m.instructions[3].args
+        assert [type(a.kind) for a in args] == [ArgKind] * len(args)
+        assert [type(a.value) for a in args] == [type(a.value) for a in _all_host_args()]
+        plan = m.delegates[0].plan
+        assert type(plan.launches[0].grid) is tuple and type(plan.tensors[0].strides) is tuple
+        assert list(plan.launches[0].constexprs) == ["BLOCK", "SCALE", "EVEN", "MODE", "EXTRA"]
+        assert type(plan.tensors[0].base) is Base and type(plan.launches[0].args[0].kind) is KArgKind
+
+
+def test_file_layout(tmp_path):
+    path, program, data = _save(tmp_path)
+    raw = path.read_bytes()
+    fields = hdr.HEADER.unpack(raw[: hdr.HEADER.size])
+    magic, version, header_size, fb_off, fb_size, data_off, data_size, file_size, _, _ = fields
+    assert magic == b"TDPROG\0\0" and version == 1 and header_size == 64 and fb_off == 64
+    assert data_off % 4096 == 0 and data_off >= fb_off + fb_size
+    assert file_size == len(raw) == data_off + data_size
+    assert raw[fb_off + 4 : fb_off + 8] == b"TDP1"
+    # in-file constants: 0 (48 B), 1 (6 B), 2 (0 B), 3 (8 B), 8 (3 B), each on a 64-byte boundary
+    assert data_size == 64 + 64 + 64 + 3
+    with load_program(path) as pf:
+        for i in (0, 1, 3, 8):
+            off = data_off + pf.program.constants[i].data_offset
+            assert raw[off : off + program.constants[i].nbytes] == data[i].reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_constant_shared_by_two_methods_is_stored_once(tmp_path):
+    big = torch.randint(0, 256, (8192,), dtype=torch.uint8).view(torch.float32)  # 8 KiB, distinctive
+
+    def program(readers: int, with_big: bool = True) -> tuple[Program, list]:
+        constants, data = [], []
+        if with_big:
+            constants, data = [_const("big", big)], [big]
+        methods = []
+        for k in range(2):
+            values = [_value("big", ("float32", (2048,)), Role.CONSTANT, constant=0)] if k < readers else []
+            values.append(_value("x", ("float32", (2048,)), Role.INPUT))
+            methods.append(Method(f"m{k}", values, [len(values) - 1], [0], "", "", [], [], []))
+        return Program(methods, constants), data
+
+    sizes = {}
+    for key, (readers, with_big) in {"none": (0, False), "one": (1, True), "two": (2, True)}.items():
+        path, _, _ = _save(tmp_path, *program(readers, with_big), name=f"{key}.tdp")
+        raw = path.read_bytes()
+        sizes[key] = hdr.HEADER.unpack(raw[: hdr.HEADER.size])[6], len(raw)  # data_size, file size
+        assert raw.count(big.view(torch.uint8).numpy().tobytes()) == (0 if key == "none" else 1)
+        if with_big:
+            with load_program(path) as pf:
+                assert torch.equal(pf.constant_bytes(0), big.view(torch.uint8))
+    assert sizes["one"][0] == sizes["two"][0] == sizes["none"][0] + big.nbytes
+    assert sizes["two"][1] == sizes["one"][1] == sizes["none"][1] + big.nbytes
+
+
+def test_constant_views_are_zero_copy(tmp_path):
+    path, _, data = _save(tmp_path)
+    pf = load_program(path)
+    w = pf.constant_tensor(0)
+    w.add_(1)  # the mapping is private: the view is writable, the file is not touched
+    assert torch.equal(pf.constant_tensor(0), data[0] + 1)  # a view of the same memory, not a copy
+    assert pf.constant_bytes(0).data_ptr() == w.data_ptr()
+    ext = pf.constant_tensor(4)
+    assert pf.constant_tensor(4).data_ptr() == ext.data_ptr()
+    pf.close()
+    with load_program(path) as again:
+        assert torch.equal(again.constant_tensor(0), data[0])
+
+
+def test_close_keeps_handed_out_tensors_valid(tmp_path):
+    path, _, data = _save(tmp_path)
+    pf = load_program(path)
+    w, b, ext = pf.constant_tensor(0), pf.constant_bytes(1), pf.constant_tensor(5)
+    pf.close()
+    pf.close()  # idempotent
+    assert pf.closed and "closed" in repr(pf)
+    with pytest.raises(ValueError, match="closed"):
+        pf.constant_bytes(0)
+    del pf
+    assert torch.equal(w, data[0]) and torch.equal(b, data[1].view(torch.uint8)) and torch.equal(ext, data[5])
+    # without tensors outstanding the mapping goes at once
+    with load_program(path) as pf:
+        mm = pf._mm
+    assert mm.closed
+
+
+def test_data_files_override(tmp_path):
+    path, _, data = _save(tmp_path)
+    moved = tmp_path / "elsewhere.safetensors"
+    os.replace(tmp_path / "model.safetensors", moved)
+    with load_program(path, data_files={"model.safetensors": str(moved)}) as pf:
+        assert torch.equal(pf.constant_tensor(4), data[4])
+    with load_program(path) as pf:
+        assert torch.equal(pf.constant_tensor(5, {"model.safetensors": moved}), data[5])
+        assert pf.external_path(0, {"model.safetensors": moved}) == str(moved)
+
+
+def test_external_file_contents(tmp_path):
+    _, program, data = _save(tmp_path)
+    first = load_file(tmp_path / "model.safetensors")
+    assert set(first) == {"ext.w", "ext.b", "ext.empty"}
+    assert first["ext.w"].dtype == torch.bfloat16 and torch.equal(first["ext.w"], data[4])
+    assert set(load_file(tmp_path / "sub" / "more.safetensors")) == {"ext2.idx"}
+
+
+# -------------------------------------------------------------------------------------------------
+# External data errors
+
+
+def _external_error(tmp_path, index, match, data_files=None):
+    path = tmp_path / "model.tdp"
+    with load_program(path) as pf:
+        with pytest.raises(ProgramError, match=match) as info:
+            pf.constant_tensor(index, data_files)
+    return str(info.value)
+
+
+def test_missing_external_file(tmp_path):
+    _save(tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    msg = _external_error(tmp_path, 4, "is missing")
+    assert "model.safetensors" in msg and "'ext.w'" in msg and "data_files" in msg
+
+
+def test_missing_external_key(tmp_path):
+    _save(tmp_path)
+    save_file({"ext.b": torch.randn(3)}, tmp_path / "model.safetensors")
+    msg = _external_error(tmp_path, 4, "has no tensor 'ext.w'")
+    assert "model.safetensors" in msg
+
+
+@pytest.mark.parametrize("tensor, what", [(torch.randn(2, 2), "float32\\[2, 2\\]"),
+                                           (torch.randn(4).to(torch.bfloat16), "bfloat16\\[4\\]")])
+def test_wrong_external_dtype_or_shape(tmp_path, tensor, what):
+    _save(tmp_path)
+    save_file({"ext.w": tensor, "ext.b": torch.randn(3), "ext.empty": torch.empty(0, dtype=torch.bfloat16)},
+              tmp_path / "model.safetensors")
+    msg = _external_error(tmp_path, 4, f"'ext.w'.* is {what}, but the program expects bfloat16\\[2, 2\\]")
+    assert "model.safetensors" in msg
+
+
+def test_short_external_data(tmp_path):
+    _save(tmp_path)
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-3])
+    msg = _external_error(tmp_path, 4, "not a valid safetensors file")
+    assert "model.safetensors" in msg and "'ext.w'" in msg
+
+
+def test_external_file_that_is_not_safetensors(tmp_path):
+    _save(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 100)
+    _external_error(tmp_path, 5, "'ext.b'.*not a valid safetensors file")
+
+
+# -------------------------------------------------------------------------------------------------
+# The writer's checks
+
+
+def test_writer_rejects_mismatched_data(tmp_path):
+    program, data = _example()
+    with pytest.raises(ValueError, match="constant tensors for"):
+        save_program(program, data[:-1], tmp_path / "a.tdp")
+    bad = list(data)
+    bad[0] = data[0].double()
+    with pytest.raises(ValueError, match=r"constant 0 \('layer.w'\) is float32\[4, 3\] but its tensor is float64"):
+        save_program(program, bad, tmp_path / "a.tdp")
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_writer_rejects_bad_fields(tmp_path):
+    program, data = _example()
+    program.methods[0].values[0].arena_offset = 2**64
+    with pytest.raises(ValueError, match=r"method 'forward' value 0 \('x'\) arena_offset: .* is outside"):
+        save_program(program, data, tmp_path / "a.tdp")
+    program, data = _example()
+    program.methods[1].instructions[0].args[0] = HostArg(ArgKind.INT_LIST, 3)
+    with pytest.raises(TypeError, match="expected a list"):
+        save_program(program, data, tmp_path / "a.tdp")
+    program, data = _example()
+    program.external_files[1] = "../outside.safetensors"
+    with pytest.raises(ValueError, match="relative to the program file's directory"):
+        save_program(program, data, tmp_path / "a.tdp")
+
+
+def test_data_on_device_independent_storage(tmp_path):
+    """Non-contiguous and view tensors are written as their logical (contiguous) bytes."""
+    base = torch.randn(6, 4)
+    data = [base.t(), base[1:3]]  # a transposed view, and a slice sharing storage with it
+    constants = [_const("t", data[0]), _const("s", data[1], external=0)]
+    program = Program([], constants, ["w.safetensors"])
+    save_program(program, data, tmp_path / "v.tdp")
+    with load_program(tmp_path / "v.tdp") as pf:
+        assert torch.equal(pf.constant_tensor(0), base.t()) and torch.equal(pf.constant_tensor(1), base[1:3])
+
+
+# -------------------------------------------------------------------------------------------------
+# Damaged files
+
+
+def _load_outcome(path):
+    """ProgramError -> None; else the program (after touching every constant's bytes)."""
+    try:
+        pf = load_program(path)
+    except ProgramError:
+        return None
+    with pf:
+        for i, c in enumerate(pf.program.constants):
+            if c.external < 0:
+                pf.constant_bytes(i).sum()
+                try:
+                    pf.constant_tensor(i)
+                except ProgramError:  # a dtype torch cannot view bytes as
+                    return None
+        return pf.program
+
+
+def test_damaged_files(tmp_path):
+    path, program, _ = _save(tmp_path)
+    good = path.read_bytes()
+    with load_program(path) as pf:
+        expected = pf.program
+    _, _, _, fb_off, fb_size, data_off, data_size, _, _, _ = hdr.HEADER.unpack(good[:64])
+    target = tmp_path / "damaged.tdp"
+    rng = random.Random(1234)
+    counts = {}
+    start = time.perf_counter()
+
+    def outcome(raw: bytes):
+        target.write_bytes(raw)
+        return _load_outcome(target)
+
+    # every truncation length over a stride, plus the boundaries: always an error
+    lengths = sorted(set(range(0, len(good), 37)) | {0, 1, 63, 64, fb_off + fb_size, data_off, len(good) - 1})
+    for n in lengths:
+        assert outcome(good[:n]) is None, n
+    counts["truncations"] = len(lengths)
+    assert outcome(good + b"\0") is None  # bytes past the recorded end
+
+    # every header byte flipped: always an error
+    for i in range(hdr.HEADER.size):
+        raw = bytearray(good)
+        raw[i] ^= 1 << rng.randrange(8)
+        assert outcome(bytes(raw)) is None, i
+    counts["header flips"] = hdr.HEADER.size
+
+    # random flips in the flatbuffer: the checksum catches them
+    for _ in range(120):
+        raw = bytearray(good)
+        raw[fb_off + rng.randrange(fb_size)] ^= 1 << rng.randrange(8)
+        assert outcome(bytes(raw)) is None
+    counts["flatbuffer flips"] = 120
+
+    # the same with the checksums repaired, so the flatbuffer decoder and the checks see the damage:
+    # a ProgramError, the same program (the flip hit padding), or some other well-formed program,
+    # whose constants are then read; never another exception
+    same = errors = other = 0
+    for k in range(300):
+        raw = bytearray(good)
+        for _ in range(1 + k % 3):
+            pos = fb_off + rng.randrange(fb_size)
+            if k % 5 == 0:  # a large 32-bit word: lengths, offsets
+                pos -= pos % 4
+                raw[pos : pos + 4] = struct.pack("<I", rng.choice([0xFFFFFFFF, 0x7FFFFFFF, 0x10000, fb_size]))
+            else:
+                raw[pos] ^= 1 << rng.randrange(8)
+        raw = _fix_checksums(raw, fb_off, fb_size)
+        got = outcome(raw)
+        if got is None:
+            errors += 1
+        elif got == expected:
+            same += 1
+        else:
+            other += 1
+    assert errors > 100  # most structural damage is found
+    counts["repaired-checksum flips (error/same/other)"] = (errors, same, other)
+
+    # flips in the data segment change only constant values (not checksummed): the same program
+    for _ in range(20):
+        raw = bytearray(good)
+        raw[data_off + rng.randrange(data_size)] ^= 0xFF
+        assert outcome(bytes(raw)) == expected
+    counts["data flips"] = 20
+    elapsed = time.perf_counter() - start
+    print(counts, f"{elapsed:.2f}s")
+    assert elapsed < 20, f"damaged-file loads took {elapsed:.1f}s: {counts}"
+
+
+def _fix_checksums(raw: bytearray, fb_off: int, fb_size: int) -> bytes:
+    struct.pack_into("<I", raw, 56, zlib.crc32(raw[fb_off : fb_off + fb_size]))
+    struct.pack_into("<I", raw, 60, zlib.crc32(raw[:60]))
+    return bytes(raw)
+
+
+def _write_raw(path: Path, program: Program, data: list[torch.Tensor], edit=None, header_edit=None,
+               data_size_delta: int = 0) -> Path:
+    """A program file built by hand: ``edit`` changes the flatbuffer's object tree before packing,
+    ``header_edit`` changes the header fields (checksums are recomputed, so only the edit is wrong)."""
+    constants, data_size = writer._layout(program)
+    t = writer._program_t(program, constants)
+    if edit:
+        edit(t)
+    fb_bytes = writer._finish(t)
+    data_off = hdr.align(64 + len(fb_bytes), hdr.DATA_SEGMENT_ALIGNMENT)
+    segment = bytearray(data_size)
+    for c, d in zip(constants, data):
+        if c.external < 0:
+            segment[c.data_offset : c.data_offset + c.nbytes] = d.reshape(-1).view(torch.uint8).numpy().tobytes()
+    fields = list(hdr.HEADER.unpack(hdr.pack_header(1, len(fb_bytes), data_off, data_size, zlib.crc32(fb_bytes))))
+    segment = segment[: len(segment) + data_size_delta] if data_size_delta < 0 else segment
+    fields[6] = len(segment)
+    fields[7] = data_off + len(segment)
+    if header_edit:
+        header_edit(fields)
+    head = bytearray(hdr.HEADER.pack(*fields))
+    struct.pack_into("<I", head, 60, zlib.crc32(head[:60]))
+    body = bytes(head) + fb_bytes + bytes(data_off - 64 - len(fb_bytes)) + bytes(segment)
+    path.write_bytes(body)
+    return path
+
+
+def _set(path: str, value):
+    def edit(t):
+        *parents, last = path.split(".")
+        obj = t
+        for p in parents:
+            obj = obj[int(p)] if p.isdigit() else getattr(obj, p)
+        if last.isdigit():
+            obj[int(last)] = value
+        else:
+            setattr(obj, last, value)
+    return edit
+
+
+BAD_FLATBUFFERS = [
+    ("methods.0.values.0.role", 9, r"method 0 value 0 has Role value 9; valid: 0 \(INPUT\)"),
+    ("methods.0.instructions.0.kind", 5, "InstrKind value 5"),
+    ("methods.0.instructions.3.args.1.kind", 14, "ArgKind value 14"),
+    ("methods.0.delegates.0.plan.tensors.0.base", 3, "Base value 3"),
+    ("methods.0.delegates.0.plan.launches.0.args.2.kind", 7, "ArgKind value 7"),
+    ("methods.0.outputs.1", 9, r"method 'forward' output 1 refers to value 9, but there are 9"),
+    ("methods.0.inputs.0", -1, "input 0 refers to value -1"),
+    ("methods.0.instructions.1.inputs.0", 100, r"instruction 1 \('delegate_0'\) input 0 refers to value 100"),
+    ("methods.0.instructions.3.args.0.ival", 9, "arg 0 refers to value 9"),
+    ("methods.0.instructions.3.args.9.tlist", [1, -2], r"arg 9\[1\] refers to value -2"),
+    ("methods.0.instructions.1.delegate", 1, "refers to delegate 1, but there are 1"),
+    ("methods.0.instructions.1.delegate", -1, "refers to delegate -1"),
+    ("methods.0.instructions.0.outputs", [3, 4], "a copy reads 1 values and writes 2"),
+    ("methods.0.mutatedBuffers.0.value", 12, "mutated buffer 0 refers to value 12"),
+    ("methods.0.values.1.arena", 1, "refers to arena 1, but there are 1"),
+    ("methods.0.values.3.arenaOffset", 4096, "offset 4096 lies outside arena 0"),
+    ("methods.0.values.2.constant", 9, "refers to constant 9"),
+    ("methods.0.values.2.constant", 0, r"is bfloat16\[3\] but its constant 0"),
+    ("methods.0.values.0.dtype", "float33", "unknown dtype 'float33'"),
+    ("methods.0.values.0.shape", [4, -3], "negative dimension"),
+    ("methods.0.delegates.0.scratchOffset", 1800, r"scratch \[1800, 2312\) lies outside arena 0"),
+    ("methods.0.delegates.0.plan.tensors.1.index", 2, "tensor 1 refers to input 2, but there are 2"),
+    ("methods.0.delegates.0.plan.tensors.3.index", 1, "refers to scratch 1"),
+    ("methods.0.delegates.0.plan.tensors.0.dtype", "float", "unknown dtype 'float'"),
+    ("methods.0.delegates.0.plan.tensors.0.strides", [3], "strides"),
+    ("methods.0.delegates.0.plan.launches.0.args.0.ival", 4, "arg 0 refers to plan tensor 4, but there are 4"),
+    ("methods.0.delegates.0.plan.launches.0.constexprs.4.arg.ival", -1, "constexpr 'EXTRA' refers to plan tensor -1"),
+    ("methods.0.delegates.0.plan.launches.0.constexprs.4.arg", None, "constexpr 4 has no value"),
+    ("methods.0.delegates.0.plan", None, "delegate 0 has no launch plan"),
+    ("methods.0.delegates.0.plan.scratchBytes", -1, "scratch_bytes is negative"),
+    ("methods.0.instructions.3.args.10.sval", "complex7", "unknown dtype 'complex7'"),
+    ("methods.0.instructions.3.args.12.sval", "weird_format", "unknown memory format"),
+    ("methods.0.arenas.0.nbytes", -5, "arena 0 nbytes is negative"),
+    ("methods.1.name", "forward", "two methods are named 'forward'"),
+    ("constants.0.dtype", "floatX", r"constant 0 \('layer.w'\) has unknown dtype"),
+    ("constants.0.nbytes", 44, "records 44 bytes, but float32"),
+    ("constants.0.dataOffset", 256, r"bytes \[256, 304\) lie outside the data segment"),
+    ("constants.0.dataOffset", -64, "lie outside the data segment"),
+    ("constants.3.dataOffset", 4, "not aligned for int64"),
+    ("constants.4.external", 2, "refers to external file 2, but there are 2"),
+    ("constants.5.name", "ext.w", "two constants have key 'ext.w'"),
+    ("externalFiles.0", "/abs/model.safetensors", "must be a relative path"),
+    ("version", 2, "the program records version 2, the header 1"),
+]
+
+
+@pytest.mark.parametrize("field, value, match", BAD_FLATBUFFERS, ids=[f"{f}={v}" for f, v, _ in BAD_FLATBUFFERS])
+def test_bad_program_contents(tmp_path, field, value, match):
+    program, data = _example()
+    path = _write_raw(tmp_path / "bad.tdp", program, data, edit=_set(field, value))
+    with pytest.raises(ProgramError, match=match) as info:
+        load_program(path)
+    assert str(info.value).startswith(str(path) + ": ")
+
+
+BAD_HEADERS = [
+    (0, b"XXPROG\0\0", "not a tritondelegate program file"),
+    (1, 2, "format version 2 is not supported; this reader reads version\\(s\\) 1"),
+    (2, 72, "header size 72"),
+    (4, 10**6, r"flatbuffer \[64, 1000064\) lies outside the file"),
+    (5, 4096 * 100, r"data segment \[409600, .*\) does not lie between"),
+    (5, 4097, "does not lie between|not a multiple of 4096"),
+    (6, 10**9, "does not lie between"),
+    (7, 10**9, "truncated: the header records 1000000000 bytes"),
+]
+
+
+@pytest.mark.parametrize("field, value, match", BAD_HEADERS, ids=[f"field{f}={v!r}" for f, v, _ in BAD_HEADERS])
+def test_bad_headers(tmp_path, field, value, match):
+    program, data = _example()
+    path = _write_raw(tmp_path / "bad.tdp", program, data, header_edit=lambda f: f.__setitem__(field, value))
+    with pytest.raises(ProgramError, match=match):
+        load_program(path)
+
+
+def test_bad_identifier_and_checksums(tmp_path):
+    path, _, _ = _save(tmp_path)
+    good = bytearray(path.read_bytes())
+    fb_size = hdr.HEADER.unpack(good[:64])[4]
+    raw = bytearray(good)
+    raw[64 + 4 : 64 + 8] = b"XXXX"
+    path.write_bytes(_fix_checksums(raw, 64, fb_size))
+    with pytest.raises(ProgramError, match="does not carry the identifier b'TDP1'"):
+        load_program(path)
+    raw = bytearray(good)
+    raw[64 + 20] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ProgramError, match=r"flatbuffer checksum mismatch: bytes \[64, "):
+        load_program(path)
+    raw = bytearray(good)
+    raw[50] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ProgramError, match="header checksum mismatch"):
+        load_program(path)
+    path.write_bytes(b"TDPROG")
+    with pytest.raises(ProgramError, match="truncated: 6 bytes"):
+        load_program(path)
+
+
+def test_vector_length_beyond_the_buffer_is_an_error_not_a_hang(tmp_path):
+    """A corrupt length of a vector of tables is refused before any loop runs over it."""
+    path, _, _ = _save(tmp_path)
+    raw = bytearray(path.read_bytes())
+    fb_off, fb_size = 64, hdr.HEADER.unpack(raw[:64])[4]
+    from tritondelegate.serialize.generated import program_generated as fb
+
+    root = fb.Program.GetRootAs(bytes(raw[fb_off : fb_off + fb_size]), 0)
+    vec = root._tab.Vector(root._tab.Offset(8))  # Program.constants
+    struct.pack_into("<I", raw, fb_off + vec - 4, 0x7FFFFFFF)
+    path.write_bytes(_fix_checksums(raw, fb_off, fb_size))
+    start = time.perf_counter()
+    with pytest.raises(ProgramError, match="constants claims 2147483647 entries"):
+        load_program(path)
+    assert time.perf_counter() - start < 1
+
+
+# -------------------------------------------------------------------------------------------------
+# The runtime side imports nothing of the AOT side
+
+
+def test_reader_imports_only_the_format():
+    allowed = {"__future__", "mmap", "os", "struct", "zlib", "enum", "torch", "safetensors", "..plan",
+               "..program", ".header", ".generated", ".validate"}
+    for name in ("reader.py", "header.py", "validate.py"):
+        tree = ast.parse((Path(__file__).parent.parent / "tritondelegate" / "serialize" / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):  # "from . import header" -> ".header"
+                prefix = "." * node.level + (node.module or "")
+                mods = [prefix] if node.module else [prefix + a.name for a in node.names]
+            else:
+                continue
+            for mod in mods:
+                assert mod in allowed, f"{name} imports {mod}"

@@ -1,0 +1,53 @@
+"""The fixed header of a program file, shared by the writer and the reader.
+
+File layout (all integers little-endian)::
+
+    offset 0             header, HEADER.size = 64 bytes:
+                           magic            8s   b"TDPROG\\0\\0"
+                           version          u32  program.FORMAT_VERSION
+                           header_size      u32  64
+                           flatbuffer_off   u64  64
+                           flatbuffer_size  u64
+                           data_off         u64  a multiple of DATA_SEGMENT_ALIGNMENT
+                           data_size        u64
+                           file_size        u64  data_off + data_size: the whole file
+                           flatbuffer_crc   u32  zlib.crc32 of the flatbuffer bytes
+                           header_crc       u32  zlib.crc32 of the 60 header bytes before it
+    flatbuffer_off       the flatbuffer (root table Program, file identifier "TDP1", program.fbs)
+                         zero padding up to data_off
+    data_off             the data segment: each in-file constant at data_off + Constant.data_offset,
+                         data_offset a multiple of CONSTANT_ALIGNMENT, zero padding between them
+
+Alignment: the data segment starts on a 4096-byte boundary, so it is page aligned in a mapping of
+the file (and can be mapped, pinned or read with O_DIRECT on its own); each constant starts on a
+64-byte boundary, which is at least the itemsize of every dtype (so a typed view of the mapped bytes
+is always aligned), is a cache line and the widest CPU vector load, and matches the CPU allocator's
+alignment in torch. Page-aligning every constant would waste up to 4 KiB per small constant (biases,
+norms) for no gain: the runtime copies constants, it does not map them one by one.
+
+The checksums cover the header and the flatbuffer (the program's structure: a flipped bit there
+could otherwise load as a different, plausible program). The data segment is not checksummed: the
+loader maps it lazily, and hashing gigabytes of weights at every load would defeat that.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+MAGIC = b"TDPROG\0\0"
+HEADER = struct.Struct("<8sIIQQQQQII")
+FLATBUFFER_OFFSET = HEADER.size  # 64: the flatbuffer follows the header, 8-byte aligned
+DATA_SEGMENT_ALIGNMENT = 4096
+CONSTANT_ALIGNMENT = 64
+FILE_IDENTIFIER = b"TDP1"  # program.fbs file_identifier: bytes 4..8 of the flatbuffer
+
+
+def align(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def pack_header(version: int, fb_size: int, data_off: int, data_size: int, fb_crc: int) -> bytes:
+    fields = HEADER.pack(MAGIC, version, HEADER.size, FLATBUFFER_OFFSET, fb_size, data_off, data_size,
+                         data_off + data_size, fb_crc, 0)
+    return fields[:-4] + struct.pack("<I", zlib.crc32(fields[:-4]))

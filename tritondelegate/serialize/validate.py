@@ -1,0 +1,185 @@
+"""Consistency checks of a decoded program: every index in range, every size and offset sane, every
+dtype name known. The reader runs them on each file it loads, so the runtime can trust the program."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..plan import ArgKind as KernelArgKind
+from ..plan import Base, DelegatePlan
+from ..program import ArgKind, Constant, InstrKind, Instruction, Method, Program, ProgramError
+
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+
+
+def check_program(program: Program, path: str, version: int, data_off: int, data_size: int) -> None:
+    """Raises :class:`ProgramError` naming ``path`` and the first inconsistency found.
+
+    ``version`` is the header's; in-file constants must lie in the data segment ``[0, data_size)``,
+    which starts at file offset ``data_off``.
+    """
+    _Checker(program, path, version, data_off, data_size).check()
+
+
+class _Checker:
+    def __init__(self, program: Program, path: str, version: int, data_off: int, data_size: int):
+        self.p, self.path, self.version = program, path, version
+        self.data_off, self.data_size = data_off, data_size
+
+    def fail(self, what: str):
+        raise ProgramError(f"{self.path}: {what}")
+
+    def index(self, i: int, n: int, what: str, of: str, optional: bool = False) -> None:
+        if not (-1 if optional else 0) <= i < n:
+            self.fail(f"{what} refers to {of} {i}, but there are {n}" + (" (-1: none)" if optional else ""))
+
+    def nonneg(self, x: int, what: str) -> None:
+        if x < 0:
+            self.fail(f"{what} is negative ({x})")
+
+    def dtype(self, name: str, what: str) -> torch.dtype:
+        dtype = DTYPES.get(name)
+        if dtype is None:
+            self.fail(f"{what} has unknown dtype {name!r}")
+        return dtype
+
+    def shape(self, shape: tuple[int, ...], what: str) -> int:
+        numel = 1
+        for d in shape:
+            if d < 0:
+                self.fail(f"{what} has a negative dimension in shape {list(shape)}")
+            numel *= d
+        return numel
+
+    def check(self) -> None:
+        p = self.p
+        if p.version != self.version:
+            self.fail(f"the program records version {p.version}, the header {self.version}")
+        for i, name in enumerate(p.external_files):
+            if not name or os.path.isabs(name):
+                self.fail(f"external file {i} ({name!r}) must be a relative path")
+        keys = set()
+        for i, c in enumerate(p.constants):
+            self.constant(c, i, keys)
+        names = set()
+        for m in p.methods:
+            if m.name in names:
+                self.fail(f"two methods are named {m.name!r}")
+            names.add(m.name)
+            self.method(m)
+
+    def constant(self, c: Constant, i: int, keys: set) -> None:
+        what = f"constant {i} ({c.name!r})"
+        dtype = self.dtype(c.dtype, what)
+        numel = self.shape(c.shape, what)
+        if c.nbytes != numel * dtype.itemsize:
+            self.fail(f"{what} records {c.nbytes} bytes, but {c.dtype}{list(c.shape)} has "
+                      f"{numel * dtype.itemsize}")
+        self.index(c.external, len(self.p.external_files), what, "external file", optional=True)
+        if c.external >= 0:
+            if (c.external, c.name) in keys:
+                self.fail(f"{what}: two constants have key {c.name!r} in external file "
+                          f"{self.p.external_files[c.external]!r}")
+            keys.add((c.external, c.name))
+            return
+        end = c.data_offset + c.nbytes
+        if c.data_offset < 0 or end > self.data_size:
+            self.fail(f"{what}: bytes [{c.data_offset}, {end}) lie outside the data segment "
+                      f"(size {self.data_size}, at file offset {self.data_off})")
+        if c.nbytes and (self.data_off + c.data_offset) % dtype.itemsize:
+            self.fail(f"{what}: data offset {c.data_offset} is not aligned for {c.dtype}")
+
+    def method(self, m: Method) -> None:
+        where = f"method {m.name!r}"
+        nv, nd, na = len(m.values), len(m.delegates), len(m.arenas)
+        for a, arena in enumerate(m.arenas):
+            for field in ("nbytes", "alignment", "lower_bound"):
+                self.nonneg(getattr(arena, field), f"{where} arena {a} {field}")
+        for j, v in enumerate(m.values):
+            what = f"{where} value {j} ({v.name!r})"
+            self.dtype(v.dtype, what)
+            self.shape(v.shape, what)
+            self.nonneg(v.nbytes, f"{what} nbytes")
+            self.index(v.constant, len(self.p.constants), what, "constant", optional=True)
+            if v.constant >= 0:
+                c = self.p.constants[v.constant]
+                if (c.dtype, c.shape) != (v.dtype, v.shape):
+                    self.fail(f"{what} is {v.dtype}{list(v.shape)} but its constant {v.constant} "
+                              f"({c.name!r}) is {c.dtype}{list(c.shape)}")
+            self.index(v.arena, na, what, "arena", optional=True)
+            if v.arena >= 0 and not 0 <= v.arena_offset <= m.arenas[v.arena].nbytes:
+                self.fail(f"{what}: offset {v.arena_offset} lies outside arena {v.arena} "
+                          f"({m.arenas[v.arena].nbytes} bytes)")
+        for j, vid in enumerate(m.inputs):
+            self.index(vid, nv, f"{where} input {j}", "value")
+        for j, vid in enumerate(m.outputs):
+            self.index(vid, nv, f"{where} output {j}", "value")
+        for j, (buffer, new) in enumerate(m.mutated_buffers):
+            self.index(buffer, nv, f"{where} mutated buffer {j}", "value")
+            self.index(new, nv, f"{where} mutated buffer {j}", "value")
+        for j, ins in enumerate(m.instructions):
+            self.instruction(ins, f"{where} instruction {j} ({ins.name!r})", nv, nd)
+        for j, d in enumerate(m.delegates):
+            what = f"{where} delegate {j}"
+            self.index(d.scratch_arena, na, what, "arena", optional=True)
+            self.nonneg(d.scratch_offset, f"{what} scratch_offset")
+            self.plan(d.plan, what)
+            if d.scratch_arena >= 0 and d.scratch_offset + d.plan.scratch_bytes > m.arenas[d.scratch_arena].nbytes:
+                self.fail(f"{what}: scratch [{d.scratch_offset}, {d.scratch_offset + d.plan.scratch_bytes}) "
+                          f"lies outside arena {d.scratch_arena} ({m.arenas[d.scratch_arena].nbytes} bytes)")
+
+    def instruction(self, ins: Instruction, what: str, nv: int, nd: int) -> None:
+        for k, vid in enumerate(ins.inputs):
+            self.index(vid, nv, f"{what} input {k}", "value")
+        for k, vid in enumerate(ins.outputs):
+            self.index(vid, nv, f"{what} output {k}", "value")
+        self.index(ins.delegate, nd, what, "delegate", optional=ins.kind != InstrKind.DELEGATE)
+        if ins.kind in (InstrKind.COPY_H2D, InstrKind.COPY_D2H, InstrKind.COPY_D2D) and (
+            len(ins.inputs) != 1 or len(ins.outputs) != 1
+        ):
+            self.fail(f"{what}: a copy reads {len(ins.inputs)} values and writes {len(ins.outputs)}; "
+                      "expected 1 and 1")
+        for k, a in enumerate(ins.args):
+            w = f"{what} arg {k}"
+            if a.kind == ArgKind.TENSOR:
+                self.index(a.value, nv, w, "value")
+            elif a.kind == ArgKind.TENSOR_LIST:
+                for e, vid in enumerate(a.value):
+                    self.index(vid, nv, f"{w}[{e}]", "value", optional=True)
+            elif a.kind == ArgKind.DTYPE:
+                self.dtype(a.value, w)
+            elif a.kind == ArgKind.MEMORY_FORMAT and not isinstance(getattr(torch, a.value, None),
+                                                                    torch.memory_format):
+                self.fail(f"{w} has unknown memory format {a.value!r}")
+            elif a.kind == ArgKind.LAYOUT and not isinstance(getattr(torch, a.value, None), torch.layout):
+                self.fail(f"{w} has unknown layout {a.value!r}")
+
+    def plan(self, plan: DelegatePlan, where: str) -> None:
+        self.nonneg(plan.scratch_bytes, f"{where} scratch_bytes")
+        for k, n in enumerate(plan.input_nbytes):
+            self.nonneg(n, f"{where} input_nbytes[{k}]")
+        for k, n in enumerate(plan.output_nbytes):
+            self.nonneg(n, f"{where} output_nbytes[{k}]")
+        bases = {Base.INPUT: len(plan.input_nbytes), Base.OUTPUT: len(plan.output_nbytes), Base.SCRATCH: 1}
+        for k, t in enumerate(plan.tensors):
+            what = f"{where} tensor {k}"
+            self.index(t.index, bases[t.base], what, f"{t.base.name.lower()}")
+            self.nonneg(t.byte_offset, f"{what} byte_offset")
+            self.dtype(t.dtype, what)
+            self.shape(t.shape, what)
+            if len(t.strides) != len(t.shape) or any(s < 0 for s in t.strides):
+                self.fail(f"{what}: strides {list(t.strides)} do not fit shape {list(t.shape)}")
+        nt = len(plan.tensors)
+        for k, launch in enumerate(plan.launches):
+            what = f"{where} launch {k} ({launch.kernel!r})"
+            if any(g < 0 for g in launch.grid):
+                self.fail(f"{what} has a negative grid {list(launch.grid)}")
+            args = [(f"arg {i}", a) for i, a in enumerate(launch.args)]
+            args += [(f"constexpr {name!r}", a) for name, a in launch.constexprs.items()]
+            for w, a in args:
+                if a.kind == KernelArgKind.TENSOR:
+                    self.index(a.value, nt, f"{what} {w}", "plan tensor")

@@ -108,3 +108,25 @@ def supported_cat(node) -> str | None:
         if not isinstance(getattr(arg, "meta", {}).get("val"), torch.Tensor):
             return "an operand of cat is not a tensor"
     return None
+
+
+def split_with_sizes(b, node):
+    """split_with_sizes(x, sizes, dim): a tuple of slices of x along dim, all aliases."""
+    src = b.ref(node.args[0])
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % src.ndim
+    parts, start = [], 0
+    for size in node.args[1]:
+        shape = list(src.shape)
+        shape[dim] = size
+        parts.append(b.view(src, shape, src.strides, src.offset + start * src.strides[dim]))
+        start += size
+    b.bind(node, tuple(parts))
+
+
+def supported_split(node) -> str | None:
+    vals = node.meta.get("val")
+    if not isinstance(vals, (list, tuple)) or not all(isinstance(v, torch.Tensor) for v in vals):
+        return "result is not a list of tensors"
+    if vals and vals[0].dtype not in ew.DTYPES:
+        return f"dtype {vals[0].dtype} is not supported"
+    return None

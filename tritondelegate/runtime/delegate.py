@@ -60,8 +60,9 @@ class DelegateRunner:
         if plan.scratch_bytes and (scratch is None or scratch.numel() < plan.scratch_bytes):
             raise DelegateError(f"delegate needs {plan.scratch_bytes} scratch bytes")
         self._kernels = [self._resolve(launch.kernel, simulated) for launch in plan.launches]
+        used = {a.value for launch in plan.launches for a in launch.args if a.kind == ArgKind.TENSOR}
         self._views: list[torch.Tensor | None] = [
-            _view(scratch, d) if d.base == Base.SCRATCH else None for d in plan.tensors
+            _view(scratch, d) if d.base == Base.SCRATCH and i in used else None for i, d in enumerate(plan.tensors)
         ]
         self._bound: dict[tuple[int, int], int] = {}
         self._calls = []

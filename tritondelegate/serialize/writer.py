@@ -63,6 +63,7 @@ def save_program(program: Program, constant_data: Sequence[torch.Tensor], path) 
                 if c.external < 0 and c.nbytes:
                     f.write(bytes(data_off + c.data_offset - f.tell()))
                     f.write(memoryview(data.numpy()))
+            f.write(bytes(max(0, data_off + data_size - f.tell())))  # alignment of a trailing empty constant
             if f.tell() != data_off + data_size:
                 raise RuntimeError(f"internal error: wrote {f.tell()} bytes, laid out {data_off + data_size}")
         os.replace(tmp, path)

@@ -1,0 +1,115 @@
+import pytest
+import torch
+
+import tritondelegate.decompose
+from harness import FLOAT_DTYPES, check_model, run_delegated
+from tritondelegate.kernels import creation
+
+aten = torch.ops.aten
+DTYPES = FLOAT_DTYPES + (torch.int64, torch.int32, torch.bool)
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_full_and_full_like(dtype):
+    x = torch.randn(17, 33)
+    value = True if dtype == torch.bool else 3 if not dtype.is_floating_point else -2.75
+    fn = lambda x: (  # noqa: E731
+        torch.full((17, 33), value, dtype=dtype),  # full
+        torch.full((), value, dtype=dtype),  # a 0-d full
+        torch.full_like(x, value, dtype=dtype),  # full_like
+        torch.zeros_like(x, dtype=dtype), torch.ones(5, 129, dtype=dtype),  # both become full(_like)
+        x.new_zeros(1, 341, dtype=dtype),
+    )
+    check_model(Fn(fn), (x,))
+
+
+def test_full_special_values():
+    fn = lambda x: (torch.full((3, 17), float("-inf")), torch.full((2, 5), torch.finfo(torch.float16).min,  # noqa: E731
+                    dtype=torch.float16), torch.full((4,), 2**40), x.new_full((3,), -7, dtype=torch.int32))
+    check_model(Fn(fn), (torch.randn(3),))
+
+
+def test_scalar_tensor_via_masked_fill_and_where():
+    # masked_fill(Scalar) and where(cond, x, scalar) decompose to scalar_tensor + where.
+    x = torch.randn(17, 33)
+    fn = lambda x: (x.masked_fill(x > 0, -1e4), torch.where(x < 0, x, 0.5), torch.where(x < 0, 2, x))  # noqa: E731
+    _, plan = check_model(Fn(fn), (x,))
+    assert "scalar_tensor" in {launch.op for launch in plan.launches}
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+def test_masked_fill_half(dtype):
+    x = torch.randn(5, 129, dtype=dtype)
+    fn = lambda x: x.masked_fill(x > 0.5, float("-inf"))  # noqa: E731
+    check_model(Fn(fn), (x,))
+
+
+@pytest.mark.parametrize("dtype", (torch.int64, torch.int32))
+@pytest.mark.parametrize("args", [(1,), (17,), (341,), (2, 9), (-5, 1030, 3), (20, -3, -4)])
+def test_arange_int(dtype, args):
+    check_model(Fn(lambda x: torch.arange(*args, dtype=dtype) + x), (torch.zeros((), dtype=dtype),))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("args", [(17,), (0.5, 3.0, 0.25), (-1.0, 1.0, 0.0625), (10.0, 0.0, -0.75)])
+def test_arange_float(dtype, args):
+    fn = lambda x: torch.arange(*args, dtype=dtype) * x  # noqa: E731
+    check_model(Fn(fn), (torch.ones((), dtype=dtype),))
+
+
+def test_arange_positions_as_in_causal_lms():
+    # position ids and a causal mask: arange, comparisons, a scalar fill.
+    def fn(x):
+        n = x.shape[1]
+        pos = torch.arange(n).unsqueeze(0).expand(x.shape[0], -1)
+        i = torch.arange(n)
+        mask = torch.where(i[None, :] <= i[:, None], 0.0, torch.finfo(torch.float32).min)
+        return pos, mask + x[0, :, :1]
+
+    check_model(Fn(fn), (torch.randn(2, 17, 3),))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.bool))
+@pytest.mark.parametrize("diagonal", (-1, 0, 2))
+def test_tril_triu(dtype, diagonal):
+    # Both decompose to arange, comparisons, scalar_tensor and where.
+    x = (torch.randn(17, 33) > 0) if dtype == torch.bool else torch.randn(17, 33, dtype=dtype)
+    check_model(Fn(lambda x: (torch.tril(x, diagonal), torch.triu(x, diagonal))), (x,))
+
+
+def test_empty_has_the_right_shape_and_launches_nothing():
+    results, plan = run_delegated(Fn(lambda x: (torch.empty(3, 17, dtype=torch.float16), torch.empty_like(x))),
+                                  (torch.randn(5, 2),))
+    assert [(r.shape, r.dtype) for r in results] == [((3, 17), torch.float16), ((5, 2), torch.float32)]
+    assert plan.launches == []
+
+
+def test_fill_scalar_when_kept_whole(monkeypatch):
+    # Default decomposition rewrites fill.Scalar to full_like; a caller that keeps it gets it whole.
+    keep = tritondelegate.decompose.default_keep() + [aten.fill.Scalar]
+    monkeypatch.setattr(tritondelegate.decompose, "default_keep", lambda: keep)
+    _, plan = check_model(Fn(lambda x: (aten.fill.Scalar(x, 1.5), aten.fill.Scalar(x.t(), 7))), (torch.randn(5, 17),))
+    assert {launch.op for launch in plan.launches} >= {"fill", "fill_1"}
+
+
+def _node(fn, *args):
+    ep = torch.export.export(Fn(fn), args)
+    return next(n for n in ep.graph.nodes if n.op == "call_function")
+
+
+def test_support_refusals():
+    assert creation.supported(_node(lambda x: torch.full((3,), 1.0, dtype=torch.float64), torch.ones(1))) \
+        == "dtype torch.float64 is not supported (supported: torch.float32, torch.float16, torch.bfloat16, " \
+           "torch.int64, torch.int32, torch.bool)"
+    node = _node(lambda x: torch.arange(0, 5, 1.5, dtype=torch.int64), torch.ones(1))
+    assert "non-integer" in creation.supported_arange(node)
+    assert creation.supported_arange(_node(lambda x: torch.arange(7), torch.ones(1))) is None

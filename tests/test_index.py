@@ -1,0 +1,168 @@
+import pytest
+import torch
+
+from harness import FLOAT_DTYPES, check_model, run_delegated
+from tritondelegate.kernels import index
+
+INDEX_DTYPES = (torch.int64, torch.int32)
+DATA_DTYPES = FLOAT_DTYPES + (torch.int64,)
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _data(shape, dtype):
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype)
+    return torch.randint(-100, 100, shape, dtype=dtype)
+
+
+# --- embedding ------------------------------------------------------------------------------------
+class Embed(torch.nn.Module):
+    def __init__(self, num, dim, dtype):
+        super().__init__()
+        self.emb = torch.nn.Embedding(num, dim, padding_idx=0, dtype=dtype)
+
+    def forward(self, ids):
+        return self.emb(ids)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_embedding(dtype, index_dtype):
+    ids = torch.randint(0, 129, (3, 33), dtype=index_dtype)
+    _, plan = check_model(Embed(129, 33, dtype), (ids,))
+    assert [launch.kernel for launch in plan.launches] == ["gather"]
+
+
+def test_embedding_single_id():
+    check_model(Embed(17, 1, torch.float32), (torch.tensor([16]),))
+
+
+def test_embedding_of_strided_ids_and_tied_weight():
+    ids = torch.randint(0, 65, (33, 4))
+    model = Embed(65, 17, torch.float32)
+    check_model(Fn(lambda ids: (model(ids.t()), model(ids[::2, 1]) + model.emb.weight[:17])), (ids,))
+
+
+# --- index_select and gather ----------------------------------------------------------------------
+# Each supported data dtype once, each index dtype twice.
+DTYPE_PAIRS = [(torch.float32, torch.int64), (torch.float16, torch.int32), (torch.bfloat16, torch.int64),
+               (torch.int64, torch.int32)]
+
+
+@pytest.mark.parametrize("dtype,index_dtype", DTYPE_PAIRS)
+def test_index_select(dtype, index_dtype):
+    x = _data((17, 5, 33), dtype)
+    idx = torch.randint(0, 5, (9,), dtype=index_dtype)  # in range for every dim of x and its transpose
+    fn = lambda x, i: [torch.index_select(y, d, i) for y in (x, x.transpose(0, 2)) for d in (0, 1, -1)]  # noqa: E731
+    check_model(Fn(fn), (x, idx))
+
+
+def test_index_select_scalar_index():
+    check_model(Fn(lambda x, i: torch.index_select(x, 1, i)), (torch.randn(17, 33), torch.tensor(4)))
+
+
+@pytest.mark.parametrize("dtype,index_dtype", DTYPE_PAIRS)
+def test_gather(dtype, index_dtype):
+    x = _data((17, 6, 33), dtype)
+    idx = torch.randint(0, 6, (9, 5, 21), dtype=index_dtype)  # smaller than x on every dim, as gather allows
+    fn = lambda x, i: [torch.gather(y, d, j) for y, j in ((x, i), (x.permute(1, 0, 2), i[:5, :5, :6]))  # noqa: E731
+                       for d in (0, 1, 2)]
+    check_model(Fn(fn), (x, idx))
+
+
+# --- advanced indexing (index.Tensor) -------------------------------------------------------------
+CASES = {
+    "first_dim": lambda x, i, j: x[i],
+    "middle_dim": lambda x, i, j: x[:, i],
+    "last_dim": lambda x, i, j: x[..., j],
+    "two_adjacent_broadcast": lambda x, i, j: x[:, i[:, None], j[None, :4]],
+    "two_separate": lambda x, i, j: x[i[:4], :, j[:4]],  # non-adjacent: the broadcast dims come first
+    "three": lambda x, i, j: x[i[:3], i[:3], j[:3]],
+    "negative": lambda x, i, j: x[-1 - i],
+    "strided_source": lambda x, i, j: x.transpose(0, 2)[j],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_index_tensor(name):
+    index_dtype = INDEX_DTYPES[sorted(CASES).index(name) % 2]
+    x = torch.randn(17, 5, 33)
+    i = torch.randint(0, 5, (7,), dtype=index_dtype)
+    j = torch.randint(0, 17, (6,), dtype=index_dtype)
+    fn = CASES[name]
+    check_model(Fn(fn), (x, i, j))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + (torch.bool,))
+def test_index_tensor_dtypes(dtype):
+    x = torch.randn(33, 9) > 0 if dtype == torch.bool else torch.randn(33, 9, dtype=dtype)
+    check_model(Fn(lambda x, i: x[i, 1:]), (x, torch.randint(0, 33, (4, 17))))
+
+
+def test_index_as_in_causal_lm_masks():
+    # transformers builds its causal mask with vmap-style broadcast index tensors over an expanded
+    # position tensor and a cumsum of a bool tensor.
+    pos = torch.arange(7)
+
+    def fn(ids):
+        cache = pos.unsqueeze(0).expand(ids.shape[0], -1)
+        b = torch.arange(ids.shape[0])[:, None, None, None]
+        q = pos[None, None, :, None]
+        k = pos[None, None, None, :]
+        seq = torch.cumsum(ids != 0, -1)
+        return (cache[b, k] <= cache[b, q]) & (seq[b, q] == seq[b, k])
+
+    check_model(Fn(fn), (torch.randint(0, 3, (2, 7)),))
+
+
+def test_index_support_refusals():
+    ep = torch.export.export(Fn(lambda x, m: x[m]), (torch.randn(4, 3), torch.ones(4, 3, dtype=torch.bool)))
+    node = next(n for n in ep.graph.nodes if n.target == torch.ops.aten.index.Tensor)
+    assert "boolean mask" in index.supported_index(node)
+    ep = torch.export.export(Fn(lambda x, i: x[i, i, i, i]), (torch.randn(2, 2, 2, 2), torch.ones(2, dtype=torch.int64)))
+    node = next(n for n in ep.graph.nodes if n.target == torch.ops.aten.index.Tensor)
+    assert index.supported_index(node) == "4 index tensors (at most 3)"
+
+
+# --- cumsum ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + (torch.int64, torch.int32, torch.bool))
+def test_cumsum(dtype):
+    shapes = [((1,), 0), ((341,), 0), ((17, 33), 1), ((17, 33), 0), ((3, 5, 7), 1)]
+    xs = [(torch.randn(s) > 0) if dtype == torch.bool else _data(s, dtype) for s, _ in shapes]
+    if dtype.is_floating_point:
+        xs = [(x * 0.1).to(dtype) for x in xs]  # keep long sums well inside the half-precision range
+    fn = lambda *xs: [torch.cumsum(x, d) for x, (_, d) in zip(xs, shapes)]  # noqa: E731
+    if not dtype.is_floating_point:
+        check_model(Fn(fn), xs)  # int64 results, exact
+        return
+    ref = lambda *xs: [torch.cumsum(x, d).to(dtype) for x, (_, d) in zip(xs, shapes)]  # noqa: E731
+    # fp32 reference; the longest scan (341 terms) in half precision gets a wider tolerance.
+    check_model(Fn(fn), xs, reference_args=(Fn(ref), [x.float() for x in xs]), scale=4)
+
+
+def test_cumsum_strided_and_dtype():
+    x = torch.randn(33, 17)
+    check_model(Fn(lambda x: (torch.cumsum(x.t(), 1), torch.cumsum(x[:, 3], 0, dtype=torch.float16),
+                              torch.cumsum(x > 0, 0, dtype=torch.int32))), (x,),
+                reference_args=None, scale=4)
+
+
+# --- split (layout.py; needed by GPT-2's fused qkv projection) ------------------------------------
+def test_split_with_sizes_is_a_view():
+    x = torch.randn(2, 7, 96)
+    fn = lambda x: [p * 2 for p in torch.split(x, [32, 17, 47], dim=2)] + list(torch.chunk(x, 3, 1))  # noqa: E731
+    _, plan = check_model(Fn(fn), (x,))
+    assert [launch.op for launch in plan.launches][:3] == ["mul", "mul_1", "mul_2"]
+
+
+def test_split_outputs_need_no_copy_kernel_of_their_own():
+    results, _ = run_delegated(Fn(lambda x: torch.split(x, [1, 4])), (torch.randn(5, 3),))
+    assert [r.shape for r in results] == [(1, 3), (4, 3)]

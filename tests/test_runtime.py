@@ -1,0 +1,214 @@
+"""The load path and calls: arenas once, resident constants once, streams, errors, damaged files."""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+
+import pytest
+import torch
+
+import tritondelegate as td
+from tritondelegate.models import MLP
+from tritondelegate.runtime import SimulatedAllocator
+from tritondelegate.runtime.allocator import AllocatorError, SimulatedStream
+
+RESIDENT = td.PropagateDeviceConfig(skip_h2d_for_constants=True)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return MLP([16, 24, 8]).eval(), (torch.randn(3, 16),)
+
+
+def _lower(model, args, **config):
+    config.setdefault("propagate_device", RESIDENT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", td.PerCallCopyWarning)
+        return td.lower(torch.export.export(model, args), config=td.LowerConfig(**config))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model, args = _mlp()
+    path = tmp_path / "mlp.tdp"
+    _lower(model, args).save(path)
+    return model, args, path
+
+
+def test_load_allocates_once_and_calls_allocate_nothing(saved):
+    model, args, path = saved
+    allocator = SimulatedAllocator()
+    method = td.load(path, devices={"cuda": allocator}).load_method("forward")
+    assert allocator.allocations == 1  # one arena for cuda:0
+    assert allocator.synchronizations == 1  # once per device at load, not once per constant
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert allocator.copied_bytes["load"] == weights == method.stats.load_h2d_bytes
+    for _ in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(method(*args), model(*args))
+    assert allocator.allocations == 1
+    assert allocator.copied_bytes["load"] == weights  # never copied again
+    assert method.stats.call_h2d_bytes == args[0].numel() * 4
+    assert allocator.copied_bytes["h2d"] == 3 * args[0].numel() * 4
+
+
+def test_copies_and_launches_run_on_the_callers_stream(saved):
+    model, args, path = saved
+    allocator = SimulatedAllocator()
+    load_stream, call_stream = SimulatedStream("load"), SimulatedStream("call")
+    method = td.load(path, devices={"cuda": allocator}).load_method("forward", stream=load_stream)
+    assert allocator.copy_streams and all(s is load_stream for s in allocator.copy_streams)
+    allocator.copy_streams.clear()
+    method(*args, stream=call_stream)
+    assert allocator.copy_streams and all(s is call_stream for s in allocator.copy_streams)
+
+
+def test_device_outputs_are_fresh_unless_reuse_is_asked_for(tmp_path):
+    model, args = _mlp()
+    cfg = td.PropagateDeviceConfig(skip_h2d_for_constants=True, skip_d2h_for_method_outputs=True)
+    lowered = _lower(model, args, propagate_device=cfg)
+    first = lowered.load(devices="simulated").load_method()
+    a = first(*args)
+    b = first(args[0] * 2)
+    assert not torch.equal(a, b)  # the first result did not change under us
+    with torch.no_grad():
+        torch.testing.assert_close(a, model(*args))
+    reuse = lowered.load(devices="simulated").load_method(reuse_output_memory=True)
+    a = reuse(*args)
+    b = reuse(args[0] * 2)
+    assert a.data_ptr() == b.data_ptr()  # documented: the arena is reused by the next call
+
+
+def test_no_allocator_for_the_device_type(saved):
+    _, _, path = saved
+    with pytest.raises(AllocatorError, match="no allocator is registered for device type 'cuda'"):
+        td.load(path, devices={}).load_method("forward")
+
+
+def test_cuda_requested_without_cuda(saved):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(AllocatorError, match="needs CUDA"):
+        td.load(saved[2], devices="cuda")
+
+
+def test_unknown_method_lists_the_methods(saved):
+    with pytest.raises(KeyError, match="no method 'decode'.*forward"):
+        td.load(saved[2], devices="simulated").load_method("decode")
+
+
+def test_missing_program_file(tmp_path):
+    with pytest.raises(td.ProgramError, match="does not exist"):
+        td.load(tmp_path / "nope.tdp")
+
+
+class WithEmpty(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(5))
+        self.register_buffer("empty", torch.zeros(0))
+
+    def forward(self, x):
+        return x * self.w, torch.cat([self.empty + 1, x[0]])
+
+
+def test_zero_byte_constant_loads_without_a_copy(tmp_path):
+    model = WithEmpty()
+    args = (torch.randn(2, 5),)
+    lowered = _lower(model, args)
+    path = tmp_path / "empty.tdp"
+    lowered.save(path)
+    allocator = SimulatedAllocator()
+    method = td.load(path, devices={"cuda": allocator}).load_method()
+    names = [r[0] for r in lowered.reports["forward"].device.resident]
+    assert "empty" in names and "w" in names
+    assert allocator.copies == 1  # w only: the empty buffer needs no copy
+    for o, e in zip(method(*args), model(*args)):
+        torch.testing.assert_close(o, e)
+
+
+def test_external_weights(tmp_path):
+    model, args = _mlp()
+    lowered = _lower(model, args, external_constants=lambda name: name.endswith("weight"))
+    path = tmp_path / "ext.tdp"
+    written = lowered.save(path)
+    assert [os.path.basename(p) for p in written] == ["ext.tdp", "ext.weights.safetensors"]
+    weights = sum(p.numel() * 4 for n, p in model.named_parameters() if n.endswith("weight"))
+    _lower(model, args).save(tmp_path / "inside.tdp")
+    assert os.path.getsize(tmp_path / "inside.tdp") - os.path.getsize(path) >= weights  # not in the program file
+    with torch.no_grad():
+        expected = model(*args)
+    torch.testing.assert_close(td.load(path, devices="simulated").load_method()(*args), expected)
+    # Moved next to another name: found through data_files.
+    moved = tmp_path / "elsewhere.safetensors"
+    os.rename(written[1], moved)
+    with pytest.raises(td.ProgramError, match="ext.weights.safetensors"):
+        td.load(path, devices="simulated").load_method()
+    program = td.load(path, data_files={"ext.weights.safetensors": str(moved)}, devices="simulated")
+    torch.testing.assert_close(program.load_method()(*args), expected)
+
+
+def test_resident_weight_stored_once_across_methods(tmp_path):
+    """A weight resident in one method and read on the host in another adds its bytes once."""
+
+    class Host(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.w = w
+
+        def forward(self, x):
+            return torch.sort(x * 1, dim=-1).values + torch.sort(self.w, dim=-1).values
+
+    class Dev(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.w = w
+
+        def forward(self, x):
+            return x + self.w
+
+    w = torch.nn.Parameter(torch.randn(256, 64))
+    x = torch.randn(256, 64)
+    single = _lower(Dev(w), (x,))
+    both = td.lower({"dev": torch.export.export(Dev(w), (x,)), "host": torch.export.export(Host(w), (x,))},
+                    config=td.LowerConfig(propagate_device=RESIDENT))
+    assert [r[0] for r in both.reports["dev"].device.resident] == ["w"]
+    single.save(tmp_path / "one.tdp")
+    both.save(tmp_path / "two.tdp")
+    growth = os.path.getsize(tmp_path / "two.tdp") - os.path.getsize(tmp_path / "one.tdp")
+    assert growth < w.numel() * 4  # the second method added instructions, not a second copy of w
+    program = td.load(tmp_path / "two.tdp", devices="simulated")
+    torch.testing.assert_close(program.load_method("dev")(x), x + w.detach())
+    torch.testing.assert_close(program.load_method("host")(x), Host(w)(x).detach())
+
+
+def test_damaged_program_files_fail_cleanly_or_run_correctly(tmp_path):
+    model, args = _mlp()
+    path = tmp_path / "good.tdp"
+    _lower(model, args).save(path)
+    good = path.read_bytes()
+    with torch.no_grad():
+        expected = model(*args)
+    rng = random.Random(0)
+    cases = [good[:n] for n in range(0, len(good), max(1, len(good) // 60))]
+    for _ in range(120):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            pos = rng.randrange(0, min(len(good), 64 + (len(good) // 3)))  # header and flatbuffer
+            data[pos] ^= 1 << rng.randrange(8)
+        cases.append(bytes(data))
+    outcomes = {"error": 0, "ran": 0}
+    for i, data in enumerate(cases):
+        bad = tmp_path / f"bad{i}.tdp"
+        bad.write_bytes(data)
+        try:
+            method = td.load(bad, devices="simulated").load_method()
+            out = method(*args)
+        except td.ProgramError:
+            outcomes["error"] += 1
+            continue
+        torch.testing.assert_close(out, expected)
+        outcomes["ran"] += 1
+    assert outcomes["error"] > 0

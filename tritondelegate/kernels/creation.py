@@ -1,0 +1,119 @@
+"""Creation ops: tensors made from scalars, with no tensor operand read.
+
+    full / full_like / fill / scalar_tensor:  out[i] = value         (the pointwise kernel, a scalar copy)
+    arange:                                   out[i] = start + i * step
+    empty / empty_permuted:                   a fresh output, no launch
+
+Sizes, values and dtypes come from the node (static shapes only). ``full`` and friends reuse the
+pointwise kernel with a scalar operand; only ``arange`` needs a kernel of its own, because its value
+depends on the element's index.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+from . import elementwise as ew
+
+BLOCK = 1024
+
+
+# --- kernel ---------------------------------------------------------------------------------------
+@triton.jit
+def arange_kernel(out_ptr, n, start, step, IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr):
+    # out[i] = start + i * step; fp32 math for floating outputs, int64 for integer outputs
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if IS_FLOAT:
+        value = start + offs.to(tl.float32) * step
+    else:
+        value = start + offs * step
+    tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --- host launchers -------------------------------------------------------------------------------
+def launch_fill(b, out, value) -> None:
+    """``out[...] = value`` (a Python scalar), through the pointwise kernel."""
+    ew.launch_pointwise(b, "copy", out, [value])
+
+
+def launch_arange(b, out, start, step) -> None:
+    is_float = out.dtype.is_floating_point
+    if is_float:
+        start, step = float(start), float(step)
+    else:
+        start, step = int(start), int(step)
+    b.launch("arange", (triton.cdiv(out.numel, BLOCK),), out, out.numel, start, step,
+             IS_FLOAT=is_float, BLOCK=BLOCK)
+
+
+# --- lowerings ------------------------------------------------------------------------------------
+def _arange_args(node) -> tuple[object, object]:
+    """(start, step) of any arange overload; the length comes from the node's result."""
+    if node.target == torch.ops.aten.arange.default:
+        return 0, 1
+    start = node.args[0]
+    step = node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
+    return start, step
+
+
+def arange(b, node):
+    start, step = _arange_args(node)
+    launch_arange(b, b.out(node), start, step)
+
+
+def full(b, node):  # full(size, value) / scalar_tensor(value)
+    value = node.args[1] if node.target == torch.ops.aten.full.default else node.args[0]
+    launch_fill(b, b.out(node), value)
+
+
+def full_like(b, node):  # full_like(x, value) / fill.Scalar(x, value): x's shape, not its data
+    launch_fill(b, b.out(node), node.args[1])
+
+
+def empty(b, node):
+    """The contents of an empty tensor are undefined: a fresh output is all it takes."""
+    b.out(node)
+
+
+# --- support checks -------------------------------------------------------------------------------
+def _scalar_args(node) -> list:
+    if node.target in (torch.ops.aten.full.default, torch.ops.aten.full_like.default,
+                       torch.ops.aten.fill.Scalar):
+        return [node.args[1]]
+    if node.target == torch.ops.aten.scalar_tensor.default:
+        return [node.args[0]]
+    if node.target in (torch.ops.aten.arange.default, torch.ops.aten.arange.start,
+                       torch.ops.aten.arange.start_step):
+        return [a for a in _arange_args(node)]
+    return []
+
+
+def supported(node) -> str | None:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return "result is not a tensor"
+    if val.dtype not in ew.DTYPES:
+        return f"dtype {val.dtype} is not supported (supported: {', '.join(map(str, ew.DTYPES))})"
+    for arg in _scalar_args(node):
+        if not isinstance(arg, numbers.Number):
+            return f"value {arg!r} is not a constant number (dynamic values are not supported)"
+    return None
+
+
+def supported_arange(node) -> str | None:
+    reason = supported(node)
+    if reason:
+        return reason
+    start, step = _arange_args(node)
+    dtype = node.meta["val"].dtype
+    if dtype == torch.bool:
+        return "arange with dtype torch.bool is not supported"
+    if not dtype.is_floating_point and not all(isinstance(a, numbers.Integral) for a in (start, step)):
+        return f"integer arange ({dtype}) with non-integer start {start!r} or step {step!r}"
+    return None

@@ -1,0 +1,302 @@
+"""Indexing ops: embedding, index_select, gather and advanced indexing (``index.Tensor``) share one
+gather kernel; ``cumsum`` (the inclusive scan the attention-mask code of causal LMs uses) has its own.
+
+Every gather op is the same formula over the output's coordinates ``o`` (up to ``MAX_RANK`` dims after
+merging contiguous ones):
+
+    out[o] = src[ sum_j o_j * S_j  +  sum_k wrap(idx_k[sum_j o_j * T_kj]) * U_k ]
+
+``S`` maps output dims that walk a source dim directly (0 elsewhere), index tensor ``k`` is seen
+through broadcasting in output coordinates (strides ``T_k``), and its values select along the source
+dim of stride ``U_k`` and size ``N_k``; negative indices wrap once (``i + N_k``). An out-of-range index,
+an error in PyTorch, reads 0 here rather than memory outside the source.
+
+    cumsum:  out[r, l] = sum_{m <= l} x[r, m]      rows r over every dim but ``dim``
+
+accumulated in fp32 for floating inputs and int64 otherwise, a block of rows per program, looping over
+the scanned dim in chunks with a running carry.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import elementwise as ew
+from .builder import TRef, contiguous_strides
+
+MAX_RANK = 5
+MAX_INDICES = 3
+BLOCK = 1024
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+# --- kernels --------------------------------------------------------------------------------------
+@triton.jit
+def _index_term(idx_ptr, i0, i1, i2, i3, i4, t0, t1, t2, t3, t4, size, stride, mask):
+    idx = tl.load(idx_ptr + i0 * t0 + i1 * t1 + i2 * t2 + i3 * t3 + i4 * t4, mask=mask, other=0)
+    idx = idx.to(tl.int64)
+    idx = tl.where(idx < 0, idx + size, idx)
+    return idx * stride, (idx >= 0) & (idx < size)
+
+
+@triton.jit
+def gather_kernel(
+    out_ptr, src_ptr, idx0_ptr, idx1_ptr, idx2_ptr,
+    n, d1, d2, d3, d4,
+    ss0, ss1, ss2, ss3, ss4,
+    t00, t01, t02, t03, t04,
+    t10, t11, t12, t13, t14,
+    t20, t21, t22, t23, t24,
+    size0, size1, size2, u0, u1, u2,
+    NUM_INDICES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    rest = offs
+    i4 = rest % d4
+    rest = rest // d4
+    i3 = rest % d3
+    rest = rest // d3
+    i2 = rest % d2
+    rest = rest // d2
+    i1 = rest % d1
+    i0 = rest // d1
+    src_offs = i0 * ss0 + i1 * ss1 + i2 * ss2 + i3 * ss3 + i4 * ss4
+    valid = mask
+    term, ok = _index_term(idx0_ptr, i0, i1, i2, i3, i4, t00, t01, t02, t03, t04, size0, u0, mask)
+    src_offs += term
+    valid = valid & ok
+    if NUM_INDICES >= 2:
+        term, ok = _index_term(idx1_ptr, i0, i1, i2, i3, i4, t10, t11, t12, t13, t14, size1, u1, mask)
+        src_offs += term
+        valid = valid & ok
+    if NUM_INDICES >= 3:
+        term, ok = _index_term(idx2_ptr, i0, i1, i2, i3, i4, t20, t21, t22, t23, t24, size2, u2, mask)
+        src_offs += term
+        valid = valid & ok
+    value = tl.load(src_ptr + src_offs, mask=valid, other=0)
+    tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def cumsum_kernel(
+    out_ptr, x_ptr,
+    rows, r1, r2, r3,
+    xs0, xs1, xs2, xs3,
+    os0, os1, os2, os3,
+    length, x_stride, out_stride,
+    IS_FLOAT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = r < rows
+    i3 = r % r3
+    rest = r // r3
+    i2 = rest % r2
+    rest = rest // r2
+    i1 = rest % r1
+    i0 = rest // r1
+    x_row = i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3
+    out_row = i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3
+    if IS_FLOAT:
+        carry = tl.zeros([BLOCK_R], dtype=tl.float32)
+    else:
+        carry = tl.zeros([BLOCK_R], dtype=tl.int64)
+    for start in range(0, length, BLOCK_L):
+        cols = start + tl.arange(0, BLOCK_L).to(tl.int64)
+        mask = row_mask[:, None] & (cols < length)[None, :]
+        x = tl.load(x_ptr + x_row[:, None] + cols[None, :] * x_stride, mask=mask, other=0)
+        x = x.to(carry.dtype)
+        acc = tl.cumsum(x, axis=1) + carry[:, None]
+        tl.store(out_ptr + out_row[:, None] + cols[None, :] * out_stride,
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+        carry = carry + tl.sum(x, axis=1)
+
+
+# --- host launchers -------------------------------------------------------------------------------
+def launch_gather(b, out: TRef, src: TRef, direct, indices) -> None:
+    """``out`` (contiguous) from ``src``: ``direct`` holds S (one stride per out dim); ``indices``
+    holds (index TRef, T (one stride per out dim), source dim size N, source dim stride U)."""
+    if not out.is_contiguous():
+        raise ValueError("the gather kernel writes a contiguous output")
+    if not 1 <= len(indices) <= MAX_INDICES:
+        raise NotImplementedError(f"{len(indices)} index tensors (supported: 1 to {MAX_INDICES})")
+    stride_sets = [contiguous_strides(out.shape), list(direct)] + [list(t) for _, t, _, _ in indices]
+    sizes, strides = ew.collapse(out.shape, stride_sets)
+    if len(sizes) > MAX_RANK:
+        raise NotImplementedError(f"indexing over {len(sizes)} non-mergeable dims (at most {MAX_RANK})")
+    pad = MAX_RANK - len(sizes)
+    sizes = [1] * pad + sizes
+    strides = [[0] * pad + s for s in strides]
+    direct_strides, index_strides = strides[1], strides[2:]
+    padded = list(indices) + [indices[0]] * (MAX_INDICES - len(indices))  # unused slots, never read
+    index_strides = index_strides + [[0] * MAX_RANK] * (MAX_INDICES - len(indices))
+    b.launch(
+        "gather", (triton.cdiv(out.numel, BLOCK),),
+        out, src, *(p[0] for p in padded),
+        out.numel, *sizes[1:], *direct_strides, *(s for t in index_strides for s in t),
+        *(p[2] for p in padded), *(p[3] for p in padded),
+        NUM_INDICES=len(indices), BLOCK=BLOCK,
+    )
+
+
+def launch_cumsum(b, out: TRef, x: TRef, dim: int) -> None:
+    other = [d for d in range(x.ndim) if d != dim]
+    sizes, (x_strides, out_strides) = ew.collapse(
+        [x.shape[d] for d in other], [[x.strides[d] for d in other], [out.strides[d] for d in other]])
+    if len(sizes) > 4:
+        raise NotImplementedError(f"cumsum over rows of {len(sizes)} non-mergeable dims (at most 4)")
+    pad = 4 - len(sizes)
+    sizes, x_strides, out_strides = [1] * pad + sizes, [0] * pad + x_strides, [0] * pad + out_strides
+    length = x.shape[dim] if x.ndim else 1
+    rows = math.prod(sizes)
+    block_l = min(triton.next_power_of_2(max(length, 1)), 256)
+    block_r = max(1, min(triton.next_power_of_2(rows), 1024 // block_l))
+    b.launch(
+        "cumsum", (triton.cdiv(rows, block_r),),
+        out, x, rows, *sizes[1:], *x_strides, *out_strides,
+        length, x.strides[dim] if x.ndim else 0, out.strides[dim] if x.ndim else 0,
+        IS_FLOAT=out.dtype.is_floating_point, BLOCK_R=block_r, BLOCK_L=block_l,
+    )
+
+
+# --- lowerings ------------------------------------------------------------------------------------
+def embedding(b, node):  # embedding(weight, indices, padding_idx, ...): out = weight[indices]
+    weight, idx = b.ref(node.args[0]), b.ref(node.args[1])
+    out = b.out(node)
+    direct = [0] * idx.ndim + [weight.strides[1]]
+    launch_gather(b, out, weight, direct, [(idx, list(idx.strides) + [0], weight.shape[0], weight.strides[0])])
+
+
+def index_select(b, node):  # index_select(src, dim, index): src with dim picked by index
+    src, idx = b.ref(node.args[0]), b.ref(node.args[2])
+    out = b.out(node)
+    dim = node.args[1] % max(src.ndim, 1)
+    if src.ndim == 0:  # a 0-d source: index 0 (or -1) of a size-1 dim
+        launch_gather(b, out, src, [0] * out.ndim, [(idx, [0] * out.ndim, 1, 0)])
+        return
+    direct = [0 if j == dim else s for j, s in enumerate(src.strides)]
+    along = [0] * out.ndim
+    along[dim] = idx.strides[0] if idx.ndim else 0
+    launch_gather(b, out, src, direct, [(idx, along, src.shape[dim], src.strides[dim])])
+
+
+def gather(b, node):  # gather(src, dim, index): out[o] = src[o with o_dim := index[o]]
+    src, idx = b.ref(node.args[0]), b.ref(node.args[2])
+    out = b.out(node)
+    if src.ndim == 0:
+        launch_gather(b, out, src, [0] * out.ndim, [(idx, list(idx.strides), 1, 0)])
+        return
+    dim = node.args[1] % src.ndim
+    direct = [0 if j == dim else s for j, s in enumerate(src.strides)]
+    launch_gather(b, out, src, direct, [(idx, list(idx.strides), src.shape[dim], src.strides[dim])])
+
+
+def index(b, node):
+    """index.Tensor(src, [idx or None, ...]): PyTorch advanced indexing with integer index tensors.
+
+    The index tensors broadcast to a shape B. When the indexed dims are adjacent, B replaces them in
+    place; otherwise B comes first, followed by the dims that are not indexed."""
+    src = b.ref(node.args[0])
+    entries = list(node.args[1]) + [None] * (src.ndim - len(node.args[1]))
+    dims = [d for d, e in enumerate(entries) if e is not None]
+    refs = [b.ref(entries[d]) for d in dims]
+    bshape = tuple(torch.broadcast_shapes(*(r.shape for r in refs)))
+    adjacent = dims == list(range(dims[0], dims[-1] + 1))
+    rest = [d for d in range(src.ndim) if d not in dims]
+    before = [d for d in rest if d < dims[0]] if adjacent else []
+    after = [d for d in rest if d not in before]
+    # Output dims: the direct dims before B, B, the direct dims after it.
+    shape = tuple(src.shape[d] for d in before) + bshape + tuple(src.shape[d] for d in after)
+    out = b.out(node)
+    if shape != out.shape:
+        raise ValueError(f"computed index result shape {shape} differs from the traced {out.shape}")
+    zeros_b = [0] * len(bshape)
+    direct = [src.strides[d] for d in before] + zeros_b + [src.strides[d] for d in after]
+    pad_before, pad_after = [0] * len(before), [0] * len(after)
+    indices = [
+        (r, pad_before + list(ew.broadcast_strides(r, bshape)) + pad_after, src.shape[d], src.strides[d])
+        for r, d in zip(refs, dims)
+    ]
+    launch_gather(b, out, src, direct, indices)
+
+
+def cumsum(b, node):  # cumsum(x, dim, dtype=None)
+    x = b.ref(node.args[0])
+    out = b.out(node)
+    launch_cumsum(b, out, x, node.args[1] % max(x.ndim, 1))
+
+
+# --- support checks -------------------------------------------------------------------------------
+def _dtype_reason(val, what: str, allowed) -> str | None:
+    if not isinstance(val, torch.Tensor):
+        return f"{what} is not a tensor"
+    if val.dtype not in allowed:
+        return f"{what} has dtype {val.dtype} (supported: {', '.join(map(str, allowed))})"
+    return None
+
+
+def _val(arg):
+    return getattr(arg, "meta", {}).get("val")
+
+
+def _supported_gather_op(node, src_arg, index_args) -> str | None:
+    out = node.meta.get("val")
+    reason = _dtype_reason(out, "the result", ew.DTYPES) or _dtype_reason(_val(src_arg), "the source", ew.DTYPES)
+    if reason:
+        return reason
+    for arg in index_args:
+        reason = _dtype_reason(_val(arg), "an index", INDEX_DTYPES)
+        if reason:
+            return reason
+    if out.ndim > MAX_RANK:
+        return f"result has {out.ndim} dims (at most {MAX_RANK})"
+    return None
+
+
+def supported_embedding(node) -> str | None:
+    weight = _val(node.args[0])
+    if isinstance(weight, torch.Tensor) and weight.ndim != 2:
+        return f"embedding weight has {weight.ndim} dims, expected 2"
+    return _supported_gather_op(node, node.args[0], [node.args[1]])
+
+
+def supported_index_select(node) -> str | None:
+    idx = _val(node.args[2])
+    if isinstance(idx, torch.Tensor) and idx.ndim > 1:
+        return f"index_select index has {idx.ndim} dims, expected at most 1"
+    return _supported_gather_op(node, node.args[0], [node.args[2]])
+
+
+def supported_gather(node) -> str | None:
+    return _supported_gather_op(node, node.args[0], [node.args[2]])
+
+
+def supported_index(node) -> str | None:
+    entries = [e for e in node.args[1] if e is not None]
+    if not entries:
+        return "index.Tensor without any index tensor"
+    for e in entries:
+        val = _val(e)
+        if isinstance(val, torch.Tensor) and val.dtype in (torch.bool, torch.uint8):
+            return "boolean mask indexing gives a data-dependent shape; only integer index tensors are supported"
+    if len(entries) > MAX_INDICES:
+        return f"{len(entries)} index tensors (at most {MAX_INDICES})"
+    return _supported_gather_op(node, node.args[0], entries)
+
+
+def supported_cumsum(node) -> str | None:
+    out, x = node.meta.get("val"), _val(node.args[0])
+    reason = _dtype_reason(out, "the result", ew.DTYPES) or _dtype_reason(x, "the input", ew.DTYPES)
+    if reason:
+        return reason
+    if out.dtype == torch.bool:
+        return "cumsum into torch.bool is not supported"
+    if x.ndim > 5:
+        return f"input has {x.ndim} dims (at most 5)"
+    return None

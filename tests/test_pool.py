@@ -1,0 +1,115 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import FLOAT_DTYPES, check_model, export_decomposed, run_delegated
+from tritondelegate.kernels import pool
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def check(fn, x, dtype):
+    x = x.to(dtype)
+    return check_model(Fn(fn), (x,), reference_args=(Fn(fn), (x.float(),)))
+
+
+MAX_POOLS = {  # returns (values, indices): the indices are compared exactly
+    "k3_s2_p1": lambda x: F.max_pool2d(x, 3, 2, 1, return_indices=True),
+    "k2_default_stride": lambda x: F.max_pool2d(x, 2, return_indices=True),
+    "rect_dilation2": lambda x: F.max_pool2d(x, (2, 3), (1, 2), (1, 1), dilation=2, return_indices=True),
+    "ceil_mode": lambda x: F.max_pool2d(x, 3, 2, 0, ceil_mode=True, return_indices=True),
+}
+
+
+def all_of(fns):
+    """One model computing every variant: one export, one launch each."""
+    return lambda x: tuple(fn(x) for fn in fns.values())
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 9, 9), (1, 17, 16, 7)], ids=str)
+def test_max_pool2d_with_indices(shape, dtype):
+    _, plan = check(all_of(MAX_POOLS), torch.randn(shape), dtype)
+    assert [launch.kernel for launch in plan.launches] == ["pool2d"] * len(MAX_POOLS)
+
+
+def test_max_pool2d_ties_take_the_first_maximum():
+    # Small integers: every window has ties, and eager's index is the first maximum in row-major order.
+    x = torch.randint(-2, 3, (2, 3, 9, 9)).float()
+    check(MAX_POOLS["k3_s2_p1"], x, torch.float32)
+
+
+def test_max_pool2d_nan_and_minus_inf():
+    x = torch.randn(1, 2, 7, 7)
+    x[0, 0, 1:4, 1:4] = float("-inf")  # a window of -inf: the first tap inside the image wins
+    x[0, 1, 2, 2] = float("nan")  # NaN propagates; the last NaN of the window is its index
+    x[0, 1, 2, 3] = float("nan")
+    fn = lambda x: F.max_pool2d(x, 3, 2, 1, return_indices=True)  # noqa: E731
+    (values, indices), _ = run_delegated(Fn(fn), (x,))
+    expected_values, expected_indices = fn(x)
+    assert values[0, 1, 1, 1].isnan()
+    torch.testing.assert_close(values, expected_values, equal_nan=True)
+    assert torch.equal(indices, expected_indices)
+
+
+def test_max_pool2d_without_indices_writes_none():
+    x = torch.randn(2, 3, 9, 9)
+    _, plan = check(lambda x: F.max_pool2d(x, 3, 2, 1), x, torch.float32)
+    assert not plan.launches[0].constexprs["WRITE_INDICES"].value
+
+
+AVG_POOLS = {
+    "k3_s2_p1": lambda x: F.avg_pool2d(x, 3, 2, 1),
+    "exclude_pad": lambda x: F.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
+    "ceil_mode": lambda x: F.avg_pool2d(x, (3, 2), 2, (1, 0), ceil_mode=True),
+    "divisor_override": lambda x: F.avg_pool2d(x, 2, divisor_override=3),
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_avg_pool2d(dtype):
+    check(all_of(AVG_POOLS), torch.randn(2, 3, 9, 7), dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("out_size, shape", [
+    ((2, 3), (2, 3, 7, 9)),  # windows of uneven size that overlap
+    ((3, 3), (1, 17, 9, 9)),
+    ((5, 7), (1, 1, 16, 16)),
+    ((16, 9), (1, 3, 16, 9)),  # output as large as the input: each window one pixel
+], ids=str)
+def test_adaptive_avg_pool2d(out_size, shape, dtype):
+    check(lambda x: F.adaptive_avg_pool2d(x, out_size), torch.randn(shape), dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 17, 7, 7), (1, 3, 16, 9)], ids=str)
+def test_global_avg_pool(shape, dtype):
+    # AdaptiveAvgPool2d((1, 1)) decomposes to mean.dim([-1, -2], keepdim=True): a reduce.py kernel.
+    pool_ = torch.nn.AdaptiveAvgPool2d((1, 1))
+    _, plan = check(lambda x: torch.flatten(pool_(x), 1), torch.randn(shape), dtype)
+    assert [launch.op for launch in plan.launches] == ["mean"]
+
+
+def _node(fn, x, target):
+    ep = export_decomposed(Fn(fn), (x,))
+    return next(n for n in ep.graph.nodes if n.target is target)
+
+
+def test_unbatched_input():
+    fns = {"max": MAX_POOLS["k3_s2_p1"], "avg": AVG_POOLS["exclude_pad"],
+           "adaptive": lambda x: F.adaptive_avg_pool2d(x, (2, 3))}
+    check(all_of(fns), torch.randn(3, 9, 7), torch.float32)
+
+
+def test_pool_of_other_dtypes_is_refused():
+    node = _node(lambda x: F.avg_pool2d(x, 2), torch.randn(1, 3, 8, 8, dtype=torch.float64),
+                 torch.ops.aten.avg_pool2d.default)
+    assert "dtype torch.float64 is not supported" in pool.supported(node)

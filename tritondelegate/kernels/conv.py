@@ -1,0 +1,159 @@
+"""2-D convolution (``aten.convolution.default``, NCHW, what ``nn.Conv2d`` exports to) as an
+implicit GEMM. For each group g, with Cg = C_in / groups input and Og = C_out / groups output channels:
+
+    out[n, g*Og + o, oh, ow] = bias[g*Og + o] + sum_k A[m, k] * B[k, o]
+        m = (n, oh, ow)                       M = N * OH * OW
+        k = (ci, kh, kw)                      K = Cg * KH * KW   (the weight's own layout)
+        A[m, k] = x[n, g*Cg + ci, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]   (0 in the padding)
+        B[k, o] = weight[g*Og + o, ci, kh, kw]
+
+A is never materialized: each program gathers its [BLOCK_M, BLOCK_K] tile of A straight from x with
+masked loads (the mask is the zero padding), so x, weight and out may have any strides (a permuted
+NHWC input needs no copy). K runs over (ci, kh, kw) flattened, which keeps the tile dense when Cg is
+small (a 3-channel stem, a depthwise conv); a depthwise conv still pays for a 16-wide dot on one
+output channel per group (tl.dot needs every dimension >= 16).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --- kernel ---------------------------------------------------------------------------------------
+@triton.jit
+def conv2d_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr,
+    M, H, W, OH, OW, CIN_G, COUT_G,
+    xs_n, xs_c, xs_h, xs_w,
+    ws_o, ws_i, ws_h, ws_w,
+    os_n, os_c, os_h, os_w,
+    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+    KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+
+    # Rows: output pixels (n, oh, ow). Columns: output channels of group g.
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    ow = offs_m % OW
+    rest = offs_m // OW
+    oh = rest % OH
+    n = rest // OH
+    ih0 = oh * stride_h - pad_h
+    iw0 = ow * stride_w - pad_w
+    x_rows = x_ptr + n * xs_n + g * CIN_G * xs_c  # [BLOCK_M] pointers
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < COUT_G
+    co = g * COUT_G + offs_n  # int64: absolute output channel
+    w_cols = w_ptr + co * ws_o  # [BLOCK_N] pointers
+
+    K = CIN_G * KH * KW
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        ci = (offs_k // (KH * KW)).to(tl.int64)
+        kh = (offs_k // KW) % KH
+        kw = offs_k % KW
+        ih = ih0[:, None] + (kh * dil_h)[None, :]
+        iw = iw0[:, None] + (kw * dil_w)[None, :]
+        a_mask = (mask_m[:, None] & mask_k[None, :]
+                  & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
+        a = tl.load(x_rows[:, None] + ci[None, :] * xs_c + ih * xs_h + iw * xs_w, mask=a_mask, other=0.0)
+        w_offs = ci * ws_i + kh * ws_h + kw * ws_w
+        bt = tl.load(w_cols[None, :] + w_offs[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if DOT_UPCAST:  # the Triton interpreter computes low-precision dots wrongly
+            acc = tl.dot(a.to(tl.float32), bt.to(tl.float32), acc, input_precision="ieee")
+        elif a.dtype == tl.float32:  # "ieee": full fp32 products, as eager computes them (no TF32)
+            acc = tl.dot(a, bt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, bt, acc)
+
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + co, mask=mask_n, other=0.0).to(tl.float32)
+        acc += bias[None, :]
+    out_offs = (n * os_n + oh * os_h + ow * os_w)[:, None] + (co * os_c)[None, :]
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# --- host launcher --------------------------------------------------------------------------------
+def _block(size: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(size, 1))))
+
+
+def launch_conv2d(b, out, x, weight, bias, stride, padding, dilation, groups: int) -> None:
+    """``out = conv2d(x, weight, bias)``; every operand a 4-D NCHW TRef (bias 1-D or None)."""
+    n, c_in, h, w = x.shape
+    c_out, cin_g, kh, kw = weight.shape
+    _, _, oh, ow = out.shape
+    cout_g = c_out // groups
+    m = n * oh * ow
+    block_m = _block(m, 16, 64)
+    block_n = _block(cout_g, 16, 64)
+    block_k = _block(cin_g * kh * kw, 16, 32)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), groups)
+    b.launch(
+        "conv2d", grid,
+        x, weight, bias if bias is not None else out, out,  # out stands in for a missing bias: never read
+        m, h, w, oh, ow, cin_g, cout_g,
+        *x.strides, *weight.strides, *out.strides,
+        *stride, *padding, *dilation,
+        KH=kh, KW=kw, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_UPCAST=False,
+    )
+
+
+# --- support check and lowering -------------------------------------------------------------------
+def _args(node):
+    """convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)"""
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding",
+             "groups")
+    return {**dict(zip(names, node.args)), **node.kwargs}
+
+
+def _pair(v):
+    v = list(v)
+    return (v[0], v[0]) if len(v) == 1 else tuple(v)
+
+
+def supported(node) -> str | None:
+    a = _args(node)
+    if a.get("transposed"):
+        return "transposed convolution is not supported"
+    x, weight, bias = (t.meta.get("val") if hasattr(t, "meta") else None
+                       for t in (a["input"], a["weight"], a.get("bias")))
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return "input or weight is not a tensor"
+    if weight.dim() != 4:
+        return f"{weight.dim() - 2}-D convolution is not supported (2-D only)"
+    if x.dim() != 4:
+        return f"convolution input of rank {x.dim()} is not supported (NCHW only)"
+    for name, t in (("input", x), ("weight", weight), ("bias", bias), ("output", node.meta.get("val"))):
+        if t is None and name == "bias" and a.get("bias") is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a tensor"
+        if t.dtype not in FLOAT_DTYPES:
+            return (f"{name} dtype {t.dtype} is not supported "
+                    f"(supported: {', '.join(map(str, FLOAT_DTYPES))})")
+    if weight.dtype != x.dtype:
+        return f"input dtype {x.dtype} and weight dtype {weight.dtype} differ"
+    return None
+
+
+def convolution(b, node):
+    a = _args(node)
+    bias = a.get("bias")
+    launch_conv2d(
+        b, b.out(node), b.ref(a["input"]), b.ref(a["weight"]),
+        b.ref(bias) if bias is not None else None,
+        _pair(a["stride"]), _pair(a["padding"]), _pair(a["dilation"]), int(a["groups"]),
+    )

@@ -12,6 +12,9 @@ import torch
 from tritondelegate.backend import build_plan
 from tritondelegate.runtime.delegate import DelegateRunner
 
+# Kernels run natively on a GPU when there is one, else under the Triton interpreter on host memory.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 # Odd sizes first: 1, primes, a power of two plus one.
 SIZES = (1, 17, 33, 64, 129)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -56,13 +59,13 @@ def run_delegated(model, args):
     state = {**dict(ep.named_parameters()), **dict(ep.named_buffers()), **ep.constants}
     user = iter(args)
     values = [
-        (state[spec.target] if spec.target is not None else next(user)).contiguous()
+        (state[spec.target] if spec.target is not None else next(user)).contiguous().to(DEVICE)
         for spec in ep.graph_signature.input_specs
     ]
-    results = [torch.empty(o.meta["val"].shape, dtype=o.meta["val"].dtype) for o in outputs]
-    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8)
-    DelegateRunner(plan, scratch, simulated=True)(values, results)
-    return results, plan
+    results = [torch.empty(o.meta["val"].shape, dtype=o.meta["val"].dtype, device=DEVICE) for o in outputs]
+    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=DEVICE)
+    DelegateRunner(plan, scratch, simulated=DEVICE == "cpu")(values, results)
+    return [r.cpu() for r in results], plan
 
 
 def check_model(model, args, dtype=None, scale=1.0, reference_args=None):

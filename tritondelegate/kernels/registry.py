@@ -13,8 +13,18 @@ from typing import Callable
 
 import torch
 
+from . import attention as attn
+from . import batchnorm as bn
+from . import conv
+from . import creation
+from . import index as idx
 from . import elementwise as ew
 from . import layout
+from . import matmul as mm
+from . import norm
+from . import pool
+from . import reduce as red
+from . import softmax as sm
 
 aten = torch.ops.aten
 
@@ -97,10 +107,81 @@ OPS: dict[object, OpSpec] = {
     aten.squeeze.dims: _view(layout.squeeze),
     aten.squeeze.default: _view(layout.squeeze),
     aten.cat.default: OpSpec(layout.cat, layout.supported_cat),
+    aten.split_with_sizes.default: _view(layout.split_with_sizes, layout.supported_split),
+    # creation: creation.py
+    aten.scalar_tensor.default: OpSpec(creation.full, creation.supported),
+    aten.full.default: OpSpec(creation.full, creation.supported),
+    aten.full_like.default: OpSpec(creation.full_like, creation.supported),
+    aten.fill.Scalar: OpSpec(creation.full_like, creation.supported),
+    aten.arange.default: OpSpec(creation.arange, creation.supported_arange),
+    aten.arange.start: OpSpec(creation.arange, creation.supported_arange),
+    aten.arange.start_step: OpSpec(creation.arange, creation.supported_arange),
+    aten.empty.memory_format: OpSpec(creation.empty, creation.supported),
+    aten.empty_permuted.default: OpSpec(creation.empty, creation.supported),
+    # indexing: index.py
+    aten.embedding.default: OpSpec(idx.embedding, idx.supported_embedding),
+    aten.index_select.default: OpSpec(idx.index_select, idx.supported_index_select),
+    aten.gather.default: OpSpec(idx.gather, idx.supported_gather),
+    aten.index.Tensor: OpSpec(idx.index, idx.supported_index),
+    aten.cumsum.default: OpSpec(idx.cumsum, idx.supported_cumsum),
+    # matmul: matmul.py
+    aten.mm.default: OpSpec(mm.mm, mm.supported),
+    aten.addmm.default: OpSpec(mm.addmm, mm.supported),
+    aten.bmm.default: OpSpec(mm.bmm, mm.supported),
+    aten.baddbmm.default: OpSpec(mm.baddbmm, mm.supported),
+    aten.linear.default: OpSpec(mm.linear, mm.supported_linear),
+    # convolution: conv.py
+    aten.convolution.default: OpSpec(conv.convolution, conv.supported),
+    # pooling: pool.py (global average pooling exports to mean.dim: reduce.py below)
+    aten.max_pool2d_with_indices.default: OpSpec(pool.max_pool2d_with_indices, pool.supported),
+    aten.avg_pool2d.default: OpSpec(pool.avg_pool2d, pool.supported),
+    aten._adaptive_avg_pool2d.default: OpSpec(pool.adaptive_avg_pool2d, pool.supported),
+    # batch norm (eval): batchnorm.py
+    aten._native_batch_norm_legit_no_training.default: OpSpec(bn.batch_norm_no_training, bn.supported),
+    # attention: attention.py
+    aten.scaled_dot_product_attention.default: OpSpec(attn.sdpa, attn.supported),
+    # softmax: softmax.py
+    aten._softmax.default: OpSpec(sm.softmax(log=False), sm.supported),
+    aten._log_softmax.default: OpSpec(sm.softmax(log=True), sm.supported),
+    aten.softmax.int: OpSpec(sm.softmax(log=False), sm.supported),
+    aten.log_softmax.int: OpSpec(sm.softmax(log=True), sm.supported),
+    # normalization: norm.py
+    aten.layer_norm.default: OpSpec(norm.layer_norm, norm.supported),
+    aten.native_layer_norm.default: OpSpec(norm.native_layer_norm, norm.supported),
+    aten.rms_norm.default: OpSpec(norm.rms_norm, norm.supported),
+    # reductions: reduce.py (mean.dim over any dims, global average pooling included)
+    aten.sum.dim_IntList: OpSpec(red.sum_, red.supported_sum),
+    aten.sum.default: OpSpec(red.sum_, red.supported_sum),
+    aten.mean.dim: OpSpec(red.mean, red.supported_sum),
+    aten.mean.default: OpSpec(red.mean, red.supported_sum),
+    aten.prod.dim_int: OpSpec(red.prod, red.supported_sum),
+    aten.prod.default: OpSpec(red.prod, red.supported_sum),
+    aten.amax.default: OpSpec(red.extreme("max"), red.supported_float),
+    aten.amin.default: OpSpec(red.extreme("min"), red.supported_float),
+    aten.max.default: OpSpec(red.extreme("max"), red.supported_float),
+    aten.min.default: OpSpec(red.extreme("min"), red.supported_float),
+    aten.max.dim: OpSpec(red.extreme_dim("argmax"), red.supported_float),
+    aten.min.dim: OpSpec(red.extreme_dim("argmin"), red.supported_float),
+    aten.argmax.default: OpSpec(red.arg_extreme("argmax"), red.supported_float),
+    aten.argmin.default: OpSpec(red.arg_extreme("argmin"), red.supported_float),
+    aten.var.correction: OpSpec(red.var, red.supported_float),
+    aten.var_mean.correction: OpSpec(red.var_mean, red.supported_float),
+    aten.linalg_vector_norm.default: OpSpec(red.vector_norm, red.supported_norm),
 }
 
 KERNELS: dict[str, object] = {
     "pointwise": ew.pointwise_kernel,
+    "arange": creation.arange_kernel,
+    "gather": idx.gather_kernel,
+    "cumsum": idx.cumsum_kernel,
+    "matmul": mm.matmul_kernel,
+    "conv2d": conv.conv2d_kernel,
+    "pool2d": pool.pool2d_kernel,
+    "batch_norm": bn.batch_norm_kernel,
+    "attention": attn.attention_kernel,
+    "softmax": sm.softmax_kernel,
+    "norm": norm.norm_kernel,
+    "reduce": red.reduce_kernel,
 }
 
 

@@ -1,0 +1,142 @@
+import copy
+
+import pytest
+import torch
+
+from harness import FLOAT_DTYPES, check_model, export_decomposed
+from tritondelegate.decompose import decompose
+from tritondelegate.kernels import norm
+
+COLS = (1, 17, 33, 129, 1025)
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+class LlamaRMSNorm(torch.nn.Module):
+    """The hand-written RMSNorm of Llama-style models: it decomposes to pow/mean/add/rsqrt/mul."""
+
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(hidden))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def randomized(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p))
+    return module
+
+
+def check_in(dtype, module, x, **kwargs):
+    """Run ``module`` in ``dtype`` and judge it against the fp32 module on the fp32 input."""
+    low = copy.deepcopy(module).to(dtype)
+    x = x.to(dtype)
+    return check_model(low, (x,), reference_args=(module, (x.float(),)), **kwargs)
+
+
+def kernels(plan):
+    return [launch.kernel for launch in plan.launches]
+
+
+@pytest.mark.parametrize("cols", COLS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_layer_norm_is_one_launch(cols, dtype):
+    module = randomized(torch.nn.LayerNorm(cols))
+    _, plan = check_in(dtype, module, torch.randn(2, 3, cols) * 2 + 1)
+    assert kernels(plan) == ["norm"]
+
+
+@pytest.mark.parametrize("cols", COLS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rms_norm(cols, dtype):
+    module = randomized(torch.nn.RMSNorm(cols))
+    _, plan = check_in(dtype, module, torch.randn(5, cols))
+    assert kernels(plan) == ["norm"]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_llama_rms_norm(dtype):
+    # decomposed: pow, mean over the last dim (reduce.py), add, rsqrt, mul
+    module = LlamaRMSNorm(129)
+    ep = export_decomposed(module, (torch.randn(3, 129),))
+    targets = {n.target for n in ep.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.mean.dim in targets
+    _, plan = check_in(dtype, module, torch.randn(2, 3, 129))
+    assert "reduce" in kernels(plan)
+
+
+def test_norms_without_weights_and_over_several_dims():
+    fn = Fn(lambda x, w: (
+        torch.nn.functional.layer_norm(x, (5, 7)),
+        torch.nn.functional.layer_norm(x, (7,), eps=1e-2),
+        torch.nn.functional.rms_norm(x, (5, 7)),
+        torch.nn.functional.rms_norm(x, (7,), w, eps=0.5),
+    ))
+    check_model(fn, (torch.randn(3, 5, 7), torch.randn(7)))
+
+
+def test_layer_norm_with_weight_but_no_bias_and_strided_input():
+    module = Fn(lambda x, w: torch.nn.functional.layer_norm(x.transpose(1, 2), (17,), w))
+    x, w = torch.randn(2, 17, 9), torch.randn(17)
+    _, plan = check_model(module, (x, w))
+    assert kernels(plan) == ["norm"]  # strided rows and columns need no copy
+
+
+@pytest.mark.parametrize("read_stats", (False, True))
+def test_native_layer_norm_outputs(read_stats):
+    w, b = torch.randn(33), torch.randn(33)
+    if read_stats:
+        fn = Fn(lambda x: torch.native_layer_norm(x, (33,), w, b, 1e-5))
+    else:
+        fn = Fn(lambda x: torch.native_layer_norm(x, (33,), w, b, 1e-5)[0] * 2)
+    _, plan = check_model(fn, (torch.randn(4, 3, 33) + 3,))
+    assert plan.launches[0].constexprs["STATS"].value is read_stats
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_looping_rows(monkeypatch, dtype):
+    # 32-wide chunks: statistics first (Welford merges for layer norm), then a normalizing pass.
+    # A mean of 1000 against a spread of 1 would lose most digits in a sum-of-squares variance
+    # (about 3% here); in fp32 the inputs themselves are only 6e-5 apart near 1000, so the
+    # outputs agree to about 2e-4 (scale 4).
+    monkeypatch.setattr(norm, "MAX_BLOCK_C", 32)
+    fn = Fn(lambda x, w, b: (
+        torch.native_layer_norm(x, (129,), w, b, 1e-5),
+        torch.nn.functional.rms_norm(x, (129,), w),
+        torch.nn.functional.layer_norm(x - 1000.0, (2, 129)),
+    ))
+    args = [(torch.randn(3, 2, 129) + 1000.0).to(dtype), torch.randn(129, dtype=dtype),
+            torch.randn(129, dtype=dtype)]
+    scale = 4 if dtype == torch.float32 else 1
+    check_model(fn, args, dtype=dtype, scale=scale, reference_args=(fn, [a.float() for a in args]))
+
+
+def test_layer_norm_past_the_block_cap():
+    module = randomized(torch.nn.LayerNorm(norm.MAX_BLOCK_C + 3))
+    check_in(torch.float16, module, torch.randn(2, norm.MAX_BLOCK_C + 3))
+
+
+def test_support_reasons():
+    def node(fn, x, **kwargs):
+        ep = decompose(torch.export.export(Fn(fn), (x,), **kwargs))
+        return next(n for n in ep.graph.nodes if n.target == torch.ops.aten.layer_norm.default)
+
+    ln = lambda x: torch.nn.functional.layer_norm(x, (3,))  # noqa: E731
+    assert norm.supported(node(ln, torch.randn(2, 3))) is None
+    assert "float64" in norm.supported(node(ln, torch.randn(2, 3, dtype=torch.float64)))
+    dyn = node(ln, torch.randn(4, 3), dynamic_shapes=(({0: torch.export.Dim("rows")},),))
+    assert "dynamic shape" in norm.supported(dyn)

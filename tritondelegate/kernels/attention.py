@@ -1,0 +1,316 @@
+"""Scaled dot-product attention (``aten.scaled_dot_product_attention``): one flash-attention launch.
+
+    out[b, h, i, :] = sum_j softmax_j(s[i, j]) v[b, hk, j, :]        hk = h // (Hq / Hkv)  (GQA)
+    s[i, j] = scale * <q[b, h, i, :], k[b, hk, j, :]> + bias[b, h, i, j]
+    bias = 0 where kept, -inf where a bool mask is False or (is_causal) j > i, else the float mask
+
+The keys are walked in BLOCK_N tiles with an online softmax (running max ``m``, running sum ``l``,
+fp32 accumulator rescaled by exp(m_old - m_new)); scores live in the log2 domain (log2(e) folded into
+``scale``) so every exponential is an ``exp2``. A row whose every key is masked out gives 0, as
+PyTorch's safe softmax does. Operands are read through their strides (a ``view + transpose`` needs no
+copy; batch/head broadcast is stride 0); the head dims are padded to powers of two and masked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import elementwise as ew
+from .builder import TRef
+
+aten = torch.ops.aten
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1 (batch * heads)
+
+
+# --- kernel ---------------------------------------------------------------------------------------
+@triton.jit
+def _dot(a, b, acc, DOT_UPCAST: tl.constexpr):
+    # acc + a @ b in fp32. fp32 operands use IEEE products (no TF32) so fp32 matches eager; the
+    # interpreter computes low-precision dots wrongly, so DOT_UPCAST widens the tiles there.
+    if DOT_UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if a.dtype == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _attention_tiles(
+    acc, l_i, m_i, q, k_base, v_base, mask_rows,
+    offs_m, offs_d, offs_dv, sk_n, sk_d, sv_n, sv_d, smask_n,
+    Lq, Lk, qk_scale, lo, hi,
+    E: tl.constexpr, EV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    BOUNDARY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    # Key tiles [lo, hi). BOUNDARY tiles may cross Lk or the causal diagonal and are masked;
+    # the others are whole and below the diagonal, so they skip that work.
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        start = tl.cast(start_n, tl.int64)  # the tile's base in int64; offsets inside it in int32
+        kt_ptrs = (k_base + start * sk_n) + (offs_n0[None, :] * sk_n + offs_d[:, None] * sk_d)
+        v_ptrs = (v_base + start * sv_n) + (offs_n0[:, None] * sv_n + offs_dv[None, :] * sv_d)
+        if BOUNDARY:
+            kt = tl.load(kt_ptrs, mask=(offs_d[:, None] < E) & (offs_n[None, :] < Lk), other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < EV), other=0.0)
+        else:
+            kt = tl.load(kt_ptrs, mask=offs_d[:, None] < E, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < EV, other=0.0)
+        qk = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_UPCAST) * qk_scale
+        if MASK != "none":
+            mask_ptrs = (mask_rows + start * smask_n) + offs_n0[None, :] * smask_n
+            in_bounds = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
+            if MASK == "bool":
+                keep = tl.load(mask_ptrs, mask=in_bounds, other=0)
+                qk = tl.where(keep != 0, qk, float("-inf"))
+            else:
+                bias = tl.load(mask_ptrs, mask=in_bounds, other=0.0).to(tl.float32)
+                # To the log2 domain; finite values below -FLT_MAX / log2(e) (HF's finfo.min) stay
+                # finite, so a row masked by them averages v as eager does instead of giving 0.
+                qk += tl.where(bias > -2.0e38, bias * 1.4426950408889634, bias)
+        if BOUNDARY:
+            valid = offs_n[None, :] < Lk
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            qk = tl.where(valid, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASK != "none":
+            # No key of the row kept yet: subtract 0, not -inf (which would give NaN).
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
+    sq_b, sq_h, sq_m, sq_d,
+    sk_b, sk_h, sk_n, sk_d,
+    sv_b, sv_h, sv_n, sv_d,
+    smask_b, smask_h, smask_m, smask_n,
+    so_b, so_h, so_m, so_d,
+    H, GROUP, Lq, Lk, qk_scale,
+    E: tl.constexpr, EV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = tl.cast(pid_m * BLOCK_M, tl.int64)  # block bases in int64 (sizes may pass 2^31),
+    offs_d = tl.arange(0, BLOCK_D)  # offsets inside a block in int32
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q_ptrs = (q_ptr + b * sq_b + h * sq_h + row0 * sq_m) + (rows * sq_m + offs_d[None, :] * sq_d)
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < E), other=0.0)
+    k_base = k_ptr + b * sk_b + hk * sk_h
+    v_base = v_ptr + b * sv_b + hk * sv_h
+    mask_rows = (mask_ptr + b * smask_b + h * smask_h + row0 * smask_m) + rows * smask_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if CAUSAL:
+        # Top-left aligned (key j visible from query i when j <= i): tiles past the diagonal
+        # are skipped, tiles wholly below it need no mask.
+        whole = tl.minimum(pid_m * BLOCK_M + 1, Lk) // BLOCK_N * BLOCK_N
+        hi = tl.minimum((pid_m + 1) * BLOCK_M - 1, Lk)
+    else:
+        whole = Lk // BLOCK_N * BLOCK_N
+        hi = Lk
+    acc, l_i, m_i = _attention_tiles(
+        acc, l_i, m_i, q, k_base, v_base, mask_rows,
+        offs_m, offs_d, offs_dv, sk_n, sk_d, sv_n, sv_d, smask_n,
+        Lq, Lk, qk_scale, 0, whole,
+        E, EV, MASK, CAUSAL, False, BLOCK_M, BLOCK_N, DOT_UPCAST,
+    )
+    acc, l_i, m_i = _attention_tiles(
+        acc, l_i, m_i, q, k_base, v_base, mask_rows,
+        offs_m, offs_d, offs_dv, sk_n, sk_d, sv_n, sv_d, smask_n,
+        Lq, Lk, qk_scale, whole, hi,
+        E, EV, MASK, CAUSAL, True, BLOCK_M, BLOCK_N, DOT_UPCAST,
+    )
+    # A row with no key kept (or no key at all) has l = 0 and acc = 0: it gives 0, as torch does.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_ptrs = (out_ptr + b * so_b + h * so_h + row0 * so_m) + (rows * so_m + offs_dv[None, :] * so_d)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < EV))
+
+
+# --- host launcher --------------------------------------------------------------------------------
+def _as_4d(ref: TRef, b) -> TRef:
+    """``ref`` with size-1, stride-0 dims prepended up to rank 4 (a view; no copy)."""
+    pad = 4 - ref.ndim
+    return b.view(ref, (1,) * pad + ref.shape, (0,) * pad + ref.strides)
+
+
+def _bcast(shape, strides, target) -> tuple[int, ...]:
+    """Strides of a 4-d operand seen at ``target``'s size: 0 on broadcast (size-1) dims."""
+    return tuple(0 if n == 1 and t != 1 else s for n, s, t in zip(shape, strides, target))
+
+
+def block_sizes(lq: int, lk: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100-class GPU.
+
+    fp16/bf16: 128 x 64 tiles on 8 warps for heads up to 128 (the FlashAttention-2 / Triton tutorial
+    shape, wgmma); 64 x 32 for larger heads so the fp32 accumulator stays in registers. fp32 runs
+    IEEE FMA dots, whose operands live in registers: smaller tiles. Each choice was compiled for
+    sm_90 (triton 3.9, ptxas -v): no register spills, or a few dozen bytes at heads of 128 and 256
+    in fp16/bf16. Short sequences (decode, Lq = 1) shrink the tiles, down to the 16 that ``tl.dot``
+    needs. Not yet timed on a GPU.
+    """
+    if dtype == torch.float32:
+        block_m, block_n = 32, (32 if head_dim <= 64 else 16)
+        num_warps, num_stages = (4 if head_dim <= 64 else 8), 2
+    elif head_dim <= 128:
+        block_m, block_n, num_warps, num_stages = 128, 64, 8, 3
+    else:
+        block_m, block_n, num_warps, num_stages = 64, 32, 8, 2
+    block_m = min(block_m, max(16, triton.next_power_of_2(lq)))
+    block_n = min(block_n, max(16, triton.next_power_of_2(lk)))
+    if block_m < 64 and dtype != torch.float32:
+        num_warps = 4
+    return block_m, block_n, num_warps, num_stages
+
+
+def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None,
+                     is_causal: bool, scale: float) -> None:
+    """``out = sdpa(q, k, v, mask)``; q [.., Hq, Lq, E], k/v [.., Hkv, Lk, E/Ev], rank 2 to 4."""
+    out4, q4, k4, v4 = (_as_4d(t, b) for t in (out, q, k, v))
+    batch, heads, lq, ev = out4.shape
+    lk, e = k4.shape[2], q4.shape[3]
+    sq = _bcast(q4.shape, q4.strides, (batch, heads, lq, e))
+    sk = _bcast(k4.shape, k4.strides, (batch, k4.shape[1], lk, e))
+    sv = _bcast(v4.shape, v4.strides, (batch, v4.shape[1], lk, ev))
+    group = heads // k4.shape[1]
+    if mask is None:
+        mask_arg, smask, kind = q4, (0, 0, 0, 0), "none"
+    else:
+        mask_arg, smask = mask, ew.broadcast_strides(mask, (batch, heads, lq, lk))
+        kind = "bool" if mask.dtype == torch.bool else "float"
+    block_m, block_n, num_warps, num_stages = block_sizes(lq, lk, max(e, ev), q.dtype)
+    b.launch(
+        "attention", (triton.cdiv(lq, block_m), batch * heads),
+        q4, k4, v4, mask_arg, out4,
+        *sq, *sk, *sv, *smask, *out4.strides,
+        heads, group, lq, lk, float(scale) * LOG2E,
+        E=e, EV=ev, MASK=kind, CAUSAL=bool(is_causal),
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(e)), BLOCK_DV=max(16, triton.next_power_of_2(ev)),
+        DOT_UPCAST=False, num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+# --- support check and lowering -------------------------------------------------------------------
+_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def _params(node) -> dict:
+    params = dict(_DEFAULTS)
+    params.update(zip(_PARAMS, node.args))
+    params.update(node.kwargs)
+    return params
+
+
+def _val(arg):
+    return arg.meta.get("val") if hasattr(arg, "meta") else None
+
+
+def supported(node) -> str | None:
+    """None when the kernel computes this sdpa node exactly as eager does, else the reason."""
+    p = _params(node)
+    q, k, v = (_val(p[n]) for n in ("query", "key", "value"))
+    out = node.meta.get("val")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v, out)):
+        return "query, key, value and the result must be tensors"
+    if any(not isinstance(s, int) for t in (q, k, v, out) for s in t.shape):
+        return "dynamic shapes are not supported (the kernel is specialized to static sizes)"
+    if q.dtype not in ew.FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return (f"query/key/value dtypes {q.dtype}/{k.dtype}/{v.dtype}: all three must be one of "
+                f"{', '.join(map(str, ew.FLOAT_DTYPES))}")
+    if p["dropout_p"] != 0:
+        return (f"dropout_p={p['dropout_p']} is not supported (the kernel is inference-only); "
+                "export the model in eval mode or pass dropout_p=0")
+    if not (q.ndim == k.ndim == v.ndim == out.ndim) or not 2 <= q.ndim <= 4:
+        return f"query/key/value of ranks {q.ndim}/{k.ndim}/{v.ndim}: the kernel takes ranks 2 to 4, all equal"
+    e, ev = q.shape[-1], v.shape[-1]
+    if k.shape[-1] != e or k.shape[-2] != v.shape[-2]:
+        return f"key {tuple(k.shape)} does not match query {tuple(q.shape)} / value {tuple(v.shape)}"
+    if max(e, ev) > MAX_HEAD_DIM:
+        return f"head dim {max(e, ev)} is larger than {MAX_HEAD_DIM}"
+    lead = tuple(out.shape[:-2])
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if q.ndim == 4 and t.shape[0] not in (1, out.shape[0]):
+            return f"{name} batch {t.shape[0]} does not broadcast to {out.shape[0]}"
+    hq, hkv = lead[-1] if lead else 1, k.shape[-3] if k.ndim >= 3 else 1
+    if q.ndim >= 3 and q.shape[-3] not in (1, hq):
+        return f"query heads {q.shape[-3]} do not broadcast to {hq}"
+    if v.ndim >= 3 and v.shape[-3] != hkv:
+        return f"key heads {hkv} and value heads {v.shape[-3]} differ"
+    if hq % hkv or (hkv not in (1, hq) and not p["enable_gqa"]):
+        return (f"{hq} query heads over {hkv} key/value heads: needs enable_gqa=True and a "
+                "query head count that is a multiple of the key/value head count")
+    batch = out.shape[0] if out.ndim == 4 else 1
+    if batch * hq > MAX_GRID_Y:
+        return f"batch * heads = {batch * hq} is more than the {MAX_GRID_Y} the launch grid allows"
+    mask = p["attn_mask"]
+    if mask is not None:
+        m = _val(mask)
+        if not isinstance(m, torch.Tensor):
+            return "attn_mask must be a tensor"
+        if m.dtype != torch.bool and m.dtype not in ew.FLOAT_DTYPES:
+            return f"attn_mask dtype {m.dtype}: it must be bool (True = attend) or a float dtype (added)"
+        target = tuple(out.shape[:-1]) + (k.shape[-2],)
+        if m.ndim > len(target) or any(a not in (1, t) for a, t in zip(reversed(m.shape), reversed(target))):
+            return f"attn_mask {tuple(m.shape)} does not broadcast to the scores {target}"
+        if p["is_causal"]:
+            return ("is_causal=True with an attn_mask: PyTorch's backends disagree on it (the math "
+                    "path refuses it); fold the causal mask into attn_mask")
+    return None
+
+
+def _seq_major(node) -> bool:
+    """Whether every user swaps the head and sequence dims (``out.transpose(1, 2)`` before the
+    output projection): then the result is stored as [B, Lq, H, Ev] and that transpose and the
+    reshape after it are free views, as with FlashAttention's output layout."""
+    def swaps(user):
+        if user.target == aten.permute.default:
+            return [d % 4 for d in user.args[1]] == [0, 2, 1, 3]
+        if user.target == aten.transpose.int:
+            return {d % 4 for d in user.args[1:3]} == {1, 2}
+        return False
+
+    return node.meta["val"].ndim == 4 and bool(node.users) and all(swaps(u) for u in node.users)
+
+
+def sdpa(b, node):
+    p = _params(node)
+    q, k, v = (b.ref(p[n]) for n in ("query", "key", "value"))
+    mask = b.ref(p["attn_mask"]) if p["attn_mask"] is not None else None
+    scale = p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    val = node.meta["val"]
+    if _seq_major(node):
+        n, h, l, e = val.shape
+        out = b.view(b.alloc((n, l, h, e), val.dtype), val.shape, (l * h * e, e, h * e, 1), 0)
+        b.bind(node, out)
+    else:
+        out = b.out(node)
+    launch_attention(b, out, q, k, v, mask, bool(p["is_causal"]), scale)

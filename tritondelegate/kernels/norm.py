@@ -1,0 +1,164 @@
+"""LayerNorm and RMSNorm over the trailing ``normalized_shape`` dims, weight and bias optional.
+
+    layer_norm: mean = sum_c x_c / N     rstd = 1 / sqrt(sum_c (x_c - mean)^2 / N + eps)
+                y_c = (x_c - mean) * rstd * w_c + b_c
+    rms_norm:   rstd = 1 / sqrt(sum_c x_c^2 / N + eps)            y_c = x_c * rstd * w_c
+
+One program normalizes BLOCK_R rows of the [rows, cols] view of ``rows.py``. A row that fits one
+BLOCK_C chunk is loaded once and normalized in registers; a longer row is read twice: once for its
+statistics (Welford chunks for layer_norm, a sum of squares for rms_norm), once to normalize. Math is
+fp32. ``native_layer_norm`` also stores mean and rstd (one per row) when its graph reads them.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import triton
+import triton.language as tl
+
+from . import rows as rw
+from .builder import TRef
+from .elementwise import FLOAT_DTYPES
+from .rows import row_offsets, row_welford
+
+MAX_BLOCK_C = 4096
+
+
+# --- kernel ---------------------------------------------------------------------------------------
+@triton.jit
+def norm_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr,
+    rows, cols, n1, n2,
+    xs0, xs1, xs2, xsc,
+    os0, os1, os2, osc,
+    eps,
+    RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr,
+    ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < rows
+    x_row = x_ptr + row_offsets(r, n1, n2, xs0, xs1, xs2)[:, None]
+    out_row = out_ptr + row_offsets(r, n1, n2, os0, os1, os2)[:, None]
+    cc = tl.arange(0, BLOCK_C)
+    if ONE_PASS:
+        cmask = cc < cols
+        mask = rmask[:, None] & cmask[None, :]
+        c64 = cc.to(tl.int64)
+        x = tl.load(x_row + c64[None, :] * xsc, mask=mask, other=0.0).to(tl.float32)
+        if RMS:
+            mean = tl.zeros([BLOCK_R], dtype=tl.float32)
+            d = x
+        else:
+            mean = tl.sum(x, axis=1) / cols
+            d = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(d * d, axis=1) / cols + eps)
+        y = d * rstd[:, None]
+        if HAS_W:
+            y = y * tl.load(w_ptr + c64, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_B:
+            y = y + tl.load(b_ptr + c64, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_row + c64[None, :] * osc, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        if RMS:
+            mean = tl.zeros([BLOCK_R], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+            for start in range(0, cols, BLOCK_C):
+                c = start + cc
+                mask = rmask[:, None] & (c < cols)[None, :]
+                x = tl.load(x_row + c.to(tl.int64)[None, :] * xsc, mask=mask, other=0.0).to(tl.float32)
+                acc += x * x
+            rstd = tl.rsqrt(tl.sum(acc, axis=1) / cols + eps)
+        else:
+            mean, m2 = row_welford(x_row, rmask, 0, cols, xsc, BLOCK_R, BLOCK_C)
+            rstd = tl.rsqrt(m2 / cols + eps)
+        for start in range(0, cols, BLOCK_C):
+            c = start + cc
+            cmask = c < cols
+            mask = rmask[:, None] & cmask[None, :]
+            c64 = c.to(tl.int64)
+            x = tl.load(x_row + c64[None, :] * xsc, mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean[:, None]) * rstd[:, None]
+            if HAS_W:
+                y = y * tl.load(w_ptr + c64, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            if HAS_B:
+                y = y + tl.load(b_ptr + c64, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_row + c64[None, :] * osc, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if STATS:
+        tl.store(mean_ptr + r, mean.to(mean_ptr.dtype.element_ty), mask=rmask)
+        tl.store(rstd_ptr + r, rstd.to(rstd_ptr.dtype.element_ty), mask=rmask)
+
+
+# --- host launcher --------------------------------------------------------------------------------
+def launch_norm(b, x: TRef, normalized_ndim: int, weight: TRef | None, bias: TRef | None, eps: float,
+                out: TRef, mean: TRef | None = None, rstd: TRef | None = None, rms: bool = False) -> None:
+    """Normalize ``x`` over its last ``normalized_ndim`` dims into ``out``; ``mean``/``rstd`` (one
+    per row, contiguous) are stored when given."""
+    dims = list(range(x.ndim - normalized_ndim, x.ndim))
+    x, plan = rw.lay_out(b, x, dims, [out.strides])
+    if plan.cols == 0:
+        return
+    # weight and bias are indexed by the row-major position in normalized_shape
+    weight = b.contiguous(weight) if weight is not None else None
+    bias = b.contiguous(bias) if bias is not None else None
+    block_r, block_c = rw.blocks(plan, MAX_BLOCK_C)
+    stats = mean is not None and rstd is not None
+    # an absent operand's pointer is x or out: HAS_W, HAS_B and STATS keep the kernel off it
+    w, bi = (x if t is None else t for t in (weight, bias))
+    mean, rstd = (mean, rstd) if stats else (out, out)
+    b.launch(
+        "norm", (triton.cdiv(plan.rows, block_r),),
+        x, w, bi, out, mean, rstd,
+        plan.rows, plan.cols, plan.n1, plan.n2, *plan.args(0), *plan.args(1), float(eps),
+        RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, STATS=stats,
+        ONE_PASS=plan.cols <= block_c, BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=rw.num_warps(block_r, block_c),
+    )
+
+
+# --- support check --------------------------------------------------------------------------------
+def supported(node) -> str | None:
+    tensors = [a.meta.get("val") for a in node.args if hasattr(a, "meta")]
+    outs = node.meta.get("val")
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    if not all(isinstance(t, torch.Tensor) for t in tensors + outs):
+        return "operand or result is not a tensor"
+    reason = rw.static_reason(*tensors, *outs)
+    if reason:
+        return reason
+    for t in tensors + outs:
+        if t.dtype not in FLOAT_DTYPES:
+            return f"dtype {t.dtype} is not supported (supported: {', '.join(map(str, FLOAT_DTYPES))})"
+    return None
+
+
+# --- lowerings ------------------------------------------------------------------------------------
+def _opt(b, arg):
+    return b.ref(arg) if arg is not None else None
+
+
+def layer_norm(b, node):
+    """layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True)"""
+    launch_norm(b, b.ref(node.args[0]), len(node.args[1]), _opt(b, rw.node_arg(node, 2, "weight")),
+                _opt(b, rw.node_arg(node, 3, "bias")), rw.node_arg(node, 4, "eps", 1e-5), b.out(node))
+
+
+def native_layer_norm(b, node):
+    """native_layer_norm(x, normalized_shape, weight, bias, eps) -> (out, mean, rstd); mean and rstd
+    are computed only when a later node reads them."""
+    read = {u.args[1] for u in node.users if u.target is operator.getitem}
+    stats = bool(read & {1, 2}) or any(u.target is not operator.getitem for u in node.users)
+    out = b.out(node, 0)
+    mean, rstd = (b.out(node, 1), b.out(node, 2)) if stats else (None, None)
+    launch_norm(b, b.ref(node.args[0]), len(node.args[1]), _opt(b, node.args[2]), _opt(b, node.args[3]),
+                node.args[4], out, mean, rstd)
+
+
+def rms_norm(b, node):
+    """rms_norm(x, normalized_shape, weight=None, eps=None); eps None is fp32's machine epsilon,
+    as in PyTorch (its math runs in fp32 for fp16/bf16 inputs too)."""
+    eps = rw.node_arg(node, 3, "eps")
+    eps = torch.finfo(torch.float32).eps if eps is None else eps
+    weight = _opt(b, rw.node_arg(node, 2, "weight"))
+    launch_norm(b, b.ref(node.args[0]), len(node.args[1]), weight, None, eps, b.out(node), rms=True)

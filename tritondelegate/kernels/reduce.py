@@ -1,0 +1,331 @@
+"""Reductions over any set of dims: sum, mean, prod, amax/amin, max/min (all dims, or one dim with
+indices), argmax/argmin, var/var_mean, and the vector norms.
+
+One kernel serves them all on the [rows, cols] view of ``rows.py``; the formula is picked at compile
+time by three constexprs, each value stage applied to every column c of a row:
+
+    v_c = MAP(x_c)                     id | sq: x^2 | abs: |x|
+    a   = COMBINE over c of v_c        sum | prod | max | min | argmax | argmin | welford
+    out = FINISH(a)                    none | div: a / divisor | sqrt: sqrt(a)
+
+``welford`` writes M2 / divisor (the variance; divisor = N - correction) to ``out`` and the mean to
+``out2``; ``argmax``/``argmin`` write the extreme value to ``out`` and its first column index to
+``out2``. NaN wins every max/min/arg comparison, as in PyTorch. Accumulation is fp32 (int64 for
+integer sum/prod) in a [BLOCK_R, BLOCK_C] tile, reduced across the tile once at the end.
+
+Few, long rows (a full reduction) split their columns over ``SPLIT`` programs that write fp32
+partials, which a second launch of the same kernel reduces (sum, prod, max and min only).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import rows as rw
+from .builder import TRef
+from .elementwise import FLOAT_DTYPES
+from .rows import row_offsets, row_welford
+
+MAX_BLOCK_C = 1024
+MIN_PROGRAMS = 64  # fewer row programs than this: split long rows over programs
+SPLIT_MIN_COLS = 16384
+SPLIT_BLOCKS = 4  # BLOCK_C chunks per split program
+MAX_SPLIT = 1024
+INT_BIG = 2147483647
+
+
+# --- kernel ---------------------------------------------------------------------------------------
+@triton.jit
+def _mul(a, b):
+    return a * b
+
+
+@triton.jit
+def _fold(x_row, rmask, c_begin, c_end, sc, MAP: tl.constexpr, COMBINE: tl.constexpr,
+          INT_ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    if INT_ACC:
+        acc_ty = tl.int64
+    else:
+        acc_ty = tl.float32
+    # float identities for float accumulators: an int 1 becomes raw bits when the interpreter
+    # casts it to a bf16 load's `other`
+    if COMBINE == "sum":
+        if INT_ACC:
+            init = 0
+        else:
+            init = 0.0
+    elif COMBINE == "prod":
+        if INT_ACC:
+            init = 1
+        else:
+            init = 1.0
+    elif COMBINE == "max":
+        init = float("-inf")
+    else:
+        init = float("inf")
+    acc = tl.full([BLOCK_R, BLOCK_C], init, dtype=acc_ty)
+    for start in range(c_begin, c_end, BLOCK_C):
+        c = start + tl.arange(0, BLOCK_C)
+        mask = rmask[:, None] & (c < c_end)[None, :]
+        v = tl.load(x_row + c.to(tl.int64)[None, :] * sc, mask=mask, other=init).to(acc_ty)
+        if MAP == "sq":
+            v = tl.where(mask, v * v, init)
+        elif MAP == "abs":
+            v = tl.where(mask, tl.abs(v), init)
+        if COMBINE == "sum":
+            acc += v
+        elif COMBINE == "prod":
+            acc *= v
+        elif COMBINE == "max":
+            acc = tl.maximum(acc, v, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            acc = tl.minimum(acc, v, propagate_nan=tl.PropagateNan.ALL)
+    if COMBINE == "sum":
+        res = tl.sum(acc, axis=1)
+    elif COMBINE == "prod":
+        res = tl.reduce(acc, 1, _mul)
+    else:
+        isnan = acc != acc
+        clean = tl.where(isnan, init, acc)
+        if COMBINE == "max":
+            res = tl.max(clean, axis=1)
+        else:
+            res = tl.min(clean, axis=1)
+        res = tl.where(tl.max(isnan.to(tl.int32), axis=1) > 0, float("nan"), res)
+    return res
+
+
+@triton.jit
+def _arg_extreme(x_row, rmask, c_begin, c_end, sc, IS_MIN: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    if IS_MIN:
+        worst = float("inf")
+    else:
+        worst = float("-inf")
+    acc = tl.full([BLOCK_R, BLOCK_C], worst, dtype=tl.float32)
+    idx = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
+    for start in range(c_begin, c_end, BLOCK_C):
+        c = start + tl.arange(0, BLOCK_C)
+        mask = rmask[:, None] & (c < c_end)[None, :]
+        v = tl.load(x_row + c.to(tl.int64)[None, :] * sc, mask=mask, other=worst).to(tl.float32)
+        if IS_MIN:
+            better = v < acc
+        else:
+            better = v > acc
+        # strict comparisons keep each lane's first occurrence; the first NaN beats everything
+        better = better | ((v != v) & (acc == acc))
+        acc = tl.where(better, v, acc)
+        idx = tl.where(better, c[None, :], idx)
+    isnan = acc != acc
+    any_nan = tl.max(isnan.to(tl.int32), axis=1) > 0
+    clean = tl.where(isnan, worst, acc)
+    if IS_MIN:
+        best = tl.min(clean, axis=1)
+    else:
+        best = tl.max(clean, axis=1)
+    pick = tl.where(any_nan[:, None], isnan, clean == best[:, None])
+    index = tl.min(tl.where(pick, idx, 2147483647), axis=1)
+    value = tl.where(any_nan, float("nan"), best)
+    return value, index
+
+
+@triton.jit
+def reduce_kernel(
+    x_ptr, out_ptr, out2_ptr,
+    rows, cols, split_cols, n1, n2, s0, s1, s2, sc, divisor,
+    MAP: tl.constexpr, COMBINE: tl.constexpr, FINISH: tl.constexpr, INT_ACC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < rows
+    x_row = x_ptr + row_offsets(r, n1, n2, s0, s1, s2)[:, None]
+    split = tl.program_id(1)
+    c_begin = split * split_cols
+    c_end = tl.minimum(c_begin + split_cols, cols)
+    out_off = r * tl.num_programs(1) + split
+    if COMBINE == "welford":
+        mean, m2 = row_welford(x_row, rmask, c_begin, c_end, sc, BLOCK_R, BLOCK_C)
+        tl.store(out_ptr + out_off, (m2 / divisor).to(out_ptr.dtype.element_ty), mask=rmask)
+        tl.store(out2_ptr + out_off, mean.to(out2_ptr.dtype.element_ty), mask=rmask)
+    elif COMBINE == "argmax" or COMBINE == "argmin":
+        value, index = _arg_extreme(x_row, rmask, c_begin, c_end, sc, COMBINE == "argmin", BLOCK_R, BLOCK_C)
+        tl.store(out_ptr + out_off, value.to(out_ptr.dtype.element_ty), mask=rmask)
+        tl.store(out2_ptr + out_off, index.to(out2_ptr.dtype.element_ty), mask=rmask)
+    else:
+        res = _fold(x_row, rmask, c_begin, c_end, sc, MAP, COMBINE, INT_ACC, BLOCK_R, BLOCK_C)
+        if FINISH == "div":
+            res = res / divisor
+        elif FINISH == "sqrt":
+            res = tl.sqrt(res)
+        tl.store(out_ptr + out_off, res.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+# --- host launcher --------------------------------------------------------------------------------
+SPLITTABLE = ("sum", "prod", "max", "min")
+
+
+def _launch(b, grid, x, out, out2, plan: rw.Rows, split_cols: int, divisor: float, blocks, **formula):
+    block_r, block_c = blocks
+    b.launch("reduce", grid, x, out, out2, plan.rows, plan.cols, split_cols, plan.n1, plan.n2, *plan.args(0),
+             float(divisor), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=rw.num_warps(block_r, block_c),
+             **formula)
+
+
+def launch_reduce(b, x: TRef, dims, out: TRef, out2: TRef | None = None, *, map_="id", combine="sum",
+                  finish="none", divisor: float = 1.0) -> None:
+    """Reduce ``x`` over ``dims`` (normalized) into the contiguous ``out`` (and ``out2``), rows in
+    row-major order of the kept dims, so ``keepdim`` does not matter here."""
+    int_acc = not x.dtype.is_floating_point and combine in ("sum", "prod")
+    x, plan = rw.lay_out(b, x, dims)
+    blocks = rw.blocks(plan, MAX_BLOCK_C)
+    programs = triton.cdiv(plan.rows, blocks[0])
+    if combine not in SPLITTABLE or programs >= MIN_PROGRAMS or plan.cols < SPLIT_MIN_COLS:
+        _launch(b, (programs, 1), x, out, out if out2 is None else out2, plan, max(plan.cols, 1), divisor,
+                blocks, MAP=map_, COMBINE=combine, FINISH=finish, INT_ACC=int_acc)
+        return
+    # few long rows: SPLIT programs a row write partials, then one more launch reduces those
+    split_cols = SPLIT_BLOCKS * blocks[1]
+    if triton.cdiv(plan.cols, split_cols) > MAX_SPLIT:
+        split_cols = triton.cdiv(triton.cdiv(plan.cols, MAX_SPLIT), blocks[1]) * blocks[1]
+    split = triton.cdiv(plan.cols, split_cols)
+    partial = b.alloc((plan.rows, split), torch.int64 if int_acc else torch.float32)
+    _launch(b, (programs, split), x, partial, partial, plan, split_cols, 1.0, blocks,
+            MAP=map_, COMBINE=combine, FINISH="none", INT_ACC=int_acc)
+    plan = rw.Rows(plan.rows, split, 1, plan.rows, ((0, 0, split, 1),))
+    blocks = rw.blocks(plan, MAX_BLOCK_C)
+    _launch(b, (triton.cdiv(plan.rows, blocks[0]), 1), partial, out, out, plan, split, divisor, blocks,
+            MAP="id", COMBINE=combine, FINISH=finish, INT_ACC=int_acc)
+
+
+# --- support checks -------------------------------------------------------------------------------
+INT_DTYPES = (torch.int64, torch.int32, torch.bool)
+NORM_ORDS = {1: ("abs", "sum", "none"), 2: ("sq", "sum", "sqrt"),
+             math.inf: ("abs", "max", "none"), -math.inf: ("abs", "min", "none")}
+
+
+def _check(node, in_dtypes, out_dtypes) -> str | None:
+    x = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+    if not isinstance(x, torch.Tensor):
+        return "operand is not a tensor"
+    outs = node.meta.get("val")
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    reason = rw.static_reason(x, *outs)
+    if reason:
+        return reason
+    if x.dtype not in in_dtypes:
+        return f"input dtype {x.dtype} is not supported (supported: {', '.join(map(str, in_dtypes))})"
+    out = outs[0]
+    if out.dtype not in out_dtypes:
+        return f"result dtype {out.dtype} is not supported (supported: {', '.join(map(str, out_dtypes))})"
+    return None
+
+
+def supported_sum(node) -> str | None:
+    """sum / prod: floating inputs, or integer and bool inputs summed in int64."""
+    return _check(node, FLOAT_DTYPES + INT_DTYPES, FLOAT_DTYPES + (torch.int64,))
+
+
+def supported_float(node) -> str | None:
+    return _check(node, FLOAT_DTYPES, FLOAT_DTYPES + (torch.int64,))
+
+
+def supported_norm(node) -> str | None:
+    ord_ = rw.node_arg(node, 1, "ord", 2)
+    if ord_ not in NORM_ORDS:
+        return f"vector norm of order {ord_!r} is not supported (supported: 1, 2, inf, -inf)"
+    return supported_float(node)
+
+
+# --- lowerings ------------------------------------------------------------------------------------
+def _count(x: TRef, dims) -> int:
+    return math.prod(x.shape[d] for d in dims)
+
+
+def _sum_like(combine, finish="none"):
+    """sum.dim_IntList / mean.dim / sum.default / mean.default, and prod (dim, keepdim, *, dtype)."""
+
+    def lower(b, node):
+        x = b.ref(node.args[0])
+        if node.target in (torch.ops.aten.sum.default, torch.ops.aten.mean.default,
+                           torch.ops.aten.prod.default):
+            dims = rw.normalize_dims(None, x.ndim)
+        else:
+            dims = rw.normalize_dims(rw.node_arg(node, 1, "dim"), x.ndim)
+        launch_reduce(b, x, dims, b.out(node), combine=combine, finish=finish,
+                      divisor=_count(x, dims))
+
+    return lower
+
+
+def extreme(combine):
+    """amax / amin (dim=[], keepdim) and max.default / min.default."""
+
+    def lower(b, node):
+        x = b.ref(node.args[0])
+        dims = rw.normalize_dims(rw.node_arg(node, 1, "dim"), x.ndim)
+        launch_reduce(b, x, dims, b.out(node), combine=combine)
+
+    return lower
+
+
+def extreme_dim(combine):
+    """max.dim / min.dim: (values, first indices) along one dim."""
+
+    def lower(b, node):
+        x = b.ref(node.args[0])
+        dims = rw.normalize_dims(node.args[1], x.ndim)
+        launch_reduce(b, x, dims, b.out(node, 0), b.out(node, 1), combine=combine)
+
+    return lower
+
+
+def arg_extreme(combine):
+    """argmax / argmin (dim=None flattens, keepdim)."""
+
+    def lower(b, node):
+        x = b.ref(node.args[0])
+        dims = rw.normalize_dims(rw.node_arg(node, 1, "dim"), x.ndim)
+        out = b.out(node)
+        values = b.alloc(out.shape, torch.float32)  # written, never read
+        launch_reduce(b, x, dims, values, out, combine=combine)
+
+    return lower
+
+
+def _var_divisor(node, x: TRef, dims) -> float:
+    correction = node.kwargs.get("correction")
+    correction = 1 if correction is None else correction
+    return float(max(_count(x, dims) - correction, 0))
+
+
+def var(b, node):
+    """var.correction(x, dim=None, *, correction=1, keepdim=False) = M2 / max(N - correction, 0)"""
+    x = b.ref(node.args[0])
+    dims = rw.normalize_dims(rw.node_arg(node, 1, "dim"), x.ndim)
+    out = b.out(node)
+    mean = b.alloc(out.shape, torch.float32)  # written, never read
+    launch_reduce(b, x, dims, out, mean, combine="welford", divisor=_var_divisor(node, x, dims))
+
+
+def var_mean(b, node):
+    x = b.ref(node.args[0])
+    dims = rw.normalize_dims(rw.node_arg(node, 1, "dim"), x.ndim)
+    launch_reduce(b, x, dims, b.out(node, 0), b.out(node, 1), combine="welford",
+                  divisor=_var_divisor(node, x, dims))
+
+
+def vector_norm(b, node):
+    """linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None) for ord 1, 2, +-inf."""
+    x = b.ref(node.args[0])
+    map_, combine, finish = NORM_ORDS[rw.node_arg(node, 1, "ord", 2)]
+    dims = rw.normalize_dims(rw.node_arg(node, 2, "dim"), x.ndim)
+    launch_reduce(b, x, dims, b.out(node), map_=map_, combine=combine, finish=finish)
+
+
+sum_ = _sum_like("sum")
+mean = _sum_like("sum", "div")
+prod = _sum_like("prod")

@@ -1,0 +1,161 @@
+"""The [rows, cols] view shared by the row-wise kernels (softmax.py, norm.py, reduce.py).
+
+A row-wise op reduces (or normalizes over) a set of dims of its input. Its kernel sees a
+[rows, cols] problem: each row is one position of the kept dims, each column one position of the
+reduced dims. Rows are walked in row-major order of the kept dims through up to three strided
+dims, so a reduction over a middle dim (softmax over dim 1 of [B, C, L]) or over a transposed
+input needs no copy; the columns must collapse to one strided dim. When they do not (a
+reduction over dims 0 and 2, say), the input is copied once into a contiguous tensor whose dims
+are permuted so that the reduced dims come last.
+
+Every program owns a [BLOCK_R, BLOCK_C] tile: many short rows per program when rows are short,
+one long row looped over in BLOCK_C chunks when rows are long.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from .builder import LoweringError, TRef
+from .elementwise import collapse
+
+MAX_ROW_DIMS = 3
+TILE = 4096  # elements per program tile
+
+
+# --- device helper --------------------------------------------------------------------------------
+@triton.jit
+def row_offsets(r, n1, n2, s0, s1, s2):
+    """Element offset of row ``r`` (int64) of a [n0, n1, n2] grid of rows with strides s0, s1, s2."""
+    i2 = r % n2
+    rest = r // n2
+    return (rest // n1) * s0 + (rest % n1) * s1 + i2 * s2
+
+
+@triton.jit
+def row_welford(x_row, rmask, c_begin, c_end, sc, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Mean and M2 (sum of squared deviations) of columns [c_begin, c_end) of each row, one pass.
+
+    Each BLOCK_C chunk's own mean and M2 are merged into the running ones (Chan et al.):
+        n = na + nb;  d = mean_b - mean_a;  mean = mean_a + d nb / n;  M2 = M2_a + M2_b + d^2 na nb / n
+    which stays accurate where the sum-of-squares formula cancels (a large mean, a small spread).
+    """
+    mean = tl.zeros([BLOCK_R], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_R], dtype=tl.float32)
+    n = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for start in range(c_begin, c_end, BLOCK_C):
+        c = start + tl.arange(0, BLOCK_C)
+        mask = rmask[:, None] & (c < c_end)[None, :]
+        x = tl.load(x_row + c.to(tl.int64)[None, :] * sc, mask=mask, other=0.0).to(tl.float32)
+        nb = tl.minimum(c_end - start, BLOCK_C).to(tl.float32)
+        mean_b = tl.sum(x, axis=1) / nb
+        d = tl.where(mask, x - mean_b[:, None], 0.0)
+        m2_b = tl.sum(d * d, axis=1)
+        total = n + nb
+        delta = mean_b - mean
+        mean = mean + delta * (nb / total)
+        m2 = m2 + m2_b + delta * delta * (n * (nb / total))
+        n = total
+    return mean, m2
+
+
+# --- host side ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rows:
+    rows: int
+    cols: int
+    n1: int
+    n2: int
+    strides: tuple[tuple[int, int, int, int], ...]  # per operand: row strides s0, s1, s2; col stride
+
+    def args(self, operand: int) -> tuple[int, int, int, int]:
+        return self.strides[operand]
+
+
+def normalize_dims(dims, ndim: int) -> list[int]:
+    """Sorted, non-negative, de-duplicated reduction dims; ``None`` or ``[]`` means all dims."""
+    if dims is None:
+        return list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    if len(dims) == 0:
+        return list(range(ndim))
+    if ndim == 0:
+        return []  # a 0-d tensor accepts dim 0 / -1 and reduces nothing
+    return sorted({d % ndim for d in dims})
+
+
+def _plan(shape, reduce_dims, stride_sets) -> Rows | None:
+    keep = [d for d in range(len(shape)) if d not in reduce_dims]
+    red = [d for d in range(len(shape)) if d in reduce_dims]
+    ksizes, kstrides = collapse([shape[d] for d in keep], [[s[d] for d in keep] for s in stride_sets])
+    rsizes, rstrides = collapse([shape[d] for d in red], [[s[d] for d in red] for s in stride_sets])
+    if len(ksizes) > MAX_ROW_DIMS or len(rsizes) > 1:
+        return None
+    pad = MAX_ROW_DIMS - len(ksizes)
+    ksizes = [1] * pad + ksizes
+    rows = ksizes[0] * ksizes[1] * ksizes[2]
+    cols = rsizes[0] if rsizes else 1
+    strides = tuple(
+        tuple([0] * pad + ks) + ((rs[0] if rs else 0),) for ks, rs in zip(kstrides, rstrides)
+    )
+    return Rows(rows, cols, ksizes[1], ksizes[2], strides)
+
+
+def lay_out(b, x: TRef, reduce_dims, others=()) -> tuple[TRef, Rows]:
+    """The [rows, cols] view of ``x`` reduced over ``reduce_dims`` (normalized dims).
+
+    ``others`` are the strides, over ``x``'s dims, of the other tensors the kernel walks the same
+    way (0 on dims they lack). Returns ``x`` (or its permuted contiguous copy) and the row plan,
+    whose operand 0 is ``x`` and operands 1.. are ``others``.
+    """
+    stride_sets = [x.strides] + [tuple(s) for s in others]
+    plan = _plan(x.shape, set(reduce_dims), stride_sets)
+    if plan is not None:
+        return x, plan
+    keep = [d for d in range(x.ndim) if d not in reduce_dims]
+    perm = keep + [d for d in range(x.ndim) if d in reduce_dims]
+    shape = [x.shape[d] for d in perm]
+    x = b.contiguous(b.view(x, shape, [x.strides[d] for d in perm]))
+    stride_sets = [x.strides] + [[s[d] for d in perm] for s in stride_sets[1:]]
+    plan = _plan(shape, set(range(len(keep), len(perm))), stride_sets)
+    if plan is None:
+        raise LoweringError(f"cannot lay out a reduction over dims {sorted(reduce_dims)} of {x.shape}")
+    return x, plan
+
+
+def blocks(plan: Rows, cap: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C): the whole row when it fits ``cap``, else ``cap``-wide chunks; then as many
+    rows as fill the tile. Rows that are contiguous with each other while the columns are not (a
+    reduction over a leading dim) get a narrow, tall tile so that loads stay coalesced."""
+    xs = plan.strides[0]
+    block_c = min(triton.next_power_of_2(max(plan.cols, 1)), cap)
+    if xs[3] != 1 and xs[2] == 1 and plan.n2 > 1:
+        block_c = min(block_c, 32)
+    block_r = min(triton.next_power_of_2(max(plan.rows, 1)), max(1, TILE // block_c))
+    return block_r, block_c
+
+
+def num_warps(block_r: int, block_c: int) -> int:
+    """8 tile elements a thread from 2048 up: a full 4096 tile then needs about 100 registers a
+    thread on sm_90 (200 at 8 warps, which halves the warps an SM can hold)."""
+    tile = block_r * block_c
+    return 4 if tile <= 1024 else 8 if tile <= 2048 else 16
+
+
+def node_arg(node, i: int, name: str, default=None):
+    """Argument ``i`` of ``node``, passed positionally or as keyword ``name``."""
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def static_reason(*vals) -> str | None:
+    """A refusal reason when a tensor has a symbolic (dynamic) shape."""
+    for v in vals:
+        if v is not None and not all(isinstance(s, int) for s in v.shape):
+            return f"dynamic shape {tuple(v.shape)} is not supported (the kernels need static shapes)"
+    return None

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from harness import FLOAT_DTYPES, check_model
+from harness import FLOAT_DTYPES, check_model, run_delegated
 
 UNARY = {
     "neg": torch.neg, "exp": torch.exp, "sqrt": lambda x: torch.sqrt(x.abs()),
@@ -87,3 +87,20 @@ def test_strided_operands_need_no_copy():
 def test_where_with_scalar_branch():
     a = torch.randn(17, 33)
     check_model(Fn(lambda a: torch.where(a < 0, a, 0.0)), (a,))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_clamp(dtype):
+    x = torch.randn(17, 33, dtype=dtype)
+    lo = torch.randn(33, dtype=dtype)
+    fn = lambda x, lo: (x.clamp(-0.5, 0.5), x.clamp(min=0.1), x.clamp(max=-0.1), torch.clamp(x, lo),  # noqa: E731
+                        torch.nn.functional.normalize(x, dim=-1))
+    check_model(Fn(fn), (x, lo), reference_args=(Fn(fn), (x.float(), lo.float())))
+
+
+def test_clamp_integers_and_nan():
+    i = torch.arange(-20, 21)
+    check_model(Fn(lambda i: i.clamp(-3, 7)), (i,))
+    x = torch.tensor([float("nan"), -2.0, 0.3, 5.0])
+    results, _ = run_delegated(Fn(lambda x: x.clamp(-1, 1)), (x,))
+    assert torch.isnan(results[0][0]) and results[0][1:].tolist() == [-1.0, 0.30000001192092896, 1.0]

@@ -106,6 +106,8 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = a & b
     elif OP == "bitwise_or":
         r = a | b
+    elif OP == "clamp":  # min(max(a, b), c), NaN kept
+        r = tl.where(a != a, a, tl.minimum(tl.maximum(a, b), c))
     elif OP == "where":  # a ? b : c
         r = tl.where(a != 0, b, c)
     else:
@@ -302,6 +304,20 @@ def pow_scalar_base(b, node):  # pow(scalar, tensor)
 
 def where(b, node):
     launch_pointwise(b, "where", b.out(node), _operands(b, node, 3))
+
+
+def clamp(b, node):
+    """clamp(x, min=None, max=None), clamp_min, clamp_max; bounds are scalars or tensors."""
+    x = b.ref(node.args[0])
+    names = {"clamp_min": ("min",), "clamp_max": ("max",)}.get(node.target._opname, ("min", "max"))
+    bounds = dict(zip(names, node.args[1:]))
+    bounds.update({k: v for k, v in node.kwargs.items() if k in ("min", "max")})
+    floating = node.meta["val"].dtype.is_floating_point
+    lowest, highest = (-math.inf, math.inf) if floating else (-(2**62), 2**62)
+    low, high = bounds.get("min"), bounds.get("max")
+    low = lowest if low is None else (b.ref(low) if hasattr(low, "meta") else low)
+    high = highest if high is None else (b.ref(high) if hasattr(high, "meta") else high)
+    launch_pointwise(b, "clamp", b.out(node), [x, low, high])
 
 
 def gelu(b, node):

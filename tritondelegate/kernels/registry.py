@@ -89,6 +89,10 @@ OPS: dict[object, OpSpec] = {
     aten.logical_not.default: OpSpec(ew.unary("logical_not")),
     aten.gelu.default: OpSpec(ew.gelu, ew.supported_float),
     aten.where.self: OpSpec(ew.where),
+    aten.clamp.default: OpSpec(ew.clamp),
+    aten.clamp.Tensor: OpSpec(ew.clamp),
+    aten.clamp_min.default: OpSpec(ew.clamp),
+    aten.clamp_max.default: OpSpec(ew.clamp),
     aten.clone.default: OpSpec(ew.copy),
     aten._to_copy.default: OpSpec(ew.copy, ew.supported_copy),
     # views and layout: layout.py

@@ -25,7 +25,7 @@ def _f32(t):
 
 def check_sdpa(model, args, dtype):
     """Run through the delegate, compare with eager in fp32, and check the sdpa node is one launch."""
-    results, plan = check_model(model, args, reference_args=(model, [_f32(a) for a in args]))
+    results, plan = check_model(model, args, dtype=dtype, reference_args=(model, [_f32(a) for a in args]))
     assert [launch.op for launch in plan.launches] == ["scaled_dot_product_attention"]
     assert plan.launches[0].kernel == "attention"
     return results, plan
@@ -84,7 +84,8 @@ def test_expanded_mask_is_read_with_zero_strides():
         def forward(self, q, k, v, mask):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None].expand(2, 3, 17, 33))
 
-    check_sdpa(Expanded(), (*qkv(2, 3, 3, 17, 33, 16, torch.float32), torch.rand(17, 33) > 0.5), torch.float32)
+    args = (*qkv(2, 3, 3, 17, 33, 16, torch.float32), torch.rand(17, 33) > 0.5)
+    check_sdpa(Expanded(), args, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -129,11 +130,12 @@ def test_ranks_and_batch_broadcast(shapes):
     check_sdpa(Sdpa(), args, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_llama_style_views_need_no_copy(dtype):
+@pytest.mark.parametrize("dtype,same_shape_view", [(torch.float32, False), (torch.float16, True),
+                                                   (torch.bfloat16, False)])
+def test_llama_style_views_need_no_copy(dtype, same_shape_view):
     # q/k/v as `view + transpose` of [B, L, H*E] projections, GQA, and the output transposed back and
-    # flattened: the kernel reads the strided views and writes [B, L, H, E], so the whole block is
-    # one launch (no copy before, no copy after).
+    # flattened (through a same-shape view, as HF's sdpa wrapper exports): the kernel reads the
+    # strided views and writes [B, L, H, E], so the whole block is one launch, no copy either side.
     b, l, hq, hkv, e = 2, 17, 4, 2, 16
 
     class Block(torch.nn.Module):
@@ -142,6 +144,8 @@ def test_llama_style_views_need_no_copy(dtype):
             k = xkv[..., : hkv * e].view(b, l, hkv, e).transpose(1, 2)
             v = xkv[..., hkv * e:].view(b, l, hkv, e).transpose(1, 2)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if same_shape_view:
+                out = out.view(b, hq, l, e)
             return out.transpose(1, 2).reshape(b, l, hq * e)
 
     args = (torch.randn(b, l, hq * e, dtype=dtype), torch.randn(b, l, 2 * hkv * e, dtype=dtype))
@@ -158,7 +162,8 @@ def test_support_refusals_say_why():
     assert attention.supported(_sdpa_node(Sdpa(is_causal=True), (q, k, v))) is None
     reason = attention.supported(_sdpa_node(Sdpa(dropout_p=0.1), (q, k, v)))
     assert "dropout_p=0.1" in reason
-    reason = attention.supported(_sdpa_node(Sdpa(is_causal=True), (q, k, v, torch.ones(5, 5, dtype=torch.bool))))
+    mask = torch.ones(5, 5, dtype=torch.bool)
+    reason = attention.supported(_sdpa_node(Sdpa(is_causal=True), (q, k, v, mask)))
     assert "is_causal" in reason
     q, k, v = qkv(1, 2, 2, 5, 5, 512, torch.float32)
     assert "head dim 512" in attention.supported(_sdpa_node(Sdpa(), (q, k, v)))

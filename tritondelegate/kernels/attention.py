@@ -77,7 +77,7 @@ def _attention_tiles(
                 bias = tl.load(mask_ptrs, mask=in_bounds, other=0.0).to(tl.float32)
                 # To the log2 domain; finite values below -FLT_MAX / log2(e) (HF's finfo.min) stay
                 # finite, so a row masked by them averages v as eager does instead of giving 0.
-                qk += tl.where(bias > -2.0e38, bias * 1.4426950408889634, bias)
+                qk += tl.where(bias > -2.0e38, bias * 1.4426950408889634, bias)  # LOG2E
         if BOUNDARY:
             valid = offs_n[None, :] < Lk
             if CAUSAL:
@@ -132,7 +132,7 @@ def attention_kernel(
         # Top-left aligned (key j visible from query i when j <= i): tiles past the diagonal
         # are skipped, tiles wholly below it need no mask.
         whole = tl.minimum(pid_m * BLOCK_M + 1, Lk) // BLOCK_N * BLOCK_N
-        hi = tl.minimum((pid_m + 1) * BLOCK_M - 1, Lk)
+        hi = tl.minimum((pid_m + 1) * BLOCK_M, Lk)
     else:
         whole = Lk // BLOCK_N * BLOCK_N
         hi = Lk
@@ -151,7 +151,8 @@ def attention_kernel(
     # A row with no key kept (or no key at all) has l = 0 and acc = 0: it gives 0, as torch does.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = (out_ptr + b * so_b + h * so_h + row0 * so_m) + (rows * so_m + offs_dv[None, :] * so_d)
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < EV))
+    o_mask = (offs_m[:, None] < Lq) & (offs_dv[None, :] < EV)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 # --- host launcher --------------------------------------------------------------------------------
@@ -250,22 +251,23 @@ def supported(node) -> str | None:
         return (f"dropout_p={p['dropout_p']} is not supported (the kernel is inference-only); "
                 "export the model in eval mode or pass dropout_p=0")
     if not (q.ndim == k.ndim == v.ndim == out.ndim) or not 2 <= q.ndim <= 4:
-        return f"query/key/value of ranks {q.ndim}/{k.ndim}/{v.ndim}: the kernel takes ranks 2 to 4, all equal"
+        return (f"query/key/value of ranks {q.ndim}/{k.ndim}/{v.ndim}: the kernel takes ranks 2 to 4, "
+                "all equal")
     e, ev = q.shape[-1], v.shape[-1]
     if k.shape[-1] != e or k.shape[-2] != v.shape[-2]:
         return f"key {tuple(k.shape)} does not match query {tuple(q.shape)} / value {tuple(v.shape)}"
     if max(e, ev) > MAX_HEAD_DIM:
         return f"head dim {max(e, ev)} is larger than {MAX_HEAD_DIM}"
-    lead = tuple(out.shape[:-2])
-    for name, t in (("query", q), ("key", k), ("value", v)):
-        if q.ndim == 4 and t.shape[0] not in (1, out.shape[0]):
-            return f"{name} batch {t.shape[0]} does not broadcast to {out.shape[0]}"
-    hq, hkv = lead[-1] if lead else 1, k.shape[-3] if k.ndim >= 3 else 1
+    if q.ndim == 4:
+        for name, t in (("query", q), ("key", k), ("value", v)):
+            if t.shape[0] not in (1, out.shape[0]):
+                return f"{name} batch {t.shape[0]} does not broadcast to {out.shape[0]}"
+    hq, hkv = (out.shape[-3], k.shape[-3]) if q.ndim >= 3 else (1, 1)
     if q.ndim >= 3 and q.shape[-3] not in (1, hq):
         return f"query heads {q.shape[-3]} do not broadcast to {hq}"
     if v.ndim >= 3 and v.shape[-3] != hkv:
         return f"key heads {hkv} and value heads {v.shape[-3]} differ"
-    if hq % hkv or (hkv not in (1, hq) and not p["enable_gqa"]):
+    if hkv == 0 or hq % hkv or (hkv not in (1, hq) and not p["enable_gqa"]):
         return (f"{hq} query heads over {hkv} key/value heads: needs enable_gqa=True and a "
                 "query head count that is a multiple of the key/value head count")
     batch = out.shape[0] if out.ndim == 4 else 1
@@ -291,14 +293,24 @@ def _seq_major(node) -> bool:
     """Whether every user swaps the head and sequence dims (``out.transpose(1, 2)`` before the
     output projection): then the result is stored as [B, Lq, H, Ev] and that transpose and the
     reshape after it are free views, as with FlashAttention's output layout."""
+    shape = tuple(node.meta["val"].shape)
+
     def swaps(user):
         if user.target == aten.permute.default:
             return [d % 4 for d in user.args[1]] == [0, 2, 1, 3]
         if user.target == aten.transpose.int:
             return {d % 4 for d in user.args[1:3]} == {1, 2}
+        if user.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                           aten.alias.default):
+            # A same-shape view (HF's sdpa wrapper leaves one) passes the layout on.
+            val = user.meta.get("val")
+            return isinstance(val, torch.Tensor) and tuple(val.shape) == shape and all_swap(user)
         return False
 
-    return node.meta["val"].ndim == 4 and bool(node.users) and all(swaps(u) for u in node.users)
+    def all_swap(n):
+        return bool(n.users) and all(swaps(u) for u in n.users)
+
+    return len(shape) == 4 and all_swap(node)
 
 
 def sdpa(b, node):

@@ -120,8 +120,8 @@ class LlamaStyleDecoder(nn.Module):
         positions = torch.arange(seq, dtype=torch.float32)
         freqs = positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
         x = self.embed(input_ids)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))

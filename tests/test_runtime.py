@@ -212,3 +212,23 @@ def test_damaged_program_files_fail_cleanly_or_run_correctly(tmp_path):
         torch.testing.assert_close(out, expected)
         outcomes["ran"] += 1
     assert outcomes["error"] > 0
+
+
+@pytest.mark.parametrize("alloc_input,alloc_output", [(False, True), (True, False), (False, False)])
+def test_unplanned_graph_inputs_and_outputs(alloc_input, alloc_output):
+    model, args = _mlp()
+    cfg = td.PropagateDeviceConfig(skip_h2d_for_constants=True, skip_d2h_for_method_outputs=True)
+    lowered = _lower(model, args, propagate_device=cfg, alloc_graph_input=alloc_input, alloc_graph_output=alloc_output)
+    method_ir = lowered.program.methods[0]
+    x_copy = next(v for v in method_ir.values if v.name == "x@cuda:0")
+    out = method_ir.values[method_ir.outputs[0]]
+    assert (x_copy.arena >= 0) == alloc_input and (out.arena >= 0) == alloc_output
+    planned = lowered.load(devices="simulated")
+    allocator = planned.allocators["cuda"]
+    method = planned.load_method()
+    before = allocator.allocations
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(method(*args), model(*args))
+    # What is not planned is allocated on each call: one buffer per unplanned value.
+    assert allocator.allocations - before == 2 * ((not alloc_input) + (not alloc_output))

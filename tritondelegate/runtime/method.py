@@ -295,13 +295,23 @@ class LoadedMethod:
                 value.arena >= 0 and not self.reuse_output_memory
             ):
                 # Never hand out memory that the method owns and will change (arena, state, file).
-                outputs[i] = outputs[i].clone()
+                outputs[i] = self._fresh_copy(outputs[i], value.device, stream)
         stats = self.stats
         stats.calls += 1
         stats.launches += stats.launches_per_call
         stats.call_h2d_bytes, stats.call_d2h_bytes, stats.call_copies = h2d, d2h, copies
         stats.synchronizations_per_call = syncs
         return pytree.tree_unflatten(outputs, self._out_spec)
+
+    def _fresh_copy(self, tensor: torch.Tensor, device: str, stream) -> torch.Tensor:
+        """A copy the caller owns, made on the caller's stream (no synchronization)."""
+        if device == "cpu" or self._allocators[device][0].simulated:
+            return tensor.clone()
+        allocator, index = self._allocators[device]
+        s = allocator.stream(index, stream)
+        with torch.cuda.stream(s):
+            copy = tensor.clone()
+        return copy
 
     def _launch(self, runner, inputs, outputs, allocator, index, stream):
         if allocator.simulated:

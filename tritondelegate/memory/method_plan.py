@@ -71,7 +71,7 @@ def plan_method(method: Method, alloc_graph_input: bool = True, alloc_graph_outp
         intervals = [s.interval for s in slots[device]]
         offsets, total = greedy_by_size(intervals, alignment)
         index = len(method.arenas)
-        method.arenas.append(Arena(device, total, alignment, lower_bound(intervals)))
+        method.arenas.append(Arena(device, total, alignment, lower_bound(intervals, alignment)))
         for slot, offset in zip(slots[device], offsets):
             if slot.value >= 0:
                 method.values[slot.value].arena = index

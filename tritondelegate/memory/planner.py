@@ -54,10 +54,18 @@ def greedy_by_size(values: list[Interval], alignment: int) -> tuple[list[int], i
     return offsets, total
 
 
-def lower_bound(values: list[Interval]) -> int:
-    """Peak of live bytes over time: no plan can use less."""
-    events = sorted({v.first for v in values})
-    return max((sum(v.nbytes for v in values if v.first <= t <= v.last) for t in events), default=0)
+def lower_bound(values: list[Interval], alignment: int = 1) -> int:
+    """Peak of live bytes over time: no plan can use less.
+
+    With an ``alignment``, every live value but the topmost also fills its padding (the next value
+    starts at an aligned offset), so the bound counts aligned sizes less the largest single padding.
+    """
+    best = 0
+    for t in sorted({v.first for v in values}):
+        live = [v for v in values if v.first <= t <= v.last]
+        aligned = sum(align_up(v.nbytes, alignment) for v in live)
+        best = max(best, aligned - max((align_up(v.nbytes, alignment) - v.nbytes for v in live), default=0))
+    return best
 
 
 def verify(values: list[Interval], offsets: list[int], total: int) -> None:

@@ -232,3 +232,26 @@ def test_unplanned_graph_inputs_and_outputs(alloc_input, alloc_output):
             torch.testing.assert_close(method(*args), model(*args))
     # What is not planned is allocated on each call: one buffer per unplanned value.
     assert allocator.allocations - before == 2 * ((not alloc_input) + (not alloc_output))
+
+
+def test_graphs_replay_recorded_launches_with_new_inputs():
+    model, args = _mlp()
+    lowered = _lower(model, args)
+    method = lowered.load(devices="simulated").load_method(graphs=True)
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(3, 16)
+            torch.testing.assert_close(method(x), model(x))
+            # Recorded on the second call, replayed from the third: new inputs reach it through the arena.
+            assert method.stats.graph_replays_per_call == (1 if i >= 2 else 0)
+
+
+def test_graphs_skip_delegates_that_read_caller_memory():
+    model, args = _mlp()
+    cfg = td.PropagateDeviceConfig(skip_h2d_for_constants=True, skip_h2d_for_method_inputs=True)
+    method = _lower(model, args, propagate_device=cfg).load(devices="simulated").load_method(graphs=True)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 16)
+            torch.testing.assert_close(method(x), model(x))
+    assert method.stats.graph_replays_per_call == 0

@@ -108,3 +108,15 @@ class DelegateRunner:
             for pos, index in tensors:
                 args[pos] = views[index]
             kernel[grid](*args, **constexprs)
+
+    def bound_launches(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list:
+        """The launches with every tensor argument resolved now: what a captured graph replays."""
+        self._bind(Base.INPUT, inputs)
+        self._bind(Base.OUTPUT, outputs)
+        frozen = []
+        for kernel, (grid, args, tensors, constexprs) in zip(self._kernels, self._calls):
+            args = list(args)
+            for pos, index in tensors:
+                args[pos] = self._views[index]
+            frozen.append((kernel, grid, args, constexprs))
+        return frozen

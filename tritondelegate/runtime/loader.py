@@ -62,16 +62,21 @@ class LoadedProgram:
         allocator = self.allocators.get("cuda")
         return "simulated" if allocator is None or allocator.simulated else "cuda"
 
-    def load_method(self, name: str = "forward", stream=None, reuse_output_memory: bool = False) -> LoadedMethod:
+    def load_method(self, name: str = "forward", stream=None, reuse_output_memory: bool = False,
+                    graphs: bool = False) -> LoadedMethod:
         """Allocate the method's arenas once and load its resident constants on ``stream``.
 
         With ``reuse_output_memory=True`` device outputs are returned as views of the method's arena:
         no allocation per call, but each call overwrites what the previous one returned. By default
         they are fresh tensors.
+
+        With ``graphs=True`` each delegate whose tensors all live in the arena is recorded once (on its
+        second call) and replayed as one CUDA graph from then on: one launch instead of one per
+        kernel. Delegates that read caller-provided device inputs run their launches directly.
         """
         for method in self.program.methods:
             if method.name == name:
-                return LoadedMethod(method, self._source, self.allocators, stream, reuse_output_memory)
+                return LoadedMethod(method, self._source, self.allocators, stream, reuse_output_memory, graphs)
         raise KeyError(f"no method {name!r} in this program; methods: {', '.join(self.method_names)}")
 
 

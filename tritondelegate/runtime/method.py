@@ -34,6 +34,7 @@ class MethodStats:
     launches_per_call: int = 0
     launches: int = 0  # all calls together
     synchronizations_per_call: int = 0
+    graph_replays_per_call: int = 0  # delegates replayed from a captured graph (graphs=True)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -111,8 +112,9 @@ class LoadedMethod:
     """Call it like the exported model: ``outputs = method(*args, stream=None)``."""
 
     def __init__(self, method: Method, source, allocators: dict[str, DeviceAllocator], stream=None,
-                 reuse_output_memory: bool = False):
+                 reuse_output_memory: bool = False, graphs: bool = False):
         self.name = method.name
+        self.graphs = graphs
         self.method = method
         self.stats = MethodStats()
         self.reuse_output_memory = reuse_output_memory
@@ -174,21 +176,23 @@ class LoadedMethod:
             raise ProgramError(f"value {value.name!r} at arena offset {offset} overruns its {buffer.numel()}-byte arena")
         return buffer[offset : offset + value.nbytes].view(_dtype(value.dtype)).view(value.shape)
 
-    def _delegate(self, method: Method, instr):
+    def _delegate(self, method: Method, instr) -> "_DelegateStep":
         delegate = method.delegates[instr.delegate]
         allocator, index = self._allocators[delegate.device]
+        step = _DelegateStep(instr.inputs, instr.outputs, allocator, index)
         if delegate.stage_inputs:
             scratch = allocator.allocate(delegate.plan.scratch_bytes, index, 256)
-            staging_in = [self._device_tensor(method.values[v], delegate.device) for v in instr.inputs]
-            staging_out = [self._device_tensor(method.values[v], delegate.device) for v in instr.outputs]
+            step.staging_in = [self._device_tensor(method.values[v], delegate.device) for v in instr.inputs]
+            step.staging_out = [self._device_tensor(method.values[v], delegate.device) for v in instr.outputs]
         else:
             scratch = None
             if delegate.plan.scratch_bytes:
                 scratch = self._arenas[delegate.scratch_arena][
                     delegate.scratch_offset : delegate.scratch_offset + delegate.plan.scratch_bytes]
-            staging_in = staging_out = None
-        runner = DelegateRunner(delegate.plan, scratch, simulated=allocator.simulated)
-        return runner, instr.inputs, instr.outputs, allocator, index, staging_in, staging_out
+            # Fixed addresses for everything it touches: its launches can be captured once.
+            step.capturable = self.graphs and all(method.values[v].arena >= 0 for v in instr.inputs + instr.outputs)
+        step.runner = DelegateRunner(delegate.plan, scratch, simulated=allocator.simulated)
+        return step
 
     def _device_tensor(self, value, device: str | None = None) -> torch.Tensor:
         buffer = self._alloc(device or value.device, value.nbytes)
@@ -230,7 +234,7 @@ class LoadedMethod:
         for vid, t in zip(self.method.inputs, inputs):
             env[vid] = t
         values = self.method.values
-        h2d = d2h = copies = syncs = 0
+        counts = _Counts()
         pending: set = set()  # devices with d2h copies the host has not waited for
         keep_alive = []
         for kind, step in self._steps:
@@ -238,30 +242,14 @@ class LoadedMethod:
                 for device in pending:
                     allocator, index = self._allocators[device]
                     allocator.synchronize(index, allocator.stream(index, stream))
-                    syncs += 1
+                    counts.syncs += 1
                 pending.clear()
                 step(env)
             elif kind == InstrKind.DELEGATE:
-                runner, ins, outs, allocator, index, staging_in, staging_out = step
-                if staging_in is None:
-                    for vid in outs:
-                        if env[vid] is None:  # not planned (alloc_graph_output=False): fresh memory
-                            env[vid] = self._device_tensor(values[vid])
-                    self._launch(runner, [env[v] for v in ins], [env[v] for v in outs], allocator, index, stream)
-                else:
-                    s = allocator.stream(index, stream)
-                    for vid, buf in zip(ins, staging_in):
-                        allocator.copy_host_to_device(buf, env[vid].contiguous(), s)
-                        h2d += buf.numel() * buf.element_size()
-                        copies += 1
-                    self._launch(runner, staging_in, staging_out, allocator, index, stream)
-                    for vid, buf in zip(outs, staging_out):
-                        env[vid] = torch.empty_like(buf, device="cpu")
-                        allocator.copy_device_to_host(env[vid], buf, s)
-                        d2h += buf.numel() * buf.element_size()
-                        copies += 1
-                    allocator.synchronize(index, s)
-                    syncs += 1
+                for vid in step.outputs:
+                    if env[vid] is None and step.staging_out is None:  # alloc_graph_output=False
+                        env[vid] = self._device_tensor(values[vid])
+                step(env, stream, counts)
             else:
                 src, dst = step
                 value = values[dst]
@@ -272,21 +260,21 @@ class LoadedMethod:
                     host = env[src].contiguous()
                     keep_alive.append(host)
                     allocator.copy_host_to_device(env[dst], host, allocator.stream(index, stream))
-                    h2d += value.nbytes
+                    counts.h2d += value.nbytes
                 else:
                     device = values[src].device
                     allocator, index = self._allocators[device]
                     env[dst] = torch.empty(value.shape, dtype=_dtype(value.dtype), pin_memory=False)
                     allocator.copy_device_to_host(env[dst], env[src], allocator.stream(index, stream))
                     pending.add(device)
-                    d2h += value.nbytes
-                copies += 1
+                    counts.d2h += value.nbytes
+                counts.copies += 1
         outputs = [env[v] for v in self.method.outputs]
         if any(values[v].device == "cpu" for v in self.method.outputs) or self.method.mutated_buffers:
             for device in pending:
                 allocator, index = self._allocators[device]
                 allocator.synchronize(index, allocator.stream(index, stream))
-                syncs += 1
+                counts.syncs += 1
         for buffer_vid, new_vid in self.method.mutated_buffers:
             self._state[buffer_vid].copy_(env[new_vid])
         for i, vid in enumerate(self.method.outputs):
@@ -299,8 +287,9 @@ class LoadedMethod:
         stats = self.stats
         stats.calls += 1
         stats.launches += stats.launches_per_call
-        stats.call_h2d_bytes, stats.call_d2h_bytes, stats.call_copies = h2d, d2h, copies
-        stats.synchronizations_per_call = syncs
+        stats.call_h2d_bytes, stats.call_d2h_bytes, stats.call_copies = counts.h2d, counts.d2h, counts.copies
+        stats.synchronizations_per_call = counts.syncs
+        stats.graph_replays_per_call = counts.replays
         return pytree.tree_unflatten(outputs, self._out_spec)
 
     def _fresh_copy(self, tensor: torch.Tensor, device: str, stream) -> torch.Tensor:
@@ -313,9 +302,60 @@ class LoadedMethod:
             copy = tensor.clone()
         return copy
 
-    def _launch(self, runner, inputs, outputs, allocator, index, stream):
-        if allocator.simulated:
-            runner(inputs, outputs)
+
+@dataclass
+class _Counts:
+    h2d: int = 0
+    d2h: int = 0
+    copies: int = 0
+    syncs: int = 0
+    replays: int = 0
+
+
+class _DelegateStep:
+    """One delegate call: launches on the caller's stream, staged through host copies when the
+    program was lowered without device memory planning, replayed from a captured graph when asked."""
+
+    def __init__(self, inputs: list[int], outputs: list[int], allocator, index: int):
+        self.inputs, self.outputs = inputs, outputs
+        self.allocator, self.index = allocator, index
+        self.runner = None
+        self.staging_in = self.staging_out = None
+        self.capturable = False
+        self._replay = None
+        self._warm = False
+
+    def _launch(self, ins, outs, stream, counts) -> None:
+        if self._replay is not None:
+            self._replay(stream)
+            counts.replays += 1
+            return
+        if self.allocator.simulated:
+            self.runner(ins, outs)
         else:
-            with torch.cuda.stream(allocator.stream(index, stream)):
-                runner(inputs, outputs)
+            with torch.cuda.stream(self.allocator.stream(self.index, stream)):
+                self.runner(ins, outs)
+        if self.capturable:
+            if self._warm:  # the second call: every kernel is compiled, record them
+                from .graphs import capture
+
+                self._replay = capture(self.runner, ins, outs, self.allocator, self.index)
+            self._warm = True
+
+    def __call__(self, env, stream, counts: _Counts) -> None:
+        if self.staging_in is None:
+            self._launch([env[v] for v in self.inputs], [env[v] for v in self.outputs], stream, counts)
+            return
+        allocator, s = self.allocator, self.allocator.stream(self.index, stream)
+        for vid, buf in zip(self.inputs, self.staging_in):
+            allocator.copy_host_to_device(buf, env[vid].contiguous(), s)
+            counts.h2d += buf.numel() * buf.element_size()
+            counts.copies += 1
+        self._launch(self.staging_in, self.staging_out, stream, counts)
+        for vid, buf in zip(self.outputs, self.staging_out):
+            env[vid] = torch.empty_like(buf, device="cpu")
+            allocator.copy_device_to_host(env[vid], buf, s)
+            counts.d2h += buf.numel() * buf.element_size()
+            counts.copies += 1
+        allocator.synchronize(self.index, s)
+        counts.syncs += 1

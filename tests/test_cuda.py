@@ -82,3 +82,17 @@ def test_cuda_allocator_synchronize_waits_for_the_copy_stream():
     allocator.synchronize(0, stream)
     assert stream.query()
     torch.testing.assert_close(buf.view(torch.float32).cpu(), src)
+
+
+def test_cuda_graph_replay_matches_eager_on_a_side_stream(tmp_path):
+    model, args = demo_decoder()
+    lowered = td.lower(torch.export.export(model, args), config=STRICT)
+    stream = torch.cuda.Stream()
+    method = lowered.load(devices="cuda").load_method(stream=stream, graphs=True)
+    with torch.no_grad():
+        expected = model(*args)
+        for i in range(4):
+            out = method(*args, stream=stream)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
+    assert method.stats.graph_replays_per_call >= 1

@@ -117,7 +117,7 @@ class LlamaStyleDecoder(nn.Module):
 
     def forward(self, input_ids):
         seq = input_ids.shape[1]
-        positions = torch.arange(seq, dtype=torch.float32)
+        positions = torch.arange(seq, dtype=torch.float32, device=input_ids.device)
         freqs = positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         x = self.embed(input_ids)

@@ -1,0 +1,268 @@
+"""``python -m bench.report RESULTS.json [MORE.json ...] [--plot PATH | --no-plot]``
+
+Prints markdown tables from pytest-benchmark JSON written by ``pytest bench/``: latency per mode with
+the ratios per_call_copy/resident, resident/eager and resident_io/eager; bytes copied per call and at
+load; load time against the measured copy bandwidth; the host cost of one kernel launch. Writes a PNG
+plot of latency against weight bytes per mode when matplotlib is installed (``pip install
+'tritondelegate[plot]'``). Several JSON files (e.g. the steps of scripts/gpu_bench.sh) are merged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+MODES = ("per_call_copy", "resident", "resident_io", "resident_graphs", "eager", "torch_compile")
+LOWERED = ("per_call_copy", "resident", "resident_io", "resident_graphs")
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "—"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _ms(seconds) -> str:
+    if seconds is None:
+        return "—"
+    ms = seconds * 1e3
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.0f}"
+
+
+def _ratio(a, b) -> str:
+    return "—" if a is None or not b else f"{a / b:.2f}x"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def load_results(paths: list[str]) -> tuple[dict, list[dict]]:
+    machine, benchmarks = {}, []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        machine = machine or data.get("machine_info", {})
+        machine.setdefault("datetime", data.get("datetime"))
+        benchmarks += data.get("benchmarks", [])
+    return machine, benchmarks
+
+
+def _median(b: dict) -> float:
+    return b["stats"]["median"]
+
+
+def _kind(b: dict) -> str:
+    name = b.get("name", "")
+    return name.split("[", 1)[0]
+
+
+def collect(benchmarks: list[dict]):
+    """{model: {mode: benchmark}}, {model: {kind: benchmark}}, {(ops, impl): benchmark}, in run order."""
+    latency, load, launch = defaultdict(dict), defaultdict(dict), {}
+    for b in benchmarks:
+        info = b.get("extra_info", {})
+        kind = _kind(b)
+        if kind == "test_latency":
+            latency[info["model"]][info["mode"]] = b
+        elif kind == "test_load":
+            load[info["model"]][info["kind"]] = b
+        elif kind == "test_launch":
+            launch[(info["ops"], info["impl"])] = b
+    return latency, load, launch
+
+
+def _bandwidth(load: dict, model: str) -> float | None:
+    """Bytes per second of a plain pageable copy (host copy on the simulated device) of this model's
+    resident bytes: what a per-call copy of the constants moves at."""
+    for kind in ("pageable", "host_copy"):
+        b = load.get(model, {}).get(kind)
+        if b:
+            return b["extra_info"]["bytes"] / _median(b)
+    return None
+
+
+def latency_section(latency: dict, load: dict) -> str:
+    modes = [m for m in MODES if any(m in by_mode for by_mode in latency.values())]
+    header = ["model", "weights", "launches/call", *[f"{m} (ms)" for m in modes],
+              "per_call_copy / resident", "resident / eager", "resident_io / eager",
+              "resident_graphs / eager"]
+    rows = []
+    for model, by_mode in latency.items():
+        t = {m: _median(b) for m, b in by_mode.items()}
+        any_b = next(iter(by_mode.values()))["extra_info"]
+        launches = next((b["extra_info"].get("launches_per_call") for m, b in by_mode.items() if m in LOWERED), None)
+        rows.append([model, _bytes(any_b["weight_bytes"]), launches if launches is not None else "—",
+                     *[_ms(t.get(m)) for m in modes],
+                     _ratio(t.get("per_call_copy"), t.get("resident")),
+                     _ratio(t.get("resident"), t.get("eager")),
+                     _ratio(t.get("resident_io"), t.get("eager")),
+                     _ratio(t.get("resident_graphs"), t.get("eager"))])
+    out = ["## Latency per call (median)", "", _table(header, rows), ""]
+
+    header = ["model", *[f"{m} h2d / d2h per call" for m in LOWERED], "loaded once (resident)",
+              "per_call_copy − resident (ms)", "extra h2d bytes / copy bandwidth (ms)"]
+    rows = []
+    for model, by_mode in latency.items():
+        info = {m: b["extra_info"] for m, b in by_mode.items()}
+        cells = []
+        for m in LOWERED:
+            i = info.get(m)
+            cells.append("—" if i is None else f"{_bytes(i['call_h2d_bytes'])} / {_bytes(i['call_d2h_bytes'])}")
+        loaded = info.get("resident", {}).get("load_h2d_bytes")
+        diff = estimate = None
+        if "per_call_copy" in by_mode and "resident" in by_mode:
+            diff = _median(by_mode["per_call_copy"]) - _median(by_mode["resident"])
+            bandwidth = _bandwidth(load, model)
+            extra = info["per_call_copy"]["call_h2d_bytes"] - info["resident"]["call_h2d_bytes"]
+            estimate = extra / bandwidth if bandwidth else None
+        rows.append([model, *cells, _bytes(loaded), _ms(diff), _ms(estimate)])
+    out += ["## Bytes copied per call", "",
+            "Bytes from `method.stats` after the timed calls. The last column is what the extra per-call "
+            "bytes cost at the plain copy bandwidth measured in the same run (pageable host-to-device on "
+            "CUDA, a host copy on the simulated device); `—` where that run measured none.", "",
+            _table(header, rows), ""]
+
+    rows = []
+    for model, by_mode in latency.items():
+        for mode in MODES:
+            b = by_mode.get(mode)
+            if b is None or b["extra_info"].get("host_call_ms") is None:
+                continue
+            i = b["extra_info"]
+            launches = i.get("launches_per_call")
+            rows.append([model, mode, _ms(_median(b)), f"{i['host_call_ms']:.3f}", f"{i['stream_span_ms']:.3f}",
+                         launches if launches is not None else "—", _bytes(i.get("call_h2d_bytes"))])
+    if rows:
+        header = ["model", "mode", "wall (ms)", "host call (ms)", "stream span (ms)", "launches/call", "h2d per call"]
+        out += ["## Where the time goes (CUDA)", "",
+                "`wall`: the timed call including the wait for its stream. `host call`: until the call returns "
+                "to the host, before that wait (argument checks, copies the host waits for, launches). "
+                "`stream span`: CUDA events recorded on the stream around the call.", "",
+                _table(header, rows), ""]
+    return "\n".join(out)
+
+
+def load_section(load: dict) -> str:
+    kinds = [k for k in ("resident_load", "pinned", "pageable", "host_copy") if any(k in v for v in load.values())]
+    header = ["model", "bytes", *[f"{k} (ms)" for k in kinds], *[f"{k} GB/s" for k in kinds]]
+    rows = []
+    for model, by_kind in load.items():
+        nbytes = next(iter(by_kind.values()))["extra_info"]["bytes"]
+        times = [_ms(_median(by_kind[k])) if k in by_kind else "—" for k in kinds]
+        rates = [f"{nbytes / _median(by_kind[k]) / 1e9:.2f}" if k in by_kind and nbytes else "—" for k in kinds]
+        rows.append([model, _bytes(nbytes), *times, *rates])
+    return "\n".join(["## Load time of resident constants vs plain copies of the same bytes", "",
+                      "`resident_load` is the whole `load_method` (arena allocation, constant copies from the "
+                      "mapped file, delegate setup).", "", _table(header, rows), ""])
+
+
+def launch_section(launch: dict) -> str:
+    impls = list(dict.fromkeys(impl for _, impl in launch))
+    chains = sorted({ops for ops, _ in launch})
+    header = ["impl", *[f"{n} op(s) (µs)" for n in chains], "µs per launch (longest chain)"]
+    if len(chains) >= 2:
+        header.append(f"marginal µs per launch ({chains[0]}→{chains[-1]})")
+    rows = []
+    for impl in impls:
+        t = {n: _median(launch[(n, impl)]) for n in chains if (n, impl) in launch}
+        row = [impl, *[f"{t[n] * 1e6:.1f}" if n in t else "—" for n in chains]]
+        longest = chains[-1]
+        row.append(f"{t[longest] * 1e6 / longest:.2f}" if longest in t else "—")
+        if len(chains) >= 2:
+            lo, hi = chains[0], chains[-1]
+            row.append(f"{(t[hi] - t[lo]) * 1e6 / (hi - lo):.2f}" if lo in t and hi in t else "—")
+        rows.append(row)
+    return "\n".join(["## Host cost of one kernel launch", "",
+                      "Chains of tiny adds on an [8] tensor, device tensors in and out, each call synchronized. "
+                      "`runtime`: a lowered method; `triton_pointwise`: the runtime's pointwise kernel with the "
+                      "same arguments, launched directly; `triton_minimal`: a 3-argument kernel; `eager`: "
+                      "`x + 1.0` in PyTorch.", "", _table(header, rows), ""])
+
+
+def machine_section(machine: dict) -> str:
+    td = machine.get("tritondelegate", {})
+    cpu = machine.get("cpu", {}).get("brand_raw") or machine.get("processor") or "?"
+    parts = [f"device: **{td.get('device', '?')}**"]
+    if td.get("gpu"):
+        parts.append(f"GPU: {td['gpu']} (CUDA {td.get('cuda')})")
+    parts += [f"CPU: {cpu}, {td.get('cpu_count', '?')} cores, torch threads {td.get('torch_threads', '?')}",
+              f"torch {td.get('torch', '?')}",
+              f"triton {td.get('triton', '?')}", f"sizes: {td.get('sizes', '?')}",
+              f"run: {machine.get('datetime') or td.get('date', '?')}"]
+    lines = ["# tritondelegate benchmarks", "", "; ".join(parts), ""]
+    if td.get("device") == "simulated":
+        lines += ["Simulated device: kernels run under the Triton interpreter on the CPU, so these timings "
+                  "measure the interpreter, not a GPU. Only the byte and launch counts carry over.", ""]
+    return "\n".join(lines)
+
+
+def plot(latency: dict, path: str, device: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (`pip install 'tritondelegate[plot]'`): no plot written."
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = dict(zip(MODES, ("tab:red", "tab:blue", "tab:green", "tab:orange", "tab:gray", "tab:purple")))
+    for family, marker, style in (("mlp", "o", "-"), ("decoder", "s", "--")):
+        for mode in MODES:
+            points = sorted(
+                (b["extra_info"]["weight_bytes"], _median(b) * 1e3)
+                for by_mode in latency.values() for m, b in by_mode.items()
+                if m == mode and b["extra_info"].get("family") == family
+            )
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, style, marker=marker, color=colors[mode], label=f"{family} {mode}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("weight bytes")
+    ax.set_ylabel("median latency per call (ms)")
+    ax.set_title(f"latency vs weight bytes ({device} device)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"Plot written to {path}."
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", help="pytest-benchmark JSON file(s) from `pytest bench/`")
+    parser.add_argument("--plot", help="PNG path (default: the first results file with .png)")
+    parser.add_argument("--no-plot", action="store_true", help="print the tables only")
+    args = parser.parse_args(argv)
+    machine, benchmarks = load_results(args.results)
+    if not benchmarks:
+        print(f"no benchmarks in {', '.join(args.results)}", file=sys.stderr)
+        return 1
+    latency, load, launch = collect(benchmarks)
+    sections = [machine_section(machine)]
+    if latency:
+        sections.append(latency_section(latency, load))
+    if load:
+        sections.append(load_section(load))
+    if launch:
+        sections.append(launch_section(launch))
+    print("\n".join(sections))
+    if latency and not args.no_plot:
+        path = args.plot or os.path.splitext(args.results[0])[0] + ".png"
+        print(plot(latency, path, machine.get("tritondelegate", {}).get("device", "?")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

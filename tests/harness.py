@@ -27,6 +27,28 @@ TOLERANCES = {
 }
 
 
+class Fn(torch.nn.Module):
+    """A module around a function, so a test can export a lambda."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+class Logits(torch.nn.Module):
+    """A transformers causal LM as input_ids -> logits, without the cache."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False, return_dict=False)[0]
+
+
 def assert_close(actual: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype | None = None,
                  scale: float = 1.0):
     """Compare with the tolerance of ``dtype`` (default: ``actual``'s); ``scale`` widens it for

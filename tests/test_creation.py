@@ -2,20 +2,11 @@ import pytest
 import torch
 
 import tritondelegate.decompose
-from harness import FLOAT_DTYPES, check_model, run_delegated
+from harness import FLOAT_DTYPES, Fn, check_model, run_delegated
 from tritondelegate.kernels import creation
 
 aten = torch.ops.aten
 DTYPES = FLOAT_DTYPES + (torch.int64, torch.int32, torch.bool)
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from harness import FLOAT_DTYPES, check_model, run_delegated
+from harness import FLOAT_DTYPES, Fn, check_model, run_delegated
 
 UNARY = {
     "neg": torch.neg, "exp": torch.exp, "sqrt": lambda x: torch.sqrt(x.abs()),
@@ -12,15 +12,6 @@ UNARY = {
     "cos": torch.cos, "sin": torch.sin, "abs": torch.abs, "log": lambda x: torch.log(x.abs() + 1),
     "reciprocal": lambda x: 1.0 / (x.abs() + 1),
 }
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 @pytest.mark.parametrize("name", sorted(UNARY))

@@ -13,19 +13,10 @@ import operator
 import pytest
 import torch
 
-from harness import assert_close, export_decomposed, run_delegated
+from harness import Logits, assert_close, export_decomposed, run_delegated
 from tritondelegate.kernels import registry
 
 transformers = pytest.importorskip("transformers")
-
-
-class Logits(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False, return_dict=False)[0]
 
 
 def _llama():

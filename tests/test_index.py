@@ -1,20 +1,11 @@
 import pytest
 import torch
 
-from harness import FLOAT_DTYPES, check_model, run_delegated
+from harness import FLOAT_DTYPES, Fn, check_model, run_delegated
 from tritondelegate.kernels import index
 
 INDEX_DTYPES = (torch.int64, torch.int32)
 DATA_DTYPES = FLOAT_DTYPES + (torch.int64,)
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _data(shape, dtype):

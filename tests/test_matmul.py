@@ -12,21 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import FLOAT_DTYPES, check_model
+from harness import FLOAT_DTYPES, Fn, check_model
 from tritondelegate import decompose
 from tritondelegate.kernels import matmul
 from tritondelegate.kernels.registry import OPS
 
 aten = torch.ops.aten
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def check(fn, *args):

@@ -3,20 +3,11 @@ import copy
 import pytest
 import torch
 
-from harness import FLOAT_DTYPES, check_model, export_decomposed
+from harness import FLOAT_DTYPES, Fn, check_model, export_decomposed
 from tritondelegate.decompose import decompose
 from tritondelegate.kernels import norm
 
 COLS = (1, 17, 33, 129, 1025)
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 class LlamaRMSNorm(torch.nn.Module):

@@ -2,17 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import FLOAT_DTYPES, check_model, export_decomposed, run_delegated
+from harness import FLOAT_DTYPES, Fn, check_model, export_decomposed, run_delegated
 from tritondelegate.kernels import pool
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def check(fn, x, dtype):

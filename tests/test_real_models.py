@@ -14,20 +14,11 @@ import pytest
 import torch
 
 import tritondelegate as td
-from harness import TOLERANCES
+from harness import Logits, TOLERANCES
 from test_resnet_block import TinyResNet
 from tritondelegate.models import MLP, demo_decoder
 
 RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
-
-
-class Logits(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False, return_dict=False)[0]
 
 
 def _hf(name, attention):

@@ -3,20 +3,11 @@ import math
 import pytest
 import torch
 
-from harness import FLOAT_DTYPES, check_model, run_delegated
+from harness import FLOAT_DTYPES, Fn, check_model, run_delegated
 from tritondelegate.decompose import decompose
 from tritondelegate.kernels import reduce as red
 
 COLS = (1, 17, 33, 129, 1025)
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def check(fn, *args, scale=1.0):

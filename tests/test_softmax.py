@@ -1,20 +1,11 @@
 import pytest
 import torch
 
-from harness import FLOAT_DTYPES, check_model, export_decomposed, run_delegated
+from harness import FLOAT_DTYPES, Fn, check_model, export_decomposed, run_delegated
 from tritondelegate.decompose import decompose
 from tritondelegate.kernels import softmax as sm
 
 COLS = (1, 17, 33, 129, 1025)
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def both(dim):

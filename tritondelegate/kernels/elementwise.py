@@ -116,6 +116,18 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
 
 
 @triton.jit
+def unravel5(offs, d1, d2, d3, d4):
+    """Flat row-major offsets -> 5-d indices, for sizes (any, d1, d2, d3, d4)."""
+    i4 = offs % d4
+    rest = offs // d4
+    i3 = rest % d3
+    rest = rest // d3
+    i2 = rest % d2
+    rest = rest // d2
+    return rest // d1, rest % d1, i2, i3, i4
+
+
+@triton.jit
 def _operand(ptr, scalar, i0, i1, i2, i3, i4, s0, s1, s2, s3, s4, mask,
              IS_SCALAR: tl.constexpr, CT: tl.constexpr):
     if IS_SCALAR:
@@ -146,15 +158,7 @@ def pointwise_kernel(
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    rest = offs
-    i4 = rest % d4
-    rest = rest // d4
-    i3 = rest % d3
-    rest = rest // d3
-    i2 = rest % d2
-    rest = rest // d2
-    i1 = rest % d1
-    i0 = rest // d1
+    i0, i1, i2, i3, i4 = unravel5(offs, d1, d2, d3, d4)
     a = _operand(a_ptr, a_scalar, i0, i1, i2, i3, i4, as0, as1, as2, as3, as4, mask, A_SCALAR, CT)
     b = a
     c = a

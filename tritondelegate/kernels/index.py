@@ -57,15 +57,7 @@ def gather_kernel(
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    rest = offs
-    i4 = rest % d4
-    rest = rest // d4
-    i3 = rest % d3
-    rest = rest // d3
-    i2 = rest % d2
-    rest = rest // d2
-    i1 = rest % d1
-    i0 = rest // d1
+    i0, i1, i2, i3, i4 = ew.unravel5(offs, d1, d2, d3, d4)
     src_offs = i0 * ss0 + i1 * ss1 + i2 * ss2 + i3 * ss3 + i4 * ss4
     valid = mask
     term, ok = _index_term(idx0_ptr, i0, i1, i2, i3, i4, t00, t01, t02, t03, t04, size0, u0, mask)

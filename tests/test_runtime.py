@@ -255,3 +255,23 @@ def test_graphs_skip_delegates_that_read_caller_memory():
             x = torch.randn(3, 16)
             torch.testing.assert_close(method(x), model(x))
     assert method.stats.graph_replays_per_call == 0
+
+
+def test_launch_plans_that_do_not_fit_their_kernel_are_program_errors():
+    import copy as copy_module
+
+    model, args = _mlp()
+    lowered = _lower(model, args)
+    broken = copy_module.deepcopy(lowered.program)
+    broken.methods[0].delegates[0].plan.launches[0].args.pop()
+    with pytest.raises(td.ProgramError, match="does not fit the kernel's parameters"):
+        td.LoweredProgram(broken, lowered.constant_data, lowered.reports).load(devices="simulated").load_method()
+    broken = copy_module.deepcopy(lowered.program)
+    broken.methods[0].delegates[0].plan.launches[0].kernel = "no_such_kernel"
+    with pytest.raises(td.ProgramError, match="no_such_kernel"):
+        td.LoweredProgram(broken, lowered.constant_data, lowered.reports).load(devices="simulated").load_method()
+    broken = copy_module.deepcopy(lowered.program)
+    host = next(i for i in broken.methods[0].instructions if i.kind.name == "COPY_H2D")
+    host.kind, host.target = type(host.kind).HOST_OP, "os::system"
+    with pytest.raises(td.ProgramError, match="not an ATen operator"):
+        td.LoweredProgram(broken, lowered.constant_data, lowered.reports).load(devices="simulated").load_method()

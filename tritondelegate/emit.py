@@ -19,6 +19,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from .backend import build_plan
 from .kernels.builder import dtype_name
+from .kernels.registry import lookup
 from .partitioner import PartitionResult, op_name
 from .program import (
     ArgKind,
@@ -107,9 +108,6 @@ def emit_method(name: str, ep: torch.export.ExportedProgram, result: PartitionRe
     info = NodeInfo()
     for node in ep.graph_module.graph.nodes:
         if node.op == "call_function" and node.target is not operator.getitem:
-            spec = None
-            from .kernels.registry import lookup
-
             spec = lookup(node.target)
             if spec is not None and spec.is_view:
                 info.views += 1

@@ -20,7 +20,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from ..config import PerCallCopyError, PerCallCopyWarning, PropagateDeviceConfig
-from ..program import Instruction, InstrKind, Method, Role, TensorValue
+from ..program import ArgKind, Instruction, InstrKind, Method, Role, TensorValue
 
 HOST = "cpu"
 
@@ -153,9 +153,9 @@ class PropagateDevicePass:
                 mapping = {v: on(v, HOST, f"read by host op {instr.name!r}") for v in instr.inputs}
                 instr.inputs = [mapping[v] for v in instr.inputs]
                 for arg in instr.args:
-                    if arg.kind.name == "TENSOR":
+                    if arg.kind == ArgKind.TENSOR:
                         arg.value = mapping[arg.value]
-                    elif arg.kind.name == "TENSOR_LIST":
+                    elif arg.kind == ArgKind.TENSOR_LIST:
                         arg.value = [mapping.get(v, v) for v in arg.value]
             out.append(instr)
         for i, vid in enumerate(method.outputs):

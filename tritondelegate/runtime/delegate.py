@@ -6,6 +6,7 @@ tensors bound to them change (method-planned values keep their arena address fro
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -13,10 +14,16 @@ import torch
 from ..kernels import interpreted
 from ..kernels.registry import KERNELS
 from ..plan import ArgKind, Base, DelegatePlan, TensorDesc
+from ..program import ProgramError
 
 
-class DelegateError(RuntimeError):
-    pass
+# Keyword arguments of a Triton launch that are not kernel parameters.
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
+
+
+class DelegateError(ProgramError):
+    """A launch plan that this runtime cannot run as written (unknown kernel or dtype, a view outside
+    its memory, arguments that do not fit the kernel)."""
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -60,6 +67,8 @@ class DelegateRunner:
         if plan.scratch_bytes and (scratch is None or scratch.numel() < plan.scratch_bytes):
             raise DelegateError(f"delegate needs {plan.scratch_bytes} scratch bytes")
         self._kernels = [self._resolve(launch.kernel, simulated) for launch in plan.launches]
+        for kernel, launch in zip(self._kernels, plan.launches):
+            self._check_signature(kernel, launch)
         used = {a.value for launch in plan.launches for a in launch.args if a.kind == ArgKind.TENSOR}
         self._views: list[torch.Tensor | None] = [
             _view(scratch, d) if d.base == Base.SCRATCH and i in used else None for i, d in enumerate(plan.tensors)
@@ -74,6 +83,20 @@ class DelegateRunner:
                 # The Triton interpreter computes low-precision tl.dot wrongly: upcast there.
                 constexprs["DOT_UPCAST"] = True
             self._calls.append((launch.grid, args, tensors, constexprs))
+
+    @staticmethod
+    def _check_signature(kernel, launch) -> None:
+        """The plan's arguments must bind to the kernel's parameters (a damaged file must not reach
+        a launch with the wrong arguments)."""
+        meta = {k: None for k in launch.constexprs if k not in LAUNCH_OPTIONS}
+        try:
+            inspect.signature(kernel.fn).bind(*launch.args, **meta)
+        except TypeError as exc:
+            raise DelegateError(
+                f"launch of {launch.kernel!r} (node {launch.op!r}) does not fit the kernel's parameters: {exc}"
+            ) from exc
+        if not all(isinstance(g, int) and g > 0 for g in launch.grid) or not 1 <= len(launch.grid) <= 3:
+            raise DelegateError(f"launch of {launch.kernel!r} has grid {launch.grid}")
 
     @staticmethod
     def _resolve(name: str, simulated: bool):

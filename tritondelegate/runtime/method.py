@@ -47,11 +47,13 @@ def _parse_device(device: str) -> tuple[str, int]:
 
 def resolve_op(target: str):
     """``"aten::add.Tensor"`` -> ``torch.ops.aten.add.Tensor``."""
+    namespace, _, rest = target.partition("::")
+    if namespace != "aten":  # programs only ever hold ATen host ops; refuse anything else from a file
+        raise ProgramError(f"host op {target!r} is not an ATen operator")
     try:
-        namespace, rest = target.split("::", 1)
         name, _, overload = rest.partition(".")
-        return getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
-    except (AttributeError, ValueError) as exc:
+        return getattr(getattr(torch.ops.aten, name), overload or "default")
+    except (AttributeError, RuntimeError) as exc:
         raise ProgramError(f"host op {target!r} is not an operator this PyTorch knows") from exc
 
 

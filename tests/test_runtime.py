@@ -275,3 +275,18 @@ def test_launch_plans_that_do_not_fit_their_kernel_are_program_errors():
     host.kind, host.target = type(host.kind).HOST_OP, "os::system"
     with pytest.raises(td.ProgramError, match="not an ATen operator"):
         td.LoweredProgram(broken, lowered.constant_data, lowered.reports).load(devices="simulated").load_method()
+
+
+def test_registered_allocator_is_used_by_auto(saved, monkeypatch):
+    from tritondelegate.runtime import allocator as allocator_module
+
+    monkeypatch.setattr(allocator_module, "_REGISTRY", {})
+    mine = SimulatedAllocator()
+    td.register_allocator("CUDA", mine)
+    model, args, path = saved
+    method = td.load(path).load_method()
+    assert mine.allocations == 1
+    with torch.no_grad():
+        torch.testing.assert_close(method(*args), model(*args))
+    with pytest.raises(TypeError, match="needs a DeviceAllocator"):
+        td.register_allocator("cuda", object())

@@ -5,9 +5,10 @@ strided view with shape, strides and dtype), asks for an output with ``b.out(nod
 launches with ``b.launch(kernel_name, grid, *args, **constexprs)``. View ops record an alias with
 ``b.alias(node, b.view(...))`` and launch nothing.
 
-Every temporary lives in a logical buffer. At :meth:`LaunchBuilder.finish`, buffers that hold a
-delegate output become that output's slot, and the rest are packed into the delegate's scratch block
-with the same greedy planner the method uses.
+Every temporary lives in a logical buffer. At :meth:`LaunchBuilder.finish`, chains of pointwise
+launches are fused (``fusion.py``), buffers that hold a delegate output become that output's slot, and
+the rest are packed into the delegate's scratch block with the same greedy planner the method uses,
+from lifetimes read off the final launch list.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class _Buffer:
     base: Base
     index: int
     nbytes: int
+    owner: str = ""  # the node whose lowering allocated it: only that node's launches write it
     first: int = -1
     last: int = -1
 
@@ -79,6 +81,8 @@ class LaunchBuilder:
         self._descs: list[TensorDesc] = []
         self._refs: list[TRef] = []
         self._launches: list[Launch] = []
+        # launch position -> what that "pointwise" launch computes (elementwise.PointwiseOp), for fusion
+        self.pointwise: dict[int, object] = {}
         self._values: dict[torch.fx.Node, object] = {}
         self._outputs = outputs
         self.current: torch.fx.Node | None = None
@@ -149,25 +153,27 @@ class LaunchBuilder:
         return out
 
     # -- launches -----------------------------------------------------------------------------
-    def launch(self, kernel: str, grid, *args, **constexprs) -> None:
+    def launch(self, kernel: str, grid, *args, **constexprs) -> int | None:
+        """Record a launch; returns its position, or None when the grid is empty (nothing to do)."""
         grid = tuple(int(g) for g in grid)
         if any(g <= 0 for g in grid):
-            return  # nothing to do: an empty tensor
-        position = len(self._launches)
+            return None  # nothing to do: an empty tensor
         self._launches.append(
             Launch(
                 kernel=kernel,
                 grid=grid,
-                args=[self._arg(a, position) for a in args],
+                args=[_arg(a) for a in args],
                 constexprs={k: Arg.of(v) for k, v in constexprs.items()},
                 op=self.current.name if self.current is not None else "",
             )
         )
+        return len(self._launches) - 1
 
     # -- finishing ----------------------------------------------------------------------------
     def finish(self) -> DelegatePlan:
-        from . import elementwise
+        from . import elementwise, fusion
 
+        self._fuse(fusion)
         taken: set[int] = set()
         for i, node in enumerate(self._outputs):
             ref = self.ref(node)
@@ -187,6 +193,7 @@ class LaunchBuilder:
             out_buf = self._new_buffer(Base.OUTPUT, i, ref.numel * val.element_size())
             out = self._desc(out_buf, ref.dtype, ref.shape, contiguous_strides(ref.shape), 0)
             elementwise.launch_pointwise(self, "copy", out, [ref])
+        self._lifetimes()
         scratch = [b for b in self._buffers if b.base == Base.SCRATCH and b.first >= 0]
         offsets, scratch_bytes = greedy_by_size(
             [Interval(b.nbytes, b.first, b.last) for b in scratch], SCRATCH_ALIGNMENT
@@ -220,7 +227,8 @@ class LaunchBuilder:
         return f"node {self.current.name!r}" if self.current is not None else "delegate"
 
     def _new_buffer(self, base: Base, index: int, nbytes: int) -> int:
-        self._buffers.append(_Buffer(base, index, nbytes))
+        owner = self.current.name if self.current is not None else ""
+        self._buffers.append(_Buffer(base, index, nbytes, owner if base != Base.INPUT else ""))
         return len(self._buffers) - 1
 
     def _desc(self, buffer: int, dtype, shape, strides, offset) -> TRef:
@@ -229,10 +237,37 @@ class LaunchBuilder:
         self._refs.append(ref)
         return ref
 
-    def _arg(self, value, position: int) -> Arg:
-        if isinstance(value, TRef):
-            buf = self._buffers[value.buffer]
-            buf.first = position if buf.first < 0 else buf.first
-            buf.last = position
-            return Arg(ArgKind.TENSOR, value.index)
-        return Arg.of(value)
+    def _touched(self, launch: Launch) -> set[int]:
+        return {self._refs[a.value].buffer for a in launch.args if a.kind == ArgKind.TENSOR}
+
+    def _fuse(self, fusion) -> None:
+        """Merge chains of pointwise launches (``fusion.py``). Buffers that hold a delegate output, or
+        that a delegate output views, are never fused away."""
+        touched = [self._touched(launch) for launch in self._launches]
+        # What each launch may write: a pointwise launch its output; any other kernel only buffers its
+        # own node allocated (lowerings write nothing else).
+        writes = [
+            {self.pointwise[i].out.buffer} if i in self.pointwise
+            else {buf for buf in bufs if self._buffers[buf].owner == launch.op and launch.op}
+            for i, (launch, bufs) in enumerate(zip(self._launches, touched))
+        ]
+        keep = {self.ref(node).buffer for node in self._outputs}
+        keep |= {i for i, buf in enumerate(self._buffers) if buf.base != Base.SCRATCH}
+        result = fusion.fuse_pointwise_chains(self._launches, self.pointwise, touched, writes, keep)
+        if result.changed:
+            self._launches = result.launches
+            self.pointwise = {}  # positions moved; nothing after this point fuses
+
+    def _lifetimes(self) -> None:
+        """First and last launch touching each buffer, from the final launch list."""
+        for buf in self._buffers:
+            buf.first = buf.last = -1
+        for position, launch in enumerate(self._launches):
+            for index in self._touched(launch):
+                buf = self._buffers[index]
+                buf.first = position if buf.first < 0 else buf.first
+                buf.last = position
+
+
+def _arg(value) -> Arg:
+    return Arg(ArgKind.TENSOR, value.index) if isinstance(value, TRef) else Arg.of(value)

@@ -5,11 +5,18 @@ strided copies. One kernel serves them all; the formula is picked at compile tim
 
 Operands may be strided views (a transpose, a slice, an expand), so view ops never need a copy before
 a pointwise consumer. Floating math runs in fp32 and is cast to the output dtype on store.
+
+A second kernel runs a chain of such ops, the ones ``fusion.py`` merges, with the running value in
+registers:
+
+    r = OP0(p0[i], p1[i]);  r = OPk(r, p(k+1)[i])  (or OPk(p(k+1)[i], r) when SWAPk, OPk(r) when unary)
+    out[i] = r
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -19,6 +26,7 @@ from .builder import TRef
 
 MAX_RANK = 5
 BLOCK = 1024
+MAX_CHAIN = 4  # ops in one pointwise_chain launch; operand slots: 2 for the first op, 1 per further op
 
 
 # --- kernel ---------------------------------------------------------------------------------------
@@ -171,6 +179,62 @@ def pointwise_kernel(
     tl.store(out_ptr + out_offs, r.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _chain_step(r, ptr, scalar, i0, i1, i2, i3, i4, s0, s1, s2, s3, s4, mask,
+                OP: tl.constexpr, ARITY: tl.constexpr, SWAP: tl.constexpr, IS_SCALAR: tl.constexpr,
+                CT: tl.constexpr):
+    if ARITY == 1:
+        r = _formula(r, r, r, OP, 1)
+    else:
+        v = _operand(ptr, scalar, i0, i1, i2, i3, i4, s0, s1, s2, s3, s4, mask, IS_SCALAR, CT)
+        if SWAP:
+            r = _formula(v, r, r, OP, 1)
+        else:
+            r = _formula(r, v, v, OP, 1)
+    return r
+
+
+# r = OP0(p0, p1); then per step k: r = OPk(r, p(k+1)), OPk(p(k+1), r) when SWAPk, OPk(r) when unary
+@triton.jit
+def pointwise_chain_kernel(
+    out_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, p4_ptr,
+    p0_scalar, p1_scalar, p2_scalar, p3_scalar, p4_scalar,
+    n, d1, d2, d3, d4,
+    os0, os1, os2, os3, os4,
+    p0s0, p0s1, p0s2, p0s3, p0s4,
+    p1s0, p1s1, p1s2, p1s3, p1s4,
+    p2s0, p2s1, p2s2, p2s3, p2s4,
+    p3s0, p3s1, p3s2, p3s3, p3s4,
+    p4s0, p4s1, p4s2, p4s3, p4s4,
+    OP0: tl.constexpr, ARITY0: tl.constexpr,
+    OP1: tl.constexpr, ARITY1: tl.constexpr, SWAP1: tl.constexpr,
+    OP2: tl.constexpr, ARITY2: tl.constexpr, SWAP2: tl.constexpr,
+    OP3: tl.constexpr, ARITY3: tl.constexpr, SWAP3: tl.constexpr,
+    NOPS: tl.constexpr,
+    IS_SCALAR0: tl.constexpr, IS_SCALAR1: tl.constexpr, IS_SCALAR2: tl.constexpr,
+    IS_SCALAR3: tl.constexpr, IS_SCALAR4: tl.constexpr,
+    CT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    i0, i1, i2, i3, i4 = unravel5(offs, d1, d2, d3, d4)
+    a = _operand(p0_ptr, p0_scalar, i0, i1, i2, i3, i4, p0s0, p0s1, p0s2, p0s3, p0s4, mask, IS_SCALAR0, CT)
+    r = _chain_step(a, p1_ptr, p1_scalar, i0, i1, i2, i3, i4, p1s0, p1s1, p1s2, p1s3, p1s4, mask,
+                    OP0, ARITY0, False, IS_SCALAR1, CT)
+    if NOPS >= 2:
+        r = _chain_step(r, p2_ptr, p2_scalar, i0, i1, i2, i3, i4, p2s0, p2s1, p2s2, p2s3, p2s4, mask,
+                        OP1, ARITY1, SWAP1, IS_SCALAR2, CT)
+    if NOPS >= 3:
+        r = _chain_step(r, p3_ptr, p3_scalar, i0, i1, i2, i3, i4, p3s0, p3s1, p3s2, p3s3, p3s4, mask,
+                        OP2, ARITY2, SWAP2, IS_SCALAR3, CT)
+    if NOPS >= 4:
+        r = _chain_step(r, p4_ptr, p4_scalar, i0, i1, i2, i3, i4, p4s0, p4s1, p4s2, p4s3, p4s4, mask,
+                        OP3, ARITY3, SWAP3, IS_SCALAR4, CT)
+    out_offs = i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3 + i4 * os4
+    tl.store(out_ptr + out_offs, r.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # --- host launcher --------------------------------------------------------------------------------
 def broadcast_strides(ref: TRef, shape) -> tuple[int, ...]:
     """``ref``'s strides seen through broadcasting to ``shape`` (0 on broadcast dims)."""
@@ -207,11 +271,50 @@ def compute_type(dtypes) -> str:
     return "i64"
 
 
+@dataclass(frozen=True)
+class PointwiseOp:
+    """What one ``pointwise`` launch computes, kept by the builder for ``fusion.py``."""
+
+    op: str
+    out: TRef
+    operands: tuple  # TRef or Python scalar
+    alpha: object
+    compute: str
+
+
+def _operand_args(out: TRef, operands, compute: str):
+    """Kernel arguments for ``out`` and ``operands`` (TRef, Python scalar, or None for an unused slot)
+    walked together over ``out``'s shape: (n, sizes d1..d4, out strides, pointers, scalars, operand
+    strides, is-scalar flags), or None when the walk needs more than MAX_RANK dims."""
+    shape = out.shape
+    tensors = [o for o in operands if isinstance(o, TRef)]
+    stride_sets = [out.strides] + [broadcast_strides(t, shape) for t in tensors]
+    sizes, strides = collapse(shape, stride_sets)
+    if len(sizes) > MAX_RANK:
+        return None
+    pad = MAX_RANK - len(sizes)
+    sizes = [1] * pad + sizes
+    strides = [[0] * pad + s for s in strides]
+    out_strides, tensor_strides = strides[0], iter(strides[1:])
+    ptrs, scalars, operand_strides, flags = [], [], [], []
+    for o in operands:
+        if isinstance(o, TRef):
+            ptrs.append(o)
+            scalars.append(0)
+            operand_strides.extend(next(tensor_strides))
+            flags.append(False)
+        else:
+            ptrs.append(out)  # never read: the operand is a scalar, or the slot is unused
+            scalars.append(0 if o is None else float(o) if compute == "f32" else int(o))
+            operand_strides.extend([0] * MAX_RANK)
+            flags.append(o is not None)
+    return math.prod(shape), sizes[1:], out_strides, ptrs, scalars, operand_strides, flags
+
+
 def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | None = None) -> None:
     """Launch ``out = op(*operands)``; each operand a TRef or a Python scalar."""
-    tensors = [o for o in operands if isinstance(o, TRef)]
     if compute is None:
-        dtypes = [t.dtype for t in tensors] + [out.dtype] * (op in {"copy"})
+        dtypes = [o.dtype for o in operands if isinstance(o, TRef)] + [out.dtype] * (op in {"copy"})
         if any(isinstance(o, float) for o in operands):
             dtypes.append(torch.float32)
         if op in {"div", "pow", "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "tanh", "gelu",
@@ -220,35 +323,40 @@ def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | No
         if op == "where":
             dtypes = dtypes[1:] if len(dtypes) > 1 else dtypes
         compute = compute_type(dtypes)
-    shape = out.shape
-    stride_sets = [out.strides] + [broadcast_strides(t, shape) for t in tensors]
-    sizes, strides = collapse(shape, stride_sets)
-    if len(sizes) > MAX_RANK:
-        raise NotImplementedError(f"pointwise op over {len(sizes)} non-mergeable dims")
-    pad = MAX_RANK - len(sizes)
-    sizes = [1] * pad + sizes
-    strides = [[0] * pad + s for s in strides]
-    out_strides, tensor_strides = strides[0], iter(strides[1:])
-    args_ptr, args_scalar, args_strides, flags = [], [], [], []
-    for o in list(operands) + [0] * (3 - len(operands)):
-        if isinstance(o, TRef):
-            args_ptr.append(o)
-            args_scalar.append(0)
-            args_strides.extend(next(tensor_strides))
-            flags.append(False)
-        else:
-            args_ptr.append(out)  # never read: the operand is a scalar
-            args_scalar.append(float(o) if compute == "f32" else int(o))
-            args_strides.extend([0] * MAX_RANK)
-            flags.append(True)
-    n = math.prod(shape)
-    b.launch(
+    walk = _operand_args(out, list(operands) + [0] * (3 - len(operands)), compute)
+    if walk is None:
+        raise NotImplementedError(f"pointwise op over more than {MAX_RANK} non-mergeable dims")
+    n, sizes, out_strides, ptrs, scalars, strides, flags = walk
+    position = b.launch(
         "pointwise", (triton.cdiv(n, BLOCK),),
-        out, *args_ptr, *args_scalar,
-        n, *sizes[1:], *out_strides, *args_strides,
+        out, *ptrs, *scalars,
+        n, *sizes, *out_strides, *strides,
         OP=op, ALPHA=alpha, NARGS=len(operands), A_SCALAR=flags[0], B_SCALAR=flags[1], C_SCALAR=flags[2],
         CT=compute, BLOCK=BLOCK,
     )
+    if position is not None:
+        b.pointwise[position] = PointwiseOp(op, out, tuple(operands), alpha, compute)
+
+
+def chain_launch(out: TRef, steps, slots, compute: str):
+    """The arguments of a ``pointwise_chain`` launch: (grid, args, constexprs), or None when its
+    operands cannot be walked in MAX_RANK dims.
+
+    ``steps`` are (op, arity, swap) with 1 <= len(steps) <= MAX_CHAIN; ``slots`` has len(steps) + 1
+    entries: the first op's two operands, then one per further op (None where the op is unary)."""
+    walk = _operand_args(out, list(slots) + [None] * (MAX_CHAIN + 1 - len(slots)), compute)
+    if walk is None:
+        return None
+    n, sizes, out_strides, ptrs, scalars, strides, flags = walk
+    padded = list(steps) + [("copy", 1, False)] * (MAX_CHAIN - len(steps))
+    constexprs = {"OP0": padded[0][0], "ARITY0": padded[0][1]}
+    for i, (op, arity, swap) in enumerate(padded[1:], start=1):
+        constexprs.update({f"OP{i}": op, f"ARITY{i}": arity, f"SWAP{i}": swap})
+    constexprs["NOPS"] = len(steps)
+    constexprs.update({f"IS_SCALAR{k}": flag for k, flag in enumerate(flags)})
+    constexprs.update(CT=compute, BLOCK=BLOCK)
+    args = [out, *ptrs, *scalars, n, *sizes, *out_strides, *strides]
+    return (triton.cdiv(n, BLOCK),), args, constexprs
 
 
 # --- support checks and lowerings -----------------------------------------------------------------

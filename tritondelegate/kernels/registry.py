@@ -175,6 +175,7 @@ OPS: dict[object, OpSpec] = {
 
 KERNELS: dict[str, object] = {
     "pointwise": ew.pointwise_kernel,
+    "pointwise_chain": ew.pointwise_chain_kernel,
     "arange": creation.arange_kernel,
     "gather": idx.gather_kernel,
     "cumsum": idx.cumsum_kernel,

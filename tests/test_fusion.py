@@ -1,0 +1,208 @@
+"""Pointwise chain fusion (kernels/fusion.py): which launches merge, and that fused chains compute what
+eager does (fp16/bf16 against an fp32 reference)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tritondelegate as td
+from harness import FLOAT_DTYPES, Fn, check_model, run_delegated
+from tritondelegate.kernels import fusion
+from tritondelegate.kernels.builder import LoweringError, TRef
+from tritondelegate.kernels.elementwise import PointwiseOp
+from tritondelegate.models import FeedForward, DecoderConfig, RMSNorm, demo_decoder
+from tritondelegate.plan import Launch
+
+
+def kernels(plan):
+    return [launch.kernel for launch in plan.launches]
+
+
+def chain_ops(launch):
+    c = {k: v.value for k, v in launch.constexprs.items()}
+    return [c[f"OP{i}"] for i in range(c["NOPS"])]
+
+
+def chains(plan):
+    return [chain_ops(launch) for launch in plan.launches if launch.kernel == "pointwise_chain"]
+
+
+def check_low(model, args, dtype):
+    """``model`` in ``dtype`` through a delegate, against the same rounded weights and inputs in fp32."""
+    low = copy.deepcopy(model).to(dtype)
+    low_args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+    ref_args = tuple(a.float() if a.is_floating_point() else a for a in low_args)
+    return check_model(low, low_args, reference_args=(copy.deepcopy(low).float(), ref_args))
+
+
+# --- what fuses -----------------------------------------------------------------------------------
+def test_rmsnorm_tail_is_one_launch():
+    # pow -> mean -> add(eps) -> rsqrt -> mul(x, .) -> mul(., weight): rsqrt is [..., 1], broadcast by
+    # its consumer; the four ops after the reduction run as one launch.
+    _, plan = check_model(RMSNorm(33, 1e-5), (torch.randn(2, 5, 33),))
+    assert kernels(plan) == ["pointwise", "reduce", "pointwise_chain"]
+    assert chains(plan) == [["add", "rsqrt", "mul", "mul"]]
+    assert plan.launches[-1].op == "add+rsqrt+mul+mul_1"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rmsnorm_tail_dtypes(dtype):
+    # In fp16/bf16 the upcasts and the cast back are copies: the cast back adds no op to the chain.
+    torch.manual_seed(0)
+    _, plan = check_low(RMSNorm(33, 1e-5), (torch.randn(2, 5, 33),), dtype)
+    if dtype == torch.float32:
+        assert chains(plan) == [["add", "rsqrt", "mul", "mul"]]
+    else:  # x.float() twice (fused into pow, and into the mul), add+rsqrt, the reduction
+        assert kernels(plan) == ["pointwise_chain", "reduce", "pointwise_chain", "pointwise_chain"]
+        assert chains(plan) == [["copy", "pow"], ["add", "rsqrt"], ["copy", "mul", "mul"]]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_silu_times_up_fuses_across_a_matmul(dtype):
+    # down(silu(gate(x)) * up(x)): silu is launched before up's matmul and fused into the mul after it.
+    ffn = FeedForward(DecoderConfig(dim=40, hidden_dim=72))
+    _, plan = check_low(ffn, (torch.randn(3, 7, 40),), dtype)
+    assert kernels(plan) == ["matmul", "matmul", "pointwise_chain", "matmul"]
+    assert chains(plan) == [["silu", "mul"]]
+
+
+def test_value_read_twice_is_not_fused():
+    x = torch.randn(17, 33)
+    _, plan = check_model(Fn(lambda x: (lambda y: y.sin() + y.cos())(x.exp())), (x,))
+    # exp's result feeds sin and cos: it is stored once; sin (read once) fuses into the add.
+    assert [(launch.kernel, launch.op) for launch in plan.launches] == [
+        ("pointwise", "exp"), ("pointwise", "cos"), ("pointwise_chain", "sin+add")]
+
+
+@pytest.mark.parametrize("outputs", [lambda y: (y, y * 2), lambda y: (y.view(-1), y * 2), lambda y: (y * 2, y.t())])
+def test_delegate_output_is_not_fused_away(outputs):
+    x = torch.randn(17, 33)
+    results, plan = check_model(Fn(lambda x: outputs(x.exp())), (x,))
+    assert "exp" in [launch.op for launch in plan.launches]
+    assert "pointwise_chain" not in kernels(plan)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_broadcasting_operands(dtype):
+    # The consumer's other operand broadcasts (w over rows), and the running value does (a column
+    # recomputed for every element of the row).
+    x, w, col = torch.randn(17, 33), torch.randn(33), torch.randn(17, 1)
+    fn = Fn(lambda x, w, col: ((x.exp() * w - 1.0), torch.sigmoid(col + 0.5) * x))
+    _, plan = check_low(fn, (x, w, col), dtype)
+    assert kernels(plan) == ["pointwise_chain", "pointwise_chain"]
+    assert chains(plan) == [["exp", "mul", "sub"], ["add", "sigmoid", "mul"]]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_running_value_as_second_operand(dtype):
+    # c - r, c / r, 2 ** r, 1 - r: the running value is the right operand (SWAP); r * c needs no swap.
+    x, y = torch.randn(17, 33), torch.randn(17, 33)
+    fn = Fn(lambda x, y: (y - x.sin(), y / (x.abs() + 1), 2.0 ** x.cos(), 1.0 - x.tanh(), y * x.exp()))
+    _, plan = check_low(fn, (x, y), dtype)
+    swaps = [(chain_ops(launch)[-1], launch.constexprs[f"SWAP{len(chain_ops(launch)) - 1}"].value)
+             for launch in plan.launches]
+    assert swaps == [("sub", True), ("div", True), ("pow", True), ("sub", True), ("mul", False)]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_scalar_operands_and_chain_limit(dtype):
+    # Five ops with scalar operands: the first four fuse (MAX_CHAIN), the fifth is launched alone.
+    x = torch.randn(5, 129)
+    _, plan = check_low(Fn(lambda x: ((((x * 3) + 2) / 4) - 0.5) * 1.5), (x,), dtype)
+    assert kernels(plan) == ["pointwise_chain", "pointwise"]
+    assert chains(plan) == [["mul", "add", "div", "sub"]]
+    c = {k: v.value for k, v in plan.launches[0].constexprs.items()}
+    assert [c[f"IS_SCALAR{k}"] for k in range(5)] == [False, True, True, True, True]
+
+
+def test_strided_producer_operands():
+    # A transpose and a slice feed the producer; the chain walks them in place.
+    a, b = torch.randn(33, 17), torch.randn(17, 40)
+    _, plan = check_model(Fn(lambda a, b: (a.t() * b[:, 3:36]).relu() + 1), (a, b))
+    assert chains(plan) == [["mul", "relu", "add"]]
+
+
+# --- what must not fuse: intermediates whose dtype changes the result -----------------------------
+def test_comparison_feeding_arithmetic_is_not_fused():
+    x, y = torch.randn(17, 33), torch.randn(17, 33)
+    _, plan = check_model(Fn(lambda x, y: (x > 0).float() * y), (x, y))
+    assert [(launch.kernel, launch.op) for launch in plan.launches] == [
+        ("pointwise", "gt"), ("pointwise_chain", "_to_copy+mul")]
+
+
+def test_integer_intermediates():
+    i = torch.randint(-100, 100, (17, 33), dtype=torch.int32)
+    # int32 wraps in eager: an int32 intermediate is not kept in int64 registers.
+    _, plan = check_model(Fn(lambda i: (i * 100000) * 100000), (i,))
+    assert kernels(plan) == ["pointwise", "pointwise"]
+    # int64 intermediates are exact: the chain fuses, and may end in a comparison.
+    _, plan = check_model(Fn(lambda i: ((i.long() + 3) * 2) > 5), (i,))
+    assert chains(plan) == [["copy", "add", "mul", "gt"]]
+
+
+def test_bool_chain():
+    a, b = torch.randn(17, 33), torch.randn(17, 33)
+    _, plan = check_model(Fn(lambda a, b: torch.logical_not((a > 0) & (b > 0)) | (a > b)), (a, b))
+    assert ["bitwise_and", "logical_not", "bitwise_or"] in chains(plan)
+
+
+# --- the pass on its own (no device) --------------------------------------------------------------
+def _ref(index, dtype=torch.float32):
+    return TRef(index, index, dtype, (4,), (1,), 0)  # desc i lives in buffer i
+
+
+def _exp_mm_neg(mm_writes):
+    """exp(x) -> t; an opaque launch writing ``mm_writes``; neg(t) -> u."""
+    x, t, m, u = (_ref(i) for i in range(4))
+    pointwise = {0: PointwiseOp("exp", t, (x,), 1, "f32"), 2: PointwiseOp("neg", u, (t,), 1, "f32")}
+    launches = [Launch("pointwise", (1,), [], op="exp"), Launch("matmul", (1,), [], op="mm"),
+                Launch("pointwise", (1,), [], op="neg")]
+    touched = [{0, 1}, {0, 2}, {1, 3}]
+    return launches, pointwise, touched, [{1}, mm_writes, {3}]
+
+
+def test_pass_fuses_and_says_so():
+    launches, pointwise, touched, writes = _exp_mm_neg({2})
+    result = fusion.fuse_pointwise_chains(launches, pointwise, touched, writes, keep={0})
+    assert result.changed
+    assert [launch.kernel for launch in result.launches] == ["matmul", "pointwise_chain"]
+    assert result.launches[1].op == "exp+neg"
+    # a kept buffer (a delegate output) is never fused away
+    result = fusion.fuse_pointwise_chains(launches, pointwise, touched, writes, keep={0, 1})
+    assert not result.changed and result.launches is launches
+
+
+def test_pass_raises_when_an_operand_is_written_before_the_fused_launch():
+    launches, pointwise, touched, writes = _exp_mm_neg({0, 2})  # the opaque launch writes exp's input
+    with pytest.raises(LoweringError, match="pointwise fusion"):
+        fusion.fuse_pointwise_chains(launches, pointwise, touched, writes, keep={0})
+
+
+# --- the package decoder --------------------------------------------------------------------------
+def _lower(model, args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", td.PerCallCopyWarning)
+        return td.lower(torch.export.export(model, args))
+
+
+def test_demo_decoder_has_fewer_launches_and_matches_eager(monkeypatch):
+    model, args = demo_decoder()
+    lowered = _lower(model, args)
+    method = lowered.load(devices="simulated").load_method()
+    with torch.no_grad():
+        out, expected = method(*args), model(*args)
+    assert (out - expected).abs().max().item() < 1e-3
+    plans = [d.plan for m in lowered.program.methods for d in m.delegates]
+    fused = [ops for plan in plans for ops in chains(plan)]
+    # every RMSNorm tail (two per layer and the final one) is one launch; silu * up is one per layer
+    assert fused.count(["add", "rsqrt", "mul", "mul"]) == 2 * model.cfg.n_layers + 1
+    assert fused.count(["silu", "mul"]) == model.cfg.n_layers
+    after = method.stats.launches_per_call
+
+    monkeypatch.setattr(fusion, "fuse_pointwise_chains",
+                        lambda launches, *_: fusion.FusionResult(launches, False))
+    before = _lower(model, args).load(devices="simulated").load_method().stats.launches_per_call
+    assert after <= before - 5 * model.cfg.n_layers, (before, after)

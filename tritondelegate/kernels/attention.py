@@ -167,21 +167,24 @@ def _bcast(shape, strides, target) -> tuple[int, ...]:
     return tuple(0 if n == 1 and t != 1 else s for n, s, t in zip(shape, strides, target))
 
 
-def block_sizes(lq: int, lk: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def block_sizes(lq: int, lk: int, head_dim: int, dtype: torch.dtype,
+                masked: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100-class GPU.
 
     fp16/bf16: 128 x 64 tiles on 8 warps for heads up to 128 (the FlashAttention-2 / Triton tutorial
-    shape, wgmma); 64 x 32 for larger heads so the fp32 accumulator stays in registers. fp32 runs
-    IEEE FMA dots, whose operands live in registers: smaller tiles. Each choice was compiled for
-    sm_90 (triton 3.9, ptxas -v): no register spills, or a few dozen bytes at heads of 128 and 256
-    in fp16/bf16. Short sequences (decode, Lq = 1) shrink the tiles, down to the 16 that ``tl.dot``
-    needs. Not yet timed on a GPU.
+    shape, wgmma); 64 x 32 for larger heads so the fp32 accumulator stays in registers. With a mask
+    (``masked``) and heads over 64, the mask tile's registers push 128 x 64 to about 600 spilled
+    bytes a thread: 128 x 32 there. fp32 runs IEEE FMA dots, whose operands live in registers:
+    smaller tiles. Each choice was compiled for sm_90 with triton 3.6 and 3.9
+    (``scripts/compile_check.py``): no register spills, or a few dozen bytes (fp32 with a float mask,
+    decode with a bool mask). Short sequences (decode, Lq = 1) shrink the tiles, down to the 16 that
+    ``tl.dot`` needs. Not yet timed on a GPU.
     """
     if dtype == torch.float32:
         block_m, block_n = 32, (32 if head_dim <= 64 else 16)
         num_warps, num_stages = (4 if head_dim <= 64 else 8), 2
     elif head_dim <= 128:
-        block_m, block_n, num_warps, num_stages = 128, 64, 8, 3
+        block_m, block_n, num_warps, num_stages = 128, (32 if masked and head_dim > 64 else 64), 8, 3
     else:
         block_m, block_n, num_warps, num_stages = 64, 32, 8, 2
     block_m = min(block_m, max(16, triton.next_power_of_2(lq)))
@@ -206,7 +209,7 @@ def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None,
     else:
         mask_arg, smask = mask, ew.broadcast_strides(mask, (batch, heads, lq, lk))
         kind = "bool" if mask.dtype == torch.bool else "float"
-    block_m, block_n, num_warps, num_stages = block_sizes(lq, lk, max(e, ev), q.dtype)
+    block_m, block_n, num_warps, num_stages = block_sizes(lq, lk, max(e, ev), q.dtype, mask is not None)
     b.launch(
         "attention", (triton.cdiv(lq, block_m), batch * heads),
         q4, k4, v4, mask_arg, out4,

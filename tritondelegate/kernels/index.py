@@ -99,6 +99,7 @@ def cumsum_kernel(
         carry = tl.zeros([BLOCK_R], dtype=tl.float32)
     else:
         carry = tl.zeros([BLOCK_R], dtype=tl.int64)
+    last = (tl.arange(0, BLOCK_L) == BLOCK_L - 1)[None, :]
     for start in range(0, length, BLOCK_L):
         cols = start + tl.arange(0, BLOCK_L).to(tl.int64)
         mask = row_mask[:, None] & (cols < length)[None, :]
@@ -107,7 +108,10 @@ def cumsum_kernel(
         acc = tl.cumsum(x, axis=1) + carry[:, None]
         tl.store(out_ptr + out_row[:, None] + cols[None, :] * out_stride,
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
-        carry = carry + tl.sum(x, axis=1)
+        # The next chunk starts from this chunk's last prefix (masked columns added 0), read out of
+        # the scan rather than as carry + tl.sum(x): one reduction either way, and triton 3.6's sm_90
+        # compiler asserts (OptimizeThreadLocality) on an fp32 carry += tl.sum(...) left unused.
+        carry = tl.sum(tl.where(last, acc, 0), axis=1)
 
 
 # --- host launchers -------------------------------------------------------------------------------

@@ -1,0 +1,444 @@
+"""Compile every kernel variant that representative models launch, for a GPU target, without a GPU.
+
+    python scripts/compile_check.py [--arch 90] [--case SUBSTRING ...] [--list] [--json PATH]
+
+Each case is exported and lowered with ``tritondelegate.lower`` exactly as a user would; every launch
+of every delegate's plan is then specialized the way ``JITFunction.run`` specializes it on a GPU
+(argument types, constexprs, the divisibility-by-16 and equal-to-1 attributes of integers and tensor
+addresses, launch options) and each distinct variant is compiled down to a cubin with the installed
+Triton and its bundled ptxas. The interpreter hides compiler-only failures (an unsupported construct,
+a layout the backend cannot lower, too much shared memory); this finds them before a GPU run does.
+
+Reported per variant: failure (the compiler's message), or registers per thread, stack frame per
+thread (register spills; libdevice's sin/cos also keep a 32-byte array there) and shared memory. Exit
+status 1 when a case fails to lower, or a variant fails to compile or needs more shared memory than the
+target has. Compiled kernels land in Triton's cache (``TRITON_CACHE_DIR``), so a second run is quick.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Kernels must be real JITFunctions, not interpreted ones: decided when they are defined (imported).
+os.environ["TRITON_INTERPRET"] = "0"
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from torch import nn  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import MockTensor, create_function_from_signature  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import tritondelegate as td  # noqa: E402
+from harness import Fn  # noqa: E402  (tests/harness.py: a module around a lambda)
+from tritondelegate.kernels.registry import KERNELS  # noqa: E402
+from tritondelegate.models import MLP, DecoderConfig, LlamaStyleDecoder, demo_decoder  # noqa: E402
+from tritondelegate.plan import ArgKind, Base  # noqa: E402
+
+# Shared memory one block may use (opt-in maximum), by compute capability.
+MAX_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+# Where the runtime's views start: arena slots and allocations are at least 16-byte aligned, so a
+# tensor's address is 16-byte aligned exactly when its byte offset in its base is.
+BASE_ADDRESS = 1 << 20
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+FLOATS = (F32, F16, BF16)
+
+
+# --- cases ----------------------------------------------------------------------------------------
+def _randn(*shape, dtype=F32):
+    return torch.randn(*shape).to(dtype)
+
+
+def _decoder(dtype, seq, **cfg):
+    torch.manual_seed(0)
+    model = LlamaStyleDecoder(DecoderConfig(**cfg)).eval().to(dtype)
+    return model, (torch.randint(0, model.cfg.vocab_size, (1, seq)),)
+
+
+def _demo(dtype):
+    model, args = demo_decoder()
+    return model.to(dtype), args
+
+
+def _resnet(dtype):
+    from test_resnet_block import TinyResNet
+
+    torch.manual_seed(0)
+    return TinyResNet().eval().to(dtype), (_randn(2, 3, 32, 32, dtype=dtype),)
+
+
+class ConvNet(nn.Module):
+    """ImageNet-sized layers: a 7x7 stride-2 stem, a 3x3 block, a depthwise and a pointwise conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn = nn.BatchNorm2d(64)
+        self.conv = nn.Conv2d(64, 128, 3, 1, 1)
+        self.dw = nn.Conv2d(128, 128, 3, 1, 1, groups=128)
+        self.pw = nn.Conv2d(128, 256, 1)
+
+    def forward(self, x):
+        x = F.max_pool2d(torch.relu(self.bn(self.stem(x))), 3, 2, 1)
+        x = self.pw(self.dw(torch.relu(self.conv(x))))
+        return F.adaptive_avg_pool2d(x, 1).flatten(1), F.avg_pool2d(x, 2)
+
+
+def _sdpa(q_shape, kv_shape, dtype, ev=None, mask=None, **kwargs):
+    """sdpa over q [.., Lq, E], k/v [.., Lk, E/Ev]; ``mask``: None, "bool" or "float" ([Lq, Lk])."""
+    q = _randn(*q_shape, dtype=dtype)
+    k = _randn(*kv_shape, dtype=dtype)
+    v = _randn(*kv_shape[:-1], ev or kv_shape[-1], dtype=dtype)
+    args = (q, k, v)
+    if mask is not None:
+        m = torch.rand(q_shape[-2], kv_shape[-2]) > 0.3
+        args += (m if mask == "bool" else torch.zeros(m.shape).masked_fill(~m, float("-inf")).to(dtype),)
+    return Fn(lambda *a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3] if len(a) > 3 else None,
+                                                        **kwargs)), args
+
+
+def _reductions(dtype):
+    fn = lambda x, y: (  # noqa: E731
+        x.sum(-1), x.mean(0), x.amax(-1), x.amin(0), x.argmax(-1), *x.max(1), *torch.var_mean(x, -1),
+        x.norm(dim=-1), x.sum(), x.var(), y.prod(1), y.sum((0, 2)), y.permute(2, 0, 1).amax((1, 2)))
+    return Fn(fn), (_randn(512, 4096, dtype=dtype), _randn(33, 17, 129, dtype=dtype))
+
+
+def _int_reductions():
+    fn = lambda i: (i.sum(1), i.sum(), (i > 0).sum(0), i.int().sum(-1), i.int().prod(0))  # noqa: E731
+    return Fn(fn), (torch.randint(-9, 9, (300, 77)),)
+
+
+def _rows(dtype):
+    w = torch.randn(8192).to(dtype)
+    fn = lambda x, y, z: (  # noqa: E731
+        torch.softmax(x, -1), torch.log_softmax(x, 0), torch.softmax(y, -1), torch.softmax(z, -1),
+        F.layer_norm(x, (768,)), F.layer_norm(z, (8192,), w, w), F.rms_norm(y, (17,)),
+        F.rms_norm(z, (8192,), w))
+    return Fn(fn), (_randn(64, 768, dtype=dtype), _randn(5, 17, dtype=dtype), _randn(16, 8192, dtype=dtype))
+
+
+def _softmax_vocab(dtype):
+    return Fn(lambda x: torch.softmax(x, -1)), (_randn(4, 32000, dtype=dtype),)
+
+
+def _indexing(dtype):
+    emb = nn.Embedding(8192, 256).to(dtype)
+    fn = lambda ids, x, i, j: (  # noqa: E731
+        emb(ids), torch.index_select(x, 1, i), torch.gather(x, 1, j), x[i], x[i[:, None], i[None, :4]],
+        torch.cumsum(x, 1), torch.cumsum(x.t(), 1), torch.cumsum(ids, 1))
+    return Fn(fn), (torch.randint(0, 8192, (4, 300)), _randn(300, 1000, dtype=dtype),
+                    torch.randint(0, 300, (40,)), torch.randint(0, 1000, (300, 7)))
+
+
+def _creation(dtype):
+    fn = lambda x: (  # noqa: E731
+        torch.arange(x.shape[-1]) + 1, torch.arange(0, 5, 0.25, dtype=dtype) * x[0, :20],
+        torch.arange(3, 1003, 3, dtype=torch.int32), torch.full((3, 17), float("-inf"), dtype=dtype),
+        torch.zeros_like(x), torch.triu(x, 1), torch.tril(x, -2), x.masked_fill(x > 0, -1e4),
+        torch.cat([x, x * 2], 1))
+    return Fn(fn), (_randn(100, 300, dtype=dtype),)
+
+
+def _pointwise(dtype):
+    fn = lambda x, y, i: (  # noqa: E731
+        x + y, x - 2.5, 3 - x, x * y.t().t(), x / y, x ** 2, torch.pow(x.abs(), y), 2 ** x,
+        torch.maximum(x, y), torch.minimum(x, y), x == y, x < 0.5, (x > y) & (x < 1), ~(x > 0) | (y > 0),
+        -x, torch.exp(x), torch.log(x.abs() + 1), torch.sqrt(x.abs()), torch.rsqrt(x.abs() + 1),
+        torch.reciprocal(x + 3), torch.sigmoid(x), F.silu(x), torch.relu(x), torch.tanh(x), torch.cos(x),
+        torch.sin(x), F.gelu(x), F.gelu(x, approximate="tanh"), torch.where(x > 0, x, y),
+        torch.clamp(x, -1, 1), torch.clamp(x, min=y), x.clamp_max(0.3), x.to(F32), x.to(torch.int32),
+        i & 7, i | 8, i * 3 + 1, i.to(dtype), x[:, None, :] + y[None, :, :1].transpose(0, 1))
+    return Fn(fn), (_randn(129, 257, dtype=dtype), _randn(129, 257, dtype=dtype),
+                    torch.randint(0, 99, (129, 257)))
+
+
+def _matmuls(dtype):
+    fn = lambda a, b, c, bias, x, y: (  # noqa: E731
+        a @ b, torch.addmm(bias, a, b), torch.bmm(x, y), torch.baddbmm(x[:, :, :64], x, y, alpha=0.5),
+        F.linear(c, b.t(), bias), c @ b, a.t().t() @ b[:, :17], x.transpose(1, 2) @ x)
+    shapes = [(1000, 768), (768, 1024), (1, 768), (1024,), (8, 333, 64), (8, 64, 64)]
+    return Fn(fn), tuple(_randn(*s, dtype=dtype) for s in shapes)
+
+
+def _per_dtype(d) -> dict[str, callable]:
+    """The cases run in each float dtype ``d``."""
+    llama = dict(dim=512, n_layers=1, hidden_dim=1376)
+    return {
+        "demo_decoder": lambda: _demo(d),
+        "decoder_prefill_h64": lambda: _decoder(d, 384, n_heads=8, n_kv_heads=2, max_seq_len=512, **llama),
+        "decoder_h128": lambda: _decoder(d, 200, n_heads=4, n_kv_heads=4, max_seq_len=256, **llama),
+        "decoder_decode": lambda: _decoder(d, 1, n_heads=8, n_kv_heads=2, max_seq_len=64, **llama),
+        "mlp": lambda: (MLP([784, 1024, 1000]).eval().to(d), (_randn(64, 784, dtype=d),)),
+        "mlp_decode": lambda: (MLP([2048, 4096, 2048]).eval().to(d), (_randn(1, 2048, dtype=d),)),
+        "resnet_tiny": lambda: _resnet(d),
+        "convnet": lambda: (ConvNet().eval().to(d), (_randn(2, 3, 224, 224, dtype=d),)),
+        "attn_causal": lambda: _sdpa((2, 8, 512, 64), (2, 8, 512, 64), d, is_causal=True),
+        "attn_gqa_causal_h128": lambda: _sdpa((1, 32, 300, 128), (1, 8, 300, 128), d, is_causal=True,
+                                              enable_gqa=True),
+        "attn_bool_mask_h128": lambda: _sdpa((1, 8, 1000, 128), (1, 8, 1000, 128), d, mask="bool"),
+        "attn_float_mask_h96": lambda: _sdpa((2, 4, 500, 96), (2, 4, 500, 96), d, mask="float"),
+        "attn_float_mask_decode": lambda: _sdpa((4, 16, 1, 128), (4, 16, 777, 128), d, mask="float"),
+        "attn_h256": lambda: _sdpa((1, 4, 200, 256), (1, 4, 200, 256), d),
+        "attn_h80_ev128": lambda: _sdpa((2, 3, 333, 80), (2, 3, 333, 80), d, ev=128),
+        "reductions": lambda: _reductions(d),
+        "softmax_norm": lambda: _rows(d),
+        "softmax_vocab": lambda: _softmax_vocab(d),
+        "indexing": lambda: _indexing(d),
+        "creation": lambda: _creation(d),
+        "pointwise": lambda: _pointwise(d),
+        "matmul": lambda: _matmuls(d),
+    }
+
+
+def cases() -> dict[str, callable]:
+    """Case name -> a function returning (model, example args). Shapes span every block-size branch
+    of each kernel family (short and long rows, decode- and prefill-shaped GEMMs and attention)."""
+    out = {}
+    for dtype in FLOATS:
+        suffix = str(dtype).removeprefix("torch.")
+        out.update({f"{name}/{suffix}": make for name, make in _per_dtype(dtype).items()})
+    out["reductions/int64"] = _int_reductions
+    out["decoder_matmul_attention/float16"] = lambda: _decoder(
+        F16, 100, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=128, attention="matmul")
+    return out
+
+
+# --- specialization, as JITFunction.run does it ---------------------------------------------------
+class _Address(MockTensor):
+    """A tensor argument as specialization sees it: a dtype and an address."""
+
+    def __init__(self, dtype: torch.dtype, address: int):
+        super().__init__(dtype)
+        self.address = address
+
+    def data_ptr(self):
+        return self.address
+
+
+@dataclass
+class Variant:
+    kernel: str
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: object
+    kernel_fn: object
+    uses: list[str] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+    registers: int | None = None
+    stack_bytes: int | None = None
+    shared: int | None = None
+
+    def describe(self) -> str:
+        params = self.kernel_fn.params
+        # The declared constexprs; integer arguments equal to 1 also become constants when specialized.
+        shown = {params[p[0]].name: v for p, v in self.constexprs.items()
+                 if len(p) == 1 and params[p[0]].is_constexpr}
+        opts = f"warps={self.options.num_warps} stages={self.options.num_stages}"
+        types = sorted({t for t in self.signature.values() if t.startswith("*")})
+        return f"{self.kernel} {shown} {opts} {' '.join(types)}"
+
+
+def _arguments(delegate, launch):
+    args = []
+    for a in launch.args:
+        if a.kind != ArgKind.TENSOR:
+            args.append(a.value)
+            continue
+        desc = delegate.plan.tensors[a.value]
+        offset = desc.byte_offset + (delegate.scratch_offset if desc.base == Base.SCRATCH else 0)
+        args.append(_Address(getattr(torch, desc.dtype), BASE_ADDRESS + offset))
+    return args
+
+
+def specialize(kernel, backend, args, meta):
+    """(options, signature, constexprs, attrs) of a launch, computed as ``JITFunction.run`` does."""
+    kwargs = dict(meta)
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # triton >= 3.7
+        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    return kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+
+
+def _key(kernel_name, options, signature, constexprs, attrs) -> str:
+    return repr((kernel_name, sorted(signature.items()), sorted(constexprs.items(), key=repr),
+                 sorted(attrs.items(), key=repr), sorted(options.__dict__.items(), key=repr)))
+
+
+def collect(selected: dict, backend, log) -> tuple[dict[str, Variant], dict[str, str]]:
+    """The distinct variants the cases launch, and the cases that failed to lower (name -> error)."""
+    variants: dict[str, Variant] = {}
+    broken: dict[str, str] = {}
+    config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
+    for name, make in selected.items():
+        start = time.time()
+        torch.manual_seed(0)
+        try:
+            model, args = make()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ep = torch.export.export(model, tuple(args))
+                lowered = td.lower(ep, td.TritonPartitioner("cuda:0"), config)
+        except Exception as exc:  # report it with the others; the remaining cases still run
+            broken[name] = f"{type(exc).__name__}: {exc}"
+            log(f"  {name}: FAILED to lower: {broken[name]}")
+            continue
+        launches = 0
+        for method in lowered.program.methods:
+            for delegate in method.delegates:
+                for launch in delegate.plan.launches:
+                    launches += 1
+                    kernel = KERNELS[launch.kernel]
+                    meta = {k: v.value for k, v in launch.constexprs.items()}
+                    options, signature, constexprs, attrs = specialize(
+                        kernel, backend, _arguments(delegate, launch), meta)
+                    key = _key(launch.kernel, options, signature, constexprs, attrs)
+                    if key not in variants:
+                        variants[key] = Variant(launch.kernel, signature, constexprs, attrs, options,
+                                                kernel)
+                    variants[key].uses.append(f"{name}:{launch.op}")
+        log(f"  {name}: {launches} launches ({time.time() - start:.1f}s)")
+    return variants, broken
+
+
+# --- compiling ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _captured_stderr():
+    """MLIR and ptxas diagnostics are written to file descriptor 2, not to sys.stderr."""
+    with tempfile.TemporaryFile(mode="w+") as f:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        text = []
+        try:
+            yield text
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            text.append(f.read())
+
+
+def _resources(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers per thread, stack-frame bytes per thread: where ptxas puts spills) from the cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
+    return (int(regs.group(1)) if regs else None), (int(stack.group(1)) if stack else None)
+
+
+def compile_variant(v: Variant, target, max_shared: int) -> None:
+    start = time.time()
+    try:
+        with _captured_stderr() as diagnostics:
+            compiled = triton.compile(ASTSource(v.kernel_fn, v.signature, v.constexprs, v.attrs),
+                                      target=target, options=v.options.__dict__)
+    except Exception as exc:  # a compiler error of any kind is this check's finding
+        found = (str(exc).strip(), diagnostics[0].strip() if diagnostics else "")
+        detail = "\n".join(s for s in found if s)
+        v.error = f"{type(exc).__name__}: {detail}"
+        v.seconds = time.time() - start
+        return
+    v.seconds = time.time() - start
+    v.shared = compiled.metadata.shared
+    if "cubin" in compiled.asm:
+        v.registers, v.stack_bytes = _resources(compiled.asm["cubin"])
+    if v.shared > max_shared:
+        v.error = f"needs {v.shared} bytes of shared memory; the target allows {max_shared} per block"
+
+
+# --- main -----------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability (default 90: H100/H200)")
+    parser.add_argument("--case", action="append", default=[], help="only the cases whose name contains this")
+    parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--collect-only", action="store_true", help="lower the cases and count variants")
+    opts = parser.parse_args(argv)
+
+    all_cases = cases()
+    if opts.list:
+        print("\n".join(all_cases))
+        return 0
+    selected = {k: f for k, f in all_cases.items() if not opts.case or any(s in k for s in opts.case)}
+    if not selected:
+        parser.error(f"no case matches {opts.case}; --list shows them")
+
+    def log(msg):
+        print(msg, flush=True)
+
+    target = GPUTarget("cuda", opts.arch, 32)
+    backend = make_backend(target)
+    max_shared = MAX_SHARED.get(opts.arch, 99 * 1024)
+    log(f"triton {triton.__version__}, torch {torch.__version__}, target sm_{opts.arch}; lowering "
+        f"{len(selected)} cases")
+    variants, broken = collect(selected, backend, log)
+    log(f"compiling {len(variants)} distinct kernel variants")
+    if opts.collect_only:
+        return 0
+    start = time.time()
+    for i, v in enumerate(variants.values(), 1):
+        compile_variant(v, target, max_shared)
+        status = "FAILED" if v.error else f"ok  regs={v.registers} stack={v.stack_bytes}B smem={v.shared}B"
+        log(f"[{i}/{len(variants)}] {v.seconds:5.1f}s {status}  {v.describe()}  ({v.uses[0]})")
+
+    by_kernel: dict[str, list[int]] = {}
+    for v in variants.values():
+        by_kernel.setdefault(v.kernel, [0, 0])[bool(v.error)] += 1
+    failed = [v for v in variants.values() if v.error]
+    spilling = [v for v in variants.values() if v.stack_bytes]
+    log(f"\n{'kernel':<16} compiled failed")
+    for name, (ok, bad) in sorted(by_kernel.items()):
+        log(f"{name:<16} {ok:>8} {bad:>6}")
+    log(f"{'total':<16} {len(variants) - len(failed):>8} {len(failed):>6}   ({time.time() - start:.0f}s)")
+    for v in spilling:
+        log(f"stack {v.stack_bytes} B/thread, {v.registers} registers: {v.describe()}  ({v.uses[0]})")
+    for name, error in broken.items():
+        log(f"\nFAILED to lower case {name}: {error}")
+    for v in failed:
+        more = " ..." if len(v.uses) > 4 else ""
+        log(f"\nFAILED {v.describe()}\n  used by {', '.join(v.uses[:4])}{more}")
+        lines = v.error.splitlines()
+        shown = lines if len(lines) <= 8 else lines[:3] + ["..."] + lines[-3:]  # the JSON has it all
+        log("  " + "\n  ".join(shown))
+    if opts.json:
+        rows = [{"kernel": v.kernel, "variant": v.describe(), "uses": v.uses, "error": v.error,
+                 "registers": v.registers, "stack_bytes": v.stack_bytes, "shared_bytes": v.shared,
+                 "seconds": round(v.seconds, 2)} for v in variants.values()]
+        with open(opts.json, "w") as f:
+            json.dump({"triton": triton.__version__, "arch": opts.arch, "variants": rows,
+                       "cases_not_lowered": broken}, f, indent=1)
+    return 1 if failed or broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

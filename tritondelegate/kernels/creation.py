@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from . import elementwise as ew
+from . import layout
 
 BLOCK = 1024
 
@@ -95,11 +96,9 @@ def _scalar_args(node) -> list:
 
 
 def supported(node) -> str | None:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return "result is not a tensor"
-    if val.dtype not in ew.DTYPES:
-        return f"dtype {val.dtype} is not supported (supported: {', '.join(map(str, ew.DTYPES))})"
+    reason = layout.supported(node)
+    if reason:
+        return reason
     for arg in _scalar_args(node):
         if not isinstance(arg, numbers.Number):
             return f"value {arg!r} is not a constant number (dynamic values are not supported)"

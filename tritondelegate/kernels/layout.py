@@ -74,11 +74,12 @@ def squeeze(b, node):
 
 
 def supported(node) -> str | None:
+    """None when the result is a tensor of a supported dtype (operands are not looked at)."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return "result is not a tensor"
     if val.dtype not in ew.DTYPES:
-        return f"dtype {val.dtype} is not supported"
+        return f"dtype {val.dtype} is not supported (supported: {', '.join(map(str, ew.DTYPES))})"
     return None
 
 

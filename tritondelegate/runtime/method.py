@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
+from .._device import parse_device
 from ..program import ArgKind, InstrKind, Method, ProgramError, Role
 from .allocator import AllocatorError, DeviceAllocator
 from .delegate import DelegateRunner, _dtype
@@ -41,8 +42,11 @@ class MethodStats:
 
 
 def _parse_device(device: str) -> tuple[str, int]:
-    kind, _, index = device.partition(":")
-    return kind, int(index or 0)
+    """A device string read from a program file; a malformed one is the file's fault."""
+    try:
+        return tuple(parse_device(device))
+    except ValueError as exc:
+        raise ProgramError(f"bad device {device!r} in the program: {exc}") from exc
 
 
 def resolve_op(target: str):

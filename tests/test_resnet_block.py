@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from harness import FLOAT_DTYPES, check_model
-from tritondelegate.kernels.registry import OPS
 
 
 def _bn(channels):
@@ -78,10 +77,6 @@ def test_resnet_backbone():
     assert {"conv2d", "batch_norm", "pool2d", "pointwise"} <= kernels
 
 
-@pytest.mark.skipif(
-    torch.ops.aten.linear.default not in OPS and torch.ops.aten.addmm.default not in OPS,
-    reason="the linear head needs aten.linear or aten.addmm (kernels/matmul.py): not registered",
-)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_resnet_classifier(dtype):
     check(TinyResNet(), torch.randn(2, 3, 9, 9), dtype)

@@ -140,6 +140,8 @@ def test_skip_flags(inputs, outputs):
     loaded = run_and_check(lowered, Add(), ARGS2)
     assert loaded.stats.call_h2d_bytes == (0 if inputs else 160)
     assert loaded.stats.call_d2h_bytes == (0 if outputs else 80)
+    # Device outputs come back without a synchronization; a host output needs one.
+    assert loaded.stats.synchronizations_per_call == (0 if outputs else 1)
 
 
 class HostFirst(torch.nn.Module):

@@ -31,8 +31,10 @@ class DeviceAllocator:
         raise NotImplementedError
 
     def copy_host_to_device(self, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:
-        """Enqueue ``dst.copy_(src)`` on ``stream``. ``src`` must stay alive and unchanged until the
-        stream reaches the copy (the runtime keeps it referenced until the next synchronization)."""
+        """Enqueue ``dst.copy_(src)`` on ``stream``. ``src`` may be released when this returns only if
+        the copy has read it by then: true for pageable host memory (CUDA stages it before returning)
+        and for torch's pinned tensors (its caching host allocator holds them until the copy is done).
+        An allocator with truly asynchronous copies from other memory must keep ``src`` alive itself."""
         raise NotImplementedError
 
     def copy_device_to_host(self, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:

@@ -242,7 +242,6 @@ class LoadedMethod:
         values = self.method.values
         counts = _Counts()
         pending: set = set()  # devices with d2h copies the host has not waited for
-        keep_alive = []
         for kind, step in self._steps:
             if kind == InstrKind.HOST_OP:
                 for device in pending:
@@ -263,9 +262,7 @@ class LoadedMethod:
                     allocator, index = self._allocators[value.device]
                     if env[dst] is None:  # not planned (alloc_graph_input=False): fresh memory
                         env[dst] = self._device_tensor(value)
-                    host = env[src].contiguous()
-                    keep_alive.append(host)
-                    allocator.copy_host_to_device(env[dst], host, allocator.stream(index, stream))
+                    allocator.copy_host_to_device(env[dst], env[src].contiguous(), allocator.stream(index, stream))
                     counts.h2d += value.nbytes
                 else:
                     device = values[src].device

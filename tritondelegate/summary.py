@@ -52,9 +52,13 @@ def format_summary(lowered) -> str:
         for d in f["delegates"]:
             lines.append(f"    {d['name']} on {d['device']}: {d['launches']} kernel launches")
         if f["per_call_copies"]:
-            lines.append(f"  per-call copies ({len(f['per_call_copies'])}):")
+            h2d = sum(c["nbytes"] for c in f["per_call_copies"] if c["direction"] == "h2d")
+            d2h = sum(c["nbytes"] for c in f["per_call_copies"] if c["direction"] == "d2h")
+            lines.append(f"  per-call copies ({len(f['per_call_copies'])}: {_bytes(h2d)} host->device, "
+                         f"{_bytes(d2h)} device->host):")
             for c in f["per_call_copies"]:
-                lines.append(f"    {c['direction']} {c['value']} -> {c['device']}, {_bytes(c['nbytes'])}: {c['reason']}")
+                route = f"host -> {c['device']}" if c["direction"] == "h2d" else f"{c['device']} -> host"
+                lines.append(f"    {c['value']} ({route}), {_bytes(c['nbytes'])}: {c['reason']}")
         else:
             lines.append("  per-call copies: none")
         if f["resident_constants"]:

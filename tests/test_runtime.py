@@ -102,6 +102,8 @@ def test_unknown_method_lists_the_methods(saved):
 def test_missing_program_file(tmp_path):
     with pytest.raises(td.ProgramError, match="does not exist"):
         td.load(tmp_path / "nope.tdp")
+    with pytest.raises(td.ProgramError, match="is not a file"):
+        td.load(tmp_path)
 
 
 class WithEmpty(torch.nn.Module):

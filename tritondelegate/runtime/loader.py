@@ -90,4 +90,6 @@ def load(path: str | os.PathLike, *, data_files: dict[str, str] | None = None, d
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ProgramError(f"program file {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise ProgramError(f"program path {path!r} is not a file")
     return LoadedProgram(FileSource(path, data_files), devices=devices)

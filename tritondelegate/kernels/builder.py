@@ -199,8 +199,14 @@ class LaunchBuilder:
             [Interval(b.nbytes, b.first, b.last) for b in scratch], SCRATCH_ALIGNMENT
         )
         scratch_offset = {id(b): o for b, o in zip(scratch, offsets)}
+        # Only the views some launch reads or writes go into the plan (fusion and aliasing leave others).
+        used = sorted({a.value for launch in self._launches for a in launch.args if a.kind == ArgKind.TENSOR})
+        renumber = {old: new for new, old in enumerate(used)}
+        for launch in self._launches:
+            launch.args = [Arg(ArgKind.TENSOR, renumber[a.value]) if a.kind == ArgKind.TENSOR else a
+                           for a in launch.args]
         descs = []
-        for desc, ref in zip(self._descs, self._refs):
+        for desc, ref in ((self._descs[i], self._refs[i]) for i in used):
             buf = self._buffers[ref.buffer]
             base_offset = scratch_offset.get(id(buf), 0)
             descs.append(

@@ -12,6 +12,7 @@ from .decompose import decompose
 from .emit import ConstantTable, LoweringError, NodeInfo, emit_method
 from .memory.method_plan import plan_method
 from .partitioner import Partitioner, TritonPartitioner
+from .passes.fold_repeat_kv import fold_repeat_kv
 from .passes.propagate_device import DeviceReport, PropagateDevicePass
 from .passes.verify import verify_method
 from .program import InstrKind, Program
@@ -86,6 +87,7 @@ def lower(
             raise TypeError(f"method {name!r}: expected an ExportedProgram, got {type(ep).__name__}")
         device_config = config.device_config(name)
         ep = decompose(ep, keep=partitioner.ops_to_not_decompose(ep))
+        fold_repeat_kv(ep.graph_module)
         result = partitioner.partition(ep)
         method, nodes = emit_method(name, ep, result, constants)
         device_pass = PropagateDevicePass(device_config, config.enable_non_cpu_memory_planning)

@@ -84,7 +84,7 @@ def test_fp32_delegated_and_matches_eager(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name", ["llama-eager", "gpt2-sdpa", "gpt2-eager", "resnet", "decoder"])
+@pytest.mark.parametrize("name", ["llama-sdpa", "llama-eager", "gpt2-sdpa", "gpt2-eager", "resnet", "decoder"])
 def test_low_precision_against_fp32_reference(name, dtype):
     model, args = _build(name)
     low_model, low_args = _cast(model, args, dtype)

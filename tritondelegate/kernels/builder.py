@@ -78,7 +78,6 @@ class _Buffer:
 class LaunchBuilder:
     def __init__(self, inputs: list[torch.fx.Node], outputs: list[torch.fx.Node]):
         self._buffers: list[_Buffer] = []
-        self._descs: list[TensorDesc] = []
         self._refs: list[TRef] = []
         self._launches: list[Launch] = []
         # launch position -> what that "pointwise" launch computes (elementwise.PointwiseOp), for fusion
@@ -115,7 +114,7 @@ class LaunchBuilder:
     def alloc(self, shape, dtype: torch.dtype) -> TRef:
         """A fresh contiguous temporary."""
         shape = tuple(int(s) for s in shape)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         buf = self._new_buffer(Base.SCRATCH, 0, nbytes)
         return self._desc(buf, dtype, shape, contiguous_strides(shape), 0)
 
@@ -183,7 +182,7 @@ class LaunchBuilder:
                 and ref.buffer not in taken
                 and ref.offset == 0
                 and ref.is_contiguous()
-                and buf.nbytes == ref.numel * torch.empty((), dtype=ref.dtype).element_size()
+                and buf.nbytes == ref.numel * ref.dtype.itemsize
             )
             if own:
                 buf.base, buf.index = Base.OUTPUT, i
@@ -206,17 +205,16 @@ class LaunchBuilder:
             launch.args = [Arg(ArgKind.TENSOR, renumber[a.value]) if a.kind == ArgKind.TENSOR else a
                            for a in launch.args]
         descs = []
-        for desc, ref in ((self._descs[i], self._refs[i]) for i in used):
+        for ref in (self._refs[i] for i in used):
             buf = self._buffers[ref.buffer]
-            base_offset = scratch_offset.get(id(buf), 0)
             descs.append(
                 TensorDesc(
                     base=buf.base,
                     index=buf.index,
-                    byte_offset=base_offset + ref.offset * torch.empty((), dtype=ref.dtype).element_size(),
-                    dtype=desc.dtype,
-                    shape=desc.shape,
-                    strides=desc.strides,
+                    byte_offset=scratch_offset.get(id(buf), 0) + ref.offset * ref.dtype.itemsize,
+                    dtype=dtype_name(ref.dtype),
+                    shape=ref.shape,
+                    strides=ref.strides,
                 )
             )
         return DelegatePlan(
@@ -238,8 +236,7 @@ class LaunchBuilder:
         return len(self._buffers) - 1
 
     def _desc(self, buffer: int, dtype, shape, strides, offset) -> TRef:
-        ref = TRef(len(self._descs), buffer, dtype, shape, strides, offset)
-        self._descs.append(TensorDesc(Base.SCRATCH, 0, 0, dtype_name(dtype), shape, strides))
+        ref = TRef(len(self._refs), buffer, dtype, shape, strides, offset)
         self._refs.append(ref)
         return ref
 

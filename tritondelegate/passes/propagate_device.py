@@ -160,7 +160,7 @@ class PropagateDevicePass:
             out.append(instr)
         for i, vid in enumerate(method.outputs):
             value = values[vid]
-            if value.device == HOST or value.role == Role.INPUT:
+            if value.device == HOST:
                 continue
             only_output = all(r.kind == "output" for r in readers.get(vid, []))
             if skip_d2h_outputs and only_output and (vid, HOST) not in copies:

@@ -21,6 +21,10 @@ from safetensors.torch import load_file, save_file
 from tritondelegate.plan import Arg, Base, DelegatePlan, Launch, TensorDesc
 from tritondelegate.plan import ArgKind as KArgKind
 from tritondelegate.program import (
+    FORMAT_VERSION,
+    Segment,
+    SegmentKind,
+    Slot,
     Arena,
     ArgKind,
     Constant,
@@ -118,13 +122,13 @@ def _example() -> tuple[Program, list[torch.Tensor]]:
         name="forward",
         values=[
             _value("x", ("float32", (4, 3)), Role.INPUT),
-            _value("layer.w", ("float32", (4, 3)), Role.CONSTANT, constant=0, arena=0, arena_offset=0,
+            _value("layer.w", ("float32", (4, 3)), Role.CONSTANT, constant=0, slot=0,
                    device="cuda:0", resident=True),
             _value("layer.b", ("bfloat16", (3,)), Role.CONSTANT, constant=1),
             _value("x_dev", ("float32", (4, 3)), Role.INTERMEDIATE, device="cuda:0", arena=0, arena_offset=256),
             _value("y_dev", ("float32", (3, 4)), Role.INTERMEDIATE, device="cuda:0", arena=0, arena_offset=512),
             _value("y", ("float32", (3, 4)), Role.INTERMEDIATE),
-            _value("buf", ("int64", ()), Role.MUTABLE_BUFFER),
+            _value("buf", ("int64", ()), Role.MUTABLE_BUFFER, constant=3, slot=1),
             _value("buf_new", ("int64", ()), Role.INTERMEDIATE),
             _value("ext.w", ("bfloat16", (2, 2)), Role.CONSTANT, constant=4),
         ],
@@ -166,7 +170,11 @@ def _example() -> tuple[Program, list[torch.Tensor]]:
         delegates=[],
         arenas=[],
     )
-    program = Program([forward, decode], constants, ["model.safetensors", "sub/more.safetensors"])
+    program = Program([forward, decode], constants, ["model.safetensors", "sub/more.safetensors"],
+                      segments=[Segment("cuda:0", SegmentKind.CONSTANTS, 256, 256),
+                                Segment("cuda:0", SegmentKind.STATE, 0, 256)],
+                      slots=[Slot("layer.w", 0, "cuda:0", state=False, segment=0, offset=0),
+                             Slot("buf", 3, "cpu", state=True)])
     return program, data
 
 
@@ -230,7 +238,7 @@ def test_file_layout(tmp_path):
     raw = path.read_bytes()
     fields = hdr.HEADER.unpack(raw[: hdr.HEADER.size])
     magic, version, header_size, fb_off, fb_size, data_off, data_size, file_size, _, _ = fields
-    assert magic == b"TDPROG\0\0" and version == 1 and header_size == 64 and fb_off == 64
+    assert magic == b"TDPROG\0\0" and version == FORMAT_VERSION and header_size == 64 and fb_off == 64
     assert data_off % 4096 == 0 and data_off >= fb_off + fb_size
     assert file_size == len(raw) == data_off + data_size
     assert raw[fb_off + 4 : fb_off + 8] == b"TDP1"
@@ -522,7 +530,7 @@ def _write_raw(path: Path, program: Program, data: list[torch.Tensor], edit=None
     for c, d in zip(constants, data):
         if c.external < 0:
             segment[c.data_offset : c.data_offset + c.nbytes] = d.reshape(-1).view(torch.uint8).numpy().tobytes()
-    fields = list(hdr.HEADER.unpack(hdr.pack_header(1, len(fb_bytes), data_off, data_size, zlib.crc32(fb_bytes))))
+    fields = list(hdr.HEADER.unpack(hdr.pack_header(FORMAT_VERSION, len(fb_bytes), data_off, data_size, zlib.crc32(fb_bytes))))
     segment = segment[: len(segment) + data_size_delta] if data_size_delta < 0 else segment
     fields[6] = len(segment)
     fields[7] = data_off + len(segment)
@@ -563,7 +571,8 @@ BAD_FLATBUFFERS = [
     ("methods.0.instructions.1.delegate", -1, "refers to delegate -1"),
     ("methods.0.instructions.0.outputs", [3, 4], "a copy reads 1 values and writes 2"),
     ("methods.0.mutatedBuffers.0.value", 12, "mutated buffer 0 refers to value 12"),
-    ("methods.0.values.1.arena", 1, "refers to arena 1, but there are 1"),
+    ("methods.0.values.3.arena", 1, "refers to arena 1, but there are 1"),
+    ("methods.0.values.1.arena", 0, r"value 1 \('layer.w'\) does not fit its slot 0 \(constant\)"),
     ("methods.0.values.3.arenaOffset", 4096, "offset 4096 lies outside arena 0"),
     ("methods.0.values.2.constant", 9, "refers to constant 9"),
     ("methods.0.values.2.constant", 0, r"is bfloat16\[3\] but its constant 0"),
@@ -591,7 +600,18 @@ BAD_FLATBUFFERS = [
     ("constants.4.external", 2, "refers to external file 2, but there are 2"),
     ("constants.5.name", "ext.w", "two constants have key 'ext.w'"),
     ("externalFiles.0", "/abs/model.safetensors", "must be a relative path"),
-    ("version", 2, "the program records version 2, the header 1"),
+    ("version", 99, f"the program records version 99, the header {FORMAT_VERSION}"),
+    ("methods.0.values.1.slot", 5, "refers to slot 5, but there are 2"),
+    ("methods.0.values.1.slot", -1, "is resident but has no slot"),
+    ("methods.0.values.6.slot", -1, "is state but has no slot"),
+    ("methods.0.values.6.slot", 0, r"is int64\[\] on cpu, but its slot 0 holds float32\[4, 3\] on cuda:0"),
+    ("slots.0.constant", 12, r"slot 0 \('layer.w'\) refers to constant 12"),
+    ("slots.0.segment", 1, r"\(constants on cuda:0\) lies in segment 1 \(state on cuda:0\)"),
+    ("slots.0.offset", 128, r"bytes \[128, 176\) do not fit segment 0"),
+    ("slots.1.segment", 0, r"slot 1 \('buf'\) \(state on cpu\) lies in segment 0"),
+    ("slots.1.device", "cuda:0", "lies in no segment; only host state may"),
+    ("segments.0.alignment", 0, "segment 0 has alignment 0"),
+    ("segments.0.kind", 7, "SegmentKind value 7"),
 ]
 
 
@@ -606,7 +626,7 @@ def test_bad_program_contents(tmp_path, field, value, match):
 
 BAD_HEADERS = [
     (0, b"XXPROG\0\0", "not a tritondelegate program file"),
-    (1, 2, "format version 2 is not supported; this reader reads version\\(s\\) 1"),
+    (1, 1, f"format version 1 is not supported; this reader reads version\\(s\\) {FORMAT_VERSION}"),
     (2, 72, "header size 72"),
     (4, 10**6, r"flatbuffer \[64, 1000064\) lies outside the file"),
     (5, 4096 * 100, r"data segment \[409600, .*\) does not lie between"),

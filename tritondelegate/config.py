@@ -9,7 +9,8 @@ Flag = "bool | dict[str, bool]"
 
 
 class PerCallCopyWarning(UserWarning):
-    """A constant is copied host-to-device on every call (named, with the reason)."""
+    """A constant or a state buffer is copied between host and device on every call (named, with
+    the reason)."""
 
 
 class PerCallCopyError(ValueError):
@@ -27,14 +28,19 @@ class PropagateDeviceConfig:
     * ``skip_h2d_for_constants``: constants read only by delegates on one device stay resident in
       that device's arena, loaded once at load; no per-call copy. Costs device memory for as long as
       the method is loaded (one copy per method that keeps it resident).
+    * ``state_on_device`` (default True): program state (a buffer some method mutates, e.g. a KV
+      cache) that only delegates of one device read and write lives in that device's state segment,
+      one instance per loaded program shared by every method, updated in place; never copied per
+      call. False keeps it on the host: copied to the device and back on every call.
     * ``error_on_per_call_copies``: raise :class:`PerCallCopyError` instead of warning when a
-      constant is still copied per call.
+      constant or a state buffer is still copied per call.
     """
 
     skip_h2d_for_method_inputs: bool | dict[str, bool] = False
     skip_d2h_for_method_outputs: bool | dict[str, bool] = False
     skip_h2d_for_constants: bool | dict[str, bool] = False
     error_on_per_call_copies: bool = False
+    state_on_device: bool | dict[str, bool] = True
 
     def __post_init__(self):
         for f in fields(self):
@@ -49,7 +55,8 @@ class PropagateDeviceConfig:
 
     def flag(self, name: str, method: str) -> bool:
         value = getattr(self, name)
-        return value.get(method, False) if isinstance(value, dict) else value
+        default = name == "state_on_device"  # the one flag that is on unless turned off
+        return value.get(method, default) if isinstance(value, dict) else value
 
     def any_skip(self, method: str) -> bool:
         return any(self.flag(n, method) for n in SKIP_FLAGS)

@@ -104,7 +104,9 @@ def _fuse(ep: torch.export.ExportedProgram, result: PartitionResult) -> torch.fx
 
 
 def emit_method(name: str, ep: torch.export.ExportedProgram, result: PartitionResult,
-                constants: ConstantTable) -> tuple[Method, NodeInfo]:
+                constants: ConstantTable, state_buffers: "set[str] | dict" = frozenset()) -> tuple[Method, NodeInfo]:
+    """``state_buffers``: the FQNs of the program's state buffers (mutated by any method); in this method they
+    are state values even where it only reads them."""
     info = NodeInfo()
     for node in ep.graph_module.graph.nodes:
         if node.op == "call_function" and node.target is not operator.getitem:
@@ -122,7 +124,6 @@ def emit_method(name: str, ep: torch.export.ExportedProgram, result: PartitionRe
     sig = ep.graph_signature
     state = {**ep.state_dict, **ep.constants}
     input_kinds = {spec.arg.name: spec for spec in sig.input_specs}
-    mutated = {spec.target: spec.arg.name for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION}
 
     values: list[TensorValue] = []
     env: dict[torch.fx.Node, object] = {}  # node -> value id, or tuple of ids
@@ -181,7 +182,7 @@ def emit_method(name: str, ep: torch.export.ExportedProgram, result: PartitionRe
             elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
                 tensor = state[spec.target]
                 index = constants.add(spec.target, tensor)
-                role = Role.MUTABLE_BUFFER if spec.target in mutated else Role.CONSTANT
+                role = Role.MUTABLE_BUFFER if spec.target in state_buffers else Role.CONSTANT
                 vid = new_value(_tensor_value(spec.target, tensor, role, constant=index))
                 if role == Role.MUTABLE_BUFFER:
                     buffer_values[spec.target] = vid
@@ -197,17 +198,20 @@ def emit_method(name: str, ep: torch.export.ExportedProgram, result: PartitionRe
                 inner.meta.setdefault("val", outer.meta["val"])
             sub_nodes = [n for n in sub.graph.nodes if n.op == "call_function"]
             sub_outputs = list(next(n for n in sub.graph.nodes if n.op == "output").args[0])
-            plan = build_plan(sub_nodes, sub_inputs, sub_outputs)
-            out_ids = [
-                new_value(_tensor_value(f"{tag}.out{i}", o.meta["val"], Role.INTERMEDIATE))
+            aliases: dict[int, int] = {}  # output -> the input it updated in place (state)
+            plan = build_plan(sub_nodes, sub_inputs, sub_outputs, aliases=aliases)
+            results = [
+                env[node.args[aliases[i]]] if i in aliases
+                else new_value(_tensor_value(f"{tag}.out{i}", o.meta["val"], Role.INTERMEDIATE))
                 for i, o in enumerate(sub_outputs)
             ]
             delegates.append(Delegate(spec.backend_id, spec.device, plan))
             instructions.append(Instruction(
-                InstrKind.DELEGATE, inputs=[env[a] for a in node.args], outputs=out_ids,
+                InstrKind.DELEGATE, inputs=[env[a] for a in node.args],
+                outputs=[v for i, v in enumerate(results) if i not in aliases],
                 delegate=len(delegates) - 1, name=tag,
             ))
-            env[node] = tuple(out_ids)
+            env[node] = tuple(results)
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 env[node] = env[node.args[0]][node.args[1]]
@@ -243,7 +247,8 @@ def emit_method(name: str, ep: torch.export.ExportedProgram, result: PartitionRe
                 if out_spec.kind == OutputKind.USER_OUTPUT:
                     user_outputs.append(vid)
                 elif out_spec.kind == OutputKind.BUFFER_MUTATION:
-                    mutations.append((buffer_values[out_spec.target], vid))
+                    if vid != buffer_values[out_spec.target]:  # else updated in place: nothing to write back
+                        mutations.append((buffer_values[out_spec.target], vid))
                 else:
                     raise LoweringError(f"output kind {out_spec.kind.name} is not supported")
     method = Method(

@@ -11,9 +11,11 @@ from .config import LowerConfig
 from .decompose import decompose
 from .emit import ConstantTable, LoweringError, NodeInfo, emit_method
 from .memory.method_plan import plan_method
+from .memory.segments import plan_slots
 from .partitioner import Partitioner, TritonPartitioner
 from .passes.fold_repeat_kv import fold_repeat_kv
 from .passes.propagate_device import DeviceReport, PropagateDevicePass
+from .passes.state import MethodGraph, StateBuffer, place_state, reinplace
 from .passes.verify import verify_method
 from .program import InstrKind, Program
 
@@ -23,16 +25,19 @@ class MethodReport:
     nodes: NodeInfo
     device: DeviceReport
     launches: dict[str, int] = field(default_factory=dict)  # delegate tag -> launches per call
+    inplace: list[str] = field(default_factory=list)  # state updates that write in place
 
 
 class LoweredProgram:
     """The result of :func:`lower`: save it with :meth:`save`, read :meth:`summary`, or run it in
     memory with :meth:`load`."""
 
-    def __init__(self, program: Program, constant_data: list[torch.Tensor], reports: dict[str, MethodReport]):
+    def __init__(self, program: Program, constant_data: list[torch.Tensor], reports: dict[str, MethodReport],
+                 state: dict[str, StateBuffer] | None = None):
         self.program = program
         self.constant_data = constant_data
         self.reports = reports
+        self.state = state or {}  # FQN -> where the state buffer lives and why
 
     @property
     def method_names(self) -> list[str]:
@@ -72,7 +77,8 @@ def lower(
     """Lower one exported program (method ``"forward"``) or a dict of them by method name.
 
     Nodes the partitioner claims run in Triton delegates on their device; the rest run on the host
-    through ATen. Constants are stored once in the program, whichever methods read them.
+    through ATen. Constants are stored once in the program, whichever methods read them; a buffer
+    that any method mutates is program state, shared by every method of a loaded program.
     """
     if isinstance(programs, torch.export.ExportedProgram):
         programs = {"forward": programs}
@@ -80,35 +86,51 @@ def lower(
         raise TypeError("lower() takes an ExportedProgram or a non-empty dict of method name -> ExportedProgram")
     partitioner = TritonPartitioner() if partitioner is None else partitioner
     config = LowerConfig() if config is None else config
+    graphs = [_partition(name, ep, partitioner, config) for name, ep in programs.items()]
+    state = place_state(graphs, config.enable_non_cpu_memory_planning)
     constants = ConstantTable()
     methods, reports = [], {}
-    for name, ep in programs.items():
-        if not isinstance(ep, torch.export.ExportedProgram):
-            raise TypeError(f"method {name!r}: expected an ExportedProgram, got {type(ep).__name__}")
-        device_config = config.device_config(name)
-        ep = decompose(ep, keep=partitioner.ops_to_not_decompose(ep))
-        fold_repeat_kv(ep.graph_module)
-        result = partitioner.partition(ep)
-        method, nodes = emit_method(name, ep, result, constants)
-        device_pass = PropagateDevicePass(device_config, config.enable_non_cpu_memory_planning)
-        try:
-            device_pass(method)
-        except (LoweringError, ValueError, TypeError):
-            raise
-        except Exception as exc:  # a bug in the pass: say which pass
-            raise LoweringError(f"{device_pass.name} failed on method {name!r}: {exc}") from exc
-        plan_method(method, config.alloc_graph_input, config.alloc_graph_output)
-        verify_method(method)
+    for graph in graphs:
+        inplace = reinplace(graph, state)
+        method, reports[graph.name] = _lower_method(graph, state, constants, config)
+        reports[graph.name].inplace = inplace
         methods.append(method)
-        reports[name] = MethodReport(
-            nodes, device_pass.report,
-            {i.name: len(method.delegates[i.delegate].plan.launches)
-             for i in method.instructions if i.kind == InstrKind.DELEGATE},
-        )
     program = Program(methods, constants.constants)
+    plan_slots(program)
     external = [i for i, c in enumerate(program.constants) if config.is_external(c.name)]
     if external:
         program.external_files = ["weights.safetensors"]
         for i in external:
             program.constants[i].external = 0
-    return LoweredProgram(program, constants.data, reports)
+    return LoweredProgram(program, constants.data, reports, state)
+
+
+def _partition(name: str, ep, partitioner: Partitioner, config: LowerConfig) -> MethodGraph:
+    """Decompose one method and let the partitioner tag it."""
+    if not isinstance(ep, torch.export.ExportedProgram):
+        raise TypeError(f"method {name!r}: expected an ExportedProgram, got {type(ep).__name__}")
+    device_config = config.device_config(name)
+    ep = decompose(ep, keep=partitioner.ops_to_not_decompose(ep))
+    fold_repeat_kv(ep.graph_module)
+    return MethodGraph(name, ep, partitioner.partition(ep), device_config.flag("state_on_device", name))
+
+
+def _lower_method(graph: MethodGraph, state: dict, constants: ConstantTable, config: LowerConfig):
+    """Emit one partitioned method, place its values and copies, plan its arena."""
+    name = graph.name
+    method, nodes = emit_method(name, graph.ep, graph.partition, constants, state)
+    device_pass = PropagateDevicePass(config.device_config(name), config.enable_non_cpu_memory_planning, state)
+    try:
+        device_pass(method)
+    except (LoweringError, ValueError, TypeError):
+        raise
+    except Exception as exc:  # a bug in the pass: say which pass
+        raise LoweringError(f"{device_pass.name} failed on method {name!r}: {exc}") from exc
+    plan_method(method, config.alloc_graph_input, config.alloc_graph_output)
+    verify_method(method)
+    report = MethodReport(
+        nodes, device_pass.report,
+        {i.name: len(method.delegates[i.delegate].plan.launches)
+         for i in method.instructions if i.kind == InstrKind.DELEGATE},
+    )
+    return method, report

@@ -4,6 +4,11 @@ runtime executes. The AOT side and the runtime meet here and in the kernel regis
 A program holds methods and one table of constants shared by all of them, so the bytes of a
 constant read by several methods (or read on the host in one and resident on a device in another)
 are stored once.
+
+Memory that lives as long as the loaded program, shared by all its methods, is described by
+*slots*: each resident constant once per device, and each state buffer (a buffer that some method
+mutates, e.g. a KV cache) once. Device slots lie in per-device *segments* (one for constants, one
+for state), planned at lower time; method arenas hold only activations and scratch.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from enum import IntEnum
 
 from .plan import DelegatePlan
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: program-level slots and segments (shared constants and state)
 
 
 class ProgramError(ValueError):
@@ -24,7 +29,7 @@ class Role(IntEnum):
     INPUT = 0  # a user input of the method
     CONSTANT = 1  # parameter, non-mutated buffer, lifted tensor constant
     INTERMEDIATE = 2  # produced by an instruction
-    MUTABLE_BUFFER = 3  # a buffer the method mutates: host state owned by the loaded method
+    MUTABLE_BUFFER = 3  # program state: a buffer some method mutates, one instance per loaded program
 
 
 @dataclass
@@ -38,7 +43,8 @@ class TensorValue:
     constant: int = -1  # index into Program.constants when the data comes from a constant
     arena: int = -1  # index into Method.arenas when planned; -1: not planned
     arena_offset: int = 0
-    resident: bool = False  # a device constant loaded into its arena once, at load
+    resident: bool = False  # a device constant loaded once into its program-level slot
+    slot: int = -1  # index into Program.slots: resident constants and state; -1: none
 
 
 class ArgKind(IntEnum):
@@ -128,9 +134,42 @@ class Constant:
     external: int = -1  # index into Program.external_files; -1: stored in the program file
 
 
+class SegmentKind(IntEnum):
+    CONSTANTS = 0  # resident constants, loaded from the file once, read-only
+    STATE = 1  # state buffers, initialized from the file, updated in place by the methods
+
+
+@dataclass
+class Segment:
+    """A region of one device that lives as long as the loaded program."""
+
+    device: str
+    kind: SegmentKind
+    nbytes: int
+    alignment: int
+
+
+@dataclass
+class Slot:
+    """Program-level storage of one resident constant (per device) or one state buffer.
+
+    ``constant`` holds the initial bytes. A slot in a segment lives at ``offset`` there; a host
+    slot (``segment == -1``, state only) is one host tensor per loaded program.
+    """
+
+    name: str  # the constant's or buffer's fully-qualified name
+    constant: int
+    device: str
+    state: bool = False
+    segment: int = -1
+    offset: int = 0
+
+
 @dataclass
 class Program:
     methods: list[Method]
     constants: list[Constant]
     external_files: list[str] = field(default_factory=list)
     version: int = FORMAT_VERSION
+    segments: list[Segment] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)

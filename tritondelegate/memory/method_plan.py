@@ -1,8 +1,9 @@
 """Device-aware memory planning of one method: one arena per device, host values never planned.
 
-Lifetimes are [defining instruction, last reading instruction]; resident constants live for the whole
-method; a delegate's scratch block lives for its own call; device outputs live to the end of the call.
-Caller-provided device inputs (``skip_h2d_for_method_inputs``) are never planned.
+Lifetimes are [defining instruction, last reading instruction]; a delegate's scratch block lives for
+its own call; device outputs live to the end of the call. Caller-provided device inputs
+(``skip_h2d_for_method_inputs``) are never planned, and neither are resident constants and state:
+they live in the program's segments (``segments.py``), shared by every method.
 """
 
 from __future__ import annotations
@@ -40,11 +41,9 @@ def plan_method(method: Method, alloc_graph_input: bool = True, alloc_graph_outp
     for vid, value in enumerate(method.values):
         if value.device == "cpu":
             continue
-        if value.role == Role.INPUT:
-            continue  # arrives from the caller, used in place
-        if value.resident:
-            interval = Interval(value.nbytes, 0, end)
-        elif vid in first:
+        if value.role in (Role.INPUT, Role.MUTABLE_BUFFER) or value.resident:
+            continue  # from the caller, used in place; or in a program segment
+        if vid in first:
             interval = Interval(value.nbytes, first[vid], last.get(vid, first[vid]))
         else:
             continue

@@ -11,7 +11,11 @@ Rules (DESIGN.md, "Device propagation"):
 * ``skip_d2h_for_method_outputs``: delegate outputs that only the method output reads are returned
   on their device.
 * ``skip_h2d_for_constants``: constants that only delegates on one device read become resident.
-* Every constant still copied per call yields a message (warning, or error when asked for).
+* Program state goes where ``passes/state.py`` placed it (program-wide): on a device, delegates there
+  read and update it in place; a host op that reads it gets a d2h copy. On the host, delegates read it
+  through an h2d copy and their new value is copied back.
+* Every constant and state buffer still copied per call yields a message (warning, or error when
+  asked for).
 """
 
 from __future__ import annotations
@@ -87,12 +91,16 @@ class PropagateDevicePass:
 
     name = "PropagateDevicePass"
 
-    def __init__(self, config: PropagateDeviceConfig, plan_device_memory: bool = True):
+    def __init__(self, config: PropagateDeviceConfig, plan_device_memory: bool = True, state: dict | None = None):
         self.config = config
         self.plan_device_memory = plan_device_memory
+        self.state = state or {}  # FQN -> passes.state.StateBuffer
         self.report = DeviceReport()
 
     def __call__(self, method: Method) -> bool:
+        for value in method.values:
+            if value.role == Role.MUTABLE_BUFFER and value.name in self.state:
+                value.device = self.state[value.name].device
         if not method.delegates:
             return False
         if not self.plan_device_memory:
@@ -166,7 +174,8 @@ class PropagateDevicePass:
             if skip_d2h_outputs and only_output and (vid, HOST) not in copies:
                 continue
             method.outputs[i] = on(vid, HOST, "the method returns it")
-        method.mutated_buffers = [(b, on(v, HOST, "it updates a mutable buffer")) for b, v in method.mutated_buffers]
+        method.mutated_buffers = [(b, on(v, values[b].device, f"it updates state buffer {values[b].name!r}"))
+                                  for b, v in method.mutated_buffers]
         method.instructions = out
 
     def _stage_inside_delegates(self, method: Method) -> bool:
@@ -218,7 +227,37 @@ class PropagateDevicePass:
                     f"{device}, loaded once."
                 )
             self.report.messages.append(f"method {method.name!r}: {message}")
+        self._warn_state(method)
         self._emit_messages()
+
+    def _warn_state(self, method: Method) -> None:
+        """One message per state buffer that crosses the bus in this method, with the reason."""
+        values, crossing = method.values, {}
+        written = {new: buffer for buffer, new in method.mutated_buffers}
+        for instr in method.instructions:
+            if instr.kind not in (InstrKind.COPY_H2D, InstrKind.COPY_D2H):
+                continue
+            src = instr.inputs[0]
+            buffer = src if values[src].role == Role.MUTABLE_BUFFER else written.get(instr.outputs[0])
+            if buffer is not None:
+                crossing.setdefault(buffer, []).append(instr)
+        for buffer, copies in crossing.items():
+            value = values[buffer]
+            info = self.state.get(value.name)
+            directions = {"h2d" if c.kind == InstrKind.COPY_H2D else "d2h" for c in copies}
+            route = "to the device and back" if len(directions) == 2 else (
+                "to the device" if directions == {"h2d"} else "to the host")
+            if info is not None and info.device == HOST:
+                reason = f"it stays on the host because {info.reason}"
+                if "state_on_device=False" not in info.reason:
+                    reason += " (only state that delegates of one device alone touch stays on the device)"
+            else:
+                reasons = dict.fromkeys(c.reason for c in self.report.copies if c.value == value.name)
+                reason = "; ".join(reasons) or "it is read off the device"
+            self.report.messages.append(
+                f"method {method.name!r}: state buffer {value.name!r} ({value.nbytes} bytes) is copied "
+                f"{route} on every call: {reason}."
+            )
 
     def _emit_messages(self) -> None:
         if not self.report.messages:

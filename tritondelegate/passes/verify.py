@@ -40,5 +40,7 @@ def verify_method(method: Method) -> None:
         if vid not in defined:
             fail(f"output {values[vid].name!r} is never defined")
     for vid, value in enumerate(values):
-        if value.resident and (value.arena < 0 or value.role != Role.CONSTANT):
-            fail(f"resident value {value.name!r} has no arena slot")
+        if value.resident and (value.role != Role.CONSTANT or value.device == "cpu" or value.arena >= 0):
+            fail(f"resident value {value.name!r} must be a device constant outside the arena")
+        if value.role == Role.MUTABLE_BUFFER and value.arena >= 0:
+            fail(f"state value {value.name!r} lies in a method arena")

@@ -41,6 +41,11 @@ class DeviceAllocator:
         """Enqueue ``dst.copy_(src)`` on ``stream``; ``dst`` is valid after :meth:`synchronize`."""
         raise NotImplementedError
 
+    def copy_device_to_device(self, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:
+        """Enqueue ``dst.copy_(src)`` between two tensors of one device on ``stream`` (a state
+        write-back)."""
+        raise NotImplementedError
+
     def copy_from_host(self, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:
         """Load-time fill of a device region from host bytes (e.g. a view of the mapped file)."""
         self.copy_host_to_device(dst, src, stream)
@@ -84,6 +89,10 @@ class CudaAllocator(DeviceAllocator):
         with torch.cuda.stream(self.stream(src.device.index, stream)):
             dst.copy_(src, non_blocking=True)
 
+    def copy_device_to_device(self, dst, src, stream=None):
+        with torch.cuda.stream(self.stream(src.device.index, stream)):
+            dst.copy_(src, non_blocking=True)
+
     def synchronize(self, device_index, stream=None):
         self.stream(device_index, stream).synchronize()
 
@@ -107,7 +116,7 @@ class SimulatedAllocator(DeviceAllocator):
     simulated: bool = True
     allocations: int = 0
     allocated_bytes: int = 0
-    copied_bytes: Counter = field(default_factory=Counter)  # "h2d", "d2h", "load" -> bytes
+    copied_bytes: Counter = field(default_factory=Counter)  # "h2d", "d2h", "d2d", "load" -> bytes
     copies: int = 0
     synchronizations: int = 0
     copy_streams: list = field(default_factory=list)
@@ -139,6 +148,9 @@ class SimulatedAllocator(DeviceAllocator):
 
     def copy_device_to_host(self, dst, src, stream=None):
         self._copy("d2h", dst, src, stream)
+
+    def copy_device_to_device(self, dst, src, stream=None):
+        self._copy("d2d", dst, src, stream)
 
     def copy_from_host(self, dst, src, stream=None):
         self._copy("load", dst, src, stream)

@@ -9,6 +9,7 @@ import torch
 from ..program import Program, ProgramError
 from .allocator import allocators_for
 from .delegate import _dtype
+from .memory import ProgramMemory
 from .method import LoadedMethod
 
 
@@ -45,12 +46,33 @@ class FileSource:
 
 
 class LoadedProgram:
-    """A program ready to run: ``load_method(name)`` gives a callable method."""
+    """A program ready to run: ``load_method(name)`` gives a callable method.
+
+    Everything that lives as long as the program is held once per load and shared by its methods:
+    each resident constant (one device copy, whichever methods read it) and each state buffer (a
+    buffer that some method mutates, e.g. a KV cache). Two loads of one file are independent. Calls
+    on the methods of one load are serialized by a lock, since they share its state.
+    """
 
     def __init__(self, source, devices="auto"):
         self._source = source
         self.program: Program = source.program
         self.allocators = allocators_for(devices)
+        self._memory = ProgramMemory(self.program, source, self.allocators)
+
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Bytes this load holds per device: ``{device: {"constants", "state", "arenas", "total"}}``
+        (``arenas``: the arenas of the methods loaded so far, summed)."""
+        return self._memory.report()
+
+    def reset_state(self, stream=None) -> None:
+        """Every state buffer (e.g. a KV cache) back to its initial value from the file."""
+        self._memory.reset_state(stream)
+
+    @property
+    def state_names(self) -> list[str]:
+        """The fully-qualified names of the program's state buffers."""
+        return [slot.name for slot in self.program.slots if slot.state]
 
     @property
     def method_names(self) -> list[str]:
@@ -76,7 +98,8 @@ class LoadedProgram:
         """
         for method in self.program.methods:
             if method.name == name:
-                return LoadedMethod(method, self._source, self.allocators, stream, reuse_output_memory, graphs)
+                with self._memory.lock:
+                    return LoadedMethod(method, self._memory, stream, reuse_output_memory, graphs)
         raise KeyError(f"no method {name!r} in this program; methods: {', '.join(self.method_names)}")
 
 

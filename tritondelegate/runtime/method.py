@@ -1,4 +1,5 @@
-"""A loaded method: arenas allocated and resident constants filled once; calls run instructions.
+"""A loaded method: its arenas allocated and its resident constants loaded once (into the program's
+segments, shared with the program's other methods); calls run instructions.
 
 Calls run host ops through ATen on the CPU, copies through the device allocator, and delegates as
 Triton launches on views of the arena, all on the caller's stream. A call allocates no device memory
@@ -12,10 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
-from .._device import parse_device
 from ..program import ArgKind, InstrKind, Method, ProgramError, Role
-from .allocator import AllocatorError, DeviceAllocator
 from .delegate import DelegateRunner, _dtype
+from .memory import ProgramMemory, parse_program_device
 
 
 class InputError(ValueError):
@@ -30,6 +30,7 @@ class MethodStats:
     load_copies: int = 0
     call_h2d_bytes: int = 0
     call_d2h_bytes: int = 0
+    call_d2d_bytes: int = 0  # on-device write-backs of state that was not updated in place
     call_copies: int = 0
     calls: int = 0
     launches_per_call: int = 0
@@ -39,14 +40,6 @@ class MethodStats:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-def _parse_device(device: str) -> tuple[str, int]:
-    """A device string read from a program file; a malformed one is the file's fault."""
-    try:
-        return tuple(parse_device(device))
-    except ValueError as exc:
-        raise ProgramError(f"bad device {device!r} in the program: {exc}") from exc
 
 
 def resolve_op(target: str):
@@ -115,49 +108,36 @@ class _HostOp:
 
 
 class LoadedMethod:
-    """Call it like the exported model: ``outputs = method(*args, stream=None)``."""
+    """Call it like the exported model: ``outputs = method(*args, stream=None)``.
 
-    def __init__(self, method: Method, source, allocators: dict[str, DeviceAllocator], stream=None,
+    Calls on methods of one loaded program are serialized (they share its state)."""
+
+    def __init__(self, method: Method, memory: ProgramMemory, stream=None,
                  reuse_output_memory: bool = False, graphs: bool = False):
         self.name = method.name
         self.graphs = graphs
         self.method = method
         self.stats = MethodStats()
         self.reuse_output_memory = reuse_output_memory
+        self._memory = memory
         self._in_spec = pytree.treespec_loads(method.input_spec)
         self._out_spec = pytree.treespec_loads(method.output_spec)
-        self._allocators = {}
         devices = {v.device for v in method.values} | {d.device for d in method.delegates} | {a.device for a in method.arenas}
-        for device in sorted(devices - {"cpu"}):
-            kind, index = _parse_device(device)
-            if kind not in allocators:
-                raise AllocatorError(
-                    f"method {method.name!r} runs on {device}, but no allocator is registered for device type "
-                    f"{kind!r}; load with devices='auto', 'cuda' or 'simulated', or pass a DeviceAllocator for {kind!r}"
-                )
-            self._allocators[device] = (allocators[kind], index)
+        self._allocators = {d: memory.device(d, f"method {method.name!r}") for d in sorted(devices - {"cpu"})}
+        self._device_bytes: dict[str, int] = {}
         self._arenas = [self._alloc(a.device, a.nbytes, a.alignment) for a in method.arenas]
         env: list = [None] * len(method.values)
-        self._state: dict[int, torch.Tensor] = {}
-        load_streams: dict[str, object] = {}
+        resident = []
         for vid, value in enumerate(method.values):
-            if value.arena >= 0:
+            if value.slot >= 0:  # a resident constant or state: the program's, shared by its methods
+                env[vid] = memory.slot_tensor(value.slot)
+                if value.resident:
+                    resident.append(value.slot)
+            elif value.arena >= 0:
                 env[vid] = self._arena_view(value.arena, value.arena_offset, value)
-            if value.role == Role.CONSTANT and not value.resident:
-                env[vid] = source.constant_tensor(value.constant)
-            elif value.role == Role.MUTABLE_BUFFER:
-                self._state[vid] = source.constant_tensor(value.constant).clone()
-                env[vid] = self._state[vid]
-            elif value.resident:
-                if value.nbytes:  # empty tensors load without a copy
-                    allocator, index = self._allocators[value.device]
-                    s = load_streams.setdefault(value.device, allocator.stream(index, stream))
-                    allocator.copy_from_host(env[vid], source.constant_tensor(value.constant), s)
-                    self.stats.load_h2d_bytes += value.nbytes
-                    self.stats.load_copies += 1
-        for device, s in load_streams.items():  # once per device, waiting for the copy stream only
-            allocator, index = self._allocators[device]
-            allocator.synchronize(index, s)
+            elif value.role in (Role.CONSTANT, Role.MUTABLE_BUFFER):
+                env[vid] = memory.source.constant_tensor(value.constant)
+        self.stats.load_h2d_bytes, self.stats.load_copies = memory.load(resident, stream)
         self._static_env = env
         self._steps = []
         for instr in method.instructions:
@@ -170,10 +150,16 @@ class LoadedMethod:
         self.stats.launches_per_call = sum(
             len(method.delegates[i.delegate].plan.launches) for i in method.instructions if i.kind == InstrKind.DELEGATE
         )
+        memory.add_method(self)
+
+    def device_bytes(self) -> dict[str, int]:
+        """Device memory this method holds itself (arenas, staging buffers), by device."""
+        return dict(self._device_bytes)
 
     # -- load helpers ---------------------------------------------------------------------------
     def _alloc(self, device: str, nbytes: int, alignment: int = 256) -> torch.Tensor:
         allocator, index = self._allocators[device]
+        self._device_bytes[device] = self._device_bytes.get(device, 0) + nbytes
         return allocator.allocate(nbytes, index, alignment)
 
     def _arena_view(self, arena: int, offset: int, value) -> torch.Tensor:
@@ -187,7 +173,7 @@ class LoadedMethod:
         allocator, index = self._allocators[delegate.device]
         step = _DelegateStep(instr.inputs, instr.outputs, allocator, index)
         if delegate.stage_inputs:
-            scratch = allocator.allocate(delegate.plan.scratch_bytes, index, 256)
+            scratch = self._alloc(delegate.device, delegate.plan.scratch_bytes, 256)
             step.staging_in = [self._device_tensor(method.values[v], delegate.device) for v in instr.inputs]
             step.staging_out = [self._device_tensor(method.values[v], delegate.device) for v in instr.outputs]
         else:
@@ -196,7 +182,8 @@ class LoadedMethod:
                 scratch = self._arenas[delegate.scratch_arena][
                     delegate.scratch_offset : delegate.scratch_offset + delegate.plan.scratch_bytes]
             # Fixed addresses for everything it touches: its launches can be captured once.
-            step.capturable = self.graphs and all(method.values[v].arena >= 0 for v in instr.inputs + instr.outputs)
+            step.capturable = self.graphs and all(
+                method.values[v].arena >= 0 or method.values[v].slot >= 0 for v in instr.inputs + instr.outputs)
         step.runner = DelegateRunner(delegate.plan, scratch, simulated=allocator.simulated)
         return step
 
@@ -226,7 +213,7 @@ class LoadedMethod:
                 if t.device.type != "cpu":
                     raise InputError(f"{where} must be a CPU tensor, got one on {t.device}")
             else:
-                kind, index = _parse_device(value.device)
+                kind, index = parse_program_device(value.device)
                 if t.device != torch.device(kind, index):
                     raise InputError(f"{where} must be on {value.device} (skip_h2d_for_method_inputs), got {t.device}")
             if value.device != "cpu" and not t.is_contiguous():
@@ -236,50 +223,68 @@ class LoadedMethod:
 
     def __call__(self, *args, stream=None, **kwargs):
         inputs = self._check_inputs(args, kwargs)
-        env = list(self._static_env)
-        for vid, t in zip(self.method.inputs, inputs):
-            env[vid] = t
-        values = self.method.values
-        counts = _Counts()
-        pending: set = set()  # devices with d2h copies the host has not waited for
-        for kind, step in self._steps:
-            if kind == InstrKind.HOST_OP:
-                for device in pending:
-                    allocator, index = self._allocators[device]
-                    allocator.synchronize(index, allocator.stream(index, stream))
-                    counts.syncs += 1
-                pending.clear()
-                step(env)
-            elif kind == InstrKind.DELEGATE:
-                for vid in step.outputs:
-                    if env[vid] is None and step.staging_out is None:  # alloc_graph_output=False
-                        env[vid] = self._device_tensor(values[vid])
-                step(env, stream, counts)
-            else:
-                src, dst = step
-                value = values[dst]
-                if kind == InstrKind.COPY_H2D:
-                    allocator, index = self._allocators[value.device]
-                    if env[dst] is None:  # not planned (alloc_graph_input=False): fresh memory
-                        env[dst] = self._device_tensor(value)
-                    allocator.copy_host_to_device(env[dst], env[src].contiguous(), allocator.stream(index, stream))
-                    counts.h2d += value.nbytes
+        with self._memory.lock:  # one call at a time per loaded program: its state is shared
+            env = list(self._static_env)
+            for vid, t in zip(self.method.inputs, inputs):
+                env[vid] = t
+            counts = _Counts()
+            pending: set = set()  # devices with d2h copies the host has not waited for
+            for kind, step in self._steps:
+                if kind == InstrKind.HOST_OP:
+                    self._wait(pending, stream, counts)
+                    step(env)
+                elif kind == InstrKind.DELEGATE:
+                    for vid in step.outputs:
+                        if env[vid] is None and step.staging_out is None:  # alloc_graph_output=False
+                            env[vid] = self._device_tensor(self.method.values[vid])
+                    step(env, stream, counts)
                 else:
-                    device = values[src].device
-                    allocator, index = self._allocators[device]
-                    env[dst] = torch.empty(value.shape, dtype=_dtype(value.dtype), pin_memory=False)
-                    allocator.copy_device_to_host(env[dst], env[src], allocator.stream(index, stream))
-                    pending.add(device)
-                    counts.d2h += value.nbytes
-                counts.copies += 1
+                    self._copy(kind, step, env, stream, counts, pending)
+            outputs = self._finish(env, stream, counts, pending)
+            self._record(counts)
+        return pytree.tree_unflatten(outputs, self._out_spec)
+
+    def _wait(self, pending: set, stream, counts: "_Counts") -> None:
+        for device in pending:
+            allocator, index = self._allocators[device]
+            allocator.synchronize(index, allocator.stream(index, stream))
+            counts.syncs += 1
+        pending.clear()
+
+    def _copy(self, kind, step, env, stream, counts: "_Counts", pending: set) -> None:
+        src, dst = step
+        values = self.method.values
+        value = values[dst]
+        if kind == InstrKind.COPY_H2D:
+            allocator, index = self._allocators[value.device]
+            if env[dst] is None:  # not planned (alloc_graph_input=False): fresh memory
+                env[dst] = self._device_tensor(value)
+            allocator.copy_host_to_device(env[dst], env[src].contiguous(), allocator.stream(index, stream))
+            counts.h2d += value.nbytes
+        else:
+            device = values[src].device
+            allocator, index = self._allocators[device]
+            env[dst] = torch.empty(value.shape, dtype=_dtype(value.dtype), pin_memory=False)
+            allocator.copy_device_to_host(env[dst], env[src], allocator.stream(index, stream))
+            pending.add(device)
+            counts.d2h += value.nbytes
+        counts.copies += 1
+
+    def _finish(self, env, stream, counts: "_Counts", pending: set) -> list:
+        """Write state back (where it was not updated in place) and make the outputs the caller's."""
+        values = self.method.values
         outputs = [env[v] for v in self.method.outputs]
-        if any(values[v].device == "cpu" for v in self.method.outputs) or self.method.mutated_buffers:
-            for device in pending:
-                allocator, index = self._allocators[device]
-                allocator.synchronize(index, allocator.stream(index, stream))
-                counts.syncs += 1
+        host_writes = any(values[b].device == "cpu" for b, _ in self.method.mutated_buffers)
+        if host_writes or any(values[v].device == "cpu" for v in self.method.outputs):
+            self._wait(pending, stream, counts)
         for buffer_vid, new_vid in self.method.mutated_buffers:
-            self._state[buffer_vid].copy_(env[new_vid])
+            device = values[buffer_vid].device
+            if device == "cpu":
+                env[buffer_vid].copy_(env[new_vid])
+            else:  # on the state's own device, after every reader of the old value
+                allocator, index = self._allocators[device]
+                allocator.copy_device_to_device(env[buffer_vid], env[new_vid], allocator.stream(index, stream))
+                counts.d2d += values[buffer_vid].nbytes
         for i, vid in enumerate(self.method.outputs):
             value = values[vid]
             if value.role in (Role.CONSTANT, Role.MUTABLE_BUFFER) or (
@@ -287,13 +292,16 @@ class LoadedMethod:
             ):
                 # Never hand out memory that the method owns and will change (arena, state, file).
                 outputs[i] = self._fresh_copy(outputs[i], value.device, stream)
+        return outputs
+
+    def _record(self, counts: "_Counts") -> None:
         stats = self.stats
         stats.calls += 1
         stats.launches += stats.launches_per_call
         stats.call_h2d_bytes, stats.call_d2h_bytes, stats.call_copies = counts.h2d, counts.d2h, counts.copies
+        stats.call_d2d_bytes = counts.d2d
         stats.synchronizations_per_call = counts.syncs
         stats.graph_replays_per_call = counts.replays
-        return pytree.tree_unflatten(outputs, self._out_spec)
 
     def _fresh_copy(self, tensor: torch.Tensor, device: str, stream) -> torch.Tensor:
         """A copy the caller owns, made on the caller's stream (no synchronization)."""
@@ -310,6 +318,7 @@ class LoadedMethod:
 class _Counts:
     h2d: int = 0
     d2h: int = 0
+    d2d: int = 0
     copies: int = 0
     syncs: int = 0
     replays: int = 0

@@ -49,6 +49,9 @@ from ..program import (
     Program,
     ProgramError,
     Role,
+    Segment,
+    SegmentKind,
+    Slot,
     TensorValue,
 )
 from . import header as hdr
@@ -227,7 +230,7 @@ def _parse(mm: mmap.mmap, path: str) -> tuple[Program, int, int]:
         raise bad(f"not a tritondelegate program file: it starts with {magic!r}, not {hdr.MAGIC!r}")
     if version not in SUPPORTED_VERSIONS:
         raise bad(f"format version {version} is not supported; this reader reads version(s) "
-                  f"{', '.join(map(str, SUPPORTED_VERSIONS))}")
+                  f"{', '.join(map(str, SUPPORTED_VERSIONS))}; lower the model again with this tritondelegate")
     if header_size != hdr.HEADER.size:
         raise bad(f"header size {header_size}, expected {hdr.HEADER.size} for version {version}")
     if zlib.crc32(head[:-4]) != head_crc:
@@ -303,7 +306,16 @@ class _Decoder:
             external_files=[self.text(p.ExternalFiles(i))
                             for i in self.entries(p.ExternalFilesLength(), "external_files")],
             version=p.Version(),
+            segments=[self.segment(p.Segments(i), i) for i in self.entries(p.SegmentsLength(), "segments")],
+            slots=[self.slot(p.Slots(i)) for i in self.entries(p.SlotsLength(), "slots")],
         )
+
+    def segment(self, s, i: int) -> Segment:
+        kind = self.enum(SegmentKind, s.Kind(), f"segment {i}")
+        return Segment(self.text(s.Device()), kind, s.Nbytes(), s.Alignment())
+
+    def slot(self, s) -> Slot:
+        return Slot(self.text(s.Name()), s.Constant(), self.text(s.Device()), s.State(), s.Segment(), s.Offset())
 
     def constant(self, c, i: int) -> Constant:
         return Constant(self.text(c.Name()), self.text(c.Dtype()), tuple(self.nums(c.ShapeAsNumpy())),
@@ -341,6 +353,7 @@ class _Decoder:
             arena=v.Arena(),
             arena_offset=v.ArenaOffset(),
             resident=v.Resident(),
+            slot=v.Slot(),
         )
 
     def instruction(self, ins, where: str) -> Instruction:

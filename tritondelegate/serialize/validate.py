@@ -9,7 +9,7 @@ import torch
 
 from ..plan import ArgKind as KernelArgKind
 from ..plan import Base, DelegatePlan
-from ..program import ArgKind, Constant, InstrKind, Instruction, Method, Program, ProgramError
+from ..program import ArgKind, Constant, InstrKind, Instruction, Method, Program, ProgramError, Role, SegmentKind
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
@@ -65,6 +65,7 @@ class _Checker:
         keys = set()
         for i, c in enumerate(p.constants):
             self.constant(c, i, keys)
+        self.slots()
         names = set()
         for m in p.methods:
             if m.name in names:
@@ -93,6 +94,53 @@ class _Checker:
         if c.nbytes and (self.data_off + c.data_offset) % dtype.itemsize:
             self.fail(f"{what}: data offset {c.data_offset} is not aligned for {c.dtype}")
 
+    def slots(self) -> None:
+        """Segments and the slots in them: in range, aligned, of the right kind, never overlapping
+        (every slot lives as long as the loaded program)."""
+        p = self.p
+        for i, seg in enumerate(p.segments):
+            self.nonneg(seg.nbytes, f"segment {i} nbytes")
+            if seg.alignment <= 0:
+                self.fail(f"segment {i} has alignment {seg.alignment}")
+        spans: dict[int, list[tuple[int, int, int]]] = {}
+        for i, slot in enumerate(p.slots):
+            what = f"slot {i} ({slot.name!r})"
+            self.index(slot.constant, len(p.constants), what, "constant")
+            self.index(slot.segment, len(p.segments), what, "segment", optional=True)
+            if slot.segment < 0:
+                if not slot.state or slot.device != "cpu":
+                    self.fail(f"{what} on {slot.device} lies in no segment; only host state may")
+                continue
+            seg = p.segments[slot.segment]
+            kind = SegmentKind.STATE if slot.state else SegmentKind.CONSTANTS
+            if seg.kind != kind or seg.device != slot.device:
+                self.fail(f"{what} ({kind.name.lower()} on {slot.device}) lies in segment {slot.segment} "
+                          f"({seg.kind.name.lower()} on {seg.device})")
+            end = slot.offset + p.constants[slot.constant].nbytes
+            if slot.offset < 0 or end > seg.nbytes or slot.offset % seg.alignment:
+                self.fail(f"{what}: bytes [{slot.offset}, {end}) do not fit segment {slot.segment} "
+                          f"({seg.nbytes} bytes, alignment {seg.alignment})")
+            spans.setdefault(slot.segment, []).append((slot.offset, end, i))
+        for segment, items in spans.items():
+            items.sort()
+            for (_, a_end, a), (b_start, _, b) in zip(items, items[1:]):
+                if b_start < a_end:
+                    self.fail(f"slots {a} and {b} overlap in segment {segment}")
+
+    def value_slot(self, v, what: str) -> None:
+        if v.slot < 0:
+            if v.role == Role.MUTABLE_BUFFER or v.resident:
+                self.fail(f"{what} is {'state' if v.role == Role.MUTABLE_BUFFER else 'resident'} but has no slot")
+            return
+        self.index(v.slot, len(self.p.slots), what, "slot")
+        slot = self.p.slots[v.slot]
+        c = self.p.constants[slot.constant]
+        if (c.dtype, tuple(c.shape), slot.device) != (v.dtype, tuple(v.shape), v.device):
+            self.fail(f"{what} is {v.dtype}{list(v.shape)} on {v.device}, but its slot {v.slot} holds "
+                      f"{c.dtype}{list(c.shape)} on {slot.device}")
+        if slot.state != (v.role == Role.MUTABLE_BUFFER) or v.arena >= 0:
+            self.fail(f"{what} does not fit its slot {v.slot} ({'state' if slot.state else 'constant'})")
+
     def method(self, m: Method) -> None:
         where = f"method {m.name!r}"
         nv, nd, na = len(m.values), len(m.delegates), len(m.arenas)
@@ -110,6 +158,7 @@ class _Checker:
                 if (c.dtype, c.shape) != (v.dtype, v.shape):
                     self.fail(f"{what} is {v.dtype}{list(v.shape)} but its constant {v.constant} "
                               f"({c.name!r}) is {c.dtype}{list(c.shape)}")
+            self.value_slot(v, what)
             self.index(v.arena, na, what, "arena", optional=True)
             if v.arena >= 0 and not 0 <= v.arena_offset <= m.arenas[v.arena].nbytes:
                 self.fail(f"{what}: offset {v.arena_offset} lies outside arena {v.arena} "

@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 
 from ..plan import Arg, Base, DelegatePlan, Launch, TensorDesc
 from ..plan import ArgKind as KArgKind
-from ..program import FORMAT_VERSION, ArgKind, Constant, HostArg, InstrKind, Instruction, Method, Program, Role
+from ..program import (FORMAT_VERSION, ArgKind, Constant, HostArg, InstrKind, Instruction, Method, Program, Role,
+                       SegmentKind)
 from . import header as hdr
 from .generated import program_generated as fb
 
@@ -169,6 +170,24 @@ def _program_t(program: Program, constants: list[Constant]) -> fb.ProgramT:
     p.methods = [_method(m) for m in program.methods]
     p.constants = [_constant(c, i) for i, c in enumerate(constants)]
     p.externalFiles = [_str(name, f"external file {i}") for i, name in enumerate(program.external_files)]
+    p.segments = []
+    for i, seg in enumerate(program.segments):
+        t = fb.SegmentT()
+        t.device = _str(seg.device, f"segment {i} device")
+        t.kind = _enum(SegmentKind, seg.kind, f"segment {i} kind")
+        t.nbytes = _int(seg.nbytes, f"segment {i} nbytes")
+        t.alignment = _int(seg.alignment, f"segment {i} alignment")
+        p.segments.append(t)
+    p.slots = []
+    for i, slot in enumerate(program.slots):
+        where = f"slot {i} ({slot.name!r})"
+        t = fb.SlotT()
+        t.name, t.device = _str(slot.name, where), _str(slot.device, f"{where} device")
+        t.constant = _i32(slot.constant, f"{where} constant")
+        t.state = _bool(slot.state, f"{where} state")
+        t.segment = _i32(slot.segment, f"{where} segment")
+        t.offset = _int(slot.offset, f"{where} offset")
+        p.slots.append(t)
     return p
 
 
@@ -213,6 +232,7 @@ def _method(m: Method) -> fb.MethodT:
         tv.arena = _i32(v.arena, f"{w} arena")
         tv.arenaOffset = _int(v.arena_offset, f"{w} arena_offset")
         tv.resident = bool(v.resident)
+        tv.slot = _i32(v.slot, f"{w} slot")
         t.values.append(tv)
     t.inputs = _i32s(m.inputs, f"{where} inputs")
     t.outputs = _i32s(m.outputs, f"{where} outputs")

@@ -38,6 +38,11 @@ class InstrKind(object):
     COPY_D2D = 4
 
 
+class SegmentKind(object):
+    CONSTANTS = 0
+    STATE = 1
+
+
 class Base(object):
     INPUT = 0
     OUTPUT = 1
@@ -1188,8 +1193,15 @@ class TensorValue(object):
             return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
         return False
 
+    # TensorValue
+    def Slot(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return -1
+
 def TensorValueStart(builder):
-    builder.StartObject(10)
+    builder.StartObject(11)
 
 def TensorValueAddName(builder, name):
     builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
@@ -1224,6 +1236,9 @@ def TensorValueAddArenaOffset(builder, arenaOffset):
 def TensorValueAddResident(builder, resident):
     builder.PrependBoolSlot(9, resident, 0)
 
+def TensorValueAddSlot(builder, slot):
+    builder.PrependInt32Slot(10, slot, -1)
+
 def TensorValueEnd(builder):
     return builder.EndObject()
 
@@ -1248,6 +1263,7 @@ class TensorValueT(object):
         arena = -1,
         arenaOffset = 0,
         resident = False,
+        slot = -1,
     ):
         self.name = name  # type: Optional[str]
         self.dtype = dtype  # type: Optional[str]
@@ -1259,6 +1275,7 @@ class TensorValueT(object):
         self.arena = arena  # type: int
         self.arenaOffset = arenaOffset  # type: int
         self.resident = resident  # type: bool
+        self.slot = slot  # type: int
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -1297,6 +1314,7 @@ class TensorValueT(object):
         self.arena = tensorValue.Arena()
         self.arenaOffset = tensorValue.ArenaOffset()
         self.resident = tensorValue.Resident()
+        self.slot = tensorValue.Slot()
 
     # TensorValueT
     def Pack(self, builder):
@@ -1329,6 +1347,7 @@ class TensorValueT(object):
         TensorValueAddArena(builder, self.arena)
         TensorValueAddArenaOffset(builder, self.arenaOffset)
         TensorValueAddResident(builder, self.resident)
+        TensorValueAddSlot(builder, self.slot)
         tensorValue = TensorValueEnd(builder)
         return tensorValue
 
@@ -3046,6 +3065,287 @@ class ConstantT(object):
         return constant
 
 
+class Segment(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = Segment()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsSegment(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def SegmentBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x54\x44\x50\x31", size_prefixed=size_prefixed)
+
+    # Segment
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # Segment
+    def Device(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # Segment
+    def Kind(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int8Flags, o + self._tab.Pos)
+        return 0
+
+    # Segment
+    def Nbytes(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # Segment
+    def Alignment(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+def SegmentStart(builder):
+    builder.StartObject(4)
+
+def SegmentAddDevice(builder, device):
+    builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(device), 0)
+
+def SegmentAddKind(builder, kind):
+    builder.PrependInt8Slot(1, kind, 0)
+
+def SegmentAddNbytes(builder, nbytes):
+    builder.PrependInt64Slot(2, nbytes, 0)
+
+def SegmentAddAlignment(builder, alignment):
+    builder.PrependInt64Slot(3, alignment, 0)
+
+def SegmentEnd(builder):
+    return builder.EndObject()
+
+
+
+class SegmentT(object):
+
+    # SegmentT
+    def __init__(
+        self,
+        device = None,
+        kind = 0,
+        nbytes = 0,
+        alignment = 0,
+    ):
+        self.device = device  # type: Optional[str]
+        self.kind = kind  # type: int
+        self.nbytes = nbytes  # type: int
+        self.alignment = alignment  # type: int
+
+    @classmethod
+    def InitFromBuf(cls, buf, pos):
+        segment = Segment()
+        segment.Init(buf, pos)
+        return cls.InitFromObj(segment)
+
+    @classmethod
+    def InitFromPackedBuf(cls, buf, pos=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
+        return cls.InitFromBuf(buf, pos+n)
+
+    @classmethod
+    def InitFromObj(cls, segment):
+        x = SegmentT()
+        x._UnPack(segment)
+        return x
+
+    # SegmentT
+    def _UnPack(self, segment):
+        if segment is None:
+            return
+        self.device = segment.Device()
+        self.kind = segment.Kind()
+        self.nbytes = segment.Nbytes()
+        self.alignment = segment.Alignment()
+
+    # SegmentT
+    def Pack(self, builder):
+        if self.device is not None:
+            device = builder.CreateString(self.device)
+        SegmentStart(builder)
+        if self.device is not None:
+            SegmentAddDevice(builder, device)
+        SegmentAddKind(builder, self.kind)
+        SegmentAddNbytes(builder, self.nbytes)
+        SegmentAddAlignment(builder, self.alignment)
+        segment = SegmentEnd(builder)
+        return segment
+
+
+class Slot(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = Slot()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsSlot(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def SlotBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x54\x44\x50\x31", size_prefixed=size_prefixed)
+
+    # Slot
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # Slot
+    def Name(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # Slot
+    def Constant(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return -1
+
+    # Slot
+    def Device(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # Slot
+    def State(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
+    # Slot
+    def Segment(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return -1
+
+    # Slot
+    def Offset(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+def SlotStart(builder):
+    builder.StartObject(6)
+
+def SlotAddName(builder, name):
+    builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
+
+def SlotAddConstant(builder, constant):
+    builder.PrependInt32Slot(1, constant, -1)
+
+def SlotAddDevice(builder, device):
+    builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(device), 0)
+
+def SlotAddState(builder, state):
+    builder.PrependBoolSlot(3, state, 0)
+
+def SlotAddSegment(builder, segment):
+    builder.PrependInt32Slot(4, segment, -1)
+
+def SlotAddOffset(builder, offset):
+    builder.PrependInt64Slot(5, offset, 0)
+
+def SlotEnd(builder):
+    return builder.EndObject()
+
+
+
+class SlotT(object):
+
+    # SlotT
+    def __init__(
+        self,
+        name = None,
+        constant = -1,
+        device = None,
+        state = False,
+        segment = -1,
+        offset = 0,
+    ):
+        self.name = name  # type: Optional[str]
+        self.constant = constant  # type: int
+        self.device = device  # type: Optional[str]
+        self.state = state  # type: bool
+        self.segment = segment  # type: int
+        self.offset = offset  # type: int
+
+    @classmethod
+    def InitFromBuf(cls, buf, pos):
+        slot = Slot()
+        slot.Init(buf, pos)
+        return cls.InitFromObj(slot)
+
+    @classmethod
+    def InitFromPackedBuf(cls, buf, pos=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
+        return cls.InitFromBuf(buf, pos+n)
+
+    @classmethod
+    def InitFromObj(cls, slot):
+        x = SlotT()
+        x._UnPack(slot)
+        return x
+
+    # SlotT
+    def _UnPack(self, slot):
+        if slot is None:
+            return
+        self.name = slot.Name()
+        self.constant = slot.Constant()
+        self.device = slot.Device()
+        self.state = slot.State()
+        self.segment = slot.Segment()
+        self.offset = slot.Offset()
+
+    # SlotT
+    def Pack(self, builder):
+        if self.name is not None:
+            name = builder.CreateString(self.name)
+        if self.device is not None:
+            device = builder.CreateString(self.device)
+        SlotStart(builder)
+        if self.name is not None:
+            SlotAddName(builder, name)
+        SlotAddConstant(builder, self.constant)
+        if self.device is not None:
+            SlotAddDevice(builder, device)
+        SlotAddState(builder, self.state)
+        SlotAddSegment(builder, self.segment)
+        SlotAddOffset(builder, self.offset)
+        slot = SlotEnd(builder)
+        return slot
+
+
 class Program(object):
     __slots__ = ['_tab']
 
@@ -3143,8 +3443,56 @@ class Program(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
         return o == 0
 
+    # Program
+    def Segments(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            x = self._tab.Indirect(x)
+            obj = Segment()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Program
+    def SegmentsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Program
+    def SegmentsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        return o == 0
+
+    # Program
+    def Slots(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            x = self._tab.Indirect(x)
+            obj = Slot()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Program
+    def SlotsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Program
+    def SlotsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        return o == 0
+
 def ProgramStart(builder):
-    builder.StartObject(4)
+    builder.StartObject(6)
 
 def ProgramAddVersion(builder, version):
     builder.PrependUint32Slot(0, version, 0)
@@ -3167,6 +3515,18 @@ def ProgramAddExternalFiles(builder, externalFiles):
 def ProgramStartExternalFilesVector(builder, numElems):
     return builder.StartVector(4, numElems, 4)
 
+def ProgramAddSegments(builder, segments):
+    builder.PrependUOffsetTRelativeSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(segments), 0)
+
+def ProgramStartSegmentsVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def ProgramAddSlots(builder, slots):
+    builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(slots), 0)
+
+def ProgramStartSlotsVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
 def ProgramEnd(builder):
     return builder.EndObject()
 
@@ -3185,11 +3545,15 @@ class ProgramT(object):
         methods = None,
         constants = None,
         externalFiles = None,
+        segments = None,
+        slots = None,
     ):
         self.version = version  # type: int
         self.methods = methods  # type: Optional[List[MethodT]]
         self.constants = constants  # type: Optional[List[ConstantT]]
         self.externalFiles = externalFiles  # type: Optional[List[Optional[str]]]
+        self.segments = segments  # type: Optional[List[SegmentT]]
+        self.slots = slots  # type: Optional[List[SlotT]]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -3233,6 +3597,22 @@ class ProgramT(object):
             self.externalFiles = []
             for i in range(program.ExternalFilesLength()):
                 self.externalFiles.append(program.ExternalFiles(i))
+        if not program.SegmentsIsNone():
+            self.segments = []
+            for i in range(program.SegmentsLength()):
+                if program.Segments(i) is None:
+                    self.segments.append(None)
+                else:
+                    segment_ = SegmentT.InitFromObj(program.Segments(i))
+                    self.segments.append(segment_)
+        if not program.SlotsIsNone():
+            self.slots = []
+            for i in range(program.SlotsLength()):
+                if program.Slots(i) is None:
+                    self.slots.append(None)
+                else:
+                    slot_ = SlotT.InitFromObj(program.Slots(i))
+                    self.slots.append(slot_)
 
     # ProgramT
     def Pack(self, builder):
@@ -3260,6 +3640,22 @@ class ProgramT(object):
             for i in reversed(range(len(self.externalFiles))):
                 builder.PrependUOffsetTRelative(externalFileslist[i])
             externalFiles = builder.EndVector()
+        if self.segments is not None:
+            segmentslist = []
+            for i in range(len(self.segments)):
+                segmentslist.append(self.segments[i].Pack(builder))
+            ProgramStartSegmentsVector(builder, len(self.segments))
+            for i in reversed(range(len(self.segments))):
+                builder.PrependUOffsetTRelative(segmentslist[i])
+            segments = builder.EndVector()
+        if self.slots is not None:
+            slotslist = []
+            for i in range(len(self.slots)):
+                slotslist.append(self.slots[i].Pack(builder))
+            ProgramStartSlotsVector(builder, len(self.slots))
+            for i in reversed(range(len(self.slots))):
+                builder.PrependUOffsetTRelative(slotslist[i])
+            slots = builder.EndVector()
         ProgramStart(builder)
         ProgramAddVersion(builder, self.version)
         if self.methods is not None:
@@ -3268,6 +3664,10 @@ class ProgramT(object):
             ProgramAddConstants(builder, constants)
         if self.externalFiles is not None:
             ProgramAddExternalFiles(builder, externalFiles)
+        if self.segments is not None:
+            ProgramAddSegments(builder, segments)
+        if self.slots is not None:
+            ProgramAddSlots(builder, slots)
         program = ProgramEnd(builder)
         return program
 

@@ -27,6 +27,7 @@ def method_facts(lowered, name: str) -> dict:
         ],
         "per_call_copies": [c.__dict__ for c in report.device.copies],
         "resident_constants": [{"name": n, "device": d, "bytes": b} for n, d, b in report.device.resident],
+        "state_in_place": list(report.inplace),
         "arenas": [
             {"device": a.device, "bytes": a.nbytes, "lower_bound_bytes": a.lower_bound, "alignment": a.alignment}
             for a in method.arenas
@@ -66,10 +67,44 @@ def format_summary(lowered) -> str:
             lines.append(f"  resident constants ({len(f['resident_constants'])}, {_bytes(total)}, loaded once):")
             for r in f["resident_constants"]:
                 lines.append(f"    {r['name']} on {r['device']}, {_bytes(r['bytes'])}")
+        if f["state_in_place"]:
+            lines.append(f"  state updated in place: {', '.join(f['state_in_place'])}")
         for a in f["arenas"]:
             ratio = a["bytes"] / a["lower_bound_bytes"] if a["lower_bound_bytes"] else 1.0
             lines.append(
                 f"  arena {a['device']}: {_bytes(a['bytes'])} (lower bound {_bytes(a['lower_bound_bytes'])}, "
                 f"ratio {ratio:.3f})"
             )
+    lines.extend(_program_lines(lowered))
     return "\n".join(lines)
+
+
+def program_facts(lowered) -> dict:
+    """Program-level memory: the state buffers and the per-device segments, as plain data."""
+    program = lowered.program
+    state = []
+    for slot in program.slots:
+        if slot.state:
+            info = lowered.state.get(slot.name)
+            state.append({"name": slot.name, "device": slot.device, "bytes": program.constants[slot.constant].nbytes,
+                          "reason": info.reason if info is not None and slot.device == "cpu" else ""})
+    segments = [{"device": s.device, "kind": s.kind.name.lower(), "bytes": s.nbytes,
+                 "slots": sum(1 for slot in program.slots if slot.segment == i)}
+                for i, s in enumerate(program.segments)]
+    return {"state": state, "segments": segments}
+
+
+def _program_lines(lowered) -> list[str]:
+    facts = program_facts(lowered)
+    lines = []
+    if facts["state"]:
+        lines.append(f"program state ({len(facts['state'])} buffers, one instance per loaded program, "
+                     "shared by every method):")
+        for s in facts["state"]:
+            where = f"on the host: {s['reason']}" if s["device"] == "cpu" else f"on {s['device']}"
+            lines.append(f"  {s['name']}, {_bytes(s['bytes'])}, {where}")
+    for seg in facts["segments"]:
+        what = "resident constants" if seg["kind"] == "constants" else "state buffers"
+        lines.append(f"segment {seg['device']} {seg['kind']}: {_bytes(seg['bytes'])} ({seg['slots']} {what}, "
+                     "loaded once per program)")
+    return lines

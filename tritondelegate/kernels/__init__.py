@@ -5,8 +5,10 @@ made here, before any kernel module is imported: without CUDA the kernels run un
 interpreter on the simulated device (host memory). Set ``TRITON_INTERPRET`` yourself to override.
 """
 
+import contextlib
 import operator
 import os
+import sys
 
 if "TRITON_INTERPRET" not in os.environ:
     import torch
@@ -18,6 +20,48 @@ if "TRITON_INTERPRET" not in os.environ:
 def interpreted() -> bool:
     """Whether kernels defined by this package run under the Triton interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_LIBRARY_SWAPS: list | None = None
+
+
+def _library_swaps() -> list:
+    """(owner, name, compiled, interpreted) for each of Triton's own ``@jit`` helpers (``tl.zeros``,
+    ``tl.sum`` and its combine function, ...) that was defined in compiled mode."""
+    global _LIBRARY_SWAPS
+    if _LIBRARY_SWAPS is None:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        owners = [m for name, m in list(sys.modules.items()) if name.startswith("triton.language") and m]
+        _LIBRARY_SWAPS = [
+            (owner, name, value, InterpretedFunction(value.fn))
+            for owner in [*owners, tl.core.tensor]
+            for name, value in list(vars(owner).items())
+            if isinstance(value, JITFunction)
+        ]
+    return _LIBRARY_SWAPS
+
+
+@contextlib.contextmanager
+def interpreter_library():
+    """Triton's library helpers as the interpreter needs them, for the duration of a block.
+
+    Triton picks compiled or interpreted when a function is decorated. When ``triton`` was imported
+    before the interpreter was chosen (a user imported transformers or torch's compiler first, or a GPU
+    machine runs the simulated device), its own ``@jit`` helpers are compiled-mode functions that
+    refuse to run inside an interpreted kernel. Interpreted launches run inside this block, which
+    swaps in interpreted twins and puts the originals back after, so nobody else's kernels change.
+    """
+    swaps = _library_swaps()
+    for owner, name, _, interpreted_fn in swaps:
+        setattr(owner, name, interpreted_fn)
+    try:
+        yield
+    finally:
+        for owner, name, compiled, _ in swaps:
+            setattr(owner, name, compiled)
 
 
 def _fix_interpreter_index() -> bool:

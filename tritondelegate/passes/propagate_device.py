@@ -238,7 +238,9 @@ class PropagateDevicePass:
             if instr.kind not in (InstrKind.COPY_H2D, InstrKind.COPY_D2H):
                 continue
             src = instr.inputs[0]
-            buffer = src if values[src].role == Role.MUTABLE_BUFFER else written.get(instr.outputs[0])
+            # the state itself, or its new value on the way to the state (or from a host update)
+            buffer = src if values[src].role == Role.MUTABLE_BUFFER else written.get(
+                instr.outputs[0], written.get(src))
             if buffer is not None:
                 crossing.setdefault(buffer, []).append(instr)
         for buffer, copies in crossing.items():

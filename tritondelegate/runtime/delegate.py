@@ -11,7 +11,9 @@ import math
 
 import torch
 
-from ..kernels import interpreted
+import contextlib
+
+from ..kernels import interpreted, interpreter_library
 from ..kernels.registry import KERNELS
 from ..plan import ArgKind, Base, DelegatePlan, TensorDesc
 from ..program import ProgramError
@@ -64,6 +66,8 @@ def _kernel(name: str):
 class DelegateRunner:
     def __init__(self, plan: DelegatePlan, scratch: torch.Tensor | None, simulated: bool):
         self.plan = plan
+        # Interpreted launches need Triton's library helpers interpreted too (see interpreter_library).
+        self.scope = interpreter_library if simulated else contextlib.nullcontext
         if plan.scratch_bytes and (scratch is None or scratch.numel() < plan.scratch_bytes):
             raise DelegateError(f"delegate needs {plan.scratch_bytes} scratch bytes")
         self._kernels = [self._resolve(launch.kernel, simulated) for launch in plan.launches]
@@ -127,10 +131,11 @@ class DelegateRunner:
         self._bind(Base.INPUT, inputs)
         self._bind(Base.OUTPUT, outputs)
         views = self._views
-        for kernel, (grid, args, tensors, constexprs) in zip(self._kernels, self._calls):
-            for pos, index in tensors:
-                args[pos] = views[index]
-            kernel[grid](*args, **constexprs)
+        with self.scope():
+            for kernel, (grid, args, tensors, constexprs) in zip(self._kernels, self._calls):
+                for pos, index in tensors:
+                    args[pos] = views[index]
+                kernel[grid](*args, **constexprs)
 
     def bound_launches(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list:
         """The launches with every tensor argument resolved now: what a captured graph replays."""

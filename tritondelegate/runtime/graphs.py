@@ -21,8 +21,9 @@ def capture(runner, inputs: list[torch.Tensor], outputs: list[torch.Tensor], all
         frozen = runner.bound_launches(inputs, outputs)
 
         def replay_simulated(stream) -> None:
-            for kernel, grid, args, constexprs in frozen:
-                kernel[grid](*args, **constexprs)
+            with runner.scope():
+                for kernel, grid, args, constexprs in frozen:
+                    kernel[grid](*args, **constexprs)
 
         return replay_simulated
 

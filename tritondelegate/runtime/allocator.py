@@ -22,6 +22,12 @@ class DeviceAllocator:
 
     device_type: str = ""
     simulated: bool = False
+    null: bool = False  # the null device: nothing is copied or launched
+
+    @property
+    def host_memory(self) -> bool:
+        """Whether this device's memory is host memory (the simulated and null devices)."""
+        return self.simulated or self.null
 
     def allocate(self, nbytes: int, device_index: int, alignment: int) -> torch.Tensor:
         """A uint8 buffer of ``nbytes`` on the device, its start aligned to ``alignment``."""
@@ -159,6 +165,28 @@ class SimulatedAllocator(DeviceAllocator):
         self.synchronizations += 1
 
 
+@dataclass
+class NullAllocator(SimulatedAllocator):
+    """The null device: memory is real (host, zero-filled), copies and launches are counted but not
+    done. What is left of a call is the runtime's own host cost, measurable on any machine."""
+
+    simulated: bool = False
+    null: bool = True
+
+    def allocate(self, nbytes, device_index, alignment):
+        buffer = super().allocate(nbytes, device_index, alignment)
+        buffer.zero_()
+        return buffer
+
+    def _copy(self, kind, dst, src, stream):
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise AllocatorError(f"{kind} copy between {tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype}")
+        if kind == "d2h":
+            dst.zero_()  # defined contents for the host ops that read it
+        self.copies += 1
+        self.copied_bytes[kind] += src.numel() * src.element_size()
+
+
 _REGISTRY: dict[str, DeviceAllocator] = {}
 
 
@@ -170,7 +198,7 @@ def register_allocator(device_type: str, allocator: DeviceAllocator) -> None:
 
 
 def allocators_for(devices) -> dict[str, DeviceAllocator]:
-    """The allocators ``td.load(devices=...)`` uses: ``"auto"``, ``"cuda"``, ``"simulated"``, or a dict
+    """The allocators ``td.load(devices=...)`` uses: ``"auto"``, ``"cuda"``, ``"simulated"``, ``"null"``, or a dict
     of device type -> :class:`DeviceAllocator` (an empty dict registers none)."""
     if isinstance(devices, dict):
         for kind, allocator in devices.items():
@@ -187,4 +215,6 @@ def allocators_for(devices) -> dict[str, DeviceAllocator]:
         return {"cuda": CudaAllocator()}
     if devices == "simulated":
         return {"cuda": SimulatedAllocator()}
-    raise ValueError(f"devices must be 'auto', 'cuda', 'simulated' or a dict of allocators, got {devices!r}")
+    if devices == "null":
+        return {"cuda": NullAllocator()}
+    raise ValueError(f"devices must be 'auto', 'cuda', 'simulated', 'null' or a dict of allocators, got {devices!r}")

@@ -63,8 +63,12 @@ def _kernel(name: str):
     return kernel
 
 
+def _skip(*args, **kwargs) -> None:
+    return None
+
+
 class DelegateRunner:
-    def __init__(self, plan: DelegatePlan, scratch: torch.Tensor | None, simulated: bool):
+    def __init__(self, plan: DelegatePlan, scratch: torch.Tensor | None, simulated: bool, null: bool = False):
         self.plan = plan
         # Interpreted launches need Triton's library helpers interpreted too (see interpreter_library).
         self.scope = interpreter_library if simulated else contextlib.nullcontext
@@ -78,15 +82,20 @@ class DelegateRunner:
             _view(scratch, d) if d.base == Base.SCRATCH and i in used else None for i, d in enumerate(plan.tensors)
         ]
         self._bound: dict[tuple[int, int], int] = {}
-        self._calls = []
-        for launch in plan.launches:
-            args = [a.value if a.kind != ArgKind.TENSOR else None for a in launch.args]
-            tensors = [(i, a.value) for i, a in enumerate(launch.args) if a.kind == ArgKind.TENSOR]
-            constexprs = {k: v.value for k, v in launch.constexprs.items()}
+        # One prebound record per launch: (launch function, argument list, constexprs). Tensor
+        # arguments are filled in when their memory is bound and patched only when it moves.
+        self._records: list[tuple] = []
+        self._uses: dict[int, list[tuple[list, int]]] = {}  # plan tensor -> (argument list, position)
+        for kernel, launch in zip(self._kernels, plan.launches):
+            args = [a.value if a.kind != ArgKind.TENSOR else self._views[a.value] for a in launch.args]
+            for pos, a in enumerate(launch.args):
+                if a.kind == ArgKind.TENSOR:
+                    self._uses.setdefault(a.value, []).append((args, pos))
+            constexprs = {} if null else {k: v.value for k, v in launch.constexprs.items()}
             if simulated and "DOT_UPCAST" in constexprs:
                 # The Triton interpreter computes low-precision tl.dot wrongly: upcast there.
                 constexprs["DOT_UPCAST"] = True
-            self._calls.append((launch.grid, args, tensors, constexprs))
+            self._records.append((_skip if null else kernel[launch.grid], args, constexprs))
 
     @staticmethod
     def _check_signature(kernel, launch) -> None:
@@ -125,26 +134,19 @@ class DelegateRunner:
             raw = _as_bytes(t)
             for j, desc in enumerate(self.plan.tensors):
                 if desc.base == base and desc.index == i:
-                    self._views[j] = _view(raw, desc)
+                    self._views[j] = view = _view(raw, desc)
+                    for args, pos in self._uses.get(j, ()):
+                        args[pos] = view
 
     def __call__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
         self._bind(Base.INPUT, inputs)
         self._bind(Base.OUTPUT, outputs)
-        views = self._views
         with self.scope():
-            for kernel, (grid, args, tensors, constexprs) in zip(self._kernels, self._calls):
-                for pos, index in tensors:
-                    args[pos] = views[index]
-                kernel[grid](*args, **constexprs)
+            for launch, args, constexprs in self._records:
+                launch(*args, **constexprs)
 
     def bound_launches(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list:
-        """The launches with every tensor argument resolved now: what a captured graph replays."""
+        """The launch records with every tensor argument resolved now: what a captured graph replays."""
         self._bind(Base.INPUT, inputs)
         self._bind(Base.OUTPUT, outputs)
-        frozen = []
-        for kernel, (grid, args, tensors, constexprs) in zip(self._kernels, self._calls):
-            args = list(args)
-            for pos, index in tensors:
-                args[pos] = self._views[index]
-            frozen.append((kernel, grid, args, constexprs))
-        return frozen
+        return [(launch, list(args), constexprs) for launch, args, constexprs in self._records]

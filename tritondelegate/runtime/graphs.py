@@ -17,13 +17,13 @@ def capture(runner, inputs: list[torch.Tensor], outputs: list[torch.Tensor], all
             device_index: int) -> Callable[[object], None]:
     """Record ``runner(inputs, outputs)``; returns ``replay(stream)``. Run it once normally first, so
     every kernel is compiled before capture."""
-    if allocator.simulated:
+    if allocator.host_memory:
         frozen = runner.bound_launches(inputs, outputs)
 
         def replay_simulated(stream) -> None:
             with runner.scope():
-                for kernel, grid, args, constexprs in frozen:
-                    kernel[grid](*args, **constexprs)
+                for launch, args, constexprs in frozen:
+                    launch(*args, **constexprs)
 
         return replay_simulated
 

@@ -80,8 +80,10 @@ class LoadedProgram:
 
     @property
     def device(self) -> str:
-        """``"cuda"`` or ``"simulated"``: what the program's CUDA delegates run on."""
+        """``"cuda"``, ``"simulated"`` or ``"null"``: what the program's CUDA delegates run on."""
         allocator = self.allocators.get("cuda")
+        if allocator is not None and allocator.null:
+            return "null"
         return "simulated" if allocator is None or allocator.simulated else "cuda"
 
     def load_method(self, name: str = "forward", stream=None, reuse_output_memory: bool = False,
@@ -108,7 +110,8 @@ def load(path: str | os.PathLike, *, data_files: dict[str, str] | None = None, d
 
     ``data_files`` maps an external weights file name recorded in the program to its path (default:
     that name next to the program file). ``devices``: ``"auto"`` (CUDA when available, else the
-    simulated device), ``"cuda"``, ``"simulated"``, or a dict of device type -> DeviceAllocator.
+    simulated device), ``"cuda"``, ``"simulated"``, ``"null"`` (memory allocated on the host, copies and
+    launches counted but not done: the runtime's own host cost), or a dict of device type -> DeviceAllocator.
     """
     path = os.fspath(path)
     if not os.path.exists(path):

@@ -44,7 +44,7 @@ class ProgramMemory:
         if kind not in self.allocators:
             raise AllocatorError(
                 f"{who} runs on {device}, but no allocator is registered for device type {kind!r}; load "
-                f"with devices='auto', 'cuda', or 'simulated', or pass a DeviceAllocator for {kind!r}"
+                f"with devices='auto', 'cuda', 'simulated' or 'null', or pass a DeviceAllocator for {kind!r}"
             )
         return self.allocators[kind], index
 

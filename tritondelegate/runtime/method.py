@@ -184,7 +184,7 @@ class LoadedMethod:
             # Fixed addresses for everything it touches: its launches can be captured once.
             step.capturable = self.graphs and all(
                 method.values[v].arena >= 0 or method.values[v].slot >= 0 for v in instr.inputs + instr.outputs)
-        step.runner = DelegateRunner(delegate.plan, scratch, simulated=allocator.simulated)
+        step.runner = DelegateRunner(delegate.plan, scratch, simulated=allocator.simulated, null=allocator.null)
         return step
 
     def _device_tensor(self, value, device: str | None = None) -> torch.Tensor:
@@ -209,7 +209,7 @@ class LoadedMethod:
                 raise InputError(f"{where} must have shape {list(value.shape)}, got {list(t.shape)}")
             if t.dtype != _dtype(value.dtype):
                 raise InputError(f"{where} must have dtype {value.dtype}, got {str(t.dtype).removeprefix('torch.')}")
-            if value.device == "cpu" or self._allocators[value.device][0].simulated:
+            if value.device == "cpu" or self._allocators[value.device][0].host_memory:
                 if t.device.type != "cpu":
                     raise InputError(f"{where} must be a CPU tensor, got one on {t.device}")
             else:
@@ -305,7 +305,7 @@ class LoadedMethod:
 
     def _fresh_copy(self, tensor: torch.Tensor, device: str, stream) -> torch.Tensor:
         """A copy the caller owns, made on the caller's stream (no synchronization)."""
-        if device == "cpu" or self._allocators[device][0].simulated:
+        if device == "cpu" or self._allocators[device][0].host_memory:
             return tensor.clone()
         allocator, index = self._allocators[device]
         s = allocator.stream(index, stream)
@@ -342,7 +342,7 @@ class _DelegateStep:
             self._replay(stream)
             counts.replays += 1
             return
-        if self.allocator.simulated:
+        if self.allocator.host_memory:
             self.runner(ins, outs)
         else:
             with torch.cuda.stream(self.allocator.stream(self.index, stream)):

@@ -17,7 +17,7 @@ import tritondelegate.kernels  # noqa: F401  (first: decides compiled vs interpr
 
 import pytest
 
-from bench import harness
+from bench import generation, harness
 
 
 def pytest_addoption(parser):
@@ -25,7 +25,8 @@ def pytest_addoption(parser):
                      help="size list for bench/ (default: TD_BENCH_SIZES, else 'default'; 'quick' with "
                           "--benchmark-disable)")
     parser.addoption("--bench-case", action="append", default=[],
-                     help="run only this case (by name, e.g. mlp-w256-d4; repeatable), whatever its size list")
+                     help="run only this case (by name, e.g. mlp-w256-d4 or kv-d64-l2-v256-s64; repeatable), "
+                          "whatever its size list")
 
 
 def pytest_configure(config):
@@ -42,13 +43,22 @@ def _size_group(config) -> str:
 
 def pytest_generate_tests(metafunc):
     names = set(metafunc.fixturenames)
-    chosen = harness.cases(_size_group(metafunc.config), metafunc.config.getoption("--bench-case"))
+    group, picked = _size_group(metafunc.config), metafunc.config.getoption("--bench-case")
+    generation_names = {c.name for c in generation.gen_cases("default")}
+    if {"case", "mode"} <= names or {"case", "kind"} <= names:
+        # --bench-case names a latency case or a generation case: each benchmark takes its own.
+        latency_names = [n for n in picked if n not in generation_names]
+        chosen = harness.cases(group, latency_names) if latency_names or not picked else []
     if {"case", "mode"} <= names:
         pairs = [(c, m) for c in chosen for m in harness.MODES]
         metafunc.parametrize("case,mode", pairs, ids=[f"{c.name}-{m}" for c, m in pairs])
     elif {"case", "kind"} <= names:
         pairs = [(c, k) for c in chosen for k in harness.LOAD_KINDS[harness.DEVICE]]
         metafunc.parametrize("case,kind", pairs, ids=[f"{c.name}-{k}" for c, k in pairs])
+    elif {"gen_case", "gen_mode"} <= names:
+        chosen = generation.gen_cases(group, picked)
+        pairs = [(c, m) for c in chosen for m in generation.GEN_MODES]
+        metafunc.parametrize("gen_case,gen_mode", pairs, ids=[f"{c.name}-{m}" for c, m in pairs])
     elif {"chain", "impl"} <= names:
         pairs = [(n, i) for n in harness.LAUNCH_CHAINS for i in harness.LAUNCH_IMPLS]
         metafunc.parametrize("chain,impl", pairs, ids=[f"{n}x-{i}" for n, i in pairs])
@@ -61,6 +71,11 @@ def bench():
         yield harness.Bench(workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def gen_bench(bench):
+    return generation.GenBench(bench.workdir, bench.stream)
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):

@@ -126,8 +126,8 @@ def cases(group: str, names: list[str] | None = None) -> list[Case]:
 
 # (timed rounds, warmup rounds) by benchmark kind; the first call compiles the Triton kernels.
 ROUNDS = {
-    "cuda": {"latency": (20, 3), "load": (5, 1), "launch": (100, 5)},
-    "simulated": {"latency": (5, 1), "load": (5, 1), "launch": (3, 1)},
+    "cuda": {"latency": (20, 3), "load": (5, 1), "launch": (100, 5), "generation": (10, 2)},
+    "simulated": {"latency": (5, 1), "load": (5, 1), "launch": (3, 1), "generation": (3, 1)},
 }
 
 

@@ -2,7 +2,8 @@
 
 Prints markdown tables from pytest-benchmark JSON written by ``pytest bench/``: latency per mode with
 the ratios per_call_copy/resident, resident/eager and resident_io/eager; bytes copied per call and at
-load; load time against the measured copy bandwidth; the host cost of one kernel launch. Writes a PNG
+load; load time against the measured copy bandwidth; the host cost of one kernel launch; decode
+tokens/s of generation with a KV cache per mode, with bytes and launches per step and memory. Writes a PNG
 plot of latency against weight bytes per mode when matplotlib is installed (``pip install
 'tritondelegate[plot]'``). Several JSON files (e.g. the steps of scripts/gpu_bench.sh) are merged.
 """
@@ -17,6 +18,7 @@ from collections import defaultdict
 
 MODES = ("per_call_copy", "resident", "resident_io", "resident_graphs", "eager", "torch_compile")
 LOWERED = ("per_call_copy", "resident", "resident_io", "resident_graphs")
+GENERATION_MODES = ("state_on_host", "state_on_device", "state_on_device_graphs", "hf_eager")
 
 
 def _bytes(n) -> str:
@@ -67,8 +69,9 @@ def _kind(b: dict) -> str:
 
 
 def collect(benchmarks: list[dict]):
-    """{model: {mode: benchmark}}, {model: {kind: benchmark}}, {(ops, impl): benchmark}, in run order."""
-    latency, load, launch = defaultdict(dict), defaultdict(dict), {}
+    """{model: {mode: benchmark}}, {model: {kind: benchmark}}, {(ops, impl): benchmark},
+    {model: {mode: benchmark}} (generation), in run order."""
+    latency, load, launch, generation = defaultdict(dict), defaultdict(dict), {}, defaultdict(dict)
     for b in benchmarks:
         info = b.get("extra_info", {})
         kind = _kind(b)
@@ -78,7 +81,9 @@ def collect(benchmarks: list[dict]):
             load[info["model"]][info["kind"]] = b
         elif kind == "test_launch":
             launch[(info["ops"], info["impl"])] = b
-    return latency, load, launch
+        elif kind == "test_generation":
+            generation[info["model"]][info["mode"]] = b
+    return latency, load, launch, generation
 
 
 def _bandwidth(load: dict, model: str) -> float | None:
@@ -189,6 +194,55 @@ def launch_section(launch: dict) -> str:
                       "`x + 1.0` in PyTorch.", "", _table(header, rows), ""])
 
 
+def _tokens_per_s(b: dict | None) -> float | None:
+    return None if b is None else b["extra_info"]["steps"] / _median(b)
+
+
+def _device_memory(info: dict) -> str:
+    """constants / state / arenas on the device(s) the program keeps them; the host's state, if any."""
+    cells = []
+    for device, m in (info.get("memory") or {}).items():
+        parts = [f"{k} {_bytes(m[k])}" for k in ("constants", "state", "arenas") if m.get(k)]
+        if parts:
+            cells.append(f"{device}: {', '.join(parts)}")
+    return "; ".join(cells) or "—"
+
+
+def generation_section(generation: dict) -> str:
+    header = ["model", "mode", "decode tokens/s", "ms/step", "h2d / d2h per step", "launches/step",
+              "graph replays/step", "memory", "tokens = eager"]
+    rows, ratios = [], []
+    for model, by_mode in generation.items():
+        for mode in GENERATION_MODES:
+            b = by_mode.get(mode)
+            if b is None:
+                continue
+            i = b["extra_info"]
+            per_step = (f"{_bytes(i['h2d_bytes_per_step'])} / {_bytes(i['d2h_bytes_per_step'])}"
+                        if i.get("h2d_bytes_per_step") is not None else "—")
+            launches = i.get("launches_per_step")
+            rows.append([model, mode, f"{_tokens_per_s(b):.3g}", _ms(_median(b) / i["steps"]), per_step,
+                         launches if launches is not None else "—", i.get("graph_replays_per_step", "—"),
+                         _device_memory(i), "yes" if i.get("tokens_match_eager") else "**no**"])
+        t = {m: _tokens_per_s(by_mode.get(m)) for m in GENERATION_MODES}
+        any_info = next(iter(by_mode.values()))["extra_info"]
+        speedup = lambda a, b: "—" if t[a] is None or not t[b] else f"{t[a] / t[b]:.3g}x"  # noqa: E731
+        ratios.append([model, _bytes(any_info["weight_bytes"]), _bytes(any_info["cache_bytes"]),
+                       speedup("state_on_device", "state_on_host"),
+                       speedup("state_on_device_graphs", "state_on_device"),
+                       speedup("state_on_device_graphs", "hf_eager")])
+    return "\n".join([
+        "## Generation: decode throughput with a KV cache", "",
+        "Greedy decode steps after one prefill (`steps` per timed round, median round). `state_on_host`: the "
+        "cache copied host-to-device and back every call; `state_on_device`: the cache is program state on "
+        "the device; `_graphs`: decode replayed as CUDA graphs; `hf_eager`: transformers' LlamaForCausalLM "
+        "with the same weights and its static cache, eager, on the same device. Bytes, launches and memory "
+        "from `method.stats` and `program.memory()`.", "",
+        _table(header, rows), "",
+        _table(["model", "weights", "KV cache", "state_on_device / state_on_host (tokens/s)",
+                "graphs / state_on_device", "state_on_device_graphs / hf_eager"], ratios), ""])
+
+
 def machine_section(machine: dict) -> str:
     td = machine.get("tritondelegate", {})
     cpu = machine.get("cpu", {}).get("brand_raw") or machine.get("processor") or "?"
@@ -249,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     if not benchmarks:
         print(f"no benchmarks in {', '.join(args.results)}", file=sys.stderr)
         return 1
-    latency, load, launch = collect(benchmarks)
+    latency, load, launch, generation = collect(benchmarks)
     sections = [machine_section(machine)]
     if latency:
         sections.append(latency_section(latency, load))
@@ -257,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         sections.append(load_section(load))
     if launch:
         sections.append(launch_section(launch))
+    if generation:
+        sections.append(generation_section(generation))
     print("\n".join(sections))
     if latency and not args.no_plot:
         path = args.plot or os.path.splitext(args.results[0])[0] + ".png"

@@ -8,6 +8,8 @@
 #   gpu-launch.json       host cost of one kernel launch
 #   gpu-small.json        latency per mode and load time vs copy bandwidth, the small models together
 #   gpu-<case>.json       the same, one file per large model (or per model for SIZES other than default)
+#   gpu-generation.json   decode tokens/s with a KV cache: cache copied per call, program state on the
+#                         device, with CUDA graphs, transformers' Llama eager (bench/test_generation.py)
 #   gpu-*.log             each step's pytest output
 #   gpu-report.md         python -m bench.report over every gpu-*.json written
 #   gpu-latency.png       the plot (when matplotlib is installed; the report says when it is not)
@@ -64,6 +66,8 @@ step() {
 }
 
 step launch bench/test_launch.py
+# Generation (DESIGN.md's first workload): SIZES=quick runs its small model only, anything else both.
+step generation bench/test_generation.py --bench-sizes "$([[ "$SIZES" == quick ]] && echo quick || echo default)"
 if [[ "$SIZES" == default ]]; then
   # The small models share one process; each large one gets its own step (and JSON).
   step small bench/test_latency.py bench/test_load.py --bench-sizes small

@@ -1,4 +1,8 @@
-"""``python -m tritondelegate demo``: export, lower, save, load and run a Llama-style decoder."""
+"""``python -m tritondelegate demo | generate``: export, lower, save, load and run a Llama-style decoder.
+
+``demo`` runs one forward call; ``generate`` runs greedy generation with a KV cache: prefill and decode
+as two methods of one program sharing the cache, every token checked against eager PyTorch.
+"""
 
 from __future__ import annotations
 
@@ -95,6 +99,129 @@ def _print_readable(result: dict) -> None:
     print(result["summary"])
 
 
+# The generate command's model: the demo decoder's config, a 16-token prompt, 64 positions of cache.
+GENERATE_MODEL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=176, max_seq_len=64)
+GENERATE_PROMPT_LEN = 16
+
+
+def _generate(args) -> dict:
+    import torch
+
+    import tritondelegate as td
+    from tritondelegate.generate import Generator
+    from tritondelegate.models import export_prefill_decode, generate_eager, kv_cache_decoder
+
+    cfg, prompt_len = GENERATE_MODEL, GENERATE_PROMPT_LEN
+    if not 1 <= args.tokens <= cfg["max_seq_len"] - prompt_len + 1:
+        raise SystemExit(f"--tokens must be in 1..{cfg['max_seq_len'] - prompt_len + 1} "
+                         f"(a {prompt_len}-token prompt in a {cfg['max_seq_len']}-position cache)")
+    timings = {}
+    start = time.perf_counter()
+    model = kv_cache_decoder(seed=args.seed, **cfg)
+    prompt = torch.randint(0, cfg["vocab_size"], (1, prompt_len))
+    programs = export_prefill_decode(model, prompt_len)
+    timings["export_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(
+        skip_h2d_for_constants=True, state_on_device=not args.state_on_host))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", td.PerCallCopyWarning)  # the per-step bytes below show the copies
+        lowered = td.lower(programs, partitioner=td.TritonPartitioner(device="cuda:0"), config=config)
+    timings["lower_s"] = time.perf_counter() - start
+    # The lowered program keeps the cache values it was lowered with; eager generation may now write them.
+    expected_tokens, expected_logits = generate_eager(model, prompt, args.tokens)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "decoder.tdp")
+        lowered.save(path)
+        start = time.perf_counter()
+        program = td.load(path, devices=args.device)
+        generator = Generator(program, graphs=args.graphs)
+        timings["load_s"] = time.perf_counter() - start
+        with torch.no_grad():
+            result = generator.generate(prompt, args.tokens, keep_logits=True)
+
+    tokens, expected = result.tokens[0].tolist(), expected_tokens[0].tolist()
+    mismatch = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+    run = result.as_dict()
+    return {
+        "device": program.device,
+        "model": "Llama-style decoder with a static KV cache",
+        "config": cfg,
+        "prompt_len": prompt_len,
+        "new_tokens": args.tokens,
+        "state_on_device": not args.state_on_host,
+        "graphs": args.graphs,
+        "tokens": tokens,
+        "eager_tokens": expected,
+        "tokens_match": mismatch is None,
+        "first_mismatch": mismatch,
+        "max_abs_logit_error": max((a.float() - b.float()).abs().max().item()
+                                   for a, b in zip(result.logits, expected_logits)),
+        **{k: run[k] for k in ("prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s")},
+        "decode_steps": run["steps"],
+        # What a decode step should move: the token ids and their position in, the logits out.
+        "expected_step_h2d_bytes": prompt.shape[0] * 8 + 8,
+        "expected_step_d2h_bytes": prompt.shape[0] * cfg["vocab_size"] * 4,
+        "cache_bytes": sum(b.numel() * b.element_size() for b in model.cache_buffers().values()),
+        "memory": run["memory"],
+        "methods": {name: _method_summary(lowered, name, method)
+                    for name, method in (("prefill", generator.prefill), ("decode", generator.decode))},
+        "timings": timings,
+    }
+
+
+def _method_summary(lowered, name: str, method) -> dict:
+    from tritondelegate.summary import method_facts
+
+    facts = method_facts(lowered, name)
+    return {"nodes_total": facts["nodes_total"], "nodes_delegated": facts["nodes_delegated"],
+            "host_nodes": facts["host_nodes"], "delegates": len(facts["delegates"]),
+            "launches_per_call": method.stats.launches_per_call, "load_h2d_bytes": method.stats.load_h2d_bytes}
+
+
+def _print_generation(result: dict) -> None:
+    c = result["config"]
+    where = "on the device" if result["state_on_device"] else "on the host, copied every call"
+    print(f"tritondelegate generate: {result['model']} ({c['n_layers']} layers, dim {c['dim']}, "
+          f"vocab {c['vocab_size']}, {c['max_seq_len']} positions) on the {result['device']} device")
+    print(f"  one program, methods prefill and decode; KV cache ({result['cache_bytes']} bytes) {where}"
+          + (", decode replayed as CUDA graphs" if result["graphs"] else ""))
+    for name, m in result["methods"].items():
+        print(f"  {name}: delegated {m['nodes_delegated']} of {m['nodes_total']} compute nodes into "
+              f"{m['delegates']} delegates, {m['launches_per_call']} kernel launches per call")
+        for h in m["host_nodes"]:
+            print(f"    on the host: {h['node']} [{h['op']}]: {h['reason']}")
+    n = result["new_tokens"]
+    if result["tokens_match"]:
+        print(f"  all {n} tokens match eager PyTorch; max abs logit error {result['max_abs_logit_error']:.3g}")
+    else:
+        print(f"  MISMATCH at token {result['first_mismatch']} of {n}: got {result['tokens']}, "
+              f"eager {result['eager_tokens']}; max abs logit error {result['max_abs_logit_error']:.3g}")
+    print(f"  prefill: {result['prompt_len']} tokens in {result['prefill_s']:.3f} s "
+          f"({result['prefill_tokens_per_s']:.1f} tokens/s)")
+    if result["decode_steps"]:
+        steps = result["decode_steps"]
+        print(f"  decode: {len(steps)} steps in {result['decode_s']:.3f} s "
+              f"({result['decode_tokens_per_s']:.2f} tokens/s)")
+        h2d = sorted({s["h2d_bytes"] for s in steps})
+        d2h = sorted({s["d2h_bytes"] for s in steps})
+        if result["state_on_device"]:
+            expected = "the token id and position in, the logits out, nothing else"
+        else:
+            expected = f"the {result['cache_bytes']}-byte cache both ways, besides the ids, position and logits"
+        print(f"  per decode step: {'/'.join(map(str, h2d))} bytes host->device, {'/'.join(map(str, d2h))} bytes "
+              f"device->host ({expected}); {steps[-1]['launches']} kernels"
+              + (f", replayed as {steps[-1]['graph_replays']} graph(s)" if steps[-1]["graph_replays"] else ""))
+    if result["device"] == "simulated":
+        print("  (simulated device: kernels run under the Triton interpreter; the speeds are not a GPU's)")
+    for device, m in result["memory"].items():
+        print(f"  memory {device}: " + ", ".join(f"{k} {v} bytes" for k, v in m.items()))
+    t = result["timings"]
+    print(f"  export {t['export_s']:.2f}s, lower {t['lower_s']:.2f}s, load {t['load_s']:.2f}s")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tritondelegate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,11 +232,28 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--per-call-copy", action="store_true",
                       help="copy constants every call instead of keeping them resident")
     demo.add_argument("--seed", type=int, default=0)
+    gen = sub.add_parser("generate", help="greedy generation with a KV cache (prefill + decode), checked "
+                                          "token by token against eager")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--tokens", type=int, default=8, help="tokens to generate (default 8)")
+    gen.add_argument("--device", default="auto", choices=["auto", "cuda", "simulated"])
+    gen.add_argument("--graphs", action="store_true", help="load decode with CUDA graphs")
+    gen.add_argument("--state-on-host", action="store_true",
+                     help="keep the KV cache on the host (state_on_device=False): copied in and out every call")
+    gen.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     # Keep the demo's output readable: torch's pytree deprecation notices, and numpy's notes on the
     # masked-off lanes the Triton interpreter also evaluates, say nothing about the result.
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.")
+    if args.command == "generate":
+        result = _generate(args)
+        if args.json:
+            json.dump(result, sys.stdout, indent=2)
+            print()
+        else:
+            _print_generation(result)
+        return 0 if result["tokens_match"] else 1
     result = _demo(args)
     if args.json:
         result = {k: v for k, v in result.items() if k != "summary"}

@@ -46,7 +46,9 @@ class ConstantTable:
     data: list[torch.Tensor] = field(default_factory=list)
     _by_name: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, name: str, tensor: torch.Tensor) -> int:
+    def add(self, name: str, tensor: torch.Tensor, snapshot: bool = False) -> int:
+        """The index of ``tensor``'s entry. ``snapshot``: store a copy, not the caller's tensor (state
+        buffers: the model keeps writing its own, the program keeps the value it was lowered with)."""
         tensor = tensor.detach()
         for index in self._by_name.get(name, []):
             other = self.data[index]
@@ -57,6 +59,8 @@ class ConstantTable:
         stored_name = name if name not in self._by_name else f"{name}#{len(self._by_name[name])}"
         self._by_name.setdefault(name, []).append(len(self.constants))
         contiguous = tensor.contiguous().cpu()
+        if snapshot and contiguous.data_ptr() == tensor.data_ptr():
+            contiguous = contiguous.clone()
         self.constants.append(
             Constant(stored_name, dtype_name(tensor.dtype), tuple(tensor.shape),
                      contiguous.numel() * contiguous.element_size())
@@ -181,7 +185,7 @@ def emit_method(name: str, ep: torch.export.ExportedProgram, result: PartitionRe
                 user_inputs.append(vid)
             elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
                 tensor = state[spec.target]
-                index = constants.add(spec.target, tensor)
+                index = constants.add(spec.target, tensor, snapshot=spec.target in state_buffers)
                 role = Role.MUTABLE_BUFFER if spec.target in state_buffers else Role.CONSTANT
                 vid = new_value(_tensor_value(spec.target, tensor, role, constant=index))
                 if role == Role.MUTABLE_BUFFER:

@@ -89,10 +89,10 @@ class FeedForward(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, attention=Attention):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.eps)
-        self.attn = Attention(cfg)
+        self.attn = attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.eps)
         self.ffn = FeedForward(cfg)
 
@@ -104,11 +104,11 @@ class DecoderLayer(nn.Module):
 class LlamaStyleDecoder(nn.Module):
     """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
 
-    def __init__(self, cfg: DecoderConfig | None = None):
+    def __init__(self, cfg: DecoderConfig | None = None, layer=DecoderLayer):
         super().__init__()
         self.cfg = cfg = cfg or DecoderConfig()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         head_dim = cfg.dim // cfg.n_heads
@@ -148,3 +148,159 @@ def demo_decoder(seed: int = 0, **overrides) -> tuple[LlamaStyleDecoder, tuple[t
     model = LlamaStyleDecoder(DecoderConfig(**overrides)).eval()
     input_ids = torch.randint(0, model.cfg.vocab_size, (1, 16))
     return model, (input_ids,)
+
+
+# --- KV-cache decoder: prefill and decode as two exports of one module --------------------------------
+class KVCacheAttention(Attention):
+    """:class:`Attention` over a static KV cache ``[max_batch, n_kv_heads, max_seq_len, head_dim]``.
+
+    The new keys and values are written into the cache at ``input_pos`` (``index_copy_`` along the
+    sequence dim), then the queries attend over the whole cache with ``mask`` (True where
+    ``key_pos <= query_pos``), so entries past the current position, stale or zero, never count.
+    """
+
+    def __init__(self, cfg: DecoderConfig, max_batch: int):
+        super().__init__(cfg)
+        del self.causal_mask  # masks come from the positions
+        shape = (max_batch, cfg.n_kv_heads, cfg.max_seq_len, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+
+    def forward(self, x, cos, sin, input_pos, mask):
+        b, seq, _ = x.shape
+        q = self.q_proj(x).view(b, seq, self.cfg.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, seq, self.cfg.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, seq, self.cfg.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        self.k_cache.index_copy_(2, input_pos, k)
+        self.v_cache.index_copy_(2, input_pos, v)
+        k, v = self.k_cache, self.v_cache
+        n_kv, length = self.cfg.n_kv_heads, self.cfg.max_seq_len
+        groups = self.cfg.n_heads // n_kv
+        # The existing decoder's repeat_kv pattern: lower() folds it into sdpa(enable_gqa=True).
+        k = k[:, :, None].expand(b, n_kv, groups, length, self.head_dim).reshape(b, -1, length, self.head_dim)
+        v = v[:, :, None].expand(b, n_kv, groups, length, self.head_dim).reshape(b, -1, length, self.head_dim)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, seq, -1))
+
+
+class KVCacheDecoderLayer(DecoderLayer):
+    def __init__(self, cfg: DecoderConfig, max_batch: int):
+        super().__init__(cfg, attention=lambda c: KVCacheAttention(c, max_batch))
+
+    def forward(self, x, cos, sin, input_pos, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, input_pos, mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class KVCacheDecoder(LlamaStyleDecoder):
+    """The Llama-style decoder with a static KV cache per layer (buffers, the program's state).
+
+    ``forward(input_ids [B, T] int64, input_pos [T] int64) -> logits [B, T, vocab]``: the tokens sit at
+    positions ``input_pos`` of the sequence. Prefill (T = prompt length, positions 0..T-1) and decode
+    (T = 1, the next position) are the same module exported with two example shapes. B must equal
+    ``max_batch`` (the cache is written whole along the batch dim). The weights, their names and their
+    initialization are :class:`LlamaStyleDecoder`'s: built with the same seed, a prefill from position
+    0 gives that model's logits.
+    """
+
+    def __init__(self, cfg: DecoderConfig | None = None, max_batch: int = 1):
+        super().__init__(cfg, layer=lambda c: KVCacheDecoderLayer(c, max_batch))
+        self.max_batch = max_batch
+        self.register_buffer("key_positions", torch.arange(self.cfg.max_seq_len), persistent=False)
+
+    def forward(self, input_ids, input_pos):
+        freqs = input_pos.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        x = self.embed(input_ids)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        mask = self.key_positions[None, :] <= input_pos[:, None]  # [T, max_seq_len], True = attend
+        for layer in self.layers:
+            x = layer(x, cos, sin, input_pos, mask)
+        return self.lm_head(self.norm(x))
+
+    def cache_buffers(self) -> dict[str, torch.Tensor]:
+        """The KV cache buffers by fully-qualified name (the program's state)."""
+        return {name: b for name, b in self.named_buffers() if name.endswith(("k_cache", "v_cache"))}
+
+    def reset_cache(self) -> None:
+        for buffer in self.cache_buffers().values():
+            buffer.zero_()
+
+
+def kv_cache_decoder(seed: int = 0, max_batch: int = 1, **overrides) -> KVCacheDecoder:
+    """A :class:`KVCacheDecoder` with random weights, deterministic for a given seed."""
+    torch.manual_seed(seed)
+    return KVCacheDecoder(DecoderConfig(**overrides), max_batch=max_batch).eval()
+
+
+def export_prefill_decode(model: KVCacheDecoder, prompt_len: int) -> dict[str, torch.export.ExportedProgram]:
+    """``{"prefill": ep, "decode": ep}``: ``model`` exported for ``prompt_len`` tokens at positions
+    0..prompt_len-1 and for one token at position prompt_len. Both programs name the cache buffers
+    with the same fully-qualified names, so ``td.lower`` of the dict makes them one shared state.
+    Zeroes the module's cache first."""
+    if not 0 < prompt_len < model.cfg.max_seq_len:
+        raise ValueError(f"prompt_len must be in 1..{model.cfg.max_seq_len - 1} (max_seq_len - 1), got {prompt_len}")
+    batch = model.max_batch
+    prefill_args = (torch.zeros(batch, prompt_len, dtype=torch.long), torch.arange(prompt_len))
+    decode_args = (torch.zeros(batch, 1, dtype=torch.long), torch.tensor([prompt_len]))
+    # The programs hold the module's own cache tensors (not copies); td.lower snapshots their values
+    # as the state's initial value. Start from an empty cache.
+    model.reset_cache()
+    return {"prefill": torch.export.export(model, prefill_args), "decode": torch.export.export(model, decode_args)}
+
+
+@torch.no_grad()
+def generate_eager(model: KVCacheDecoder, prompt: torch.Tensor, new_tokens: int,
+                   reset: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Greedy generation in eager PyTorch: the reference for a lowered program.
+
+    ``prompt`` [B, T] int64. Runs one prefill (positions 0..T-1), then ``new_tokens - 1`` decode steps.
+    Returns (the new tokens [B, new_tokens], the logits of each call: prefill [B, T, V], then one
+    [B, 1, V] per decode step). ``reset=False`` keeps the cache from earlier calls, as a loaded
+    program does until ``reset_state()``.
+    """
+    if reset:
+        model.reset_cache()
+    length = prompt.shape[1]
+    if length + new_tokens - 1 > model.cfg.max_seq_len:
+        raise ValueError(f"{length} prompt + {new_tokens} new tokens exceed max_seq_len {model.cfg.max_seq_len}")
+    logits = [model(prompt, torch.arange(length))]
+    tokens = [logits[-1][:, -1].argmax(-1)]
+    for step in range(new_tokens - 1):
+        logits.append(model(tokens[-1][:, None], torch.tensor([length + step])))
+        tokens.append(logits[-1][:, -1].argmax(-1))
+    return torch.stack(tokens, dim=1), logits
+
+
+def hf_llama_static_cache(model: KVCacheDecoder, device: str | torch.device = "cpu"):
+    """transformers' ``LlamaForCausalLM`` with ``model``'s config and weights, wrapped in its export
+    recipe for on-device runtimes (``TorchExportableModuleWithStaticCache``, a static KV cache of
+    ``max_seq_len``) on ``device``: the reference front end. Call it eagerly as
+    ``wrapper(input_ids=ids, cache_position=positions)`` -> logits; it gives ``model``'s logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    c = model.cfg
+    config = LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.hidden_dim, num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, max_position_embeddings=c.max_seq_len,
+        rope_theta=c.rope_theta, rms_norm_eps=c.eps, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight"}
+    for i in range(c.n_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        names |= {ours + "attn_norm.weight": theirs + "input_layernorm.weight",
+                  ours + "ffn_norm.weight": theirs + "post_attention_layernorm.weight",
+                  ours + "ffn.gate.weight": theirs + "mlp.gate_proj.weight",
+                  ours + "ffn.up.weight": theirs + "mlp.up_proj.weight",
+                  ours + "ffn.down.weight": theirs + "mlp.down_proj.weight"}
+        names |= {ours + f"attn.{p}_proj.weight": theirs + f"self_attn.{p}_proj.weight" for p in "qkvo"}
+    hf = LlamaForCausalLM(config).eval()
+    hf.load_state_dict({names[k]: v for k, v in model.state_dict().items()}, strict=True)
+    hf.to(device)  # before wrapping: the wrapper allocates its cache on the model's device
+    hf.generation_config.use_cache = True
+    hf.generation_config.cache_implementation = "static"
+    return TorchExportableModuleWithStaticCache(hf, batch_size=model.max_batch, max_cache_len=c.max_seq_len)

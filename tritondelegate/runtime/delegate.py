@@ -68,8 +68,13 @@ def _skip(*args, **kwargs) -> None:
 
 
 class DelegateRunner:
-    def __init__(self, plan: DelegatePlan, scratch: torch.Tensor | None, simulated: bool, null: bool = False):
+    def __init__(self, plan: DelegatePlan, scratch: torch.Tensor | None, simulated: bool, null: bool = False,
+                 direct: bool = False):
+        """``direct``: after the first call (JIT, compiling), launch the compiled kernels directly
+        (``direct.py``); for a real CUDA device."""
         self.plan = plan
+        self._direct_wanted = direct
+        self._direct: list | None = None
         # Interpreted launches need Triton's library helpers interpreted too (see interpreter_library).
         self.scope = interpreter_library if simulated else contextlib.nullcontext
         if plan.scratch_bytes and (scratch is None or scratch.numel() < plan.scratch_bytes):
@@ -141,9 +146,27 @@ class DelegateRunner:
     def __call__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
         self._bind(Base.INPUT, inputs)
         self._bind(Base.OUTPUT, outputs)
+        if self._direct:
+            stream = torch.cuda.current_stream().cuda_stream
+            for launch in self._direct:
+                launch(stream)
+            return
         with self.scope():
-            for launch, args, constexprs in self._records:
-                launch(*args, **constexprs)
+            compiled = [launch(*args, **constexprs) for launch, args, constexprs in self._records]
+        if self._direct_wanted and self._direct is None:
+            self._direct = self._prebind(compiled)
+
+    def _prebind(self, compiled: list) -> list:
+        """Direct launches of the kernels the first call compiled; [] (stay on the JIT) if any cannot be."""
+        from .direct import direct_launch
+
+        direct = []
+        for kernel, launch, (_, args, constexprs), c in zip(self._kernels, self.plan.launches, self._records, compiled):
+            record = direct_launch(kernel, c, launch.grid, args, constexprs)
+            if record is None:
+                return []
+            direct.append(record)
+        return direct
 
     def bound_launches(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list:
         """The launch records with every tensor argument resolved now: what a captured graph replays."""

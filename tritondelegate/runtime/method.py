@@ -113,9 +113,10 @@ class LoadedMethod:
     Calls on methods of one loaded program are serialized (they share its state)."""
 
     def __init__(self, method: Method, memory: ProgramMemory, stream=None,
-                 reuse_output_memory: bool = False, graphs: bool = False):
+                 reuse_output_memory: bool = False, graphs: bool = False, direct_launches: bool = True):
         self.name = method.name
         self.graphs = graphs
+        self.direct_launches = direct_launches
         self.method = method
         self.stats = MethodStats()
         self.reuse_output_memory = reuse_output_memory
@@ -184,7 +185,8 @@ class LoadedMethod:
             # Fixed addresses for everything it touches: its launches can be captured once.
             step.capturable = self.graphs and all(
                 method.values[v].arena >= 0 or method.values[v].slot >= 0 for v in instr.inputs + instr.outputs)
-        step.runner = DelegateRunner(delegate.plan, scratch, simulated=allocator.simulated, null=allocator.null)
+        step.runner = DelegateRunner(delegate.plan, scratch, simulated=allocator.simulated, null=allocator.null,
+                                     direct=not allocator.host_memory and self.direct_launches)
         return step
 
     def _device_tensor(self, value, device: str | None = None) -> torch.Tensor:

@@ -1,0 +1,203 @@
+"""LLM generation with a KV cache: prefill and decode as two methods of one program sharing its state.
+
+A tiny KVCacheDecoder (dim 32, 2 layers, 32 positions) keeps this file well under two minutes on the
+simulated device. Every generated token is compared with eager PyTorch's greedy generation.
+"""
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import tritondelegate as td
+from tritondelegate.decompose import decompose
+from tritondelegate.generate import Generator
+from tritondelegate.models import (
+    LlamaStyleDecoder,
+    export_prefill_decode,
+    generate_eager,
+    hf_llama_static_cache,
+    kv_cache_decoder,
+)
+from tritondelegate.passes.fold_repeat_kv import fold_repeat_kv
+
+TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=32)
+PROMPT_LEN = 8
+CACHE_BYTES = 2 * TINY["n_layers"] * TINY["n_kv_heads"] * TINY["max_seq_len"] * (TINY["dim"] // TINY["n_heads"]) * 4
+
+
+def tiny_model():
+    return kv_cache_decoder(seed=0, **TINY)
+
+
+def prompt(seed: int) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (1, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
+
+
+def lower_tiny(state_on_device: bool):
+    config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(
+        skip_h2d_for_constants=True, state_on_device=state_on_device))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", td.PerCallCopyWarning)  # state_on_device=False copies the cache
+        return td.lower(export_prefill_decode(tiny_model(), PROMPT_LEN),
+                        partitioner=td.TritonPartitioner(device="cuda:0"), config=config)
+
+
+@pytest.fixture(scope="module")
+def program_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("generate") / "decoder.tdp"
+    lower_tiny(state_on_device=True).save(path)
+    return path
+
+
+def assert_logits_close(got, expected):
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+# --- the model, in eager and as exported programs (no device) ------------------------------------
+def test_prefill_matches_the_decoder_without_cache_and_eager_generation_matches_recompute():
+    model = tiny_model()
+    torch.manual_seed(0)
+    plain = LlamaStyleDecoder(model.cfg).eval()  # the same weights (same seed), no cache
+    ids = prompt(1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, torch.arange(PROMPT_LEN)), plain(ids), rtol=1e-5, atol=1e-5)
+        tokens, logits = generate_eager(model, ids, 6)
+        seq = ids
+        for _ in range(6):  # greedy without a cache: the whole sequence every step
+            seq = torch.cat([seq, plain(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert tokens.tolist() == seq[:, PROMPT_LEN:].tolist()
+    assert [tuple(x.shape) for x in logits] == [(1, PROMPT_LEN, 64)] + [(1, 1, 64)] * 5
+
+
+def test_exports_share_cache_names_and_every_compute_node_is_claimed():
+    model = tiny_model()
+    programs = export_prefill_decode(model, PROMPT_LEN)
+    caches = sorted(model.cache_buffers())
+    assert len(caches) == 2 * TINY["n_layers"]
+    partitioner = td.TritonPartitioner()
+    for name, ep in programs.items():
+        ep = decompose(ep, keep=partitioner.ops_to_not_decompose(ep))
+        assert sorted(ep.graph_signature.buffers_to_mutate.values()) == caches, name
+        fold_repeat_kv(ep.graph_module)
+        result = partitioner.partition(ep)
+        assert result.refused == {}, f"{name}: nodes left on the host: {result.refused}"
+
+
+def test_transformers_static_cache_reference_gives_the_same_logits():
+    model = tiny_model()
+    wrapper = hf_llama_static_cache(model)
+    ids = prompt(1)
+    _, expected = generate_eager(model, ids, 3)
+    tokens = [expected[0][:, -1].argmax(-1, keepdim=True)]
+    with torch.no_grad():
+        got = [wrapper(input_ids=ids, cache_position=torch.arange(PROMPT_LEN))]
+        for i in range(2):
+            got.append(wrapper(input_ids=tokens[-1], cache_position=torch.tensor([PROMPT_LEN + i])))
+            tokens.append(got[-1][:, -1].argmax(-1, keepdim=True))
+    assert_logits_close(got, expected)
+
+
+def test_prompt_length_is_checked():
+    with pytest.raises(ValueError, match="prompt_len"):
+        export_prefill_decode(tiny_model(), TINY["max_seq_len"])
+
+
+# --- the CLI ---------------------------------------------------------------------------------------
+def test_generate_cli_json():
+    proc = subprocess.run([sys.executable, "-m", "tritondelegate", "generate", "--json", "--tokens", "4"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["device"] in ("cuda", "simulated")
+    assert r["tokens"] == r["eager_tokens"] and len(r["tokens"]) == 4 and r["tokens_match"]
+    assert r["max_abs_logit_error"] < 1e-3
+    assert len(r["decode_steps"]) == 3
+    for step in r["decode_steps"]:  # the token id and its position in, the logits out: nothing else
+        assert step["h2d_bytes"] == 1 * 8 + 8 == r["expected_step_h2d_bytes"]
+        assert step["d2h_bytes"] == r["config"]["vocab_size"] * 4 == r["expected_step_d2h_bytes"]
+        assert step["launches"] > 0
+    for name, m in r["methods"].items():
+        assert m["nodes_delegated"] == m["nodes_total"], (name, m["host_nodes"])
+    (memory,) = r["memory"].values()
+    assert memory["state"] == r["cache_bytes"]
+    assert memory["total"] == memory["constants"] + memory["state"] + memory["arenas"]
+    assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+
+
+# --- a loaded program: state shared by prefill and decode, kept per load ---------------------------
+def test_generation_matches_eager_with_the_cache_on_the_device(program_file):
+    program = td.load(program_file)
+    result = Generator(program).generate(prompt(1), 4, keep_logits=True)
+    tokens, logits = generate_eager(tiny_model(), prompt(1), 4)
+    assert result.tokens.tolist() == tokens.tolist()
+    assert_logits_close(result.logits, logits)
+    for step in result.steps:
+        assert (step.h2d_bytes, step.d2h_bytes) == (8 + 8, TINY["vocab_size"] * 4)
+    (memory,) = result.memory.values()
+    assert memory["state"] == CACHE_BYTES
+    # Each weight once for both methods (plus at most the alignment of each slot).
+    weights = sum(p.numel() * p.element_size() for p in tiny_model().parameters())
+    assert weights <= memory["constants"] < 2 * weights
+
+
+def test_reset_state_restores_the_initial_cache(program_file):
+    program = td.load(program_file)
+    generator = Generator(program)
+    first = generator.generate(prompt(1), 3, keep_logits=True)
+    token, position = first.tokens[:, :1], torch.tensor([PROMPT_LEN])
+    stale = generator.decode(token, position)  # attends over prompt 1's keys and values
+    program.reset_state()
+    empty = generator.decode(token, position)  # attends over zeros and its own entry only
+    with torch.no_grad():
+        expected = tiny_model()(token, position)  # a fresh model: an all-zero cache
+    torch.testing.assert_close(empty, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(empty, stale, rtol=1e-3, atol=1e-3)
+    program.reset_state()
+    again = generator.generate(prompt(1), 3, keep_logits=True)  # the same prompt, the same logits
+    assert again.tokens.tolist() == first.tokens.tolist()
+    for a, b in zip(again.logits, first.logits):
+        assert torch.equal(a, b)
+
+
+def test_a_second_prompt_after_the_first_gives_eagers_tokens(program_file):
+    generator = Generator(td.load(program_file))
+    model = tiny_model()
+    for ids in (prompt(1), prompt(2)):  # no reset between them, in both
+        result = generator.generate(ids, 4, keep_logits=True)
+        tokens, logits = generate_eager(model, ids, 4, reset=False)
+        assert result.tokens.tolist() == tokens.tolist()
+        assert_logits_close(result.logits, logits)
+
+
+def test_two_loads_of_one_file_keep_separate_caches(program_file):
+    a, b = Generator(td.load(program_file)), Generator(td.load(program_file))
+    first = a.prefill(prompt(1), torch.arange(PROMPT_LEN))[:, -1].argmax(-1, keepdim=True)
+    b.generate(prompt(2), 3)  # writes b's cache at the same positions
+    tokens, _ = a.decode_from(first, PROMPT_LEN, 3)  # a's cache still holds prompt 1
+    expected, _ = generate_eager(tiny_model(), prompt(1), 4)
+    assert tokens.tolist() == expected.tolist()
+
+
+def test_state_on_the_host_gives_the_same_tokens_but_copies_the_cache_every_step(tmp_path):
+    path = tmp_path / "host_state.tdp"
+    lower_tiny(state_on_device=False).save(path)
+    result = Generator(td.load(path)).generate(prompt(1), 3)
+    expected, _ = generate_eager(tiny_model(), prompt(1), 3)
+    assert result.tokens.tolist() == expected.tolist()
+    for step in result.steps:
+        assert step.h2d_bytes > CACHE_BYTES
+        assert step.d2h_bytes > CACHE_BYTES
+
+
+def test_graphs_give_the_same_tokens(program_file):
+    result = Generator(td.load(program_file), graphs=True).generate(prompt(1), 5)
+    expected, _ = generate_eager(tiny_model(), prompt(1), 5)
+    assert result.tokens.tolist() == expected.tolist()
+    assert result.steps[-1].graph_replays > 0  # recorded on the second call, replayed from the third
+    assert (result.steps[-1].h2d_bytes, result.steps[-1].d2h_bytes) == (8 + 8, TINY["vocab_size"] * 4)

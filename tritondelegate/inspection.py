@@ -1,0 +1,104 @@
+"""``tritondelegate inspect PROGRAM``: what a program file holds, read without lowering anything.
+
+Methods with their inputs, outputs, delegates and launches; constants (resident where, or read on the
+host); program state; per-device segments and method arenas. It reads the file through the same
+validating reader as ``td.load`` and imports nothing of the lowering side.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .program import InstrKind, Program, Role
+
+
+def describe(program: Program) -> dict:
+    """The program as plain data (what ``inspect --json`` prints)."""
+    return {
+        "format_version": program.version,
+        "methods": [_method(program, m) for m in program.methods],
+        "constants": _constants(program),
+        "state": [
+            {"name": s.name, "device": s.device, "bytes": program.constants[s.constant].nbytes}
+            for s in program.slots if s.state
+        ],
+        "segments": [
+            {"device": seg.device, "kind": seg.kind.name.lower(), "bytes": seg.nbytes, "alignment": seg.alignment,
+             "slots": sum(1 for s in program.slots if s.segment == i)}
+            for i, seg in enumerate(program.segments)
+        ],
+        "external_files": list(program.external_files),
+    }
+
+
+def _tensor(value) -> dict:
+    return {"name": value.name, "dtype": value.dtype, "shape": list(value.shape), "device": value.device}
+
+
+def _method(program: Program, m) -> dict:
+    kinds = Counter(i.kind for i in m.instructions)
+    delegates = []
+    for instr in m.instructions:
+        if instr.kind == InstrKind.DELEGATE:
+            d = m.delegates[instr.delegate]
+            delegates.append({"name": instr.name, "device": d.device, "launches": len(d.plan.launches),
+                              "kernels": dict(Counter(launch.kernel for launch in d.plan.launches)),
+                              "scratch_bytes": d.plan.scratch_bytes})
+    return {
+        "name": m.name,
+        "inputs": [_tensor(m.values[v]) for v in m.inputs],
+        "outputs": [_tensor(m.values[v]) for v in m.outputs],
+        "delegates": delegates,
+        "launches_per_call": sum(d["launches"] for d in delegates),
+        "host_ops": kinds[InstrKind.HOST_OP],
+        "copies_per_call": {"h2d": kinds[InstrKind.COPY_H2D], "d2h": kinds[InstrKind.COPY_D2H]},
+        "state_written_back": [m.values[b].name for b, _ in m.mutated_buffers],
+        "arenas": [{"device": a.device, "bytes": a.nbytes, "lower_bound_bytes": a.lower_bound} for a in m.arenas],
+    }
+
+
+def _constants(program: Program) -> list[dict]:
+    resident: dict[int, set[str]] = {}
+    state = set()
+    for slot in program.slots:
+        if slot.state:
+            state.add(slot.constant)
+        else:
+            resident.setdefault(slot.constant, set()).add(slot.device)
+    readers: dict[int, set[str]] = {}
+    for m in program.methods:
+        for v in m.values:
+            if v.role == Role.CONSTANT and v.constant >= 0:
+                readers.setdefault(v.constant, set()).add(m.name)
+    return [
+        {"name": c.name, "dtype": c.dtype, "shape": list(c.shape), "bytes": c.nbytes,
+         "resident_on": sorted(resident.get(i, ())), "methods": sorted(readers.get(i, ())),
+         "stored": program.external_files[c.external] if c.external >= 0 else "program file"}
+        for i, c in enumerate(program.constants) if i not in state
+    ]
+
+
+def format_description(facts: dict) -> str:
+    lines = [f"program format {facts['format_version']}"]
+    for m in facts["methods"]:
+        sig = lambda ts: ", ".join(f"{t['name']}: {t['dtype']}{t['shape']}@{t['device']}" for t in ts)  # noqa: E731
+        lines.append(f"method {m['name']!r}: ({sig(m['inputs'])}) -> ({sig(m['outputs'])})")
+        lines.append(f"  {len(m['delegates'])} delegates, {m['launches_per_call']} launches per call, "
+                     f"{m['host_ops']} host ops, copies per call: {m['copies_per_call']['h2d']} h2d, "
+                     f"{m['copies_per_call']['d2h']} d2h")
+        for d in m["delegates"]:
+            kernels = ", ".join(f"{k} x{n}" for k, n in d["kernels"].items())
+            lines.append(f"    {d['name']} on {d['device']}: {d['launches']} launches ({kernels})")
+        if m["state_written_back"]:
+            lines.append(f"  state written back after each call: {', '.join(m['state_written_back'])}")
+        for a in m["arenas"]:
+            lines.append(f"  arena {a['device']}: {a['bytes']} bytes (lower bound {a['lower_bound_bytes']})")
+    total = sum(c["bytes"] for c in facts["constants"])
+    on_device = sum(c["bytes"] for c in facts["constants"] if c["resident_on"])
+    lines.append(f"constants: {len(facts['constants'])}, {total} bytes; resident on a device: {on_device} bytes")
+    for s in facts["state"]:
+        lines.append(f"state {s['name']}: {s['bytes']} bytes on {s['device']}")
+    for seg in facts["segments"]:
+        lines.append(f"segment {seg['device']} {seg['kind']}: {seg['bytes']} bytes, {seg['slots']} slots")
+    return "\n".join(lines)
+

@@ -1,0 +1,63 @@
+"""Launching compiled Triton kernels without the JIT's dispatch.
+
+``kernel[grid](*args, **constexprs)`` binds every argument, builds a cache key and looks it up on each
+launch. The first call of a delegate goes that way (it compiles each kernel variant once and returns
+the compiled kernel); from then on each launch is a prebound record that calls the compiled kernel's
+launcher directly: grid, function handle and metadata resolved once, arguments in the order the JIT
+passes them (every kernel parameter, constexprs included), the caller's stream read once per call.
+
+Launch hooks (``triton.knobs.runtime.launch_enter_hook``) are not called on this path; with a hook set,
+or with a Triton whose compiled kernels lack the launcher this expects, launches stay on the JIT.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+from .delegate import LAUNCH_OPTIONS
+
+
+class DirectLaunch:
+    """One prebound launch of a compiled kernel: ``launch(stream)``."""
+
+    __slots__ = ("run", "grid", "function", "metadata", "args", "tail")
+
+    def __init__(self, compiled, grid, args: list, tail: tuple):
+        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+        self.grid = (tuple(grid) + (1, 1))[:3]
+        self.args, self.tail = args, tail  # ``args`` is the record's list: patched when memory moves
+
+    def __call__(self, stream) -> None:
+        g0, g1, g2 = self.grid
+        self.run(g0, g1, g2, stream, self.function, self.metadata, None, None, None, *self.args, *self.tail)
+
+
+def hooks_set() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:
+        return True
+    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+
+
+def direct_launch(kernel, compiled, grid, args: list, constexprs: dict) -> DirectLaunch | None:
+    """The direct launch of ``compiled`` (what ``kernel[grid](*args, **constexprs)`` returned), or None
+    when it cannot be built (then the JIT keeps launching)."""
+    if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")) or hooks_set():
+        return None
+    params = {k: v for k, v in constexprs.items() if k not in LAUNCH_OPTIONS}
+    try:
+        bound = inspect.signature(kernel.fn).bind(*args, **params)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    values = list(bound.arguments.values())
+    if values[: len(args)] != args:  # positional arguments must come first, in order
+        return None
+    return DirectLaunch(compiled, grid, args, tuple(values[len(args):]))
+
+
+def warn_fallback(kernel_name: str, exc: Exception) -> None:
+    warnings.warn(f"launching kernel {kernel_name!r} directly failed ({type(exc).__name__}: {exc}); "
+                  "this delegate's launches stay on Triton's JIT dispatch", RuntimeWarning, stacklevel=3)

@@ -1,7 +1,8 @@
-"""``python -m tritondelegate demo | generate``: export, lower, save, load and run a Llama-style decoder.
+"""``python -m tritondelegate demo | generate | inspect``: export, lower, save, load and run a Llama-style decoder.
 
 ``demo`` runs one forward call; ``generate`` runs greedy generation with a KV cache: prefill and decode
 as two methods of one program sharing the cache, every token checked against eager PyTorch.
+``inspect PROGRAM`` prints what a program file holds, read with the loader's checks.
 """
 
 from __future__ import annotations
@@ -222,6 +223,25 @@ def _print_generation(result: dict) -> None:
     print(f"  export {t['export_s']:.2f}s, lower {t['lower_s']:.2f}s, load {t['load_s']:.2f}s")
 
 
+def _inspect(args) -> int:
+    from tritondelegate.inspection import describe, format_description
+    from tritondelegate.program import ProgramError
+    from tritondelegate.serialize.reader import load_program
+
+    try:
+        with load_program(args.program) as f:
+            facts = describe(f.program)
+    except (ProgramError, OSError) as exc:
+        print(f"tritondelegate inspect: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(facts, sys.stdout, indent=2)
+        print()
+    else:
+        print(format_description(facts))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tritondelegate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -241,7 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--state-on-host", action="store_true",
                      help="keep the KV cache on the host (state_on_device=False): copied in and out every call")
     gen.add_argument("--seed", type=int, default=0)
+    insp = sub.add_parser("inspect", help="what a program file holds: methods, delegates, constants, state, memory")
+    insp.add_argument("program", help="a program file written by LoweredProgram.save")
+    insp.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.command == "inspect":
+        return _inspect(args)
     # Keep the demo's output readable: torch's pytree deprecation notices, and numpy's notes on the
     # masked-off lanes the Triton interpreter also evaluates, say nothing about the result.
     warnings.filterwarnings("ignore", category=FutureWarning)

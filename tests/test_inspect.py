@@ -1,0 +1,33 @@
+"""``tritondelegate inspect``: a program file's methods, delegates, constants, state and memory."""
+
+import json
+
+from test_state import _acc_program
+from tritondelegate import cli
+
+
+def test_inspect_lists_methods_constants_state_and_segments(tmp_path, capsys):
+    lowered, acc, x = _acc_program()
+    path = tmp_path / "acc.tdp"
+    lowered.save(path)
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert [m["name"] for m in facts["methods"]] == ["step", "read"]
+    step = facts["methods"][0]
+    assert step["launches_per_call"] == sum(d["launches"] for d in step["delegates"]) == 3
+    assert step["inputs"][0]["shape"] == [4, 8] and step["state_written_back"] == ["total"]
+    assert facts["constants"] == [{"name": "w", "dtype": "float32", "shape": [8, 8], "bytes": 256,
+                                   "resident_on": ["cuda:0"], "methods": ["read", "step"],
+                                   "stored": "program file"}]
+    assert facts["state"] == [{"name": "total", "device": "cuda:0", "bytes": 128}]
+    assert {(s["kind"], s["bytes"]) for s in facts["segments"]} == {("constants", 256), ("state", 256)}
+    assert cli.main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "state total: 128 bytes on cuda:0" in text and "triton_0 on cuda:0: 3 launches" in text
+
+
+def test_inspect_refuses_a_damaged_file(tmp_path, capsys):
+    path = tmp_path / "bad.tdp"
+    path.write_bytes(b"not a program")
+    assert cli.main(["inspect", str(path)]) == 2
+    assert "shorter than the 64-byte header" in capsys.readouterr().err

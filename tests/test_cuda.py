@@ -96,3 +96,38 @@ def test_cuda_graph_replay_matches_eager_on_a_side_stream(tmp_path):
             torch.cuda.synchronize()
             torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
     assert method.stats.graph_replays_per_call >= 1
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_generation_with_the_kv_cache_on_the_device(tmp_path, graphs):
+    """Prefill + decode share the weights and the cache on the GPU: tokens match eager, each decode
+    step moves only ids and position in and logits out, and the direct launches take over."""
+    from tritondelegate.generate import Generator
+    from tritondelegate.models import export_prefill_decode, generate_eager, kv_cache_decoder
+
+    model = kv_cache_decoder(seed=0, max_seq_len=64)
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 16))
+    lowered = td.lower(export_prefill_decode(model, 16), config=STRICT)
+    lowered.save(tmp_path / "kv.tdp")
+    program = td.load(tmp_path / "kv.tdp", devices="cuda")
+    expected, _ = generate_eager(model, prompt, 12)
+    result = Generator(program, graphs=graphs).generate(prompt, 12)
+    assert result.tokens[0].tolist() == expected[0].tolist()
+    decode = program.load_method("decode")
+    assert decode.stats.load_h2d_bytes == 0
+    last = result.steps[-1]
+    assert last.h2d_bytes == 16 and last.d2h_bytes == model.cfg.vocab_size * 4
+    program.reset_state()
+    assert Generator(program, graphs=graphs).generate(prompt, 12).tokens[0].tolist() == expected[0].tolist()
+
+
+def test_direct_launches_replace_the_jit_after_the_first_call():
+    model, args = demo_decoder()
+    lowered = td.lower(torch.export.export(model, args), config=STRICT)
+    method = lowered.load(devices="cuda").load_method()
+    with torch.no_grad():
+        expected = model(*args)
+        for _ in range(3):
+            torch.testing.assert_close(method(*args), expected, atol=1e-3, rtol=1e-3)
+    runners = [step.runner for kind, step in method._steps if hasattr(step, "runner")]
+    assert runners and all(r._direct for r in runners)  # every launch prebound to its compiled kernel

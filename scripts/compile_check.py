@@ -148,6 +148,38 @@ def _indexing(dtype):
                     torch.randint(0, 300, (40,)), torch.randint(0, 1000, (300, 7)))
 
 
+def _scatter(dtype):
+    """The scatter family on a KV-cache-shaped tensor: 1 to 3 index tensors, accumulating or not (fp16
+    and bf16 accumulate in fp32), tensor and scalar sources."""
+    aten = torch.ops.aten
+    fn = lambda x, p, i, v, w, idx, src: (  # noqa: E731
+        aten.index_put(x, [None, None, p], v), aten.index_put(x, [i, None, p], w, True),
+        aten.index_put(x, [i, i, p], w[:, 0]), x.scatter(2, idx, src), x.scatter(2, idx, 0.5),
+        x.scatter_add(2, idx, src), x.slice_scatter(v, 2, 100, 107), aten.copy(x, v[:, :, :1]))
+    return Fn(fn), (_randn(2, 8, 512, 64, dtype=dtype), torch.randperm(512)[:7], torch.randint(0, 2, (7,)),
+                    _randn(2, 8, 7, 64, dtype=dtype), _randn(7, 8, 64, dtype=dtype),
+                    torch.randint(0, 512, (2, 8, 33, 64)), _randn(2, 8, 33, 64, dtype=dtype))
+
+
+def _int_scatter():
+    fn = lambda x, p, v, idx: (  # noqa: E731
+        torch.ops.aten.index_put(x, [None, p], v, True), x.scatter_add(1, idx, v), x.scatter(1, idx, 7))
+    return Fn(fn), (torch.randint(-9, 9, (300, 77)), torch.randint(0, 77, (5,)), torch.randint(-9, 9, (300, 5)),
+                    torch.randint(0, 77, (300, 5)))
+
+
+class KVCache(nn.Module):
+    """A decode step's cache update, written in place into the state buffer by the reinplacing pass."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, 8, 256, 64, dtype=dtype))
+
+    def forward(self, pos, k):
+        self.k[:, :, pos] = k
+        return self.k[:, :, :1] * 2
+
+
 def _creation(dtype):
     fn = lambda x: (  # noqa: E731
         torch.arange(x.shape[-1]) + 1, torch.arange(0, 5, 0.25, dtype=dtype) * x[0, :20],
@@ -202,6 +234,8 @@ def _per_dtype(d) -> dict[str, callable]:
         "softmax_norm": lambda: _rows(d),
         "softmax_vocab": lambda: _softmax_vocab(d),
         "indexing": lambda: _indexing(d),
+        "scatter": lambda: _scatter(d),
+        "kv_cache_update": lambda: (KVCache(d), (torch.tensor([5]), _randn(1, 8, 1, 64, dtype=d))),
         "creation": lambda: _creation(d),
         "pointwise": lambda: _pointwise(d),
         "matmul": lambda: _matmuls(d),
@@ -216,6 +250,7 @@ def cases() -> dict[str, callable]:
         suffix = str(dtype).removeprefix("torch.")
         out.update({f"{name}/{suffix}": make for name, make in _per_dtype(dtype).items()})
     out["reductions/int64"] = _int_reductions
+    out["scatter/int64"] = _int_scatter
     out["decoder_matmul_attention/float16"] = lambda: _decoder(
         F16, 100, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=128, attention="matmul")
     return out

@@ -7,6 +7,9 @@ lowering without the rest of the pipeline. End-to-end tests use the public API i
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
 
 from tritondelegate.backend import build_plan
@@ -38,6 +41,18 @@ class Fn(torch.nn.Module):
         return self.fn(*args)
 
 
+class Buffered(torch.nn.Module):
+    """A module with one buffer ``buf`` (the tensor given) that ``fn(buf, *args)`` may update in place."""
+
+    def __init__(self, fn, buf: torch.Tensor):
+        super().__init__()
+        self.register_buffer("buf", buf)
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(self.buf, *args)
+
+
 class Logits(torch.nn.Module):
     """A transformers causal LM as input_ids -> logits, without the cache."""
 
@@ -62,16 +77,18 @@ def assert_close(actual: torch.Tensor, reference: torch.Tensor, dtype: torch.dty
     torch.testing.assert_close(actual.float(), reference.float(), atol=atol * scale, rtol=rtol * scale)
 
 
-def export_decomposed(model, args):
-    from tritondelegate.decompose import decompose
+def export_decomposed(model, args, keep=()):
+    """``model`` exported and decomposed; ``keep``: ATen ops kept whole beyond the default ones (an op
+    the default table decomposes, e.g. ``aten.index_copy.default``, to test its own kernel)."""
+    from tritondelegate.decompose import decompose, default_keep
 
     ep = torch.export.export(model, tuple(args))
-    return decompose(ep)
+    return decompose(ep, keep=default_keep() + list(keep)) if keep else decompose(ep)
 
 
-def run_delegated(model, args):
+def run_delegated(model, args, keep=()):
     """Export ``model``, lower all its compute into one delegate and run it. Returns (outputs, plan)."""
-    ep = export_decomposed(model, args)
+    ep = export_decomposed(model, args, keep)
     graph = ep.graph_module.graph
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     nodes = [n for n in graph.nodes if n.op == "call_function"]
@@ -90,13 +107,13 @@ def run_delegated(model, args):
     return [r.cpu() for r in results], plan
 
 
-def check_model(model, args, dtype=None, scale=1.0, reference_args=None):
+def check_model(model, args, dtype=None, scale=1.0, reference_args=None, keep=()):
     """Run ``model`` through a delegate and compare every output with eager.
 
     For fp16/bf16, pass the fp32 model/args as ``reference_args=(fp32_model, fp32_args)`` to judge
-    against an fp32 reference.
+    against an fp32 reference. ``keep``: as for :func:`export_decomposed`.
     """
-    results, plan = run_delegated(model, args)
+    results, plan = run_delegated(model, args, keep)
     if reference_args is not None:
         ref_model, ref_args = reference_args
         expected = ref_model(*ref_args)
@@ -109,3 +126,70 @@ def check_model(model, args, dtype=None, scale=1.0, reference_args=None):
         assert_close(r, e.to(r.dtype) if not r.dtype.is_floating_point else e, dtype=dtype or r.dtype,
                      scale=scale)
     return results, plan
+
+
+@dataclass
+class StateRun:
+    """What :func:`check_state_updates` saw: the plan, the aliases ``build_plan`` recorded, and the
+    aliases expected (each in-place-updated buffer's mutation output -> that buffer's input)."""
+
+    plan: object
+    aliases: dict[int, int] | None
+    expected_aliases: dict[int, int]
+    nodes: list
+    num_outputs: int
+
+
+def check_state_updates(model, calls, in_place=(), keep=(), aliases=True, dtype=None):
+    """Run a model that updates its buffers through one delegate, call after call, and compare its
+    user outputs and final buffers with eager (on a copy of ``model``).
+
+    The nodes whose target is in ``in_place`` are marked ``td_inplace`` (as the reinplacing pass
+    does) and the plan is built with ``aliases={}`` (``aliases=False``: ``None``). Buffers live in
+    tensors allocated here, one per buffer for all the calls: an aliased mutation output is that
+    tensor, updated by the kernels; any other mutation output is copied back into it after a call,
+    as the runtime does."""
+    from torch.export.graph_signature import OutputKind
+
+    reference = copy.deepcopy(model)
+    ep = export_decomposed(model, calls[0], keep)
+    graph = ep.graph_module.graph
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    for n in nodes:
+        if n.target in in_place:
+            n.meta["td_inplace"] = True
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    outputs = list(next(n for n in graph.nodes if n.op == "output").args[0])
+    recorded = {} if aliases else None
+    plan = build_plan(nodes, inputs, outputs, aliases=recorded)
+    specs_in, specs_out = ep.graph_signature.input_specs, ep.graph_signature.output_specs
+    state = {**dict(ep.named_parameters()), **dict(ep.named_buffers()), **ep.constants}
+    held = {s.target: state[s.target].clone().to(DEVICE) for s in specs_in if s.target is not None}
+    position = {s.target: i for i, s in enumerate(specs_in) if s.target is not None}
+    marked = {n for n in nodes if n.meta.get("td_inplace")}
+    expected = {i: position[s.target] for i, (s, o) in enumerate(zip(specs_out, outputs))
+                if s.kind == OutputKind.BUFFER_MUTATION and o in marked}
+    runner = DelegateRunner(plan, torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=DEVICE),
+                            simulated=DEVICE == "cpu")
+    for args in calls:
+        user = iter(args)
+        values = [held[s.target] if s.target is not None else next(user).to(DEVICE) for s in specs_in]
+        kept = [i for i in range(len(outputs)) if i not in (recorded or {})]
+        results = [torch.empty(outputs[i].meta["val"].shape, dtype=outputs[i].meta["val"].dtype,
+                               device=DEVICE) for i in kept]
+        runner(values, results)
+        got = dict(zip(kept, results))
+        got.update({i: values[j] for i, j in (recorded or {}).items()})
+        for i, spec in enumerate(specs_out):
+            if spec.kind == OutputKind.BUFFER_MUTATION and got[i] is not held[spec.target]:
+                held[spec.target].copy_(got[i])
+        with torch.no_grad():
+            eager = reference(*args)
+        eager = torch.utils._pytree.tree_leaves(eager)
+        users = [got[i].cpu() for i, s in enumerate(specs_out) if s.kind == OutputKind.USER_OUTPUT]
+        assert len(users) == len(eager)
+        for r, e in zip(users, eager):
+            assert_close(r, e, dtype=dtype)
+    for name, buffer in reference.named_buffers():
+        assert_close(held[name].cpu(), buffer, dtype=dtype)
+    return StateRun(plan, recorded, expected, nodes, len(outputs))

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import tritondelegate as td
-from harness import FLOAT_DTYPES, Fn, check_model, run_delegated
+from harness import FLOAT_DTYPES, Buffered, Fn, check_model, check_state_updates, run_delegated
 from tritondelegate.kernels import fusion
-from tritondelegate.kernels.builder import LoweringError, TRef
+from tritondelegate.kernels.builder import TRef
 from tritondelegate.kernels.elementwise import PointwiseOp
 from tritondelegate.models import FeedForward, DecoderConfig, RMSNorm, demo_decoder
 from tritondelegate.plan import Launch
@@ -175,10 +175,31 @@ def test_pass_fuses_and_says_so():
     assert not result.changed and result.launches is launches
 
 
-def test_pass_raises_when_an_operand_is_written_before_the_fused_launch():
-    launches, pointwise, touched, writes = _exp_mm_neg({0, 2})  # the opaque launch writes exp's input
-    with pytest.raises(LoweringError, match="pointwise fusion"):
-        fusion.fuse_pointwise_chains(launches, pointwise, touched, writes, keep={0})
+def test_pass_does_not_move_a_read_across_a_write():
+    # The opaque launch writes exp's input (an in-place update): exp may not move after it.
+    launches, pointwise, touched, writes = _exp_mm_neg({0, 2})
+    result = fusion.fuse_pointwise_chains(launches, pointwise, touched, writes, keep={0})
+    assert not result.changed and result.launches is launches
+
+
+# --- in-place updates (kernels/scatter.py): a read of the updated buffer never moves across the write
+def _read_update_read(buf, pos, v):
+    before = buf * 2  # reads the old cache
+    buf[:, :, pos] = v  # the in-place update
+    return before + 1, buf * 3  # before's consumer comes after the update; buf * 3 reads the new cache
+
+
+def test_in_place_update_keeps_reads_on_their_side():
+    # mul -> add would fuse into one launch at add's place, reading the cache after the update.
+    model = Buffered(_read_update_read, torch.randn(1, 3, 17, 5))
+    calls = [(torch.tensor([2, 5]), torch.randn(1, 3, 2, 5))]
+    run = check_state_updates(model, calls, in_place={torch.ops.aten.index_put.default})
+    assert run.aliases == {0: 0}
+    assert [(launch.kernel, launch.op) for launch in run.plan.launches] == [
+        ("pointwise", "mul"), ("scatter", "index_put"), ("pointwise", "add"), ("pointwise", "mul_1")]
+    # Functional, the same chain fuses: the update writes a fresh tensor, not the cache.
+    run = check_state_updates(model, calls)
+    assert ("pointwise_chain", "mul+add") in [(launch.kernel, launch.op) for launch in run.plan.launches]
 
 
 # --- the package decoder --------------------------------------------------------------------------

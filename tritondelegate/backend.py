@@ -18,8 +18,20 @@ BACKEND_ID = "TritonBackend"
 
 
 def build_plan(
-    nodes: list[torch.fx.Node], inputs: list[torch.fx.Node], outputs: list[torch.fx.Node]
+    nodes: list[torch.fx.Node],
+    inputs: list[torch.fx.Node],
+    outputs: list[torch.fx.Node],
+    *,
+    aliases: dict[int, int] | None = None,
 ) -> DelegatePlan:
+    """Lower ``nodes`` into one launch plan over ``inputs`` and ``outputs``.
+
+    A node marked ``node.meta["td_inplace"] = True`` (by the reinplacing pass) updates its ``self``
+    operand in place. ``aliases``: pass a dict to let an output that is exactly a delegate input
+    written in place alias it instead of being copied out: ``aliases[output_position] =
+    input_position`` is filled in, and the plan's outputs (``Base.OUTPUT`` indices,
+    ``output_nbytes``) are then the remaining ones, numbered consecutively. ``None`` (default):
+    every output gets its own buffer."""
     b = LaunchBuilder(inputs, outputs)
     for node in nodes:
         b.current = node
@@ -36,4 +48,4 @@ def build_plan(
         except Exception as exc:
             raise LoweringError(f"lowering node {node.name!r} ({node.target}) failed: {exc}") from exc
     b.current = None
-    return b.finish()
+    return b.finish(aliases)

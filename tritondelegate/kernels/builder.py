@@ -3,12 +3,15 @@
 A lowering function ``lower(b, node)`` reads its operands with ``b.ref(arg)`` (a :class:`TRef`: a
 strided view with shape, strides and dtype), asks for an output with ``b.out(node)``, and records
 launches with ``b.launch(kernel_name, grid, *args, **constexprs)``. View ops record an alias with
-``b.alias(node, b.view(...))`` and launch nothing.
+``b.alias(node, b.view(...))`` and launch nothing. A lowering that updates an operand in place (a node
+marked ``td_inplace``) writes into ``b.ref(self)``, says so with ``b.writes_in_place(ref)`` and binds
+the node to that ref.
 
 Every temporary lives in a logical buffer. At :meth:`LaunchBuilder.finish`, chains of pointwise
 launches are fused (``fusion.py``), buffers that hold a delegate output become that output's slot, and
 the rest are packed into the delegate's scratch block with the same greedy planner the method uses,
-from lifetimes read off the final launch list.
+from lifetimes read off the final launch list. With ``finish(aliases={})``, an output that is a whole
+delegate input written in place gets no buffer of its own: it is recorded as an alias of that input.
 """
 
 from __future__ import annotations
@@ -84,12 +87,16 @@ class LaunchBuilder:
         self.pointwise: dict[int, object] = {}
         self._values: dict[torch.fx.Node, object] = {}
         self._outputs = outputs
+        # node name -> buffers its launches write although it did not allocate them (writes_in_place)
+        self._in_place: dict[str, set[int]] = {}
         self.current: torch.fx.Node | None = None
+        self._inputs: list[TRef] = []
         for i, node in enumerate(inputs):
             val = node.meta["val"]
             shape = tuple(int(s) for s in val.shape)
             buf = self._new_buffer(Base.INPUT, i, math.prod(shape) * val.element_size())
             self._values[node] = self._desc(buf, val.dtype, shape, contiguous_strides(shape), 0)
+            self._inputs.append(self._values[node])
 
     # -- values -------------------------------------------------------------------------------
     def ref(self, arg) -> TRef:
@@ -109,6 +116,16 @@ class LaunchBuilder:
 
     def alias(self, node: torch.fx.Node, ref: TRef) -> None:
         self.bind(node, ref)
+
+    def writes_in_place(self, ref: TRef) -> None:
+        """Declare that the current node's launches write ``ref``'s buffer, which the node did not
+        allocate (an in-place update of a delegate input or of another node's result).
+
+        Fusion then never moves a read of that buffer across those launches, and ``finish`` may
+        alias a delegate output to the input the node updated."""
+        if self.current is None:
+            raise LoweringError("writes_in_place called outside a node's lowering")
+        self._in_place.setdefault(self.current.name, set()).add(ref.buffer)
 
     # -- tensors ------------------------------------------------------------------------------
     def alloc(self, shape, dtype: torch.dtype) -> TRef:
@@ -169,29 +186,17 @@ class LaunchBuilder:
         return len(self._launches) - 1
 
     # -- finishing ----------------------------------------------------------------------------
-    def finish(self) -> DelegatePlan:
-        from . import elementwise, fusion
+    def finish(self, aliases: dict[int, int] | None = None) -> DelegatePlan:
+        """The delegate's launch plan.
+
+        ``aliases``: when a dict, each delegate output that is exactly a delegate input this delegate
+        wrote in place (offset 0, contiguous, same numel and dtype) gets no output buffer and no copy:
+        ``aliases[output_position] = input_position`` is recorded instead, and the remaining outputs
+        are numbered consecutively in the plan. When None, every output gets its own buffer."""
+        from . import fusion
 
         self._fuse(fusion)
-        taken: set[int] = set()
-        for i, node in enumerate(self._outputs):
-            ref = self.ref(node)
-            buf = self._buffers[ref.buffer]
-            own = (
-                buf.base == Base.SCRATCH
-                and ref.buffer not in taken
-                and ref.offset == 0
-                and ref.is_contiguous()
-                and buf.nbytes == ref.numel * ref.dtype.itemsize
-            )
-            if own:
-                buf.base, buf.index = Base.OUTPUT, i
-                taken.add(ref.buffer)
-                continue
-            val = node.meta["val"]
-            out_buf = self._new_buffer(Base.OUTPUT, i, ref.numel * val.element_size())
-            out = self._desc(out_buf, ref.dtype, ref.shape, contiguous_strides(ref.shape), 0)
-            elementwise.launch_pointwise(self, "copy", out, [ref])
+        self._place_outputs(aliases)
         self._lifetimes()
         scratch = [b for b in self._buffers if b.base == Base.SCRATCH and b.first >= 0]
         offsets, scratch_bytes = greedy_by_size(
@@ -227,6 +232,48 @@ class LaunchBuilder:
         )
 
     # -- internals ----------------------------------------------------------------------------
+    def _place_outputs(self, aliases: dict[int, int] | None) -> None:
+        """Give each delegate output its OUTPUT slot: the scratch buffer holding it when it fills
+        that buffer alone, else a copy; or, with ``aliases``, the input it updated in place."""
+        from . import elementwise
+
+        taken: set[int] = set()
+        position = 0  # OUTPUT index: aliased outputs take none
+        for i, node in enumerate(self._outputs):
+            ref = self.ref(node)
+            if aliases is not None:
+                source = self._updated_input(ref)
+                if source is not None:
+                    aliases[i] = source
+                    continue
+            buf = self._buffers[ref.buffer]
+            own = (
+                buf.base == Base.SCRATCH
+                and ref.buffer not in taken
+                and ref.offset == 0
+                and ref.is_contiguous()
+                and buf.nbytes == ref.numel * ref.dtype.itemsize
+            )
+            if own:
+                buf.base, buf.index = Base.OUTPUT, position
+                taken.add(ref.buffer)
+            else:
+                val = node.meta["val"]
+                out_buf = self._new_buffer(Base.OUTPUT, position, ref.numel * val.element_size())
+                out = self._desc(out_buf, ref.dtype, ref.shape, contiguous_strides(ref.shape), 0)
+                elementwise.launch_pointwise(self, "copy", out, [ref])
+            position += 1
+
+    def _updated_input(self, ref: TRef) -> int | None:
+        """The input position ``ref`` covers whole, when some node wrote that input in place."""
+        buf = self._buffers[ref.buffer]
+        if buf.base != Base.INPUT or not any(ref.buffer in bufs for bufs in self._in_place.values()):
+            return None
+        whole = self._inputs[buf.index]
+        if ref.offset == 0 and ref.is_contiguous() and ref.numel == whole.numel and ref.dtype == whole.dtype:
+            return buf.index
+        return None
+
     def _where(self) -> str:
         return f"node {self.current.name!r}" if self.current is not None else "delegate"
 
@@ -247,11 +294,12 @@ class LaunchBuilder:
         """Merge chains of pointwise launches (``fusion.py``). Buffers that hold a delegate output, or
         that a delegate output views, are never fused away."""
         touched = [self._touched(launch) for launch in self._launches]
-        # What each launch may write: a pointwise launch its output; any other kernel only buffers its
-        # own node allocated (lowerings write nothing else).
+        # What each launch may write: a pointwise launch its output; any other kernel the buffers its
+        # own node allocated and those the node declared with writes_in_place.
         writes = [
             {self.pointwise[i].out.buffer} if i in self.pointwise
             else {buf for buf in bufs if self._buffers[buf].owner == launch.op and launch.op}
+            | (self._in_place.get(launch.op, set()) & bufs)
             for i, (launch, bufs) in enumerate(zip(self._launches, touched))
         ]
         keep = {self.ref(node).buffer for node in self._outputs}

@@ -5,8 +5,9 @@
 
 Repeated, this turns Llama's RMSNorm tail ``add(mean, eps) -> rsqrt -> mul(x, .) -> mul(., weight)``
 into one ``pointwise_chain`` launch (``elementwise.pointwise_chain_kernel``) that keeps the running
-value in registers. Moving P's work to C's place is safe because the graph is functional: nothing is
-written after it is read, which is checked for P's operands all the same.
+value in registers. Moving P's work to C's place moves its reads of its operands later: the graph is
+functional except for in-place updates (``LaunchBuilder.writes_in_place``: a KV-cache write into a
+delegate input), so P is merged only when no launch between P and C may write one of its operands.
 
 P merges into C when all of these hold:
   - both are ``pointwise`` launches of one or two operands (``where``, ``clamp`` and ops with
@@ -17,6 +18,7 @@ P merges into C when all of these hold:
     store and load of t fewer;
   - t's buffer is scratch, touched by no launch but P and C, and neither a delegate output nor viewed
     by one;
+  - no launch between P (or the first op of P's chain) and C may write an operand of P's chain;
   - the chain stays exact enough: in a floating chain every intermediate and the result are floating
     (eager rounds intermediates to their dtype, the chain keeps fp32: more accurate, never less); in an
     integer or bool chain every intermediate has the compute dtype itself (int64, bool), so no
@@ -37,7 +39,7 @@ import torch
 
 from ..plan import Arg, ArgKind, Launch
 from . import elementwise as ew
-from .builder import LoweringError, TRef
+from .builder import TRef
 
 # r may stand on either side of these: no SWAP flag, fewer kernel variants
 COMMUTATIVE = {"add", "mul", "eq", "ne", "logical_and", "logical_or", "bitwise_and", "bitwise_or"}
@@ -113,17 +115,13 @@ def _broadcasts(shape, target) -> bool:
     return pad >= 0 and all(n in (1, m) for n, m in zip(shape, target[pad:]))
 
 
-def _check_unwritten(chain: _Chain, upto: int, writes: list[set[int]]) -> None:
-    """No launch between an operand's first read and ``upto`` writes it (the graph is functional)."""
+def _unwritten(chain: _Chain, upto: int, writes: list[set[int]]) -> bool:
+    """Whether no launch between an operand's first read and ``upto`` may write it: only then may the
+    chain's reads move to ``upto`` (an in-place update in between would change what they see)."""
     for slot, first in zip(chain.slots, chain.read_at):
-        if not isinstance(slot, TRef):
-            continue
-        for position in range(first + 1, upto):
-            if slot.buffer in writes[position]:
-                raise LoweringError(
-                    f"pointwise fusion: internal error: operand {slot.index} of {'+'.join(chain.names)} "
-                    f"is written by launch {position} before the fused launch {upto} reads it"
-                )
+        if isinstance(slot, TRef) and any(slot.buffer in writes[p] for p in range(first + 1, upto)):
+            return False
+    return True
 
 
 def _launch(chain: _Chain) -> Launch:
@@ -164,10 +162,11 @@ def fuse_pointwise_chains(
             t = chains[p].out
             if t.buffer in keep or users[t.buffer] != {p, c} or operand.index != t.index:
                 continue
+            if not _unwritten(chains[p], c, writes):
+                continue
             chain = _merge(chains[p], consumer, k, c, launches[c].op)
             if chain is None:
                 continue
-            _check_unwritten(chains[p], c, writes)
             chains[c] = chain
             merged_away.add(p)
             for buf in touched[p]:

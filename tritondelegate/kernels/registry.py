@@ -24,6 +24,7 @@ from . import matmul as mm
 from . import norm
 from . import pool
 from . import reduce as red
+from . import scatter as sc
 from . import softmax as sm
 
 aten = torch.ops.aten
@@ -128,6 +129,18 @@ OPS: dict[object, OpSpec] = {
     aten.gather.default: OpSpec(idx.gather, idx.supported_gather),
     aten.index.Tensor: OpSpec(idx.index, idx.supported_index),
     aten.cumsum.default: OpSpec(idx.cumsum, idx.supported_cumsum),
+    # scatter (KV-cache updates; functional, or in place when the node is marked td_inplace): scatter.py
+    aten.index_put.default: OpSpec(sc.index_put, sc.supported_index_put),
+    aten.index_copy.default: OpSpec(sc.index_copy, sc.supported_index_copy),
+    aten.scatter.src: OpSpec(sc.scatter, sc.supported_scatter),
+    aten.scatter.value: OpSpec(sc.scatter, sc.supported_scatter),
+    aten.scatter_add.default: OpSpec(sc.scatter_add, sc.supported_scatter_add),
+    aten.scatter.reduce: OpSpec(sc.refused, sc.refuse_reduce),
+    aten.scatter.value_reduce: OpSpec(sc.refused, sc.refuse_reduce),
+    aten.scatter_reduce.two: OpSpec(sc.refused, sc.refuse_reduce),
+    aten.slice_scatter.default: OpSpec(sc.slice_scatter, sc.supported_copy_into),
+    aten.select_scatter.default: OpSpec(sc.select_scatter, sc.supported_copy_into),
+    aten.copy.default: OpSpec(sc.copy, sc.supported_copy_into),
     # matmul: matmul.py
     aten.mm.default: OpSpec(mm.mm, mm.supported),
     aten.addmm.default: OpSpec(mm.addmm, mm.supported),
@@ -179,6 +192,7 @@ KERNELS: dict[str, object] = {
     "arange": creation.arange_kernel,
     "gather": idx.gather_kernel,
     "cumsum": idx.cumsum_kernel,
+    "scatter": sc.scatter_kernel,
     "matmul": mm.matmul_kernel,
     "conv2d": conv.conv2d_kernel,
     "pool2d": pool.pool2d_kernel,

@@ -94,7 +94,8 @@ def place_state(graphs: list[MethodGraph], plan_device_memory: bool = True) -> d
             if node is None:
                 continue
             _check_same_tensor(info, node, g.name)
-            touching = list(node.users) + ([updates[fqn]] if fqn in updates else [])
+            # Returning the buffer is a copy off the device, not a reason to keep it on the host.
+            touching = [u for u in node.users if u.op != "output"] + ([updates[fqn]] if fqn in updates else [])
             for user in touching:
                 device = g.device_of(user)
                 devices[fqn].add(device)

@@ -1,0 +1,397 @@
+"""Scatter ops, the KV-cache updates: index_put, index_copy, scatter (src and value), scatter_add share
+one scatter kernel; slice_scatter, select_scatter and copy are pointwise copies into a strided view.
+
+The scatter kernel is the mirror image of ``index.gather_kernel``, over the coordinates ``o`` of an
+iteration shape (up to ``MAX_RANK`` dims after merging contiguous ones):
+
+    dst[ sum_j o_j * S_j  +  sum_k wrap(idx_k[sum_j o_j * T_kj]) * U_k ]  =  src[sum_j o_j * V_j]
+                                                                       (+= atomically: ACCUMULATE)
+
+``S`` maps iteration dims that walk a destination dim directly (0 elsewhere), index tensor ``k`` is
+seen through broadcasting in iteration coordinates (strides ``T_k``) and its values select along the
+destination dim of stride ``U_k`` and size ``N_k``; negative indices wrap once (``i + N_k``). ``src``
+is a tensor seen through broadcasting (strides ``V``) or one scalar. An out-of-range index, an error in
+PyTorch, writes nothing here rather than memory outside the destination. Accumulation runs in fp32 or
+int64 atomics: fp16/bf16 destinations accumulate in an fp32 copy (bf16 atomics are also missing from
+the Triton interpreter).
+
+Functional (the default), a lowering copies ``self`` into a fresh output and scatters into it. A node
+marked ``node.meta["td_inplace"]`` (the reinplacing pass: ``self`` is program state nobody reads
+afterwards) scatters into ``self``'s own memory instead and its result is ``self``'s ref
+(``LaunchBuilder.writes_in_place``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import elementwise as ew
+from .builder import LoweringError, TRef
+from .index import INDEX_DTYPES, MAX_INDICES, MAX_RANK, _dtype_reason, _index_term, _val
+from .layout import _meta
+
+aten = torch.ops.aten
+BLOCK = 1024
+ACCUMULATE_DTYPES = ew.FLOAT_DTYPES + (torch.int64, torch.int32)
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # accumulated in an fp32 copy
+
+
+# --- kernel ---------------------------------------------------------------------------------------
+@triton.jit
+def scatter_kernel(
+    dst_ptr, src_ptr, idx0_ptr, idx1_ptr, idx2_ptr, value,
+    n, d1, d2, d3, d4,
+    ds0, ds1, ds2, ds3, ds4,
+    vs0, vs1, vs2, vs3, vs4,
+    t00, t01, t02, t03, t04,
+    t10, t11, t12, t13, t14,
+    t20, t21, t22, t23, t24,
+    size0, size1, size2, u0, u1, u2,
+    NUM_INDICES: tl.constexpr, ACCUMULATE: tl.constexpr, SRC_SCALAR: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    i0, i1, i2, i3, i4 = ew.unravel5(offs, d1, d2, d3, d4)
+    dst_offs = i0 * ds0 + i1 * ds1 + i2 * ds2 + i3 * ds3 + i4 * ds4
+    valid = mask
+    term, ok = _index_term(idx0_ptr, i0, i1, i2, i3, i4, t00, t01, t02, t03, t04, size0, u0, mask)
+    dst_offs += term
+    valid = valid & ok
+    if NUM_INDICES >= 2:
+        term, ok = _index_term(idx1_ptr, i0, i1, i2, i3, i4, t10, t11, t12, t13, t14, size1, u1, mask)
+        dst_offs += term
+        valid = valid & ok
+    if NUM_INDICES >= 3:
+        term, ok = _index_term(idx2_ptr, i0, i1, i2, i3, i4, t20, t21, t22, t23, t24, size2, u2, mask)
+        dst_offs += term
+        valid = valid & ok
+    if SRC_SCALAR:
+        v = tl.full([BLOCK], value, dtype=dst_ptr.dtype.element_ty)
+    else:
+        v = tl.load(src_ptr + i0 * vs0 + i1 * vs1 + i2 * vs2 + i3 * vs3 + i4 * vs4, mask=mask, other=0)
+        v = v.to(dst_ptr.dtype.element_ty)
+    if ACCUMULATE:
+        # Launches are ordered by the stream: relaxed ordering suffices between this launch's adds.
+        tl.atomic_add(dst_ptr + dst_offs, v, mask=valid, sem="relaxed")
+    else:
+        tl.store(dst_ptr + dst_offs, v, mask=valid)
+
+
+# --- host launcher --------------------------------------------------------------------------------
+def launch_scatter(b, dst: TRef, src, shape, direct, values, indices, accumulate: bool = False) -> None:
+    """For every ``o`` in ``shape``: ``dst[o.S + sum_k wrap(idx_k[o.T_k]) * U_k] = src[o.V]`` (``+=``
+    atomically when ``accumulate``). ``direct`` is S and ``values`` is V (one stride per iteration
+    dim; ignored when ``src`` is a Python scalar); ``indices`` holds (index TRef, T, N, U) as in
+    ``index.launch_gather``."""
+    if not 1 <= len(indices) <= MAX_INDICES:
+        raise NotImplementedError(f"{len(indices)} index tensors (supported: 1 to {MAX_INDICES})")
+    if accumulate and dst.dtype not in (torch.float32, torch.int64, torch.int32):
+        raise LoweringError(f"internal error: atomic accumulation into {dst.dtype}")
+    scalar = not isinstance(src, TRef)
+    stride_sets = [list(direct), [0] * len(shape) if scalar else list(values)]
+    stride_sets += [list(t) for _, t, _, _ in indices]
+    sizes, strides = ew.collapse(shape, stride_sets)
+    if len(sizes) > MAX_RANK:
+        raise NotImplementedError(f"scatter over {len(sizes)} non-mergeable dims (at most {MAX_RANK})")
+    pad = MAX_RANK - len(sizes)
+    sizes = [1] * pad + sizes
+    strides = [[0] * pad + s for s in strides]
+    direct_strides, value_strides, index_strides = strides[0], strides[1], strides[2:]
+    padded = list(indices) + [indices[0]] * (MAX_INDICES - len(indices))  # unused slots, never read
+    index_strides = index_strides + [[0] * MAX_RANK] * (MAX_INDICES - len(indices))
+    value = (float(src) if dst.dtype.is_floating_point else int(src)) if scalar else 0
+    n = math.prod(shape)
+    b.launch(
+        "scatter", (triton.cdiv(n, BLOCK),),
+        dst, dst if scalar else src, *(p[0] for p in padded), value,
+        n, *sizes[1:], *direct_strides, *value_strides, *(s for t in index_strides for s in t),
+        *(p[2] for p in padded), *(p[3] for p in padded),
+        NUM_INDICES=len(indices), ACCUMULATE=accumulate, SRC_SCALAR=scalar, BLOCK=BLOCK,
+    )
+
+
+# --- destinations: functional or in place ---------------------------------------------------------
+def _in_place(node) -> bool:
+    return bool(node.meta.get("td_inplace", False))
+
+
+def _destination(b, node, copy_self: bool = True) -> TRef:
+    """Where ``node``'s update goes, bound as its result: ``self``'s own memory when the node is
+    marked in place, else a fresh output, holding a copy of ``self`` when ``copy_self``."""
+    if _in_place(node):
+        dst = b.ref(node.args[0])
+        b.writes_in_place(dst)
+        b.bind(node, dst)
+        return dst
+    out = b.out(node)
+    if copy_self:
+        ew.launch_pointwise(b, "copy", out, [b.ref(node.args[0])])
+    return out
+
+
+def _apart(b, ref: TRef, dst: TRef) -> TRef:
+    """``ref``, or a scratch copy of it when it lives in ``dst``'s buffer (an in-place update must
+    not read what it is overwriting in the same launch)."""
+    if not isinstance(ref, TRef) or ref.buffer != dst.buffer:
+        return ref
+    copy = b.alloc(ref.shape, ref.dtype)
+    ew.launch_pointwise(b, "copy", copy, [ref])
+    return copy
+
+
+def _scatter_update(b, node, accumulate: bool, scatter) -> None:
+    """Run ``scatter(dst)`` (it launches the scatter kernel into ``dst``) on ``node``'s destination.
+    fp16/bf16 accumulation goes through an fp32 copy of ``self``, cast back into the destination."""
+    self_ref = b.ref(node.args[0])
+    staged = accumulate and self_ref.dtype in HALF_DTYPES
+    dst = _destination(b, node, copy_self=not staged)
+    if not staged:
+        scatter(dst)
+        return
+    acc = b.alloc(self_ref.shape, torch.float32)
+    ew.launch_pointwise(b, "copy", acc, [self_ref])
+    scatter(acc)
+    ew.launch_pointwise(b, "copy", dst, [acc])
+
+
+def _same_view(a: TRef, c: TRef) -> bool:
+    """Whether ``a`` and ``c`` are the same elements of the same buffer (nothing to copy)."""
+    return (
+        a.buffer == c.buffer and a.offset == c.offset and a.dtype == c.dtype and a.shape == c.shape
+        and all(s == t for s, t, n in zip(a.strides, c.strides, a.shape) if n != 1)
+    )
+
+
+def _copy_into_view(b, node, op, *view_args) -> None:
+    """slice_scatter / select_scatter: ``dst`` with the view ``op(dst, *view_args)`` set to ``src``."""
+    dst = _destination(b, node)
+    view = op(_meta(dst), *view_args)
+    target = b.view(dst, view.shape, view.stride(), view.storage_offset())
+    src = b.ref(node.args[1])
+    if not _same_view(target, src):  # an in-place copy may already have written it there
+        ew.launch_pointwise(b, "copy", target, [_apart(b, src, target)])
+
+
+# --- lowerings ------------------------------------------------------------------------------------
+def _advanced_layout(dst: TRef, refs, dims):
+    """PyTorch's advanced-indexing layout: the index tensors (on ``dims`` of ``dst``) broadcast to a
+    shape B, which replaces the indexed dims in place when they are adjacent and comes first
+    otherwise. Returns (iteration shape, S, [(index, T, N, U)])."""
+    bshape = tuple(torch.broadcast_shapes(*(r.shape for r in refs)))
+    adjacent = dims == list(range(dims[0], dims[-1] + 1))
+    rest = [d for d in range(dst.ndim) if d not in dims]
+    before = [d for d in rest if d < dims[0]] if adjacent else []
+    after = [d for d in rest if d not in before]
+    shape = tuple(dst.shape[d] for d in before) + bshape + tuple(dst.shape[d] for d in after)
+    direct = [dst.strides[d] for d in before] + [0] * len(bshape) + [dst.strides[d] for d in after]
+    pad_before, pad_after = [0] * len(before), [0] * len(after)
+    indices = [
+        (r, pad_before + list(ew.broadcast_strides(r, bshape)) + pad_after, dst.shape[d], dst.strides[d])
+        for r, d in zip(refs, dims)
+    ]
+    return shape, direct, indices
+
+
+def _value_strides(values: TRef, shape) -> tuple[int, ...]:
+    """``values`` broadcast to ``shape``; leading size-1 dims beyond ``shape``'s rank are dropped,
+    as index_put allows."""
+    extra = values.ndim - len(shape)
+    if extra > 0:
+        values = TRef(values.index, values.buffer, values.dtype, values.shape[extra:],
+                      values.strides[extra:], values.offset)
+    return ew.broadcast_strides(values, shape)
+
+
+def index_put(b, node):
+    """index_put(self, indices, values, accumulate=False): ``self[indices] = values`` (``+=`` with
+    accumulate), indices a list of integer index tensors or None (the whole dim)."""
+    accumulate = bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
+
+    def scatter(dst):
+        entries = list(node.args[1])
+        dims = [d for d, e in enumerate(entries) if e is not None]
+        refs = [_apart(b, b.ref(entries[d]), dst) for d in dims]
+        shape, direct, indices = _advanced_layout(dst, refs, dims)
+        values = _apart(b, b.ref(node.args[2]), dst)
+        launch_scatter(b, dst, values, shape, direct, _value_strides(values, shape), indices, accumulate)
+
+    _scatter_update(b, node, accumulate, scatter)
+
+
+def index_copy(b, node):
+    """index_copy(self, dim, index, source): ``self`` with ``self.select(dim, index[i]) =
+    source.select(dim, i)``."""
+
+    def scatter(dst):
+        idx = _apart(b, b.ref(node.args[2]), dst)
+        src = _apart(b, b.ref(node.args[3]), dst)
+        if dst.ndim == 0:  # index 0 (or -1) of a size-1 dim
+            launch_scatter(b, dst, src, (), [], [], [(idx, [], 1, 0)])
+            return
+        dim = node.args[1] % dst.ndim
+        direct = [0 if j == dim else s for j, s in enumerate(dst.strides)]
+        along = [0] * dst.ndim
+        along[dim] = idx.strides[0] if idx.ndim else 0
+        indices = [(idx, along, dst.shape[dim], dst.strides[dim])]
+        launch_scatter(b, dst, src, src.shape, direct, src.strides, indices)
+
+    _scatter_update(b, node, False, scatter)
+
+
+def _scatter(b, node, accumulate: bool) -> None:
+    """scatter(self, dim, index, src or value) and scatter_add: for o over index's shape,
+    ``self[o with o_dim := index[o]] = src[o]`` (or the scalar; ``+=`` for scatter_add)."""
+
+    def scatter(dst):
+        idx = _apart(b, b.ref(node.args[2]), dst)
+        src = node.args[3]
+        src = _apart(b, b.ref(src), dst) if hasattr(src, "meta") else src
+        values = list(src.strides) if isinstance(src, TRef) else []
+        if dst.ndim == 0:
+            launch_scatter(b, dst, src, idx.shape, [0] * idx.ndim, values, [(idx, list(idx.strides), 1, 0)],
+                           accumulate)
+            return
+        dim = node.args[1] % dst.ndim
+        direct = [0 if j == dim else s for j, s in enumerate(dst.strides)]
+        indices = [(idx, list(idx.strides), dst.shape[dim], dst.strides[dim])]
+        launch_scatter(b, dst, src, idx.shape, direct, values, indices, accumulate)
+
+    _scatter_update(b, node, accumulate, scatter)
+
+
+def scatter(b, node):
+    _scatter(b, node, accumulate=False)
+
+
+def scatter_add(b, node):
+    _scatter(b, node, accumulate=True)
+
+
+def _arg(node, position: int, name: str, default):
+    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+
+
+def slice_scatter(b, node):  # slice_scatter(self, src, dim=0, start=None, end=None, step=1)
+    _copy_into_view(b, node, aten.slice.Tensor, _arg(node, 2, "dim", 0), _arg(node, 3, "start", None),
+                    _arg(node, 4, "end", None), _arg(node, 5, "step", 1))
+
+
+def select_scatter(b, node):  # select_scatter(self, src, dim, index)
+    _copy_into_view(b, node, aten.select.int, node.args[2], node.args[3])
+
+
+def copy(b, node):
+    """copy(self, src): ``src`` broadcast to ``self``'s shape, cast to its dtype; ``self``'s values
+    are not read. In place it is written into ``self``'s memory."""
+    dst = _destination(b, node, copy_self=False)
+    src = b.ref(node.args[1])
+    if not _same_view(dst, src):
+        ew.launch_pointwise(b, "copy", dst, [_apart(b, src, dst)])
+
+
+def refused(b, node):
+    raise LoweringError(f"node {node.name!r} ({node.target}) has no scatter kernel: {refuse_reduce(node)}")
+
+
+# --- support checks -------------------------------------------------------------------------------
+def _common_reason(node, src_arg, index_args, accumulate: bool) -> str | None:
+    out, self_val = node.meta.get("val"), _val(node.args[0])
+    allowed = ACCUMULATE_DTYPES if accumulate else ew.DTYPES
+    reason = _dtype_reason(out, "the result", allowed) or _dtype_reason(self_val, "self", allowed)
+    if reason:
+        return f"accumulating: {reason}" if accumulate else reason
+    if src_arg is not None and hasattr(src_arg, "meta"):
+        reason = _dtype_reason(_val(src_arg), "the source", ew.DTYPES)
+    elif src_arg is not None and not isinstance(src_arg, (int, float, bool)):
+        reason = f"the source {src_arg!r} is neither a tensor nor a number"
+    for arg in index_args:
+        reason = reason or _dtype_reason(_val(arg), "an index", INDEX_DTYPES)
+    if reason:
+        return reason
+    if out.ndim > MAX_RANK:
+        return f"result has {out.ndim} dims (at most {MAX_RANK})"
+    return None
+
+
+def supported_index_put(node) -> str | None:
+    entries = list(node.args[1])
+    tensors = [e for e in entries if e is not None]
+    if not tensors:
+        return "index_put without any index tensor"
+    for e in tensors:
+        val = _val(e)
+        if isinstance(val, torch.Tensor) and val.dtype in (torch.bool, torch.uint8):
+            return ("boolean mask indices select a data-dependent set of positions; only integer index "
+                    "tensors are supported (use torch.where(mask, values, x) instead)")
+    if len(tensors) > MAX_INDICES:
+        return f"{len(tensors)} index tensors (at most {MAX_INDICES})"
+    accumulate = bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
+    reason = _common_reason(node, node.args[2], tensors, accumulate)
+    if reason:
+        return reason
+    self_val, values = _val(node.args[0]), _val(node.args[2])
+    shapes = [_val(e).shape for e in tensors]
+    try:
+        bshape = torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        return f"index tensors of shapes {[tuple(s) for s in shapes]} do not broadcast together"
+    rank = self_val.ndim - len(tensors) + len(bshape)
+    if rank > MAX_RANK:
+        return f"the indexing result has {rank} dims (at most {MAX_RANK})"
+    if values.ndim > rank and any(s != 1 for s in values.shape[: values.ndim - rank]):
+        return f"values of shape {tuple(values.shape)} do not broadcast to the {rank}-dim indexing result"
+    return None
+
+
+def supported_index_copy(node) -> str | None:
+    self_val, idx, src = _val(node.args[0]), _val(node.args[2]), _val(node.args[3])
+    reason = _common_reason(node, node.args[3], [node.args[2]], False)
+    if reason:
+        return reason
+    if idx.ndim > 1:
+        return f"index_copy index has {idx.ndim} dims, expected at most 1"
+    if src.ndim != self_val.ndim:
+        return f"index_copy source has {src.ndim} dims, self {self_val.ndim}"
+    return None
+
+
+def _supported_scatter(node, accumulate: bool) -> str | None:
+    reason = _common_reason(node, node.args[3], [node.args[2]], accumulate)
+    if reason:
+        return reason
+    self_val, idx, src = _val(node.args[0]), _val(node.args[2]), _val(node.args[3])
+    if idx.ndim != self_val.ndim:
+        return f"scatter index has {idx.ndim} dims, self {self_val.ndim}"
+    if isinstance(src, torch.Tensor) and src.ndim != idx.ndim:
+        return f"scatter source has {src.ndim} dims, index {idx.ndim}"
+    return None
+
+
+def supported_scatter(node) -> str | None:  # scatter.src and scatter.value
+    return _supported_scatter(node, accumulate=False)
+
+
+def supported_scatter_add(node) -> str | None:
+    return _supported_scatter(node, accumulate=True)
+
+
+def supported_copy_into(node) -> str | None:
+    """slice_scatter, select_scatter, copy: pointwise copies (elementwise dtypes and rank)."""
+    reason = ew.supported(node)
+    if reason:
+        return reason
+    if node.meta["val"].ndim > ew.MAX_RANK:
+        return f"result has {node.meta['val'].ndim} dims (at most {ew.MAX_RANK})"
+    return None
+
+
+def refuse_reduce(node) -> str:
+    """scatter(..., reduce=) and scatter_reduce: refused."""
+    how = node.kwargs.get("reduce", node.args[4] if len(node.args) > 4 else "?")
+    return (f"scatter with reduce={how!r} is not supported; scatter_add (index_add, index_put with "
+            f"accumulate=True) covers sums")

@@ -78,6 +78,8 @@ class LowerConfig:
       safetensors file next to the program instead of into it.
     * ``alloc_graph_input`` / ``alloc_graph_output``: plan device memory for copied method inputs /
       for device outputs (default True). A skipped input is never planned.
+    * ``fold_constants``: compute subgraphs that depend on no method input (causal masks, rotary
+      tables for a static shape) once in ``lower()`` and store them as constants (default True).
     """
 
     propagate_device: PropagateDeviceConfig | dict[str, PropagateDeviceConfig] = field(
@@ -87,6 +89,7 @@ class LowerConfig:
     external_constants: bool | Callable[[str], bool] = False
     alloc_graph_input: bool = True
     alloc_graph_output: bool = True
+    fold_constants: bool = True
 
     def device_config(self, method: str) -> PropagateDeviceConfig:
         pd = self.propagate_device

@@ -13,6 +13,7 @@ from .emit import ConstantTable, LoweringError, NodeInfo, emit_method
 from .memory.method_plan import plan_method
 from .memory.segments import plan_slots
 from .partitioner import Partitioner, TritonPartitioner
+from .passes.fold_constants import fold_constants
 from .passes.fold_repeat_kv import fold_repeat_kv
 from .passes.propagate_device import DeviceReport, PropagateDevicePass
 from .passes.state import MethodGraph, StateBuffer, place_state, reinplace
@@ -26,6 +27,7 @@ class MethodReport:
     device: DeviceReport
     launches: dict[str, int] = field(default_factory=dict)  # delegate tag -> launches per call
     inplace: list[str] = field(default_factory=list)  # state updates that write in place
+    folded: list[str] = field(default_factory=list)  # nodes computed once by lower(), now constants
 
 
 class LoweredProgram:
@@ -86,7 +88,10 @@ def lower(
         raise TypeError("lower() takes an ExportedProgram or a non-empty dict of method name -> ExportedProgram")
     partitioner = TritonPartitioner() if partitioner is None else partitioner
     config = LowerConfig() if config is None else config
-    graphs = [_partition(name, ep, partitioner, config) for name, ep in programs.items()]
+    decomposed = {name: _decompose(name, ep, partitioner) for name, ep in programs.items()}
+    # Mutations are explicit once functionalized: state is what any decomposed method writes back.
+    mutated = {fqn for ep in decomposed.values() for fqn in ep.graph_signature.buffers_to_mutate.values()}
+    graphs = [_partition(name, ep, partitioner, config, mutated) for name, ep in decomposed.items()]
     state = place_state(graphs, config.enable_non_cpu_memory_planning)
     constants = ConstantTable()
     methods, reports = [], {}
@@ -94,6 +99,7 @@ def lower(
         inplace = reinplace(graph, state)
         method, reports[graph.name] = _lower_method(graph, state, constants, config)
         reports[graph.name].inplace = inplace
+        reports[graph.name].folded = graph.folded
         methods.append(method)
     program = Program(methods, constants.constants)
     plan_slots(program)
@@ -105,14 +111,21 @@ def lower(
     return LoweredProgram(program, constants.data, reports, state)
 
 
-def _partition(name: str, ep, partitioner: Partitioner, config: LowerConfig) -> MethodGraph:
-    """Decompose one method and let the partitioner tag it."""
+def _decompose(name: str, ep, partitioner: Partitioner) -> torch.export.ExportedProgram:
     if not isinstance(ep, torch.export.ExportedProgram):
         raise TypeError(f"method {name!r}: expected an ExportedProgram, got {type(ep).__name__}")
-    device_config = config.device_config(name)
     ep = decompose(ep, keep=partitioner.ops_to_not_decompose(ep))
     fold_repeat_kv(ep.graph_module)
-    return MethodGraph(name, ep, partitioner.partition(ep), device_config.flag("state_on_device", name))
+    return ep
+
+
+def _partition(name: str, ep, partitioner: Partitioner, config: LowerConfig, state: set[str]) -> MethodGraph:
+    """Fold what depends on no input (never state) and let the partitioner tag the method."""
+    device_config = config.device_config(name)
+    folded = fold_constants(ep, state) if config.fold_constants else []
+    graph = MethodGraph(name, ep, partitioner.partition(ep), device_config.flag("state_on_device", name))
+    graph.folded = folded
+    return graph
 
 
 def _lower_method(graph: MethodGraph, state: dict, constants: ConstantTable, config: LowerConfig):

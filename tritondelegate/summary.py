@@ -28,6 +28,7 @@ def method_facts(lowered, name: str) -> dict:
         "per_call_copies": [c.__dict__ for c in report.device.copies],
         "resident_constants": [{"name": n, "device": d, "bytes": b} for n, d, b in report.device.resident],
         "state_in_place": list(report.inplace),
+        "folded": list(report.folded),
         "arenas": [
             {"device": a.device, "bytes": a.nbytes, "lower_bound_bytes": a.lower_bound, "alignment": a.alignment}
             for a in method.arenas
@@ -67,6 +68,8 @@ def format_summary(lowered) -> str:
             lines.append(f"  resident constants ({len(f['resident_constants'])}, {_bytes(total)}, loaded once):")
             for r in f["resident_constants"]:
                 lines.append(f"    {r['name']} on {r['device']}, {_bytes(r['bytes'])}")
+        if f["folded"]:
+            lines.append(f"  computed once by lower() (constant folding): {', '.join(f['folded'])}")
         if f["state_in_place"]:
             lines.append(f"  state updated in place: {', '.join(f['state_in_place'])}")
         for a in f["arenas"]:

@@ -16,7 +16,7 @@ state's slot, and the write-back disappears. Both passes only read the graph and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -58,6 +58,7 @@ class MethodGraph:
     ep: torch.export.ExportedProgram
     partition: PartitionResult
     state_on_device: bool = True
+    folded: list[str] = field(default_factory=list)  # nodes constant folding replaced
 
     def buffer_nodes(self) -> dict[str, torch.fx.Node]:
         nodes = {n.name: n for n in self.ep.graph_module.graph.nodes if n.op == "placeholder"}

@@ -1,0 +1,87 @@
+"""Constant folding at lower time: input-independent subgraphs become constants, nothing else does."""
+
+import warnings
+
+import pytest
+import torch
+
+import tritondelegate as td
+from harness import Fn
+from tritondelegate.decompose import decompose
+from tritondelegate.models import demo_decoder
+from tritondelegate.passes.fold_constants import fold_constants
+
+RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
+
+
+def _lower(model, args, **config):
+    cfg = td.LowerConfig(propagate_device=RESIDENT.propagate_device, **config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", td.PerCallCopyWarning)
+        return td.lower(torch.export.export(model, args), config=cfg)
+
+
+def test_rotary_tables_of_the_decoder_are_computed_once():
+    model, args = demo_decoder(seed=0)
+    folded = _lower(model, args)
+    plain = _lower(model, args, fold_constants=False)
+    assert folded.reports["forward"].folded == ["cos", "sin"]
+    assert "computed once by lower() (constant folding): cos, sin" in folded.summary()
+    launches = lambda lowered: sum(lowered.reports["forward"].launches.values())  # noqa: E731
+    assert launches(folded) < launches(plain)
+    method = folded.load("simulated").load_method("forward")
+    with torch.no_grad():
+        torch.testing.assert_close(method(*args), model(*args), atol=1e-5, rtol=1e-5)
+
+
+class Mixed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 6))
+        self.register_buffer("steps", torch.zeros(6))
+
+    def forward(self, x):
+        scale = torch.arange(6, dtype=torch.float32).exp()  # input-independent: folded
+        wt = self.w.t()  # a view of a weight: left alone (free at run time)
+        big = torch.ones(1).expand(600, 1000).clone()  # 2.4 MB from 4 bytes: cheaper to compute
+        self.steps.add_(1.0)  # state: never folded
+        noise = torch.rand(6)  # random: never folded
+        return (x @ wt) * scale + self.steps + noise.sum() * 0, x.sum() + big
+
+
+def test_only_input_independent_deterministic_small_results_fold():
+    ep = decompose(torch.export.export(Mixed(), (torch.randn(3, 6),)))
+    folded = fold_constants(ep, state={"steps"})
+    values = [ep.constants[s.target] for s in ep.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"]
+    assert len(folded) == 1 and values[0].shape == (6,)
+    torch.testing.assert_close(values[0], torch.arange(6, dtype=torch.float32).exp())
+    ops = {str(n.target) for n in ep.graph_module.graph.nodes if n.op == "call_function"}
+    assert {"aten.rand.default", "aten.permute.default"} <= ops or {"aten.rand.default", "aten.t.default"} <= ops
+    assert any("expand" in op for op in ops)  # the large result stays a computation
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_folded_program_matches_eager_and_keeps_state(fold):
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(4))
+            self.register_buffer("table", torch.arange(4, dtype=torch.float32))
+
+        def forward(self, x):
+            self.count.add_(1.0)
+            return x * (self.table * 2 + 1).sin() + self.count
+
+    model, x = Counter(), torch.randn(4)
+    lowered = _lower(model, (x,), fold_constants=fold)
+    assert (lowered.reports["forward"].folded != []) == fold
+    method = lowered.load("simulated").load_method("forward")
+    eager = Counter()
+    for _ in range(2):
+        torch.testing.assert_close(method(x), eager(x))
+
+
+def test_a_graph_reading_only_inputs_is_unchanged():
+    ep = decompose(torch.export.export(Fn(lambda x: (x * 2).sum()), (torch.randn(5),)))
+    before = len(ep.graph_module.graph.nodes)
+    assert fold_constants(ep) == [] and len(ep.graph_module.graph.nodes) == before

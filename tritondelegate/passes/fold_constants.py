@@ -1,0 +1,157 @@
+"""Constant folding at lower time: subgraphs that depend on no method input run once, in ``lower()``.
+
+Causal masks built from ``arange`` and comparisons, rotary cos/sin tables, position ids and products
+of ``inv_freq`` for a static shape are the same on every call; today they would cost launches on
+every call. This pass evaluates each maximal input-independent subgraph on the CPU with the real
+constant values and replaces the nodes other work reads by new lifted constants (resident like any
+other constant). It runs on the decomposed graph before partitioning.
+
+Not folded: anything that reads a method input or program state (state changes between calls),
+random or side-effecting ops, subgraphs of views only (a view of a weight costs nothing at run time,
+and folding it would store a copy), and results larger than ``max(inputs read, 1 MiB)`` (a big mask
+computed from two ``arange`` is cheaper to compute than to hold and load).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
+
+from ..kernels.registry import lookup
+
+MAX_GROWTH_BYTES = 1 << 20
+FOLDED_PREFIX = "_folded_constant"
+
+
+def _nbytes(val) -> int:
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _constant_inputs(ep, state: set[str]) -> dict[torch.fx.Node, torch.Tensor]:
+    """Placeholder node -> its value, for parameters, buffers that are not state, lifted constants."""
+    values = {**ep.state_dict, **ep.constants}
+    nodes = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    out = {}
+    for spec in ep.graph_signature.input_specs:
+        kinds = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+        if spec.kind in kinds and spec.target not in state and spec.target in values:
+            out[nodes[spec.arg.name]] = values[spec.target]
+    return out
+
+
+def _foldable_op(node: torch.fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    if schema.is_mutable or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return False
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded not in tags and not target.name().startswith("aten::rand")
+
+
+def _foldable_nodes(graph: torch.fx.Graph, constants: dict) -> set[torch.fx.Node]:
+    foldable: set[torch.fx.Node] = set(constants)
+    for node in graph.nodes:
+        if node.op == "call_function" and (_foldable_op(node) or node.target is operator.getitem):
+            if all(arg in foldable for arg in node.all_input_nodes):
+                foldable.add(node)
+    return foldable
+
+
+def _is_view_only(node: torch.fx.Node, constants: dict) -> bool:
+    """Whether ``node`` is a placeholder or views of one and nothing else."""
+    while node not in constants:
+        spec = lookup(node.target) if node.op == "call_function" else None
+        if spec is None or not spec.is_view or len(node.all_input_nodes) != 1:
+            return False
+        node = node.all_input_nodes[0]
+    return True
+
+
+def fold_constants(ep: torch.export.ExportedProgram, state: set[str] = frozenset()) -> list[str]:
+    """Fold in place; returns the names of the nodes replaced by constants."""
+    graph = ep.graph_module.graph
+    constants = _constant_inputs(ep, set(state))
+    foldable = _foldable_nodes(graph, constants)
+    frontier = [
+        n for n in graph.nodes
+        if n in foldable and n not in constants and isinstance(n.meta.get("val"), torch.Tensor)
+        and any(u not in foldable for u in n.users) and not _is_view_only(n, constants)
+    ]
+    if not frontier:
+        return []
+    values = _evaluate(graph, constants, foldable)
+    folded = []
+    for node in frontier:
+        value = values[node]
+        read = sum(_nbytes(values[p]) for p in _placeholders_under(node, constants))
+        if _nbytes(value) > max(read, MAX_GROWTH_BYTES):
+            continue
+        _replace_with_constant(ep, node, value.contiguous())
+        folded.append(node.name)
+    if folded:
+        _drop_dead(ep)
+    return folded
+
+
+def _evaluate(graph: torch.fx.Graph, constants: dict, foldable: set) -> dict:
+    values: dict[torch.fx.Node, object] = dict(constants)
+    for node in graph.nodes:
+        if node in foldable and node not in constants:
+            args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: values[n])
+            with torch.no_grad():
+                values[node] = node.target(*args, **kwargs)
+    return values
+
+
+def _placeholders_under(node: torch.fx.Node, constants: dict) -> set[torch.fx.Node]:
+    seen, stack, found = set(), [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in constants:
+            found.add(n)
+        stack.extend(n.all_input_nodes)
+    return found
+
+
+def _replace_with_constant(ep, node: torch.fx.Node, value: torch.Tensor) -> None:
+    graph = ep.graph_module.graph
+    index = sum(1 for n in graph.nodes if n.op == "placeholder" and n.name.startswith(FOLDED_PREFIX))
+    name = f"{FOLDED_PREFIX}_{index}"
+    while name in ep.constants:
+        index += 1
+        name = f"{FOLDED_PREFIX}_{index}"
+    specs = list(ep.graph_signature.input_specs)
+    first_user_input = next((i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT), len(specs))
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[first_user_input] if first_user_input < len(placeholders) else None
+    with graph.inserting_before(anchor) if anchor is not None else graph.inserting_after(placeholders[-1]):
+        placeholder = graph.placeholder(name)
+    placeholder.meta["val"] = node.meta["val"]
+    node.replace_all_uses_with(placeholder)
+    specs.insert(first_user_input, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(name), name))
+    ep.graph_signature.input_specs[:] = specs
+    ep.constants[name] = value
+
+
+def _drop_dead(ep) -> None:
+    """Remove the nodes no one reads any more, and constant placeholders left without readers
+    (a mutated buffer stays: the method writes it back)."""
+    graph = ep.graph_module.graph
+    graph.eliminate_dead_code()
+    mutated = set(ep.graph_signature.buffers_to_mutate.values())
+    kinds = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    specs = ep.graph_signature.input_specs
+    drop = [s for s in specs if s.kind in kinds and s.target not in mutated and not placeholders[s.arg.name].users]
+    for spec in drop:
+        graph.erase_node(placeholders[spec.arg.name])
+    specs[:] = [s for s in specs if s not in drop]
+    ep.graph_module.recompile()

@@ -41,6 +41,7 @@ import triton.language as tl
 from torch import nn
 
 import tritondelegate as td
+from tritondelegate.kernels.traffic import method_traffic
 from tritondelegate.models import MLP, demo_decoder
 
 DEVICE = "cuda" if torch.cuda.is_available() else "simulated"
@@ -297,12 +298,15 @@ class Prepared:
         def call():
             return method(*args, stream=stream)
 
+        # The program's traffic model (kernels/traffic.py): the same for every lowered mode of a model.
+        traffic = method_traffic(next(m for m in program.program.methods if m.name == "forward"))
+
         def facts(out):
             s = method.stats
             return self._facts(
                 mode, out, device=program.device, load_h2d_bytes=s.load_h2d_bytes, call_h2d_bytes=s.call_h2d_bytes,
                 call_d2h_bytes=s.call_d2h_bytes, call_copies=s.call_copies, launches_per_call=s.launches_per_call,
-                synchronizations_per_call=s.synchronizations_per_call,
+                synchronizations_per_call=s.synchronizations_per_call, traffic=traffic,
             )
 
         return call, facts

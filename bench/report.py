@@ -1,7 +1,8 @@
 """``python -m bench.report RESULTS.json [MORE.json ...] [--plot PATH | --no-plot]``
 
 Prints markdown tables from pytest-benchmark JSON written by ``pytest bench/``: latency per mode with
-the ratios per_call_copy/resident, resident/eager and resident_io/eager; bytes copied per call and at
+the ratios per_call_copy/resident, resident/eager and resident_io/eager, and the modelled traffic per
+call next to its lower bound; bytes copied per call and at
 load; load time against the measured copy bandwidth; the host cost of one kernel launch; decode
 tokens/s of generation with a KV cache per mode, with bytes and launches per step and memory. Writes a PNG
 plot of latency against weight bytes per mode when matplotlib is installed (``pip install
@@ -42,6 +43,13 @@ def _ratio(a, b) -> str:
     return "—" if a is None or not b else f"{a / b:.2f}x"
 
 
+def _traffic(t: dict | None) -> str:
+    """A method's modelled traffic per call (kernels/traffic.py) next to its lower bound."""
+    if not t:
+        return "—"
+    return f"{_bytes(t['bytes'])} ({_bytes(t['lower_bound'])}, {t['ratio']:.2f}x)"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -72,6 +80,7 @@ def collect(benchmarks: list[dict]):
     """{model: {mode: benchmark}}, {model: {kind: benchmark}}, {(ops, impl): benchmark},
     {model: {mode: benchmark}} (generation), in run order."""
     latency, load, launch, generation = defaultdict(dict), defaultdict(dict), {}, defaultdict(dict)
+    runtime = []  # the runtime's own host cost (null device) and the time to a first result
     for b in benchmarks:
         info = b.get("extra_info", {})
         kind = _kind(b)
@@ -83,7 +92,26 @@ def collect(benchmarks: list[dict]):
             launch[(info["ops"], info["impl"])] = b
         elif kind == "test_generation":
             generation[info["model"]][info["mode"]] = b
-    return latency, load, launch, generation
+        elif kind in ("test_null_device_overhead", "test_first_call"):
+            runtime.append(b)
+    return latency, load, launch, generation, runtime
+
+
+def runtime_section(runtime: list[dict]) -> str:
+    rows = []
+    for b in runtime:
+        info = b.get("extra_info", {})
+        if _kind(b) == "test_null_device_overhead":
+            rows.append([f"{info['model']}: runtime host cost, null device, {info['mode']}",
+                         f"{info['us_per_call']:.1f} µs per call", f"{info['us_per_launch']:.2f} µs per launch "
+                         f"({info['launches_per_call']} launches)"])
+        else:
+            rows.append([f"{info['model']}: first result in a fresh process, {info['mode']}",
+                         f"{info['first_call_s']:.2f} s", info.get("arch", "")])
+    return "\n".join(["## Runtime overhead and first call", "",
+                      "The null device does every step of a call except the copies and launches themselves; "
+                      "the first call is a new process with an empty Triton cache.", "",
+                      _table(["what", "time", "detail"], rows), ""])
 
 
 def _bandwidth(load: dict, model: str) -> float | None:
@@ -98,7 +126,8 @@ def _bandwidth(load: dict, model: str) -> float | None:
 
 def latency_section(latency: dict, load: dict) -> str:
     modes = [m for m in MODES if any(m in by_mode for by_mode in latency.values())]
-    header = ["model", "weights", "launches/call", *[f"{m} (ms)" for m in modes],
+    header = ["model", "weights", "launches/call", "modelled traffic (lower bound, ratio)",
+              *[f"{m} (ms)" for m in modes],
               "per_call_copy / resident", "resident / eager", "resident_io / eager",
               "resident_graphs / eager"]
     rows = []
@@ -106,8 +135,9 @@ def latency_section(latency: dict, load: dict) -> str:
         t = {m: _median(b) for m, b in by_mode.items()}
         any_b = next(iter(by_mode.values()))["extra_info"]
         launches = next((b["extra_info"].get("launches_per_call") for m, b in by_mode.items() if m in LOWERED), None)
+        traffic = next((b["extra_info"].get("traffic") for m, b in by_mode.items() if m in LOWERED), None)
         rows.append([model, _bytes(any_b["weight_bytes"]), launches if launches is not None else "—",
-                     *[_ms(t.get(m)) for m in modes],
+                     _traffic(traffic), *[_ms(t.get(m)) for m in modes],
                      _ratio(t.get("per_call_copy"), t.get("resident")),
                      _ratio(t.get("resident"), t.get("eager")),
                      _ratio(t.get("resident_io"), t.get("eager")),
@@ -303,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     if not benchmarks:
         print(f"no benchmarks in {', '.join(args.results)}", file=sys.stderr)
         return 1
-    latency, load, launch, generation = collect(benchmarks)
+    latency, load, launch, generation, runtime = collect(benchmarks)
     sections = [machine_section(machine)]
     if latency:
         sections.append(latency_section(latency, load))
@@ -313,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         sections.append(launch_section(launch))
     if generation:
         sections.append(generation_section(generation))
+    if runtime:
+        sections.append(runtime_section(runtime))
     print("\n".join(sections))
     if latency and not args.no_plot:
         path = args.plot or os.path.splitext(args.results[0])[0] + ".png"

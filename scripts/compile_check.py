@@ -210,6 +210,27 @@ def _matmuls(dtype):
     return Fn(fn), tuple(_randn(*s, dtype=dtype) for s in shapes)
 
 
+def _epilogues(dtype, seq, kv):
+    """Decoder-shaped GEMMs (TinyLlama's 2048 -> 5632 MLP, 16 heads of 128) with what fusion folds into
+    their epilogues: SiLU(gate) * up, the residual add after down, bias + GELU, attention scores * scale
+    + mask, the attention output's transpose back to [batch, seq, heads, head_dim]; and the heaviest
+    epilogues there are: bias and four operand tiles, bias and three around a GELU."""
+    dim, hidden, heads = 2048, 5632, 16
+    head_dim = dim // heads
+
+    def fn(x, res, wg, wu, wd, w1, b1, q, k, v, mask, r):
+        h = res + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+        g = F.gelu(F.linear(x, w1, b1))
+        scores = torch.softmax((q @ k.transpose(-1, -2)) * head_dim ** -0.5 + mask, -1)
+        heavy = ((F.linear(x, w1, b1) * r[0] + r[1]) * r[2] - r[3], (F.gelu(F.linear(x, w1, b1) * r[0]) + r[1]) * r[2])
+        return h, g, (scores @ v).transpose(1, 2).contiguous(), *heavy
+
+    shapes = [(1, seq, dim), (1, seq, dim), (hidden, dim), (hidden, dim), (dim, hidden), (hidden, dim),
+              (hidden,), (1, heads, seq, head_dim), (1, heads, kv, head_dim), (1, heads, kv, head_dim), (seq, kv),
+              (4, 1, seq, hidden)]
+    return Fn(fn), tuple(_randn(*s, dtype=dtype) for s in shapes)
+
+
 def _per_dtype(d) -> dict[str, callable]:
     """The cases run in each float dtype ``d``."""
     llama = dict(dim=512, n_layers=1, hidden_dim=1376)
@@ -239,6 +260,8 @@ def _per_dtype(d) -> dict[str, callable]:
         "creation": lambda: _creation(d),
         "pointwise": lambda: _pointwise(d),
         "matmul": lambda: _matmuls(d),
+        "epilogue_prefill": lambda: _epilogues(d, 384, 384),
+        "epilogue_decode": lambda: _epilogues(d, 1, 512),
     }
 
 

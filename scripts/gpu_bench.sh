@@ -6,6 +6,7 @@
 # Results go to $OUT when it is set (the device machine's output folder), else to bench/results/:
 #   gpu-env.txt           versions, GPU, nvidia-smi
 #   gpu-launch.json       host cost of one kernel launch
+#   gpu-runtime.json      runtime host cost per launch (null device), first call JIT vs kernel binaries
 #   gpu-small.json        latency per mode and load time vs copy bandwidth, the small models together
 #   gpu-<case>.json       the same, one file per large model (or per model for SIZES other than default)
 #   gpu-generation.json   decode tokens/s with a KV cache: cache copied per call, program state on the
@@ -66,6 +67,8 @@ step() {
 }
 
 step launch bench/test_launch.py
+# The runtime's own host cost (null device) and the time to a first result, JIT vs kernel binaries.
+step runtime bench/test_overhead.py bench/test_first_call.py
 # Generation (DESIGN.md's first workload): SIZES=quick runs its small model only, anything else both.
 step generation bench/test_generation.py --bench-sizes "$([[ "$SIZES" == quick ]] && echo quick || echo default)"
 if [[ "$SIZES" == default ]]; then

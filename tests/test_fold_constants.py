@@ -85,3 +85,18 @@ def test_a_graph_reading_only_inputs_is_unchanged():
     ep = decompose(torch.export.export(Fn(lambda x: (x * 2).sum()), (torch.randn(5),)))
     before = len(ep.graph_module.graph.nodes)
     assert fold_constants(ep) == [] and len(ep.graph_module.graph.nodes) == before
+
+
+def test_dynamic_dimensions_are_refused_with_what_to_do():
+    from torch.export import Dim
+
+    from tritondelegate.models import MLP
+
+    model, x = MLP([8, 16, 4]).eval(), torch.randn(5, 8)
+    bounded = torch.export.export(model, (x,), dynamic_shapes={"x": {0: Dim("batch", max=33)}})
+    with pytest.raises(ValueError, match=r"input 'x' dimension 0 is dynamic \(s\d+, bounded 0\.\.33\).*"
+                                         r"export one method per size"):
+        td.lower(bounded)
+    unbounded = torch.export.export(model, (x,), dynamic_shapes={"x": {0: Dim("batch")}})
+    with pytest.raises(ValueError, match=r"without an upper bound \(bound it with torch.export.Dim\(\.\.\., max=N\)\)"):
+        td.lower({"forward": unbounded})

@@ -72,7 +72,7 @@ def _plan() -> DelegatePlan:
                    {"BLOCK": Arg(KArgKind.INT, 128), "SCALE": Arg(KArgKind.FLOAT, -1.5),
                     "EVEN": Arg(KArgKind.BOOL, False), "MODE": Arg(KArgKind.STR, "ieee"),
                     "EXTRA": Arg(KArgKind.TENSOR, 3)},
-                   op="aten::add.Tensor"),
+                   op="aten::add.Tensor", bytes_read=2**40, bytes_written=96, flops=12),
             Launch("copy_kernel", (7,), [Arg(KArgKind.TENSOR, 1)], {}, op=""),
         ],
         scratch_bytes=512,
@@ -588,6 +588,8 @@ BAD_FLATBUFFERS = [
     ("methods.0.delegates.0.plan.launches.0.constexprs.4.arg", None, "constexpr 4 has no value"),
     ("methods.0.delegates.0.plan", None, "delegate 0 has no launch plan"),
     ("methods.0.delegates.0.plan.scratchBytes", -1, "scratch_bytes is negative"),
+    ("methods.0.delegates.0.plan.launches.0.bytesRead", -1, r"launch 0 \('add_kernel'\) bytes_read is negative"),
+    ("methods.0.delegates.0.plan.launches.1.flops", -7, "flops is negative"),
     ("methods.0.instructions.3.args.10.sval", "complex7", "unknown dtype 'complex7'"),
     ("methods.0.instructions.3.args.12.sval", "weird_format", "unknown memory format"),
     ("methods.0.arenas.0.nbytes", -5, "arena 0 nbytes is negative"),
@@ -690,7 +692,7 @@ def test_vector_length_beyond_the_buffer_is_an_error_not_a_hang(tmp_path):
 
 
 def test_reader_imports_only_the_format():
-    allowed = {"__future__", "mmap", "os", "struct", "zlib", "enum", "torch", "safetensors", "..plan",
+    allowed = {"__future__", "json", "mmap", "os", "re", "struct", "zlib", "enum", "torch", "safetensors", "..plan",
                "..program", ".header", ".generated", ".validate"}
     for name in ("reader.py", "header.py", "validate.py"):
         tree = ast.parse((Path(__file__).parent.parent / "tritondelegate" / "serialize" / name).read_text())

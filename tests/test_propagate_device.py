@@ -207,7 +207,9 @@ class SharedWithHost(torch.nn.Module):
 
 def test_constant_also_read_by_a_host_op_is_copied_without_hint():
     model = SharedWithHost()
-    lowered, messages = lower(model, ARGS1, OpPartitioner(aten.add.Tensor, ["cuda:0"]), RESIDENT)
+    # sort(w) reads no input: constant folding would compute it once in lower(); here it must run.
+    config = td.LowerConfig(propagate_device=RESIDENT, fold_constants=False)
+    lowered, messages = lower(model, ARGS1, OpPartitioner(aten.add.Tensor, ["cuda:0"]), lower_config=config)
     assert resident(lowered) == []
     assert ("h2d", "w", "cuda:0") in copies(lowered)
     (msg,) = messages
@@ -279,7 +281,8 @@ def test_error_on_per_call_copies_raises_for_constants_only():
     # skip_h2d_for_constants without skip_h2d_for_method_inputs: a constant still copied raises.
     cfg = td.PropagateDeviceConfig(skip_h2d_for_constants=True, error_on_per_call_copies=True)
     with pytest.raises(td.PerCallCopyError, match="host op 'sort'"):
-        lower(SharedWithHost(), ARGS1, OpPartitioner(aten.add.Tensor, ["cuda:0"]), cfg)
+        lower(SharedWithHost(), ARGS1, OpPartitioner(aten.add.Tensor, ["cuda:0"]),
+              lower_config=td.LowerConfig(propagate_device=cfg, fold_constants=False))
 
 
 def test_per_method_configs_in_a_two_method_program():

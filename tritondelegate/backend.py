@@ -1,7 +1,8 @@
 """The Triton delegate backend: a delegate subgraph -> a launch plan (see ``plan.py``).
 
 Nodes are lowered in order through the kernel registry; ``getitem`` picks an element of a
-multi-output node. The builder packs temporaries into the delegate's scratch block.
+multi-output node. The builder packs temporaries into the delegate's scratch block; the traffic model
+(``kernels/traffic.py``) then records each launch's bytes and FLOPs.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import operator
 
 import torch.fx
 
-from .kernels import registry
+from .kernels import registry, traffic
 from .kernels.builder import LaunchBuilder, LoweringError
 from .plan import DelegatePlan
 
@@ -48,4 +49,5 @@ def build_plan(
         except Exception as exc:
             raise LoweringError(f"lowering node {node.name!r} ({node.target}) failed: {exc}") from exc
     b.current = None
-    return b.finish(aliases)
+    # The traffic model of every launch, whatever the builder fused (kernels/traffic.py).
+    return traffic.annotate(b.finish(aliases))

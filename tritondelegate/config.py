@@ -80,6 +80,9 @@ class LowerConfig:
       for device outputs (default True). A skipped input is never planned.
     * ``fold_constants``: compute subgraphs that depend on no method input (causal masks, rotary
       tables for a static shape) once in ``lower()`` and store them as constants (default True).
+    * ``kernel_archs``: GPU archs (``"sm_80"``, ``"sm_86"``, ``"sm_89"``, ``"sm_90"``, ``"sm_100"``) to
+      compile every kernel variant for at lower time, on this machine, GPU or not; the binaries go in
+      the program file and a GPU with the same Triton runs them without compiling (default: none).
     """
 
     propagate_device: PropagateDeviceConfig | dict[str, PropagateDeviceConfig] = field(
@@ -90,6 +93,7 @@ class LowerConfig:
     alloc_graph_input: bool = True
     alloc_graph_output: bool = True
     fold_constants: bool = True
+    kernel_archs: tuple[str, ...] = ()
 
     def device_config(self, method: str) -> PropagateDeviceConfig:
         pd = self.propagate_device

@@ -1,7 +1,8 @@
 """``tritondelegate inspect PROGRAM``: what a program file holds, read without lowering anything.
 
-Methods with their inputs, outputs, delegates and launches; constants (resident where, or read on the
-host); program state; per-device segments and method arenas. It reads the file through the same
+Methods with their inputs, outputs, delegates and launches, and their modelled traffic (the bytes and
+FLOPs the launches record, summed, next to the method's lower bound); constants (resident where, or
+read on the host); program state; per-device segments and method arenas. It reads the file through the same
 validating reader as ``td.load`` and imports nothing of the lowering side.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .kernels.traffic import method_traffic, traffic_line
 from .program import InstrKind, Program, Role
 
 
@@ -28,6 +30,11 @@ def describe(program: Program) -> dict:
             for i, seg in enumerate(program.segments)
         ],
         "external_files": list(program.external_files),
+        "binaries": [
+            {"kernel": b.kernel, "arch": b.arch, "name": b.name, "bytes": b.nbytes,
+             "triton_version": b.triton_version}
+            for b in program.binaries
+        ],
     }
 
 
@@ -54,6 +61,7 @@ def _method(program: Program, m) -> dict:
         "copies_per_call": {"h2d": kinds[InstrKind.COPY_H2D], "d2h": kinds[InstrKind.COPY_D2H]},
         "state_written_back": [m.values[b].name for b, _ in m.mutated_buffers],
         "arenas": [{"device": a.device, "bytes": a.nbytes, "lower_bound_bytes": a.lower_bound} for a in m.arenas],
+        "traffic": method_traffic(m),
     }
 
 
@@ -91,6 +99,7 @@ def format_description(facts: dict) -> str:
             lines.append(f"    {d['name']} on {d['device']}: {d['launches']} launches ({kernels})")
         if m["state_written_back"]:
             lines.append(f"  state written back after each call: {', '.join(m['state_written_back'])}")
+        lines.append(f"  {traffic_line(m['traffic'], lambda n: f'{n} bytes')}")
         for a in m["arenas"]:
             lines.append(f"  arena {a['device']}: {a['bytes']} bytes (lower bound {a['lower_bound_bytes']})")
     total = sum(c["bytes"] for c in facts["constants"])
@@ -100,5 +109,12 @@ def format_description(facts: dict) -> str:
         lines.append(f"state {s['name']}: {s['bytes']} bytes on {s['device']}")
     for seg in facts["segments"]:
         lines.append(f"segment {seg['device']} {seg['kind']}: {seg['bytes']} bytes, {seg['slots']} slots")
+    by_arch: dict[str, list] = {}
+    for b in facts["binaries"]:
+        by_arch.setdefault(b["arch"], []).append(b)
+    for arch, binaries in sorted(by_arch.items()):
+        kernels = ", ".join(f"{k} x{n}" for k, n in Counter(b["kernel"] for b in binaries).items())
+        lines.append(f"kernel binaries {arch} (Triton {binaries[0]['triton_version']}): {len(binaries)}, "
+                     f"{sum(b['bytes'] for b in binaries)} bytes ({kernels})")
     return "\n".join(lines)
 

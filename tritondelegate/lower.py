@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .binaries import check_archs, compile_binaries
 from .config import LowerConfig
 from .decompose import decompose
 from .emit import ConstantTable, LoweringError, NodeInfo, emit_method
@@ -35,9 +36,10 @@ class LoweredProgram:
     memory with :meth:`load`."""
 
     def __init__(self, program: Program, constant_data: list[torch.Tensor], reports: dict[str, MethodReport],
-                 state: dict[str, StateBuffer] | None = None):
+                 state: dict[str, StateBuffer] | None = None, binary_data: list[bytes] | None = None):
         self.program = program
         self.constant_data = constant_data
+        self.binary_data = binary_data or []  # the bytes of program.binaries
         self.reports = reports
         self.state = state or {}  # FQN -> where the state buffer lives and why
 
@@ -54,13 +56,13 @@ class LoweredProgram:
             # Recorded by name, next to the program file: "model.tdp" -> "model.weights.safetensors".
             stem = os.path.splitext(os.path.basename(path))[0]
             self.program.external_files = [f"{stem}.weights.safetensors"]
-        return save_program(self.program, self.constant_data, path)
+        return save_program(self.program, self.constant_data, path, binary_data=self.binary_data)
 
     def load(self, devices="auto"):
         """Run without a file: the same runtime, with constants read from memory."""
         from .runtime.loader import InMemorySource, LoadedProgram
 
-        return LoadedProgram(InMemorySource(self.program, self.constant_data), devices=devices)
+        return LoadedProgram(InMemorySource(self.program, self.constant_data, self.binary_data), devices=devices)
 
     def summary(self) -> str:
         from .summary import format_summary
@@ -88,6 +90,7 @@ def lower(
         raise TypeError("lower() takes an ExportedProgram or a non-empty dict of method name -> ExportedProgram")
     partitioner = TritonPartitioner() if partitioner is None else partitioner
     config = LowerConfig() if config is None else config
+    check_archs(config.kernel_archs)
     decomposed = {name: _decompose(name, ep, partitioner) for name, ep in programs.items()}
     # Mutations are explicit once functionalized: state is what any decomposed method writes back.
     mutated = {fqn for ep in decomposed.values() for fqn in ep.graph_signature.buffers_to_mutate.values()}
@@ -103,20 +106,48 @@ def lower(
         methods.append(method)
     program = Program(methods, constants.constants)
     plan_slots(program)
+    binary_data = []
+    if config.kernel_archs:
+        compiled = compile_binaries(program, config.kernel_archs)
+        program.binaries, binary_data = compiled.binaries, compiled.data
     external = [i for i, c in enumerate(program.constants) if config.is_external(c.name)]
     if external:
         program.external_files = ["weights.safetensors"]
         for i in external:
             program.constants[i].external = 0
-    return LoweredProgram(program, constants.data, reports, state)
+    return LoweredProgram(program, constants.data, reports, state, binary_data)
 
 
 def _decompose(name: str, ep, partitioner: Partitioner) -> torch.export.ExportedProgram:
     if not isinstance(ep, torch.export.ExportedProgram):
         raise TypeError(f"method {name!r}: expected an ExportedProgram, got {type(ep).__name__}")
+    _refuse_dynamic_shapes(name, ep)
     ep = decompose(ep, keep=partitioner.ops_to_not_decompose(ep))
     fold_repeat_kv(ep.graph_module)
     return ep
+
+
+def _refuse_dynamic_shapes(name: str, ep) -> None:
+    """Programs run with the shapes they were exported with; a dynamic dimension is refused up front,
+    naming it, rather than lowered into a program that only accepts the example's size."""
+    for node in ep.graph_module.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        for dim, size in enumerate(val.shape):
+            if isinstance(size, int):
+                continue
+            bounds = ep.range_constraints.get(size.node.expr)
+            upper = getattr(bounds, "upper", None)
+            bounded = upper is not None and bool(getattr(upper, "is_Integer", False))  # not sympy's or torch's oo
+            how = (f"bounded {bounds.lower}..{upper}" if bounded
+                   else "without an upper bound (bound it with torch.export.Dim(..., max=N))")
+            raise LoweringError(
+                f"method {name!r}: input {node.name!r} dimension {dim} is dynamic ({size}, {how}). tritondelegate "
+                "plans memory and launches for static shapes: export with concrete example shapes (no "
+                "dynamic_shapes), or export one method per size you need into one program (they share the "
+                "weights and the state)."
+            )
 
 
 def _partition(name: str, ep, partitioner: Partitioner, config: LowerConfig, state: set[str]) -> MethodGraph:

@@ -56,13 +56,17 @@ class Attention(nn.Module):
         mask = torch.full((cfg.max_seq_len, cfg.max_seq_len), float("-inf")).triu(1)
         self.register_buffer("causal_mask", mask, persistent=False)
 
-    def forward(self, x, cos, sin):
+    def project(self, x, cos, sin):
+        """q, k, v as [b, heads, seq, head_dim], rotary embedding applied to q and k."""
         b, seq, _ = x.shape
         q = self.q_proj(x).view(b, seq, self.cfg.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, seq, self.cfg.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, seq, self.cfg.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def forward(self, x, cos, sin):
+        b, seq, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         groups = self.cfg.n_heads // self.cfg.n_kv_heads
         k = k[:, :, None].expand(b, self.cfg.n_kv_heads, groups, seq, self.head_dim).reshape(b, -1, seq, self.head_dim)
         v = v[:, :, None].expand(b, self.cfg.n_kv_heads, groups, seq, self.head_dim).reshape(b, -1, seq, self.head_dim)
@@ -168,11 +172,7 @@ class KVCacheAttention(Attention):
 
     def forward(self, x, cos, sin, input_pos, mask):
         b, seq, _ = x.shape
-        q = self.q_proj(x).view(b, seq, self.cfg.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, seq, self.cfg.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, seq, self.cfg.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.project(x, cos, sin)
         self.k_cache.index_copy_(2, input_pos, k)
         self.v_cache.index_copy_(2, input_pos, v)
         k, v = self.k_cache, self.v_cache

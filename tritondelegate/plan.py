@@ -61,6 +61,11 @@ class Launch:
     args: list[Arg]
     constexprs: dict[str, Arg] = field(default_factory=dict)
     op: str = ""  # the ATen node this launch came from, for stats and errors
+    # The traffic model (kernels/traffic.py, filled in by ``traffic.annotate``): the bytes this launch
+    # must read and write, each tensor view counted by the distinct bytes it spans, and its FLOPs.
+    bytes_read: int = 0
+    bytes_written: int = 0
+    flops: int = 0
 
 
 @dataclass

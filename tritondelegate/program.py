@@ -166,6 +166,22 @@ class Slot:
 
 
 @dataclass
+class KernelBinary:
+    """One compiled kernel variant (``LowerConfig(kernel_archs=...)``): the bytes Triton's cache keeps
+    for it under ``cache_key``, with the metadata file Triton writes beside them."""
+
+    kernel: str  # registry name of the kernel it was compiled from
+    arch: str  # "sm_90"
+    triton_version: str
+    cache_key: str  # Triton's cache key (the hash ``triton.compile`` computes)
+    name: str  # the compiled function's name
+    metadata: str  # Triton's metadata JSON for it
+    nbytes: int
+    checksum: int  # crc32 of the bytes
+    data_offset: int = 0  # in the program's data segment
+
+
+@dataclass
 class Program:
     methods: list[Method]
     constants: list[Constant]
@@ -173,3 +189,4 @@ class Program:
     version: int = FORMAT_VERSION
     segments: list[Segment] = field(default_factory=list)
     slots: list[Slot] = field(default_factory=list)
+    binaries: list[KernelBinary] = field(default_factory=list)

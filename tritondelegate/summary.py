@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .kernels.traffic import method_traffic, traffic_line
+
 
 def _bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -33,6 +35,7 @@ def method_facts(lowered, name: str) -> dict:
             {"device": a.device, "bytes": a.nbytes, "lower_bound_bytes": a.lower_bound, "alignment": a.alignment}
             for a in method.arenas
         ],
+        "traffic": method_traffic(method),
     }
 
 
@@ -72,6 +75,7 @@ def format_summary(lowered) -> str:
             lines.append(f"  computed once by lower() (constant folding): {', '.join(f['folded'])}")
         if f["state_in_place"]:
             lines.append(f"  state updated in place: {', '.join(f['state_in_place'])}")
+        lines.append(f"  {traffic_line(f['traffic'], _bytes)}")
         for a in f["arenas"]:
             ratio = a["bytes"] / a["lower_bound_bytes"] if a["lower_bound_bytes"] else 1.0
             lines.append(

@@ -8,10 +8,11 @@ marked ``td_inplace``) writes into ``b.ref(self)``, says so with ``b.writes_in_p
 the node to that ref.
 
 Every temporary lives in a logical buffer. At :meth:`LaunchBuilder.finish`, chains of pointwise
-launches are fused (``fusion.py``), buffers that hold a delegate output become that output's slot, and
-the rest are packed into the delegate's scratch block with the same greedy planner the method uses,
-from lifetimes read off the final launch list. With ``finish(aliases={})``, an output that is a whole
-delegate input written in place gets no buffer of its own: it is recorded as an alias of that input.
+launches are fused, also into the epilogue of a matmul whose result only they read (``fusion.py``),
+buffers that hold a delegate output become that output's slot, and the rest are packed into the
+delegate's scratch block with the same greedy planner the method uses, from lifetimes read off the
+final launch list. With ``finish(aliases={})``, an output that is a whole delegate input written in
+place gets no buffer of its own: it is recorded as an alias of that input.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class LaunchBuilder:
         self._launches: list[Launch] = []
         # launch position -> what that "pointwise" launch computes (elementwise.PointwiseOp), for fusion
         self.pointwise: dict[int, object] = {}
+        # launch position -> what that "matmul" launch computes (matmul.MatmulOp), for epilogue fusion
+        self.matmul: dict[int, object] = {}
         self._values: dict[torch.fx.Node, object] = {}
         self._outputs = outputs
         # node name -> buffers its launches write although it did not allocate them (writes_in_place)
@@ -291,8 +294,9 @@ class LaunchBuilder:
         return {self._refs[a.value].buffer for a in launch.args if a.kind == ArgKind.TENSOR}
 
     def _fuse(self, fusion) -> None:
-        """Merge chains of pointwise launches (``fusion.py``). Buffers that hold a delegate output, or
-        that a delegate output views, are never fused away."""
+        """Merge chains of pointwise launches, and a chain that alone reads a matmul's result into that
+        matmul's epilogue (``fusion.py``). Buffers that hold a delegate output, or that a delegate
+        output views, are never fused away."""
         touched = [self._touched(launch) for launch in self._launches]
         # What each launch may write: a pointwise launch its output; any other kernel the buffers its
         # own node allocated and those the node declared with writes_in_place.
@@ -304,10 +308,10 @@ class LaunchBuilder:
         ]
         keep = {self.ref(node).buffer for node in self._outputs}
         keep |= {i for i, buf in enumerate(self._buffers) if buf.base != Base.SCRATCH}
-        result = fusion.fuse_pointwise_chains(self._launches, self.pointwise, touched, writes, keep)
+        result = fusion.fuse(self._launches, self.pointwise, self.matmul, touched, writes, keep)
         if result.changed:
             self._launches = result.launches
-            self.pointwise = {}  # positions moved; nothing after this point fuses
+            self.pointwise, self.matmul = {}, {}  # positions moved; nothing after this point fuses
 
     def _lifetimes(self) -> None:
         """First and last launch touching each buffer, from the final launch list."""

@@ -138,8 +138,8 @@ def unravel5(offs, d1, d2, d3, d4):
 @triton.jit
 def _operand(ptr, scalar, i0, i1, i2, i3, i4, s0, s1, s2, s3, s4, mask,
              IS_SCALAR: tl.constexpr, CT: tl.constexpr):
-    if IS_SCALAR:
-        v = tl.zeros(i0.shape, dtype=tl.int1) | True
+    if IS_SCALAR:  # a tile of the scalar, shaped like the mask (i0 may be a scalar: a matmul's batch)
+        v = tl.zeros(mask.shape, dtype=tl.int1) | True
         v = tl.where(v, scalar, scalar)
     else:
         v = tl.load(ptr + i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3 + i4 * s4, mask=mask, other=0)
@@ -179,6 +179,7 @@ def pointwise_kernel(
     tl.store(out_ptr + out_offs, r.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# One step of a chain, also a matmul epilogue's (matmul.py): r = OP(r, p[i]), OP(p[i], r) or OP(r).
 @triton.jit
 def _chain_step(r, ptr, scalar, i0, i1, i2, i3, i4, s0, s1, s2, s3, s4, mask,
                 OP: tl.constexpr, ARITY: tl.constexpr, SWAP: tl.constexpr, IS_SCALAR: tl.constexpr,

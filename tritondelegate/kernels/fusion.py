@@ -28,6 +28,30 @@ P merges into C when all of these hold:
 A ``copy`` consumer (a cast, e.g. RMSNorm's ``.to(x.dtype)``) adds no op: the chain's store casts to
 its dtype. A chain is linear (one running value): launches are visited in order, and of a consumer's
 operands the first whose producer qualifies is merged.
+
+Then matmul epilogues: a chain whose running value starts from a matmul's result runs in that
+matmul's kernel, on the accumulator tile before the store (``matmul.epilogue_launch``):
+
+    M:  t = A @ B (+ bias)               t a scratch buffer only M writes and only C reads
+    C:  u = h(t, c, d)       ->    M':  u = h(A @ B (+ bias), c, d)     one launch at C's place
+
+This folds a linear's activation, ``silu(gate) * up``, a scale or mask on attention scores, a
+residual add and a cast into the GEMM. M merges into C when all of these hold:
+  - M is the whole product in one launch; C is a pointwise launch or chain in fp32 compute;
+  - t's buffer is scratch, touched by no launch but M and C, and neither a delegate output nor
+    viewed by one;
+  - C's chain reads t once, as the first op's operand (the running value starts from t: step 0 is
+    then ``r = OP0(r, other)``, swapped when t was the right operand of a non-commutative op);
+  - C reads t elementwise, without broadcasting: its view of t is t's elements in some order, so each
+    element of C's result maps to one element (z, m, n) of the product; every other operand and C's
+    result are then addressed by [Z, M, N] strides (a reshape of theirs that PyTorch could view), else
+    no merge. A transpose of t (``(q @ k).transpose(1, 2).contiguous()``) maps too: the product is
+    stored in the consumer's layout;
+  - no launch between M and C may write A, B or the bias (M's reads move to C's place, as P's do).
+
+The chain starts from t rounded to its dtype (eager stores it so), then keeps fp32 as chains do.
+In ``silu(gate(x)) * up(x)`` the chain ``silu, mul`` reads gate's result first: gate's matmul moves
+after up's and reads up's result in its epilogue.
 """
 
 from __future__ import annotations
@@ -39,6 +63,7 @@ import torch
 
 from ..plan import Arg, ArgKind, Launch
 from . import elementwise as ew
+from . import matmul as mm
 from .builder import TRef
 
 # r may stand on either side of these: no SWAP flag, fewer kernel variants
@@ -135,21 +160,45 @@ def _launch(chain: _Chain) -> Launch:
     )
 
 
-def fuse_pointwise_chains(
-    launches: list[Launch], pointwise: dict, touched: list[set[int]], writes: list[set[int]], keep: set[int]
+def fuse(
+    launches: list[Launch], pointwise: dict, matmuls: dict, touched: list[set[int]], writes: list[set[int]],
+    keep: set[int],
 ) -> FusionResult:
-    """Merge pointwise producers into their consumers.
+    """Merge pointwise producers into their consumers, then chains into matmul epilogues.
 
-    ``pointwise`` maps a launch position to its ``elementwise.PointwiseOp``; ``touched[i]`` and
-    ``writes[i]`` are the buffers launch ``i`` passes and may write; buffers in ``keep`` (delegate
-    inputs and outputs) are never fused away. Launches keep their order; a fused chain takes its last
-    op's place.
+    ``pointwise`` maps a launch position to its ``elementwise.PointwiseOp``, ``matmuls`` to its
+    ``matmul.MatmulOp``; ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may
+    write; buffers in ``keep`` (delegate inputs and outputs) are never fused away. Launches keep their
+    order; a fused chain, or a matmul with its epilogue, takes its last op's place.
     """
     users: dict[int, set[int]] = defaultdict(set)
     for position, buffers in enumerate(touched):
         for buf in buffers:
             users[buf].add(position)
-    touched = [set(t) for t in touched]
+    chains, merged_away = _merge_chains(launches, pointwise, [set(t) for t in touched], writes, keep, users)
+    epilogues = _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away)
+    if not merged_away:
+        return FusionResult(launches, False)
+    fused = [
+        epilogues[i] if i in epilogues
+        else _launch(chains[i]) if i in chains and len(chains[i].names) > 1
+        else launch
+        for i, launch in enumerate(launches)
+        if i not in merged_away
+    ]
+    return FusionResult(fused, True)
+
+
+def fuse_pointwise_chains(
+    launches: list[Launch], pointwise: dict, touched: list[set[int]], writes: list[set[int]], keep: set[int]
+) -> FusionResult:
+    """:func:`fuse` without matmul epilogues."""
+    return fuse(launches, pointwise, {}, touched, writes, keep)
+
+
+def _merge_chains(launches, pointwise, touched, writes, keep, users) -> tuple[dict[int, _Chain], set[int]]:
+    """(position -> the chain that launch computes, positions merged into a later chain); ``touched``
+    and ``users`` are updated as producers move to their consumers."""
     chains = {pos: c for pos, spec in pointwise.items() if (c := _Chain.of(spec, launches[pos].op, pos))}
     producer = {chain.out.buffer: pos for pos, chain in chains.items()}
     merged_away: set[int] = set()
@@ -175,11 +224,94 @@ def fuse_pointwise_chains(
             users[t.buffer] = set()
             touched[c] |= touched[p] - {t.buffer}
             break
-    if not merged_away:
-        return FusionResult(launches, False)
-    fused = [
-        _launch(chains[i]) if i in chains and len(chains[i].names) > 1 else launch
-        for i, launch in enumerate(launches)
-        if i not in merged_away
-    ]
-    return FusionResult(fused, True)
+    return chains, merged_away
+
+
+# --- matmul epilogues -----------------------------------------------------------------------------
+def _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away) -> dict[int, Launch]:
+    """Consumer position -> the matmul launch that now computes its chain; each matmul merged is added
+    to ``merged_away``."""
+    epilogues: dict[int, Launch] = {}
+    for m, op in sorted(matmuls.items()):
+        t = op.c
+        readers = users[t.buffer] - {m}
+        if t.buffer in keep or len(readers) != 1:
+            continue
+        (c,) = readers
+        if c < m or c not in chains or c in merged_away or c in epilogues:
+            continue
+        if any(r.buffer in writes[p] for r in op.reads for p in range(m + 1, c)):
+            continue  # an in-place update between M and C: M's reads may not move to C
+        launch = _epilogue_launch(op, chains[c], launches[m])
+        if launch is not None:
+            epilogues[c] = launch
+            merged_away.add(m)
+    return epilogues
+
+
+def _epilogue_launch(op: mm.MatmulOp, chain: _Chain, matmul: Launch) -> Launch | None:
+    """``matmul`` (computing ``op``) relaunched with ``chain`` as its epilogue, or None when the chain
+    does not start from the product or cannot be addressed in the product's [Z, M, N] walk."""
+    t = op.c
+    at = [k for k, s in enumerate(chain.slots) if isinstance(s, TRef) and s.buffer == t.buffer]
+    if (
+        chain.compute != "f32" or len(chain.steps) > mm.EPILOGUE_STEPS
+        or len(at) != 1 or at[0] > 1
+        or t.offset != 0 or not t.is_contiguous()
+        or any(r.buffer == chain.out.buffer for r in op.reads)
+    ):
+        return None
+    k = at[0]
+    shape = chain.out.shape
+    dims = _product_order(chain.slots[k], shape, t)
+    if dims is None:
+        return None
+    (op0, arity0, _), rest = chain.steps[0], chain.steps[1:]
+    steps = [(op0, arity0, k == 1 and op0 not in COMMUTATIVE)] + list(rest)
+    operands = []
+    for slot in [chain.slots[1 - k]] + chain.slots[2:]:
+        if isinstance(slot, TRef):
+            strides = _product_strides(shape, ew.broadcast_strides(slot, shape), dims, t.shape)
+            if strides is None:
+                return None
+            slot = (slot, strides)
+        operands.append(slot)
+    out_strides = _product_strides(shape, chain.out.strides, dims, t.shape)
+    if out_strides is None:
+        return None
+    grid, args, constexprs = mm.epilogue_launch(op, chain.out, out_strides, steps, operands)
+    return Launch(
+        kernel=matmul.kernel,
+        grid=grid,
+        args=[Arg(ArgKind.TENSOR, a.index) if isinstance(a, TRef) else Arg.of(a) for a in args],
+        constexprs={k: Arg.of(v) for k, v in constexprs.items()},
+        op="+".join([matmul.op] + chain.names),
+    )
+
+
+def _product_order(view: TRef, shape, t: TRef) -> list[int] | None:
+    """The dims of ``shape`` (size > 1), outermost first, in the order in which ``view`` (read over
+    ``shape``) walks the contiguous product ``t``; None unless ``view`` reads every element of ``t``
+    exactly once."""
+    if view.dtype != t.dtype or view.offset != t.offset:
+        return None
+    strides = ew.broadcast_strides(view, shape)
+    dims = sorted((d for d, n in enumerate(shape) if n != 1), key=lambda d: -strides[d])
+    expected = 1
+    for d in reversed(dims):
+        if strides[d] != expected:
+            return None
+        expected *= shape[d]
+    return dims if expected == t.numel else None
+
+
+def _product_strides(shape, strides, dims, target) -> tuple[int, ...] | None:
+    """``strides`` (a tensor read or written over ``shape``) as strides over the product's ``target``
+    [Z, M, N], its dims walked in ``dims`` order; None when no view of that shape exists (the reshape
+    PyTorch's ``view`` refuses)."""
+    sizes = [shape[d] for d in dims]
+    try:
+        meta = torch.empty_strided(sizes, [strides[d] for d in dims], device="meta")
+        return tuple(meta.view(target).stride())
+    except RuntimeError:
+        return None

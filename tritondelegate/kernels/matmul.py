@@ -6,21 +6,32 @@ A is [M, K], B is [K, N], C is [M, N] per batch entry; X (the bias) broadcasts t
 Every operand is addressed through explicit strides, so a transposed or permuted operand (``w.t()``,
 the weight of ``linear``, ``b.permute(0, 2, 1)``) is read in place, never copied. Products accumulate
 in fp32; fp32 operands are multiplied in IEEE fp32 (no TF32), as torch eager does by default.
+
+An epilogue (``fusion.py`` folds the pointwise chain that alone reads C into it) runs on the tile
+before the store, with the steps of ``elementwise.pointwise_chain_kernel`` and its ``_chain_step``:
+
+    r = round(C[z])   to C's own dtype, as eager stores it
+    r = OPk(r, Ek[z]) (or OPk(Ek[z], r) when ESWAPk, OPk(r) when unary)     k < EPILOGUE
+    C'[z] = r         C' the chain's result, with its own strides and dtype; C is never stored
+
+Each Ek is a tensor addressed by its own [Z, M, N] strides (0 where it broadcasts) or a scalar.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from .builder import TRef
-from .elementwise import broadcast_strides, collapse
+from .builder import LoweringError, TRef
+from .elementwise import MAX_CHAIN, _chain_step, broadcast_strides, collapse
 
 # CUDA caps grid axis 1 (the batch axis here) at 65535 programs; larger batches launch in chunks.
 MAX_GRID_Y = 65535
+# The kernel's epilogue slots (EOP0..EOP3): as many as a pointwise chain has ops.
+EPILOGUE_STEPS = MAX_CHAIN
 
 
 # --- kernel ---------------------------------------------------------------------------------------
@@ -32,10 +43,22 @@ def matmul_kernel(
     stride_bz, stride_bk, stride_bn,
     stride_cz, stride_cm, stride_cn,
     stride_xz, stride_xm, stride_xn,
+    # epilogue operands per step k < EPILOGUE: pointer, scalar, [Z, M, N] strides (else stand-ins)
+    e0_ptr, e1_ptr, e2_ptr, e3_ptr,
+    e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+    e0s0, e0s1, e0s2, e1s0, e1s1, e1s2,
+    e2s0, e2s1, e2s2, e3s0, e3s1, e3s2,
     HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
+    EOP0: tl.constexpr = "copy", EARITY0: tl.constexpr = 1, ESWAP0: tl.constexpr = False,
+    EOP1: tl.constexpr = "copy", EARITY1: tl.constexpr = 1, ESWAP1: tl.constexpr = False,
+    EOP2: tl.constexpr = "copy", EARITY2: tl.constexpr = 1, ESWAP2: tl.constexpr = False,
+    EOP3: tl.constexpr = "copy", EARITY3: tl.constexpr = 1, ESWAP3: tl.constexpr = False,
+    EIS_SCALAR0: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
+    EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
 ):
-    # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]   (X only when HAS_BIAS)
+    # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]   (X only when HAS_BIAS); then the epilogue, if any
     pid = tl.program_id(0)
     z = tl.program_id(1).to(tl.int64)
     # GROUP_M swizzle: consecutive programs walk GROUP_M row tiles down one column of tiles, so the
@@ -77,6 +100,25 @@ def matmul_kernel(
     if HAS_BIAS:
         x_ptrs = x_ptr + z * stride_xz + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
         acc += beta * tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if EPILOGUE > 0:
+        # Start from C as eager stores it (rounded to its dtype), then run the chain in fp32.
+        if ROUND_TO == "float16":
+            acc = acc.to(tl.float16).to(tl.float32)
+        elif ROUND_TO == "bfloat16":
+            acc = acc.to(tl.bfloat16).to(tl.float32)
+        rows = offs_m[:, None]
+        cols = offs_n[None, :]
+        acc = _chain_step(acc, e0_ptr, e0_scalar, z, rows, cols, 0, 0, e0s0, e0s1, e0s2, 0, 0, mask,
+                          EOP0, EARITY0, ESWAP0, EIS_SCALAR0, "f32")
+        if EPILOGUE >= 2:
+            acc = _chain_step(acc, e1_ptr, e1_scalar, z, rows, cols, 0, 0, e1s0, e1s1, e1s2, 0, 0, mask,
+                              EOP1, EARITY1, ESWAP1, EIS_SCALAR1, "f32")
+        if EPILOGUE >= 3:
+            acc = _chain_step(acc, e2_ptr, e2_scalar, z, rows, cols, 0, 0, e2s0, e2s1, e2s2, 0, 0, mask,
+                              EOP2, EARITY2, ESWAP2, EIS_SCALAR2, "f32")
+        if EPILOGUE >= 4:
+            acc = _chain_step(acc, e3_ptr, e3_scalar, z, rows, cols, 0, 0, e3s0, e3s1, e3s2, 0, 0, mask,
+                              EOP3, EARITY3, ESWAP3, EIS_SCALAR3, "f32")
     c_ptrs = c_ptr + z * stride_cz + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
@@ -127,6 +169,59 @@ def choose_config(batch: int, M: int, N: int, K: int, dtype: torch.dtype) -> Con
     return Config(block_m, block_n, block_k, group_m=8, num_warps=num_warps, num_stages=num_stages)
 
 
+@dataclass(frozen=True)
+class MatmulOp:
+    """One ``matmul`` launch: ``c = alpha * (a @ bmat) + beta * bias``, all views [Z, M, ...].
+
+    The builder keeps it (``LaunchBuilder.matmul``) for each matmul done in one launch, so that
+    ``fusion.py`` can relaunch it with an epilogue (:func:`epilogue_launch`)."""
+
+    a: TRef
+    bmat: TRef
+    c: TRef
+    x: TRef  # the bias; without one (or with beta = 0) a stand-in for it, never read
+    has_bias: bool
+    alpha: float
+    beta: float
+    cfg: Config
+
+    @property
+    def reads(self) -> tuple[TRef, ...]:
+        return (self.a, self.bmat) + ((self.x,) if self.has_bias else ())
+
+    def args(self, c: TRef | None = None, c_strides=None, operands=()) -> list:
+        """The launch's positional arguments; with ``c``, storing into ``c`` (with ``c_strides``) after
+        an epilogue reading ``operands`` (see :func:`epilogue_launch`)."""
+        x = self.x if self.has_bias or c is None else c  # the stand-in must not keep C alive
+        c = self.c if c is None else c
+        c_strides = c.strides if c_strides is None else tuple(c_strides)
+        x_strides = self.x.strides if self.has_bias else (0, 0, 0)
+        _, M, K = self.a.shape
+        N = self.c.shape[2]
+        ptrs, scalars, strides = [], [], []
+        for operand in list(operands) + [None] * (EPILOGUE_STEPS - len(operands)):
+            if isinstance(operand, tuple):  # (tensor, its [Z, M, N] strides)
+                ptrs.append(operand[0])
+                scalars.append(0.0)
+                strides.extend(operand[1])
+            else:  # a scalar, or no operand: C stands in for the pointer, never read
+                ptrs.append(c)
+                scalars.append(0.0 if operand is None else float(operand))
+                strides.extend((0, 0, 0))
+        return [self.a, self.bmat, c, x, M, N, K, self.alpha, self.beta,
+                *self.a.strides, *self.bmat.strides, *c_strides, *x_strides, *ptrs, *scalars, *strides]
+
+    def grid(self) -> tuple[int, int]:
+        return (triton.cdiv(self.a.shape[1], self.cfg.block_m) * triton.cdiv(self.c.shape[2], self.cfg.block_n),
+                self.a.shape[0])
+
+    def constexprs(self) -> dict:
+        cfg = self.cfg
+        return dict(HAS_BIAS=self.has_bias, DOT_UPCAST=False,
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def launch_matmul(b, a: TRef, bmat: TRef, c: TRef, bias: TRef | None = None,
                   alpha: float = 1.0, beta: float = 1.0) -> None:
     """Launch ``c = alpha * (a @ bmat) + beta * bias``. ``a`` [Z, M, K], ``bmat`` [Z, K, N] and
@@ -137,19 +232,52 @@ def launch_matmul(b, a: TRef, bmat: TRef, c: TRef, bias: TRef | None = None,
     cfg = choose_config(batch, M, N, K, a.dtype)
     has_bias = bias is not None and beta != 0  # beta = 0 ignores the bias, NaNs included (as torch)
     x = bias if has_bias else c  # never read without a bias
-    grid_m = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     for start in range(0, max(batch, 1), MAX_GRID_Y):
         count = min(MAX_GRID_Y, batch - start)
         views = [_batch_slice(b, t, start, count) for t in (a, bmat, c, x)]
-        x_strides = views[3].strides if has_bias else (0, 0, 0)
-        b.launch(
-            "matmul", (grid_m, count),
-            *views, M, N, K, float(alpha), float(beta),
-            *views[0].strides, *views[1].strides, *views[2].strides, *x_strides,
-            HAS_BIAS=has_bias, DOT_UPCAST=False,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        op = MatmulOp(*views, has_bias, float(alpha), float(beta), cfg)
+        position = b.launch("matmul", op.grid(), *op.args(), **op.constexprs())
+        if position is not None and count == batch:  # a product split over launches takes no epilogue
+            b.matmul[position] = op
+
+
+def epilogue_config(cfg: Config, dtype: torch.dtype, tiles: int) -> Config:
+    """``cfg`` for a launch whose epilogue reads ``tiles`` tensor tiles (its operands and the bias).
+
+    The epilogue holds an operand tile and its 64-bit addresses in registers next to the accumulator.
+    At 64 accumulator elements per thread (128x128 over 8 warps), fp16/bf16 launches have room for
+    two such tiles; fp32 ones (IEEE fp32 dots run on the FMA units, ~250 registers already) for none.
+    Otherwise the launch takes 8 warps and at most 32 elements per thread (128x64): with four operand
+    tiles and the bias, no spills on sm_90 (``scripts/compile_check.py``)."""
+    limit = 64 if dtype.itemsize < 4 and tiles <= 2 else 32
+    block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
+    if block_m * block_n > limit * 32 * warps:
+        warps = max(warps, 8)
+    while block_m * block_n > limit * 32 * warps:
+        if block_n >= block_m:
+            block_n //= 2
+        else:
+            block_m //= 2
+    return replace(cfg, block_m=block_m, block_n=block_n, num_warps=warps)
+
+
+def epilogue_launch(op: MatmulOp, out: TRef, out_strides, steps, operands) -> tuple[tuple, list, dict]:
+    """(grid, arguments, constexprs) of ``op``'s launch with an epilogue: starting from C rounded to
+    its dtype, ``steps`` ((op, arity, swap), at most EPILOGUE_STEPS) each read ``operands[k]``: a pair
+    (TRef, its [Z, M, N] strides), a Python scalar, or None where the step is unary; the result goes to
+    ``out`` with ``out_strides`` ([Z, M, N]), in ``out``'s dtype, and C is never stored. The tiles
+    may shrink (:func:`epilogue_config`), so the grid may change."""
+    if not 1 <= len(steps) <= EPILOGUE_STEPS or len(operands) != len(steps):
+        raise LoweringError(f"an epilogue has 1 to {EPILOGUE_STEPS} steps, one operand each")
+    tiles = op.has_bias + sum(isinstance(o, tuple) for o in operands)
+    op = replace(op, cfg=epilogue_config(op.cfg, op.a.dtype, tiles))
+    constexprs = op.constexprs()
+    padded = list(zip(steps, operands)) + [(("copy", 1, False), None)] * (EPILOGUE_STEPS - len(steps))
+    for k, ((name, arity, swap), operand) in enumerate(padded):
+        constexprs.update({f"EOP{k}": name, f"EARITY{k}": arity, f"ESWAP{k}": swap,
+                           f"EIS_SCALAR{k}": operand is not None and not isinstance(operand, tuple)})
+    constexprs.update(EPILOGUE=len(steps), ROUND_TO=str(op.c.dtype).removeprefix("torch."))
+    return op.grid(), op.args(out, out_strides, operands), constexprs
 
 
 def _batch_slice(b, t: TRef, start: int, count: int) -> TRef:

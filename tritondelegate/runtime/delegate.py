@@ -10,6 +10,7 @@ import inspect
 import math
 
 import torch
+import triton.language as tl
 
 import contextlib
 
@@ -63,6 +64,11 @@ def _kernel(name: str):
     return kernel
 
 
+def _is_constexpr(param: inspect.Parameter) -> bool:
+    annotation = param.annotation
+    return annotation is tl.constexpr or (isinstance(annotation, str) and annotation.endswith("constexpr"))
+
+
 def _skip(*args, **kwargs) -> None:
     return None
 
@@ -107,7 +113,12 @@ class DelegateRunner:
         """The plan's arguments must bind to the kernel's parameters (a damaged file must not reach
         a launch with the wrong arguments)."""
         meta = {k: None for k in launch.constexprs if k not in LAUNCH_OPTIONS}
+        params = inspect.signature(kernel.fn).parameters.values()
+        runtime = [p.name for p in params if not _is_constexpr(p)]
         try:
+            if len(launch.args) != len(runtime):  # a default must not stand in for a lost argument
+                raise TypeError(f"{len(launch.args)} runtime arguments for the {len(runtime)} parameters "
+                                f"{', '.join(runtime)}")
             inspect.signature(kernel.fn).bind(*launch.args, **meta)
         except TypeError as exc:
             raise DelegateError(

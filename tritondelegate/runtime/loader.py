@@ -16,9 +16,13 @@ from .method import LoadedMethod
 class InMemorySource:
     """Constants straight from a lowered program in memory (no file)."""
 
-    def __init__(self, program: Program, constant_data: list[torch.Tensor]):
+    def __init__(self, program: Program, constant_data: list[torch.Tensor], binary_data: list[bytes] = ()):
         self.program = program
         self._data = constant_data
+        self._binaries = list(binary_data)
+
+    def binary_bytes(self, index: int) -> bytes:
+        return self._binaries[index]
 
     def constant_tensor(self, index: int) -> torch.Tensor:
         constant = self.program.constants[index]
@@ -41,6 +45,9 @@ class FileSource:
     def constant_tensor(self, index: int) -> torch.Tensor:
         return self._file.constant_tensor(index, self._data_files)
 
+    def binary_bytes(self, index: int) -> bytes:
+        return self._file.binary_bytes(index)
+
     def close(self) -> None:
         self._file.close()
 
@@ -59,6 +66,7 @@ class LoadedProgram:
         self.program: Program = source.program
         self.allocators = allocators_for(devices)
         self._memory = ProgramMemory(self.program, source, self.allocators)
+        self._binaries_installed: set[str] = set()
 
     def memory(self) -> dict[str, dict[str, int]]:
         """Bytes this load holds per device: ``{device: {"constants", "state", "arenas", "total"}}``
@@ -68,6 +76,17 @@ class LoadedProgram:
     def reset_state(self, stream=None) -> None:
         """Every state buffer (e.g. a KV cache) back to its initial value from the file."""
         self._memory.reset_state(stream)
+
+    def _install_binaries(self, method) -> None:
+        """Once per program and device: the kernel binaries for the device's arch into Triton's cache."""
+        for device in sorted({d.device for d in method.delegates}):
+            allocator, index = self._memory.device(device, f"method {method.name!r}")
+            if allocator.host_memory or (device in self._binaries_installed) or not self.program.binaries:
+                continue
+            from .binaries import install_for_device
+
+            install_for_device(self.program, self._source.binary_bytes, index)
+            self._binaries_installed.add(device)
 
     @property
     def state_names(self) -> list[str]:
@@ -101,6 +120,7 @@ class LoadedProgram:
         for method in self.program.methods:
             if method.name == name:
                 with self._memory.lock:
+                    self._install_binaries(method)
                     return LoadedMethod(method, self._memory, stream, reuse_output_memory, graphs)
         raise KeyError(f"no method {name!r} in this program; methods: {', '.join(self.method_names)}")
 

@@ -45,6 +45,7 @@ from ..program import (
     HostArg,
     InstrKind,
     Instruction,
+    KernelBinary,
     Method,
     Program,
     ProgramError,
@@ -80,7 +81,13 @@ def load_program(path, data_files: dict[str, str] | None = None) -> "ProgramFile
     except BaseException:
         mm.close()
         raise
-    return ProgramFile(path, program, mm, data_off, data_size, data_files)
+    file = ProgramFile(path, program, mm, data_off, data_size, data_files)
+    try:
+        file.check_binaries()
+    except BaseException:
+        file.close()
+        raise
+    return file
 
 
 class ProgramFile:
@@ -100,6 +107,23 @@ class ProgramFile:
         self._data_size = data_size
         self._data_files = dict(data_files or {})
         self._external: dict[str, tuple[object, frozenset[str]]] = {}  # path -> (safe_open, keys)
+
+    @property
+    def data_offset(self) -> int:
+        """Where the data segment starts in the file."""
+        return self._data_off
+
+    def binary_bytes(self, index: int) -> bytes:
+        """The bytes of ``program.binaries[index]`` (checked against its checksum at load)."""
+        b = self.program.binaries[index]
+        start = self._data_off + b.data_offset
+        return bytes(self._mv[start:start + b.nbytes])
+
+    def check_binaries(self) -> None:
+        for i, b in enumerate(self.program.binaries):
+            if zlib.crc32(self.binary_bytes(i)) != b.checksum:
+                raise ProgramError(f"{self.path}: kernel binary {i} ({b.kernel!r}, {b.arch}): its bytes do not "
+                                   "match their checksum (the file is damaged)")
 
     # -- constants --------------------------------------------------------------------------------
 
@@ -308,7 +332,14 @@ class _Decoder:
             version=p.Version(),
             segments=[self.segment(p.Segments(i), i) for i in self.entries(p.SegmentsLength(), "segments")],
             slots=[self.slot(p.Slots(i)) for i in self.entries(p.SlotsLength(), "slots")],
+            binaries=[self.binary(p.Binaries(i)) for i in self.entries(p.BinariesLength(), "binaries")],
         )
+
+    def binary(self, b) -> KernelBinary:
+        t = self.text
+        return KernelBinary(kernel=t(b.Kernel()), arch=t(b.Arch()), triton_version=t(b.TritonVersion()),
+                            cache_key=t(b.CacheKey()), name=t(b.Name()), metadata=t(b.Metadata()),
+                            nbytes=b.Nbytes(), checksum=b.Checksum(), data_offset=b.DataOffset())
 
     def segment(self, s, i: int) -> Segment:
         kind = self.enum(SegmentKind, s.Kind(), f"segment {i}")
@@ -444,6 +475,9 @@ class _Decoder:
                   for k in self.entries(launch.ArgsLength(), f"{where} args")],
             constexprs=constexprs,
             op=self.text(launch.Op()),
+            bytes_read=launch.BytesRead(),
+            bytes_written=launch.BytesWritten(),
+            flops=launch.Flops(),
         )
 
     def kernel_arg(self, a, where: str) -> Arg:

@@ -3,7 +3,9 @@ dtype name known. The reader runs them on each file it loads, so the runtime can
 
 from __future__ import annotations
 
+import json
 import os
+import re
 
 import torch
 
@@ -66,6 +68,7 @@ class _Checker:
         for i, c in enumerate(p.constants):
             self.constant(c, i, keys)
         self.slots()
+        self.binaries()
         names = set()
         for m in p.methods:
             if m.name in names:
@@ -126,6 +129,22 @@ class _Checker:
             for (_, a_end, a), (b_start, _, b) in zip(items, items[1:]):
                 if b_start < a_end:
                     self.fail(f"slots {a} and {b} overlap in segment {segment}")
+
+    def binaries(self) -> None:
+        for i, b in enumerate(self.p.binaries):
+            what = f"kernel binary {i} ({b.kernel!r}, {b.arch})"
+            end = b.data_offset + b.nbytes
+            if b.data_offset < 0 or b.nbytes <= 0 or end > self.data_size:
+                self.fail(f"{what}: bytes [{b.data_offset}, {end}) lie outside the data segment "
+                          f"(size {self.data_size})")
+            if not re.fullmatch(r"sm_\d+", b.arch) or not re.fullmatch(r"[0-9a-f]{64}", b.cache_key):
+                self.fail(f"{what}: malformed arch {b.arch!r} or cache key {b.cache_key!r}")
+            try:
+                metadata = json.loads(b.metadata)
+            except ValueError:
+                metadata = None
+            if not isinstance(metadata, dict) or metadata.get("name") != b.name:
+                self.fail(f"{what}: its metadata is not Triton's metadata for kernel {b.name!r}")
 
     def value_slot(self, v, what: str) -> None:
         if v.slot < 0:
@@ -227,6 +246,8 @@ class _Checker:
             what = f"{where} launch {k} ({launch.kernel!r})"
             if any(g < 0 for g in launch.grid):
                 self.fail(f"{what} has a negative grid {list(launch.grid)}")
+            for field in ("bytes_read", "bytes_written", "flops"):
+                self.nonneg(getattr(launch, field), f"{what} {field}")
             args = [(f"arg {i}", a) for i, a in enumerate(launch.args)]
             args += [(f"constexpr {name!r}", a) for name, a in launch.constexprs.items()]
             for w, a in args:

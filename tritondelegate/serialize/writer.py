@@ -7,6 +7,7 @@ safetensors files next to the program file instead, keyed by their fully-qualifi
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 import zlib
@@ -28,7 +29,8 @@ _INT64 = (-(2**63), 2**63 - 1)
 _UINT32 = (0, 2**32 - 1)
 
 
-def save_program(program: Program, constant_data: Sequence[torch.Tensor], path) -> list[str]:
+def save_program(program: Program, constant_data: Sequence[torch.Tensor], path,
+                 binary_data: Sequence[bytes] = ()) -> list[str]:
     """Writes ``program`` to ``path`` and its external constants next to it; returns the files written.
 
     ``constant_data[i]`` holds the bytes of ``program.constants[i]`` (any device; its dtype and shape
@@ -36,6 +38,8 @@ def save_program(program: Program, constant_data: Sequence[torch.Tensor], path) 
     ``program`` is ignored, and ``program`` is not modified); external constants get ``data_offset`` 0.
     Each name in ``program.external_files`` is a path relative to the program file's directory and is
     written as a safetensors file holding the constants that name it, keyed by ``Constant.name``.
+    ``binary_data[i]`` holds the bytes of ``program.binaries[i]`` (kernel binaries), stored after the
+    constants in the data segment.
     The program file is written to a temporary name and renamed, so a failed save leaves no
     half-written program behind.
     """
@@ -48,9 +52,12 @@ def save_program(program: Program, constant_data: Sequence[torch.Tensor], path) 
     directory = os.path.dirname(os.path.abspath(path))
     external_paths = [_external_path(directory, name, path) for name in program.external_files]
 
+    if len(binary_data) != len(program.binaries):
+        raise ValueError(f"{len(binary_data)} kernel binaries' bytes for {len(program.binaries)} binaries")
     constants, data_size = _layout(program)
+    binaries, data_size = _layout_binaries(program, binary_data, data_size)
     host = [_host_bytes(c, t, i) for i, (c, t) in enumerate(zip(program.constants, constant_data))]
-    fb_bytes = _flatbuffer(program, constants)
+    fb_bytes = _finish(_program_t(program, constants, binaries))
     data_off = hdr.align(hdr.FLATBUFFER_OFFSET + len(fb_bytes), hdr.DATA_SEGMENT_ALIGNMENT)
     head = hdr.pack_header(FORMAT_VERSION, len(fb_bytes), data_off, data_size, zlib.crc32(fb_bytes))
 
@@ -64,6 +71,9 @@ def save_program(program: Program, constant_data: Sequence[torch.Tensor], path) 
                 if c.external < 0 and c.nbytes:
                     f.write(bytes(data_off + c.data_offset - f.tell()))
                     f.write(memoryview(data.numpy()))
+            for b, data in zip(binaries, binary_data):
+                f.write(bytes(data_off + b.data_offset - f.tell()))
+                f.write(data)
             f.write(bytes(max(0, data_off + data_size - f.tell())))  # alignment of a trailing empty constant
             if f.tell() != data_off + data_size:
                 raise RuntimeError(f"internal error: wrote {f.tell()} bytes, laid out {data_off + data_size}")
@@ -164,8 +174,34 @@ def _flatbuffer(program: Program, constants: list[Constant]) -> bytes:
     return _finish(_program_t(program, constants))
 
 
-def _program_t(program: Program, constants: list[Constant]) -> fb.ProgramT:
+def _layout_binaries(program: Program, binary_data: Sequence[bytes], cursor: int) -> tuple[list, int]:
+    """Copies of the kernel binaries with their data-segment offsets (after ``cursor``), and the end."""
+    out = []
+    for i, (b, data) in enumerate(zip(program.binaries, binary_data)):
+        if not isinstance(data, (bytes, bytearray)) or len(data) != b.nbytes or zlib.crc32(data) != b.checksum:
+            raise ValueError(f"kernel binary {i} ({b.kernel!r}, {b.arch}): its bytes do not match its size "
+                             "and checksum")
+        cursor = hdr.align(cursor, hdr.CONSTANT_ALIGNMENT)
+        out.append(dataclasses.replace(b, data_offset=cursor))
+        cursor += b.nbytes
+    return out, cursor
+
+
+def _binary_t(b, i: int) -> fb.KernelBinaryT:
+    where = f"kernel binary {i} ({b.kernel!r})"
+    t = fb.KernelBinaryT()
+    for name in ("kernel", "arch", "triton_version", "cache_key", "name", "metadata"):
+        setattr(t, "".join(w.capitalize() if j else w for j, w in enumerate(name.split("_"))),
+                _str(getattr(b, name), f"{where} {name}"))
+    t.dataOffset = _int(b.data_offset, f"{where} data_offset")
+    t.nbytes = _int(b.nbytes, f"{where} nbytes")
+    t.checksum = _int(b.checksum, f"{where} checksum", _UINT32)
+    return t
+
+
+def _program_t(program: Program, constants: list[Constant], binaries: list | None = None) -> fb.ProgramT:
     p = fb.ProgramT()
+    p.binaries = [_binary_t(b, i) for i, b in enumerate(program.binaries if binaries is None else binaries)]
     p.version = _int(program.version, "program version", _UINT32)
     p.methods = [_method(m) for m in program.methods]
     p.constants = [_constant(c, i) for i, c in enumerate(constants)]
@@ -331,6 +367,9 @@ def _launch(launch: Launch, where: str) -> fb.LaunchT:
     t.kernel, t.op = launch.kernel, launch.op
     t.grid = _ints(launch.grid, f"{where} grid")
     t.args = [_kernel_arg(a, f"{where} arg {i}") for i, a in enumerate(launch.args)]
+    t.bytesRead = _int(launch.bytes_read, f"{where} bytes_read")
+    t.bytesWritten = _int(launch.bytes_written, f"{where} bytes_written")
+    t.flops = _int(launch.flops, f"{where} flops")
     t.constexprs = []
     for name, a in launch.constexprs.items():
         n = fb.NamedArgT()

@@ -648,8 +648,29 @@ class Launch(object):
             return self._tab.String(o + self._tab.Pos)
         return None
 
+    # Launch
+    def BytesRead(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # Launch
+    def BytesWritten(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # Launch
+    def Flops(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
 def LaunchStart(builder):
-    builder.StartObject(5)
+    builder.StartObject(8)
 
 def LaunchAddKernel(builder, kernel):
     builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(kernel), 0)
@@ -675,6 +696,15 @@ def LaunchStartConstexprsVector(builder, numElems):
 def LaunchAddOp(builder, op):
     builder.PrependUOffsetTRelativeSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(op), 0)
 
+def LaunchAddBytesRead(builder, bytesRead):
+    builder.PrependInt64Slot(5, bytesRead, 0)
+
+def LaunchAddBytesWritten(builder, bytesWritten):
+    builder.PrependInt64Slot(6, bytesWritten, 0)
+
+def LaunchAddFlops(builder, flops):
+    builder.PrependInt64Slot(7, flops, 0)
+
 def LaunchEnd(builder):
     return builder.EndObject()
 
@@ -694,12 +724,18 @@ class LaunchT(object):
         args = None,
         constexprs = None,
         op = None,
+        bytesRead = 0,
+        bytesWritten = 0,
+        flops = 0,
     ):
         self.kernel = kernel  # type: Optional[str]
         self.grid = grid  # type: Optional[List[int]]
         self.args = args  # type: Optional[List[ArgT]]
         self.constexprs = constexprs  # type: Optional[List[NamedArgT]]
         self.op = op  # type: Optional[str]
+        self.bytesRead = bytesRead  # type: int
+        self.bytesWritten = bytesWritten  # type: int
+        self.flops = flops  # type: int
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -747,6 +783,9 @@ class LaunchT(object):
                     namedArg_ = NamedArgT.InitFromObj(launch.Constexprs(i))
                     self.constexprs.append(namedArg_)
         self.op = launch.Op()
+        self.bytesRead = launch.BytesRead()
+        self.bytesWritten = launch.BytesWritten()
+        self.flops = launch.Flops()
 
     # LaunchT
     def Pack(self, builder):
@@ -789,6 +828,9 @@ class LaunchT(object):
             LaunchAddConstexprs(builder, constexprs)
         if self.op is not None:
             LaunchAddOp(builder, op)
+        LaunchAddBytesRead(builder, self.bytesRead)
+        LaunchAddBytesWritten(builder, self.bytesWritten)
+        LaunchAddFlops(builder, self.flops)
         launch = LaunchEnd(builder)
         return launch
 
@@ -3346,6 +3388,216 @@ class SlotT(object):
         return slot
 
 
+class KernelBinary(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = KernelBinary()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsKernelBinary(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def KernelBinaryBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x54\x44\x50\x31", size_prefixed=size_prefixed)
+
+    # KernelBinary
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # KernelBinary
+    def Kernel(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # KernelBinary
+    def Arch(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # KernelBinary
+    def TritonVersion(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # KernelBinary
+    def CacheKey(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # KernelBinary
+    def Name(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # KernelBinary
+    def Metadata(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # KernelBinary
+    def DataOffset(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # KernelBinary
+    def Nbytes(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # KernelBinary
+    def Checksum(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+def KernelBinaryStart(builder):
+    builder.StartObject(9)
+
+def KernelBinaryAddKernel(builder, kernel):
+    builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(kernel), 0)
+
+def KernelBinaryAddArch(builder, arch):
+    builder.PrependUOffsetTRelativeSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(arch), 0)
+
+def KernelBinaryAddTritonVersion(builder, tritonVersion):
+    builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(tritonVersion), 0)
+
+def KernelBinaryAddCacheKey(builder, cacheKey):
+    builder.PrependUOffsetTRelativeSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(cacheKey), 0)
+
+def KernelBinaryAddName(builder, name):
+    builder.PrependUOffsetTRelativeSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
+
+def KernelBinaryAddMetadata(builder, metadata):
+    builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(metadata), 0)
+
+def KernelBinaryAddDataOffset(builder, dataOffset):
+    builder.PrependInt64Slot(6, dataOffset, 0)
+
+def KernelBinaryAddNbytes(builder, nbytes):
+    builder.PrependInt64Slot(7, nbytes, 0)
+
+def KernelBinaryAddChecksum(builder, checksum):
+    builder.PrependUint32Slot(8, checksum, 0)
+
+def KernelBinaryEnd(builder):
+    return builder.EndObject()
+
+
+
+class KernelBinaryT(object):
+
+    # KernelBinaryT
+    def __init__(
+        self,
+        kernel = None,
+        arch = None,
+        tritonVersion = None,
+        cacheKey = None,
+        name = None,
+        metadata = None,
+        dataOffset = 0,
+        nbytes = 0,
+        checksum = 0,
+    ):
+        self.kernel = kernel  # type: Optional[str]
+        self.arch = arch  # type: Optional[str]
+        self.tritonVersion = tritonVersion  # type: Optional[str]
+        self.cacheKey = cacheKey  # type: Optional[str]
+        self.name = name  # type: Optional[str]
+        self.metadata = metadata  # type: Optional[str]
+        self.dataOffset = dataOffset  # type: int
+        self.nbytes = nbytes  # type: int
+        self.checksum = checksum  # type: int
+
+    @classmethod
+    def InitFromBuf(cls, buf, pos):
+        kernelBinary = KernelBinary()
+        kernelBinary.Init(buf, pos)
+        return cls.InitFromObj(kernelBinary)
+
+    @classmethod
+    def InitFromPackedBuf(cls, buf, pos=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
+        return cls.InitFromBuf(buf, pos+n)
+
+    @classmethod
+    def InitFromObj(cls, kernelBinary):
+        x = KernelBinaryT()
+        x._UnPack(kernelBinary)
+        return x
+
+    # KernelBinaryT
+    def _UnPack(self, kernelBinary):
+        if kernelBinary is None:
+            return
+        self.kernel = kernelBinary.Kernel()
+        self.arch = kernelBinary.Arch()
+        self.tritonVersion = kernelBinary.TritonVersion()
+        self.cacheKey = kernelBinary.CacheKey()
+        self.name = kernelBinary.Name()
+        self.metadata = kernelBinary.Metadata()
+        self.dataOffset = kernelBinary.DataOffset()
+        self.nbytes = kernelBinary.Nbytes()
+        self.checksum = kernelBinary.Checksum()
+
+    # KernelBinaryT
+    def Pack(self, builder):
+        if self.kernel is not None:
+            kernel = builder.CreateString(self.kernel)
+        if self.arch is not None:
+            arch = builder.CreateString(self.arch)
+        if self.tritonVersion is not None:
+            tritonVersion = builder.CreateString(self.tritonVersion)
+        if self.cacheKey is not None:
+            cacheKey = builder.CreateString(self.cacheKey)
+        if self.name is not None:
+            name = builder.CreateString(self.name)
+        if self.metadata is not None:
+            metadata = builder.CreateString(self.metadata)
+        KernelBinaryStart(builder)
+        if self.kernel is not None:
+            KernelBinaryAddKernel(builder, kernel)
+        if self.arch is not None:
+            KernelBinaryAddArch(builder, arch)
+        if self.tritonVersion is not None:
+            KernelBinaryAddTritonVersion(builder, tritonVersion)
+        if self.cacheKey is not None:
+            KernelBinaryAddCacheKey(builder, cacheKey)
+        if self.name is not None:
+            KernelBinaryAddName(builder, name)
+        if self.metadata is not None:
+            KernelBinaryAddMetadata(builder, metadata)
+        KernelBinaryAddDataOffset(builder, self.dataOffset)
+        KernelBinaryAddNbytes(builder, self.nbytes)
+        KernelBinaryAddChecksum(builder, self.checksum)
+        kernelBinary = KernelBinaryEnd(builder)
+        return kernelBinary
+
+
 class Program(object):
     __slots__ = ['_tab']
 
@@ -3491,8 +3743,32 @@ class Program(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
         return o == 0
 
+    # Program
+    def Binaries(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            x = self._tab.Indirect(x)
+            obj = KernelBinary()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Program
+    def BinariesLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Program
+    def BinariesIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        return o == 0
+
 def ProgramStart(builder):
-    builder.StartObject(6)
+    builder.StartObject(7)
 
 def ProgramAddVersion(builder, version):
     builder.PrependUint32Slot(0, version, 0)
@@ -3527,6 +3803,12 @@ def ProgramAddSlots(builder, slots):
 def ProgramStartSlotsVector(builder, numElems):
     return builder.StartVector(4, numElems, 4)
 
+def ProgramAddBinaries(builder, binaries):
+    builder.PrependUOffsetTRelativeSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(binaries), 0)
+
+def ProgramStartBinariesVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
 def ProgramEnd(builder):
     return builder.EndObject()
 
@@ -3547,6 +3829,7 @@ class ProgramT(object):
         externalFiles = None,
         segments = None,
         slots = None,
+        binaries = None,
     ):
         self.version = version  # type: int
         self.methods = methods  # type: Optional[List[MethodT]]
@@ -3554,6 +3837,7 @@ class ProgramT(object):
         self.externalFiles = externalFiles  # type: Optional[List[Optional[str]]]
         self.segments = segments  # type: Optional[List[SegmentT]]
         self.slots = slots  # type: Optional[List[SlotT]]
+        self.binaries = binaries  # type: Optional[List[KernelBinaryT]]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -3613,6 +3897,14 @@ class ProgramT(object):
                 else:
                     slot_ = SlotT.InitFromObj(program.Slots(i))
                     self.slots.append(slot_)
+        if not program.BinariesIsNone():
+            self.binaries = []
+            for i in range(program.BinariesLength()):
+                if program.Binaries(i) is None:
+                    self.binaries.append(None)
+                else:
+                    kernelBinary_ = KernelBinaryT.InitFromObj(program.Binaries(i))
+                    self.binaries.append(kernelBinary_)
 
     # ProgramT
     def Pack(self, builder):
@@ -3656,6 +3948,14 @@ class ProgramT(object):
             for i in reversed(range(len(self.slots))):
                 builder.PrependUOffsetTRelative(slotslist[i])
             slots = builder.EndVector()
+        if self.binaries is not None:
+            binarieslist = []
+            for i in range(len(self.binaries)):
+                binarieslist.append(self.binaries[i].Pack(builder))
+            ProgramStartBinariesVector(builder, len(self.binaries))
+            for i in reversed(range(len(self.binaries))):
+                builder.PrependUOffsetTRelative(binarieslist[i])
+            binaries = builder.EndVector()
         ProgramStart(builder)
         ProgramAddVersion(builder, self.version)
         if self.methods is not None:
@@ -3668,6 +3968,8 @@ class ProgramT(object):
             ProgramAddSegments(builder, segments)
         if self.slots is not None:
             ProgramAddSlots(builder, slots)
+        if self.binaries is not None:
+            ProgramAddBinaries(builder, binaries)
         program = ProgramEnd(builder)
         return program
 

@@ -1,0 +1,522 @@
+"""The traffic model: the bytes each launch must read and write, and its FLOPs; per method, their sum
+next to a lower bound. Our CPU-side proxy for GPU time (DESIGN.md, "Kernels").
+
+Per launch (:func:`annotate`, run by ``backend.build_plan`` on every plan it returns):
+
+    bytes_read    = sum over the buffers the launch reads    of the distinct bytes its views there span
+    bytes_written = sum over the buffers the launch writes   of the distinct bytes its views there span
+    flops         = the kernel's formula in ``TRAFFIC`` below
+
+A view's bytes are the distinct addresses it spans: a broadcast (stride 0) dim adds nothing, a
+transposed view counts once, a strided slice counts its elements, not the gaps between them. Views of
+one buffer that one launch reads (or writes) are merged first, so ``x * x``, or ``q``, ``k`` and ``v``
+sliced out of one projection, count each byte once. A pointer the kernel reaches only through index
+values (a gather's source, a scatter's destination) counts at most the elements the launch walks.
+Reads and writes are counted apart: an in-place update reads and writes its bytes. Every launch is
+modelled as if it read each byte once (ideal caches), and sector granularity is ignored.
+
+Which pointer parameters a kernel reads and writes, and when, is written out per kernel in the one
+table ``TRAFFIC``, next to its FLOP formula; every entry of ``registry.KERNELS`` needs one (a new or
+fused kernel only adds its row). Parameters are named as in the ``@triton.jit`` signature; launch
+arguments are matched to them by position, constexprs by name.
+
+Per method (:func:`method_traffic`): the launches' sums, and the lower bound: every constant, method
+input and state buffer that a delegate reads, read once, and every delegate result that is a method
+output or state, written once (a value the launches touch only in part, through indices, counts
+no more than they touch: an embedding table's gathered rows, a KV-cache slot update).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..plan import Base, DelegatePlan, Launch, TensorDesc
+from ..program import InstrKind, Method, Role
+from .registry import KERNELS
+
+Args = dict  # parameter name -> value (an int tensor index for pointers), plus "grid"
+
+
+# --- the table --------------------------------------------------------------------------------------
+def _always(a: Args) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Access:
+    """A pointer parameter a kernel reads or writes."""
+
+    param: str
+    when: Callable[[Args], bool] = _always  # touched only when this holds (else a stand-in pointer)
+    at_most: Callable[[Args], int] | None = None  # reached through index values: at most this many elements
+
+
+@dataclass(frozen=True)
+class KernelTraffic:
+    reads: tuple[Access, ...]
+    writes: tuple[Access, ...]
+    flops: Callable[[Args], int]
+
+
+def _flag(name: str) -> Callable[[Args], bool]:
+    return lambda a: bool(a[name])
+
+
+def _not(name: str) -> Callable[[Args], bool]:
+    return lambda a: not a[name]
+
+
+# FLOPs per element of the pointwise formulas (elementwise._formula); 1 where not listed. A copy or a
+# cast is 0; a transcendental counts as one op.
+POINTWISE_FLOPS = {
+    "copy": 0, "sigmoid": 3, "silu": 4, "tanh": 4, "gelu": 5, "gelu_tanh": 9, "pow": 4, "clamp": 2,
+    "logical_and": 2, "logical_or": 2,
+}
+
+
+def _pointwise_op_flops(op: str, alpha=1) -> int:
+    extra = 1 if op in ("add", "sub") and alpha != 1 else 0  # a + alpha * b
+    return POINTWISE_FLOPS.get(op, 1) + extra
+
+
+def _pointwise_operand(slot: int, scalar: str) -> Callable[[Args], bool]:
+    """Operand ``slot`` (0: a, 1: b, 2: c) of a ``pointwise`` launch is read when it is used and is
+    not a scalar; otherwise its pointer is a stand-in (the output)."""
+    return lambda a: a["NARGS"] > slot and not a[scalar]
+
+
+def _chain_operand(slot: int) -> Callable[[Args], bool]:
+    """Slot 0 of a ``pointwise_chain`` is always read; slot 1 when op 0 is binary; slot k + 1 when op
+    k < NOPS is binary; never a scalar slot (elementwise.pointwise_chain_kernel)."""
+    def used(a: Args) -> bool:
+        if a[f"IS_SCALAR{slot}"]:
+            return False
+        if slot == 0:
+            return True
+        step = slot - 1
+        return step < a["NOPS"] and a[f"ARITY{step}"] == 2
+    return used
+
+
+def _chain_flops(a: Args) -> int:
+    return a["n"] * sum(_pointwise_op_flops(a[f"OP{k}"]) for k in range(a["NOPS"]))
+
+
+def _epilogue_operand(k: int) -> Callable[[Args], bool]:
+    """Operand of epilogue step k of a ``matmul`` launch: read when the step runs, is binary and its
+    operand is not a scalar (matmul.matmul_kernel)."""
+    return lambda a: (a.get("EPILOGUE") or 0) > k and a[f"EARITY{k}"] == 2 and not a[f"EIS_SCALAR{k}"]
+
+
+def _matmul_flops(a: Args) -> int:
+    # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]: 2MNK per batch entry, plus the epilogue's ops per
+    # element of C (alpha, the bias, then the fused pointwise steps)
+    z = a["grid"][1]
+    epilogue = (a["alpha"] != 1) + (1 + (a["beta"] != 1) if a["HAS_BIAS"] else 0)
+    epilogue += sum(_pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0))
+    return z * (2 * a["M"] * a["N"] * a["K"] + epilogue * a["M"] * a["N"])
+
+
+def _conv_flops(a: Args) -> int:
+    # implicit GEMM per group: M = N*OH*OW rows, COUT_G columns, K = CIN_G*KH*KW; groups = grid axis 2
+    cout = a["COUT_G"] * a["grid"][2]
+    return 2 * a["M"] * cout * a["CIN_G"] * a["KH"] * a["KW"] + (a["M"] * cout if a["HAS_BIAS"] else 0)
+
+
+def _causal_pairs(lq: int, lk: int) -> int:
+    """(query, key) pairs with key j <= query i (top-left aligned), as the kernel visits them."""
+    full = min(lq, lk)
+    return full * (full + 1) // 2 + (lq - full) * lk
+
+
+def _attention_flops(a: Args) -> int:
+    # per (batch, head) = grid axis 1 and visited (i, j) pair: q.k over E, p.v over EV, 2 FLOPs a term
+    pairs = _causal_pairs(a["Lq"], a["Lk"]) if a["CAUSAL"] else a["Lq"] * a["Lk"]
+    return a["grid"][1] * pairs * 2 * (a["E"] + a["EV"])
+
+
+def _norm_flops(a: Args) -> int:
+    # layer_norm: sum, subtract, square, sum, scale; rms_norm: square, sum, scale; + weight, + bias
+    per = (3 if a["RMS"] else 5) + bool(a["HAS_W"]) + bool(a["HAS_B"])
+    return a["rows"] * a["cols"] * per
+
+
+REDUCE_FLOPS = {"sum": 1, "prod": 1, "max": 1, "min": 1, "argmax": 2, "argmin": 2, "welford": 4}
+
+
+def _reduce_flops(a: Args) -> int:
+    per = REDUCE_FLOPS.get(a["COMBINE"], 1) + (a["MAP"] != "id")
+    return a["rows"] * a["cols"] * per
+
+
+def _zero(a: Args) -> int:
+    return 0
+
+
+def _n(a: Args) -> int:
+    return a["n"]
+
+
+def _indices(count: int) -> Callable[[Args], bool]:
+    return lambda a: a["NUM_INDICES"] >= count
+
+
+# kernel -> which pointers it reads and writes (and when), and its FLOPs. One row per KERNELS entry.
+TRAFFIC: dict[str, KernelTraffic] = {
+    # out = OP(a, b, c); a scalar or unused operand slot passes out as a stand-in, never read
+    "pointwise": KernelTraffic(
+        reads=(Access("a_ptr", _pointwise_operand(0, "A_SCALAR")), Access("b_ptr", _pointwise_operand(1, "B_SCALAR")),
+               Access("c_ptr", _pointwise_operand(2, "C_SCALAR"))),
+        writes=(Access("out_ptr"),),
+        flops=lambda a: a["n"] * _pointwise_op_flops(a["OP"], a["ALPHA"]),
+    ),
+    # r = OP0(p0, p1); r = OPk(r, p(k+1)) ...; unused slots pass out as a stand-in
+    "pointwise_chain": KernelTraffic(
+        reads=tuple(Access(f"p{k}_ptr", _chain_operand(k)) for k in range(5)),
+        writes=(Access("out_ptr"),),
+        flops=_chain_flops,
+    ),
+    "arange": KernelTraffic(reads=(), writes=(Access("out_ptr"),), flops=_zero),
+    # out[o] = src[direct(o) + index terms]: n elements of src at most; unused index slots repeat idx0
+    "gather": KernelTraffic(
+        reads=(Access("src_ptr", at_most=_n), Access("idx0_ptr"),
+               Access("idx1_ptr", _indices(2)), Access("idx2_ptr", _indices(3))),
+        writes=(Access("out_ptr"),),
+        flops=_zero,
+    ),
+    "cumsum": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
+                            flops=lambda a: a["rows"] * a["length"]),
+    # dst[direct(o) + index terms] = src[o] (+= atomically: ACCUMULATE reads dst too); a scalar source
+    # passes dst as a stand-in
+    "scatter": KernelTraffic(
+        reads=(Access("src_ptr", _not("SRC_SCALAR")), Access("idx0_ptr"),
+               Access("idx1_ptr", _indices(2)), Access("idx2_ptr", _indices(3)),
+               Access("dst_ptr", _flag("ACCUMULATE"), at_most=_n)),
+        writes=(Access("dst_ptr", at_most=_n),),
+        flops=lambda a: a["n"] if a["ACCUMULATE"] else 0,
+    ),
+    # C = alpha * A @ B + beta * X, then EPILOGUE fused pointwise steps, each reading e<k> when binary;
+    # without a bias x_ptr is C, never read
+    "matmul": KernelTraffic(
+        reads=(Access("a_ptr"), Access("b_ptr"), Access("x_ptr", _flag("HAS_BIAS")),
+               *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
+        writes=(Access("c_ptr"),),
+        flops=_matmul_flops,
+    ),
+    # without a bias bias_ptr is out, never read
+    "conv2d": KernelTraffic(
+        reads=(Access("x_ptr"), Access("w_ptr"), Access("bias_ptr", _flag("HAS_BIAS"))),
+        writes=(Access("out_ptr"),),
+        flops=_conv_flops,
+    ),
+    # one op per window tap; without indices idx_ptr is out, never written
+    "pool2d": KernelTraffic(
+        reads=(Access("x_ptr"),),
+        writes=(Access("out_ptr"), Access("idx_ptr", _flag("WRITE_INDICES"))),
+        flops=lambda a: a["total"] * a["KH"] * a["KW"],
+    ),
+    # (x - mean) * rsqrt(var + eps) [* weight] [+ bias]; absent weight/bias pass mean as a stand-in
+    "batch_norm": KernelTraffic(
+        reads=(Access("x_ptr"), Access("mean_ptr"), Access("var_ptr"),
+               Access("weight_ptr", _flag("HAS_WEIGHT")), Access("bias_ptr", _flag("HAS_BIAS"))),
+        writes=(Access("out_ptr"),),
+        flops=lambda a: a["numel"] * (3 + bool(a["HAS_WEIGHT"]) + bool(a["HAS_BIAS"])),
+    ),
+    # without a mask mask_ptr is q, never read
+    "attention": KernelTraffic(
+        reads=(Access("q_ptr"), Access("k_ptr"), Access("v_ptr"), Access("mask_ptr", lambda a: a["MASK"] != "none")),
+        writes=(Access("out_ptr"),),
+        flops=_attention_flops,
+    ),
+    # max, subtract, exp, sum, divide (or subtract the log) per element
+    "softmax": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
+                             flops=lambda a: 5 * a["rows"] * a["cols"]),
+    # absent weight/bias pass x, absent statistics pass out, as stand-ins
+    "norm": KernelTraffic(
+        reads=(Access("x_ptr"), Access("w_ptr", _flag("HAS_W")), Access("b_ptr", _flag("HAS_B"))),
+        writes=(Access("out_ptr"), Access("mean_ptr", _flag("STATS")), Access("rstd_ptr", _flag("STATS"))),
+        flops=_norm_flops,
+    ),
+    # out2 (mean, or the index) only for welford and arg reductions; else out2 is out
+    "reduce": KernelTraffic(
+        reads=(Access("x_ptr"),),
+        writes=(Access("out_ptr"), Access("out2_ptr", lambda a: a["COMBINE"] in ("welford", "argmax", "argmin"))),
+        flops=_reduce_flops,
+    ),
+}
+
+
+# --- launches ---------------------------------------------------------------------------------------
+class TrafficError(RuntimeError):
+    """A launch the model cannot read: a kernel without a ``TRAFFIC`` row, or arguments that do not
+    fit its signature (an internal error at lower time)."""
+
+
+_SIGNATURES: dict[str, inspect.Signature] = {}
+
+
+def _signature(kernel: str) -> inspect.Signature:
+    if kernel not in _SIGNATURES:
+        fn = KERNELS[kernel]
+        _SIGNATURES[kernel] = inspect.signature(getattr(fn, "fn", fn))
+    return _SIGNATURES[kernel]
+
+
+def kernel_params(kernel: str) -> list[str]:
+    """The parameter names of a registered kernel, in signature order."""
+    return list(_signature(kernel).parameters)
+
+
+def launch_args(launch: Launch) -> Args:
+    """The launch's arguments by parameter name (tensor arguments as plan tensor indices), and its grid."""
+    if launch.kernel not in TRAFFIC or launch.kernel not in KERNELS:
+        raise TrafficError(f"kernel {launch.kernel!r} has no row in kernels/traffic.py TRAFFIC")
+    params = kernel_params(launch.kernel)
+    if len(launch.args) > len(params):
+        raise TrafficError(f"kernel {launch.kernel!r} takes {len(params)} parameters, the launch passes "
+                           f"{len(launch.args)}")
+    # Parameters a launch leaves out (an optional epilogue's) take their defaults.
+    args: Args = {name: p.default for name, p in _signature(launch.kernel).parameters.items()
+                  if p.default is not inspect.Parameter.empty}
+    args.update({name: a.value for name, a in zip(params, launch.args)})
+    args.update({name: a.value for name, a in launch.constexprs.items()})
+    args["grid"] = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
+    return args
+
+
+def launch_access(plan: DelegatePlan, launch: Launch) -> tuple[dict, dict]:
+    """({(base, index): bytes read}, {(base, index): bytes written}) of one launch, per buffer."""
+    entry = TRAFFIC.get(launch.kernel)
+    args = launch_args(launch)
+    try:
+        return _bytes_by_buffer(plan, args, entry.reads), _bytes_by_buffer(plan, args, entry.writes)
+    except (KeyError, IndexError, TypeError) as exc:
+        raise TrafficError(f"launch of {launch.kernel!r} ({launch.op}) does not fit its traffic row: {exc!r}") from exc
+
+
+def launch_flops(launch: Launch) -> int:
+    args = launch_args(launch)
+    try:
+        return int(TRAFFIC[launch.kernel].flops(args))
+    except (KeyError, IndexError, TypeError) as exc:
+        raise TrafficError(f"launch of {launch.kernel!r} ({launch.op}) does not fit its FLOP formula: {exc!r}") from exc
+
+
+def annotate(plan: DelegatePlan) -> DelegatePlan:
+    """Fill in ``bytes_read``, ``bytes_written`` and ``flops`` of every launch of ``plan`` (in place;
+    returns it)."""
+    for launch in plan.launches:
+        reads, writes = launch_access(plan, launch)
+        launch.bytes_read = sum(reads.values())
+        launch.bytes_written = sum(writes.values())
+        launch.flops = launch_flops(launch)
+    return plan
+
+
+def _bytes_by_buffer(plan: DelegatePlan, args: Args, accesses) -> dict:
+    views: dict[tuple[int, int], list] = {}
+    for access in accesses:
+        if not access.when(args):
+            continue
+        desc = plan.tensors[args[access.param]]
+        cap = None if access.at_most is None else access.at_most(args)
+        views.setdefault((int(desc.base), desc.index), []).append((desc, cap))
+    return {key: _buffer_bytes(group) for key, group in views.items()}
+
+
+# --- the bytes of strided views -----------------------------------------------------------------------
+MAX_RUNS = 1 << 20  # contiguous runs enumerated to merge overlapping views; beyond: a bound
+
+
+def _itemsize(desc: TensorDesc) -> int:
+    dtype = getattr(torch, desc.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TrafficError(f"unknown dtype {desc.dtype!r}")
+    return dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _View:
+    """A view as byte runs: ``count`` runs of ``run`` bytes each, starting at ``offset`` plus every
+    combination of ``outer`` (size, byte stride)."""
+
+    offset: int
+    run: int
+    outer: tuple[tuple[int, int], ...]
+    distinct: int  # distinct bytes
+    hull: tuple[int, int]  # [first, last + 1) byte
+
+    @property
+    def count(self) -> int:
+        return math.prod(n for n, _ in self.outer)
+
+    def starts(self) -> np.ndarray:
+        starts = np.array([self.offset], dtype=np.int64)
+        for n, s in self.outer:
+            starts = (starts[:, None] + np.arange(n, dtype=np.int64) * s).ravel()
+        return starts
+
+
+def _view(desc: TensorDesc) -> _View:
+    size = _itemsize(desc)
+    if math.prod(desc.shape) == 0:
+        return _View(desc.byte_offset, 0, (), 0, (desc.byte_offset, desc.byte_offset))
+    # Broadcast (stride 0) and size-1 dims add no bytes; the rest, innermost first.
+    dims = sorted((s, n) for n, s in zip(desc.shape, desc.strides) if n > 1 and s != 0)
+    span = 1 + sum((n - 1) * s for s, n in dims)  # elements from the first to the last
+    hull = (desc.byte_offset, desc.byte_offset + span * size)
+    run, rest = 1, list(dims)
+    while rest and rest[0][0] == run:  # merge dims that continue a contiguous run
+        run *= rest.pop(0)[1]
+    outer = tuple((n, s * size) for s, n in reversed(rest))
+    extent, disjoint = run, True
+    for s, n in rest:  # each dim must step past everything inside it, else elements repeat
+        if s < extent:
+            disjoint = False
+        extent += (n - 1) * s
+    view = _View(desc.byte_offset, run * size, outer, 0, hull)
+    if disjoint:
+        distinct = math.prod(n for _, n in dims) * size
+    elif view.count <= MAX_RUNS:
+        distinct = _union([view])
+    else:
+        distinct = span * size  # an overlapping view too large to enumerate: its hull bounds it
+    return _View(view.offset, view.run, view.outer, distinct, hull)
+
+
+def _union(views: list[_View]) -> int:
+    """Distinct bytes of the runs of ``views`` together."""
+    starts = np.concatenate([v.starts() for v in views])
+    ends = starts + np.concatenate([np.full(v.count, v.run, dtype=np.int64) for v in views])
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    reach = np.maximum.accumulate(ends)  # the furthest byte covered by the runs so far
+    before = np.concatenate([[np.iinfo(np.int64).min], reach[:-1]])
+    return int(np.clip(ends - np.maximum(starts, before), 0, None).sum())
+
+
+def _hull_union(views: list[_View]) -> int:
+    total, reach = 0, None
+    for lo, hi in sorted(v.hull for v in views):
+        lo = lo if reach is None else max(lo, reach)
+        total += max(0, hi - lo)
+        reach = hi if reach is None else max(reach, hi)
+    return total
+
+
+def _buffer_bytes(group: list[tuple[TensorDesc, int | None]]) -> int:
+    """Distinct bytes a launch touches in one buffer through ``group`` ((view, at most elements))."""
+    exact, indexed = [], 0
+    seen = set()
+    for desc, cap in group:
+        view = _view(desc)
+        if cap is not None:
+            indexed += min(view.distinct, cap * _itemsize(desc))
+        elif view not in seen:
+            seen.add(view)
+            exact.append(view)
+    if len(exact) <= 1:
+        merged = exact[0].distinct if exact else 0
+    elif _hull_union(exact) == sum(v.hull[1] - v.hull[0] for v in exact):  # apart: nothing to merge
+        merged = sum(v.distinct for v in exact)
+    elif sum(v.count for v in exact) <= MAX_RUNS:
+        merged = _union(exact)
+    else:
+        merged = min(sum(v.distinct for v in exact), _hull_union(exact))
+    everything = [_view(desc) for desc, _ in group]
+    return min(merged + indexed, _hull_union(everything)) if indexed else merged
+
+
+# --- methods ----------------------------------------------------------------------------------------
+def method_traffic(method: Method) -> dict:
+    """The modelled traffic of one call of ``method`` (its delegates' launches summed) next to its
+    lower bound, as plain data: ``bytes_read``, ``bytes_written``, ``bytes``, ``flops``, ``launches``,
+    ``lower_bound_read``, ``lower_bound_written``, ``lower_bound`` and ``ratio`` (modelled bytes over
+    the lower bound; 1.0 when both are 0)."""
+    values = method.values
+    source: dict[int, int] = {}  # a copy's result -> what it copied
+    producer: dict[int, int] = {}  # value -> the delegate instruction that wrote it
+    for position, ins in enumerate(method.instructions):
+        if ins.kind in (InstrKind.COPY_H2D, InstrKind.COPY_D2H, InstrKind.COPY_D2D):
+            source[ins.outputs[0]] = ins.inputs[0]
+        elif ins.kind == InstrKind.DELEGATE:
+            for v in ins.outputs:
+                producer[v] = position
+
+    def root(v: int) -> int:
+        seen = set()
+        while v in source and v not in seen:
+            seen.add(v)
+            v = source[v]
+        return v
+
+    totals = {"bytes_read": 0, "bytes_written": 0, "flops": 0, "launches": 0}
+    read_of: dict[int, int] = {}  # root value -> bytes the launches read of it
+    written_of: dict[int, int] = {}  # value -> bytes the launches wrote into it
+    for ins in method.instructions:
+        if ins.kind != InstrKind.DELEGATE:
+            continue
+        plan = method.delegates[ins.delegate].plan
+        for launch in plan.launches:
+            totals["bytes_read"] += launch.bytes_read
+            totals["bytes_written"] += launch.bytes_written
+            totals["flops"] += launch.flops
+            totals["launches"] += 1
+            try:
+                reads, writes = launch_access(plan, launch)
+            except TrafficError:  # a kernel this build does not know: its values count in full
+                reads = {(int(Base.INPUT), i): values[v].nbytes for i, v in enumerate(ins.inputs)}
+                writes = {}
+            for (base, index), n in reads.items():
+                if base == Base.INPUT and index < len(ins.inputs):
+                    v = root(ins.inputs[index])
+                    read_of[v] = read_of.get(v, 0) + n
+            for (base, index), n in writes.items():
+                if base == Base.INPUT and index < len(ins.inputs):
+                    v = root(ins.inputs[index])
+                elif base == Base.OUTPUT and index < len(ins.outputs):
+                    v = ins.outputs[index]
+                else:
+                    continue
+                written_of[v] = written_of.get(v, 0) + n
+
+    bound_read = sum(min(values[v].nbytes, n) for v, n in read_of.items()
+                     if values[v].role in (Role.INPUT, Role.CONSTANT, Role.MUTABLE_BUFFER))
+    # Written once: delegate results the method returns or writes back to state, and state that
+    # launches update in place.
+    results = {root(v) for v in method.outputs} | {root(new) for _, new in method.mutated_buffers}
+    results = {v for v in results if v in producer}
+    results |= {v for v in written_of if values[v].role == Role.MUTABLE_BUFFER}
+    bound_written = sum(min(values[v].nbytes, written_of.get(v, values[v].nbytes)) for v in results)
+    modelled = totals["bytes_read"] + totals["bytes_written"]
+    bound = bound_read + bound_written
+    return {
+        **totals,
+        "bytes": modelled,
+        "lower_bound_read": bound_read,
+        "lower_bound_written": bound_written,
+        "lower_bound": bound,
+        "ratio": modelled / bound if bound else 1.0,
+    }
+
+
+def _si(n: float) -> str:
+    for prefix in ("", " K", " M", " G", " T"):
+        if abs(n) < 1000 or prefix == " T":
+            return f"{n:.0f}" if not prefix else f"{n:.1f}{prefix}"
+        n /= 1000
+    return str(n)
+
+
+def traffic_line(t: dict, size: Callable[[int], str] = str) -> str:
+    """One method's :func:`method_traffic` as the line ``summary()`` and ``inspect`` print; ``size``
+    formats a byte count."""
+    return (f"modelled traffic: {size(t['bytes_read'])} read + {size(t['bytes_written'])} written = "
+            f"{size(t['bytes'])} (lower bound {size(t['lower_bound'])}, ratio {t['ratio']:.2f}); "
+            f"FLOPs {_si(t['flops'])}")

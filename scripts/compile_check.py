@@ -37,25 +37,21 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from torch import nn  # noqa: E402
-from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import MockTensor, create_function_from_signature  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import tritondelegate as td  # noqa: E402
+from tritondelegate.binaries import launch_request  # noqa: E402
+from tritondelegate.kernels.compile import decode_args, specialize, variant_key  # noqa: E402
 from harness import Fn  # noqa: E402  (tests/harness.py: a module around a lambda)
 from tritondelegate.kernels.registry import KERNELS  # noqa: E402
 from tritondelegate.models import MLP, DecoderConfig, LlamaStyleDecoder, demo_decoder  # noqa: E402
-from tritondelegate.plan import ArgKind, Base  # noqa: E402
 
 # Shared memory one block may use (opt-in maximum), by compute capability.
 MAX_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-# Where the runtime's views start: arena slots and allocations are at least 16-byte aligned, so a
-# tensor's address is 16-byte aligned exactly when its byte offset in its base is.
-BASE_ADDRESS = 1 << 20
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 FLOATS = (F32, F16, BF16)
@@ -280,17 +276,6 @@ def cases() -> dict[str, callable]:
 
 
 # --- specialization, as JITFunction.run does it ---------------------------------------------------
-class _Address(MockTensor):
-    """A tensor argument as specialization sees it: a dtype and an address."""
-
-    def __init__(self, dtype: torch.dtype, address: int):
-        super().__init__(dtype)
-        self.address = address
-
-    def data_ptr(self):
-        return self.address
-
-
 @dataclass
 class Variant:
     kernel: str
@@ -317,32 +302,8 @@ class Variant:
 
 
 def _arguments(delegate, launch):
-    args = []
-    for a in launch.args:
-        if a.kind != ArgKind.TENSOR:
-            args.append(a.value)
-            continue
-        desc = delegate.plan.tensors[a.value]
-        offset = desc.byte_offset + (delegate.scratch_offset if desc.base == Base.SCRATCH else 0)
-        args.append(_Address(getattr(torch, desc.dtype), BASE_ADDRESS + offset))
-    return args
-
-
-def specialize(kernel, backend, args, meta):
-    """(options, signature, constexprs, attrs) of a launch, computed as ``JITFunction.run`` does."""
-    kwargs = dict(meta)
-    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # triton >= 3.7
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound_args, specialization, options = binder(*args, **kwargs)
-    return kernel._pack_args(backend, kwargs, bound_args, specialization, options)
-
-
-def _key(kernel_name, options, signature, constexprs, attrs) -> str:
-    return repr((kernel_name, sorted(signature.items()), sorted(constexprs.items(), key=repr),
-                 sorted(attrs.items(), key=repr), sorted(options.__dict__.items(), key=repr)))
+    """The launch's arguments as specialization sees them (tensor addresses relative to aligned bases)."""
+    return decode_args(launch_request(delegate, launch)["args"])
 
 
 def collect(selected: dict, backend, log) -> tuple[dict[str, Variant], dict[str, str]]:
@@ -372,7 +333,7 @@ def collect(selected: dict, backend, log) -> tuple[dict[str, Variant], dict[str,
                     meta = {k: v.value for k, v in launch.constexprs.items()}
                     options, signature, constexprs, attrs = specialize(
                         kernel, backend, _arguments(delegate, launch), meta)
-                    key = _key(launch.kernel, options, signature, constexprs, attrs)
+                    key = variant_key(launch.kernel, options, signature, constexprs, attrs)
                     if key not in variants:
                         variants[key] = Variant(launch.kernel, signature, constexprs, attrs, options,
                                                 kernel)

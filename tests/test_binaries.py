@@ -116,7 +116,7 @@ WORKER = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from tritondelegate.binaries import request_for
-    from tritondelegate.kernels.compile import _decode_args, specialize
+    from tritondelegate.kernels.compile import decode_args, specialize
     from tritondelegate.kernels.registry import KERNELS
     from tritondelegate.runtime.binaries import install
     from tritondelegate.serialize import load_program
@@ -126,7 +126,7 @@ WORKER = textwrap.dedent("""
         print(sum(install(f.program.binaries[i], f.binary_bytes(i)) for i in mine))
         launch = request_for(f.program, ["sm_90"])["launches"][0]
         kernel, target = KERNELS[launch["kernel"]], GPUTarget("cuda", 90, 32)
-        options, sig, consts, attrs = specialize(kernel, make_backend(target), _decode_args(launch["args"]),
+        options, sig, consts, attrs = specialize(kernel, make_backend(target), decode_args(launch["args"]),
                                                  launch["constexprs"])
         compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=target, options=options.__dict__)
         stored = {f.program.binaries[i].cache_key: f.binary_bytes(i) for i in mine}

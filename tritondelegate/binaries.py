@@ -45,7 +45,7 @@ def check_archs(archs) -> tuple[str, ...]:
     return archs
 
 
-def _launch_request(delegate, launch) -> dict:
+def launch_request(delegate, launch) -> dict:
     args = []
     for a in launch.args:
         if a.kind != ArgKind.TENSOR:
@@ -58,7 +58,7 @@ def _launch_request(delegate, launch) -> dict:
 
 
 def request_for(program: Program, archs) -> dict:
-    launches = [_launch_request(d, launch) for m in program.methods for d in m.delegates for launch in d.plan.launches]
+    launches = [launch_request(d, launch) for m in program.methods for d in m.delegates for launch in d.plan.launches]
     return {"archs": [ARCHS[a] for a in archs], "launches": launches}
 
 

@@ -52,11 +52,11 @@ def _address(dtype_name: str, offset: int):
     return Address(getattr(torch, dtype_name))
 
 
-def _decode_args(args: list) -> list:
+def decode_args(args: list) -> list:
     return [_address(a["tensor"], a["offset"]) if isinstance(a, dict) else a for a in args]
 
 
-def _key(kernel_name, options, signature, constexprs, attrs) -> str:
+def variant_key(kernel_name, options, signature, constexprs, attrs) -> str:
     return repr((kernel_name, sorted(signature.items()), sorted(constexprs.items(), key=repr),
                  sorted(attrs.items(), key=repr), sorted(options.__dict__.items(), key=repr)))
 
@@ -88,8 +88,8 @@ def compile_request(request: dict) -> dict:
         for i, launch in enumerate(request["launches"]):
             kernel = KERNELS[launch["kernel"]]
             options, signature, constexprs, attrs = specialize(
-                kernel, backend, _decode_args(launch["args"]), launch["constexprs"])
-            key = (arch, _key(launch["kernel"], options, signature, constexprs, attrs))
+                kernel, backend, decode_args(launch["args"]), launch["constexprs"])
+            key = (arch, variant_key(launch["kernel"], options, signature, constexprs, attrs))
             if key not in index:
                 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                                           options=options.__dict__)

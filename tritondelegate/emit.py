@@ -107,10 +107,8 @@ def _fuse(ep: torch.export.ExportedProgram, result: PartitionResult) -> torch.fx
     return gm
 
 
-def emit_method(name: str, ep: torch.export.ExportedProgram, result: PartitionResult,
-                constants: ConstantTable, state_buffers: "set[str] | dict" = frozenset()) -> tuple[Method, NodeInfo]:
-    """``state_buffers``: the FQNs of the program's state buffers (mutated by any method); in this method they
-    are state values even where it only reads them."""
+def count_nodes(ep: torch.export.ExportedProgram, result: PartitionResult) -> NodeInfo:
+    """What the summary reports about the method's nodes: compute and view nodes, delegated or why not."""
     info = NodeInfo()
     for node in ep.graph_module.graph.nodes:
         if node.op == "call_function" and node.target is not operator.getitem:
@@ -124,147 +122,180 @@ def emit_method(name: str, ep: torch.export.ExportedProgram, result: PartitionRe
             else:
                 reason = result.refused.get(node.name, "the partitioner did not claim it")
                 info.host.append((node.name, op_name(node.target), reason))
+    return info
+
+
+def emit_method(name: str, ep: torch.export.ExportedProgram, result: PartitionResult,
+                constants: ConstantTable, state_buffers: "set[str] | dict" = frozenset()) -> tuple[Method, NodeInfo]:
+    """``state_buffers``: the FQNs of the program's state buffers (mutated by any method); in this method they
+    are state values even where it only reads them."""
+    info = count_nodes(ep, result)
     gm = _fuse(ep, result)
-    sig = ep.graph_signature
-    state = {**ep.state_dict, **ep.constants}
-    input_kinds = {spec.arg.name: spec for spec in sig.input_specs}
+    emitter = _Emitter(ep, result, constants, state_buffers, gm._td_tags)
+    for node in gm.graph.nodes:
+        emitter.visit(gm, node)
+    method = Method(
+        name=name,
+        values=emitter.values,
+        inputs=emitter.user_inputs,
+        outputs=emitter.user_outputs,
+        input_spec=pytree.treespec_dumps(ep.call_spec.in_spec),
+        output_spec=pytree.treespec_dumps(ep.call_spec.out_spec),
+        instructions=emitter.instructions,
+        delegates=emitter.delegates,
+        arenas=[],
+        mutated_buffers=emitter.mutations,
+    )
+    return method, info
 
-    values: list[TensorValue] = []
-    env: dict[torch.fx.Node, object] = {}  # node -> value id, or tuple of ids
-    instructions: list[Instruction] = []
-    delegates: list[Delegate] = []
-    user_inputs: list[int] = []
-    buffer_values: dict[str, int] = {}
 
-    def new_value(v: TensorValue) -> int:
-        values.append(v)
-        return len(values) - 1
+class _Emitter:
+    """Walks the fused graph once: placeholders become inputs, constants and state; delegate calls
+    become launch plans; other ATen nodes become host instructions; the output node names the
+    method's outputs and its state write-backs."""
 
-    def encode(arg, kwname="") -> HostArg:
+    def __init__(self, ep, result: PartitionResult, constants: ConstantTable, state_buffers, tags: dict):
+        self.ep, self.result, self.constants, self.state_buffers, self.tags = ep, result, constants, state_buffers, tags
+        self.state_dict = {**ep.state_dict, **ep.constants}
+        self.input_specs = {spec.arg.name: spec for spec in ep.graph_signature.input_specs}
+        self.values: list[TensorValue] = []
+        self.env: dict[torch.fx.Node, object] = {}  # node -> value id, or tuple of ids
+        self.instructions: list[Instruction] = []
+        self.delegates: list[Delegate] = []
+        self.user_inputs: list[int] = []
+        self.user_outputs: list[int] = []
+        self.mutations: list[tuple[int, int]] = []
+        self.buffer_values: dict[str, int] = {}
+
+    def new_value(self, v: TensorValue) -> int:
+        self.values.append(v)
+        return len(self.values) - 1
+
+    def visit(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+        if node.op == "placeholder":
+            self.placeholder(node)
+        elif node.op == "call_module":
+            self.delegate(gm, node)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            self.env[node] = self.env[node.args[0]][node.args[1]]
+        elif node.op == "call_function":
+            self.host_op(node)
+        elif node.op == "output":
+            self.output(node)
+
+    def placeholder(self, node: torch.fx.Node) -> None:
+        spec = self.input_specs[node.name]
+        if spec.kind == InputKind.USER_INPUT:
+            vid = self.new_value(_tensor_value(node.name, node.meta.get("val"), Role.INPUT))
+            self.user_inputs.append(vid)
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            tensor = self.state_dict[spec.target]
+            is_state = spec.target in self.state_buffers
+            index = self.constants.add(spec.target, tensor, snapshot=is_state)
+            role = Role.MUTABLE_BUFFER if is_state else Role.CONSTANT
+            vid = self.new_value(_tensor_value(spec.target, tensor, role, constant=index))
+            if is_state:
+                self.buffer_values[spec.target] = vid
+        else:
+            raise LoweringError(f"input {node.name!r} of kind {spec.kind.name} is not supported")
+        self.env[node] = vid
+
+    def delegate(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+        sub = gm.get_submodule(node.target)
+        tag = self.tags[node.target]
+        spec = self.result.specs[tag]
+        sub_inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        for outer, inner in zip(node.args, sub_inputs):
+            inner.meta.setdefault("val", outer.meta["val"])
+        sub_nodes = [n for n in sub.graph.nodes if n.op == "call_function"]
+        sub_outputs = list(next(n for n in sub.graph.nodes if n.op == "output").args[0])
+        aliases: dict[int, int] = {}  # output -> the input it updated in place (state)
+        plan = build_plan(sub_nodes, sub_inputs, sub_outputs, aliases=aliases)
+        results = [
+            self.env[node.args[aliases[i]]] if i in aliases
+            else self.new_value(_tensor_value(f"{tag}.out{i}", o.meta["val"], Role.INTERMEDIATE))
+            for i, o in enumerate(sub_outputs)
+        ]
+        self.delegates.append(Delegate(spec.backend_id, spec.device, plan))
+        self.instructions.append(Instruction(
+            InstrKind.DELEGATE, inputs=[self.env[a] for a in node.args],
+            outputs=[v for i, v in enumerate(results) if i not in aliases],
+            delegate=len(self.delegates) - 1, name=tag,
+        ))
+        self.env[node] = tuple(results)
+
+    def host_op(self, node: torch.fx.Node) -> None:
+        if not isinstance(node.target, torch._ops.OpOverload):
+            raise LoweringError(f"node {node.name!r} calls {node.target}, which is not an ATen operator")
+        val = node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            outs = tuple(
+                self.new_value(_tensor_value(f"{node.name}.{i}", v, Role.INTERMEDIATE))
+                if isinstance(v, torch.Tensor) else -1
+                for i, v in enumerate(val)
+            )
+            self.env[node] = outs
+            out_list = list(outs)
+        else:
+            vid = self.new_value(_tensor_value(node.name, val, Role.INTERMEDIATE))
+            self.env[node] = vid
+            out_list = [vid]
+        args = [self.encode(a) for a in node.args] + [self.encode(v, k) for k, v in node.kwargs.items()]
+        reads = sorted({a.value for a in args if a.kind == ArgKind.TENSOR}
+                       | {v for a in args if a.kind == ArgKind.TENSOR_LIST for v in a.value if v >= 0})
+        self.instructions.append(Instruction(
+            InstrKind.HOST_OP, inputs=reads, outputs=out_list, target=node.target.name(), args=args, name=node.name,
+        ))
+
+    def output(self, node: torch.fx.Node) -> None:
+        for out_spec, arg in zip(self.ep.graph_signature.output_specs, list(node.args[0])):
+            vid = self.env[arg] if isinstance(arg, torch.fx.Node) else None
+            if not isinstance(vid, int):
+                raise LoweringError(f"method output {arg!r} is not a tensor; only tensor outputs are supported")
+            if out_spec.kind == OutputKind.USER_OUTPUT:
+                self.user_outputs.append(vid)
+            elif out_spec.kind == OutputKind.BUFFER_MUTATION:
+                if vid != self.buffer_values[out_spec.target]:  # else updated in place: nothing to write back
+                    self.mutations.append((self.buffer_values[out_spec.target], vid))
+            else:
+                raise LoweringError(f"output kind {out_spec.kind.name} is not supported")
+
+    def encode(self, arg, kwname="") -> HostArg:
+        """One argument of a host op as a :class:`HostArg`."""
         if isinstance(arg, torch.fx.Node):
-            vid = env[arg]
+            vid = self.env[arg]
             if not isinstance(vid, int):
                 raise LoweringError(f"argument {arg.name!r} is not a single tensor")
             return HostArg(ArgKind.TENSOR, vid, kwname)
-        if arg is None:
-            return HostArg(ArgKind.NONE, None, kwname)
-        if isinstance(arg, bool):
-            return HostArg(ArgKind.BOOL, arg, kwname)
-        if isinstance(arg, int):
-            return HostArg(ArgKind.INT, arg, kwname)
-        if isinstance(arg, float):
-            return HostArg(ArgKind.FLOAT, arg, kwname)
-        if isinstance(arg, str):
-            return HostArg(ArgKind.STR, arg, kwname)
-        if isinstance(arg, torch.dtype):
-            return HostArg(ArgKind.DTYPE, dtype_name(arg), kwname)
-        if isinstance(arg, torch.device):
-            return HostArg(ArgKind.DEVICE, str(arg), kwname)
-        if isinstance(arg, torch.memory_format):
-            return HostArg(ArgKind.MEMORY_FORMAT, str(arg).removeprefix("torch."), kwname)
-        if isinstance(arg, torch.layout):
-            return HostArg(ArgKind.LAYOUT, str(arg).removeprefix("torch."), kwname)
         if isinstance(arg, (list, tuple)):
-            items = list(arg)
-            if any(isinstance(a, torch.fx.Node) for a in items):
-                return HostArg(ArgKind.TENSOR_LIST, [-1 if a is None else encode(a).value for a in items], kwname)
-            if all(isinstance(a, bool) for a in items) and items:
-                return HostArg(ArgKind.BOOL_LIST, items, kwname)
-            if all(isinstance(a, int) and not isinstance(a, bool) for a in items):
-                return HostArg(ArgKind.INT_LIST, items, kwname)
-            if all(isinstance(a, (int, float)) for a in items):
-                return HostArg(ArgKind.FLOAT_LIST, [float(a) for a in items], kwname)
+            return self._encode_list(list(arg), kwname)
+        for kinds, kind, convert in _SCALAR_ENCODINGS:
+            if isinstance(arg, kinds):
+                return HostArg(kind, convert(arg), kwname)
         raise LoweringError(f"cannot encode argument {arg!r} of a host op")
 
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            spec = input_kinds[node.name]
-            val = node.meta.get("val")
-            if spec.kind == InputKind.USER_INPUT:
-                vid = new_value(_tensor_value(node.name, val, Role.INPUT))
-                user_inputs.append(vid)
-            elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-                tensor = state[spec.target]
-                index = constants.add(spec.target, tensor, snapshot=spec.target in state_buffers)
-                role = Role.MUTABLE_BUFFER if spec.target in state_buffers else Role.CONSTANT
-                vid = new_value(_tensor_value(spec.target, tensor, role, constant=index))
-                if role == Role.MUTABLE_BUFFER:
-                    buffer_values[spec.target] = vid
-            else:
-                raise LoweringError(f"input {node.name!r} of kind {spec.kind.name} is not supported")
-            env[node] = vid
-        elif node.op == "call_module":
-            sub = gm.get_submodule(node.target)
-            tag = gm._td_tags[node.target]
-            spec = result.specs[tag]
-            sub_inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
-            for outer, inner in zip(node.args, sub_inputs):
-                inner.meta.setdefault("val", outer.meta["val"])
-            sub_nodes = [n for n in sub.graph.nodes if n.op == "call_function"]
-            sub_outputs = list(next(n for n in sub.graph.nodes if n.op == "output").args[0])
-            aliases: dict[int, int] = {}  # output -> the input it updated in place (state)
-            plan = build_plan(sub_nodes, sub_inputs, sub_outputs, aliases=aliases)
-            results = [
-                env[node.args[aliases[i]]] if i in aliases
-                else new_value(_tensor_value(f"{tag}.out{i}", o.meta["val"], Role.INTERMEDIATE))
-                for i, o in enumerate(sub_outputs)
-            ]
-            delegates.append(Delegate(spec.backend_id, spec.device, plan))
-            instructions.append(Instruction(
-                InstrKind.DELEGATE, inputs=[env[a] for a in node.args],
-                outputs=[v for i, v in enumerate(results) if i not in aliases],
-                delegate=len(delegates) - 1, name=tag,
-            ))
-            env[node] = tuple(results)
-        elif node.op == "call_function":
-            if node.target is operator.getitem:
-                env[node] = env[node.args[0]][node.args[1]]
-                continue
-            if not isinstance(node.target, torch._ops.OpOverload):
-                raise LoweringError(f"node {node.name!r} calls {node.target}, which is not an ATen operator")
-            val = node.meta.get("val")
-            if isinstance(val, (tuple, list)):
-                outs = tuple(
-                    new_value(_tensor_value(f"{node.name}.{i}", v, Role.INTERMEDIATE)) if isinstance(v, torch.Tensor) else -1
-                    for i, v in enumerate(val)
-                )
-                env[node] = outs
-                out_list = list(outs)
-            else:
-                vid = new_value(_tensor_value(node.name, val, Role.INTERMEDIATE))
-                env[node] = vid
-                out_list = [vid]
-            args = [encode(a) for a in node.args] + [encode(v, k) for k, v in node.kwargs.items()]
-            reads = sorted({a.value for a in args if a.kind == ArgKind.TENSOR}
-                           | {v for a in args if a.kind == ArgKind.TENSOR_LIST for v in a.value if v >= 0})
-            instructions.append(Instruction(
-                InstrKind.HOST_OP, inputs=reads, outputs=out_list, target=node.target.name(),
-                args=args, name=node.name,
-            ))
-        elif node.op == "output":
-            flat = list(node.args[0])
-            user_outputs, mutations = [], []
-            for out_spec, arg in zip(sig.output_specs, flat):
-                vid = env[arg] if isinstance(arg, torch.fx.Node) else None
-                if not isinstance(vid, int):
-                    raise LoweringError(f"method output {arg!r} is not a tensor; only tensor outputs are supported")
-                if out_spec.kind == OutputKind.USER_OUTPUT:
-                    user_outputs.append(vid)
-                elif out_spec.kind == OutputKind.BUFFER_MUTATION:
-                    if vid != buffer_values[out_spec.target]:  # else updated in place: nothing to write back
-                        mutations.append((buffer_values[out_spec.target], vid))
-                else:
-                    raise LoweringError(f"output kind {out_spec.kind.name} is not supported")
-    method = Method(
-        name=name,
-        values=values,
-        inputs=user_inputs,
-        outputs=user_outputs,
-        input_spec=pytree.treespec_dumps(ep.call_spec.in_spec),
-        output_spec=pytree.treespec_dumps(ep.call_spec.out_spec),
-        instructions=instructions,
-        delegates=delegates,
-        arenas=[],
-        mutated_buffers=mutations,
-    )
-    return method, info
+    def _encode_list(self, items: list, kwname: str) -> HostArg:
+        if any(isinstance(a, torch.fx.Node) for a in items):
+            return HostArg(ArgKind.TENSOR_LIST, [-1 if a is None else self.encode(a).value for a in items], kwname)
+        if all(isinstance(a, bool) for a in items) and items:
+            return HostArg(ArgKind.BOOL_LIST, items, kwname)
+        if all(isinstance(a, int) and not isinstance(a, bool) for a in items):
+            return HostArg(ArgKind.INT_LIST, items, kwname)
+        if all(isinstance(a, (int, float)) for a in items):
+            return HostArg(ArgKind.FLOAT_LIST, [float(a) for a in items], kwname)
+        raise LoweringError(f"cannot encode argument {items!r} of a host op")
+
+
+_STRIP = lambda v: str(v).removeprefix("torch.")  # noqa: E731
+# (python types, kind, how the value is stored), in order: bool before int, None first.
+_SCALAR_ENCODINGS = (
+    (type(None), ArgKind.NONE, lambda v: None),
+    (bool, ArgKind.BOOL, bool),
+    (int, ArgKind.INT, int),
+    (float, ArgKind.FLOAT, float),
+    (str, ArgKind.STR, str),
+    (torch.dtype, ArgKind.DTYPE, dtype_name),
+    (torch.device, ArgKind.DEVICE, str),
+    (torch.memory_format, ArgKind.MEMORY_FORMAT, _STRIP),
+    (torch.layout, ArgKind.LAYOUT, _STRIP),
+)

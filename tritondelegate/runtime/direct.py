@@ -21,24 +21,33 @@ from .delegate import LAUNCH_OPTIONS
 class DirectLaunch:
     """One prebound launch of a compiled kernel: ``launch(stream)``."""
 
-    __slots__ = ("run", "grid", "function", "metadata", "args", "tail")
+    __slots__ = ("run", "grid", "function", "metadata", "hooks", "args", "tail")
 
-    def __init__(self, compiled, grid, args: list, tail: tuple):
+    def __init__(self, compiled, grid, args: list, tail: tuple, hooks: tuple = (None, None)):
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
         self.grid = (tuple(grid) + (1, 1))[:3]
+        self.hooks = hooks  # what the JIT passes for the enter/exit hooks (None, or empty hook chains)
         self.args, self.tail = args, tail  # ``args`` is the record's list: patched when memory moves
 
     def __call__(self, stream) -> None:
         g0, g1, g2 = self.grid
-        self.run(g0, g1, g2, stream, self.function, self.metadata, None, None, None, *self.args, *self.tail)
+        enter, leave = self.hooks
+        self.run(g0, g1, g2, stream, self.function, self.metadata, None, enter, leave, *self.args, *self.tail)
+
+
+def _hooks() -> tuple:
+    from triton import knobs
+
+    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
 
 
 def hooks_set() -> bool:
+    """Whether a launch hook is installed (older Triton: a callable or None; newer: a chain of calls)."""
     try:
-        from triton import knobs
-    except ImportError:
+        hooks = _hooks()
+    except (ImportError, AttributeError):
         return True
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
 def direct_launch(kernel, compiled, grid, args: list, constexprs: dict) -> DirectLaunch | None:
@@ -53,9 +62,9 @@ def direct_launch(kernel, compiled, grid, args: list, constexprs: dict) -> Direc
         return None
     bound.apply_defaults()
     values = list(bound.arguments.values())
-    if values[: len(args)] != args:  # positional arguments must come first, in order
+    if any(v is not a for v, a in zip(values, args)):  # positional arguments come first, in order
         return None
-    return DirectLaunch(compiled, grid, args, tuple(values[len(args):]))
+    return DirectLaunch(compiled, grid, args, tuple(values[len(args):]), _hooks())
 
 
 def warn_fallback(kernel_name: str, exc: Exception) -> None:

@@ -131,3 +131,29 @@ def test_direct_launches_replace_the_jit_after_the_first_call():
             torch.testing.assert_close(method(*args), expected, atol=1e-3, rtol=1e-3)
     runners = [step.runner for kind, step in method._steps if hasattr(step, "runner")]
     assert runners and all(r._direct for r in runners)  # every launch prebound to its compiled kernel
+
+
+def test_kernel_binaries_load_without_compiling(tmp_path):
+    """A program carrying binaries for this GPU's arch runs its first call in a fresh process with an
+    empty Triton cache without compiling a kernel: Triton's cache then holds only what the program
+    brought (cubin + metadata), no intermediate of a compilation (ttir, ptx)."""
+    import os
+    import subprocess
+    import sys
+
+    major, minor = torch.cuda.get_device_capability()
+    model, args = demo_decoder()
+    config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True),
+                            kernel_archs=(f"sm_{major}{minor}",))
+    td.lower(torch.export.export(model, args), config=config).save(tmp_path / "m.tdp")
+    child = ("import sys, torch, tritondelegate as td\n"
+             "m = td.load(sys.argv[1], devices='cuda').load_method()\n"
+             "print(m(torch.zeros(1, 16, dtype=torch.long)).abs().sum().item())\n")
+    cache = tmp_path / "triton-cache"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+    done = subprocess.run([sys.executable, "-c", child, str(tmp_path / "m.tdp")], env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    suffixes = {name.rsplit(".", 1)[-1] for _, _, files in os.walk(cache) for name in files
+                if not name.startswith("__grp__")}
+    assert not suffixes & {"ttir", "ttgir", "llir", "ptx"}, suffixes  # nothing was compiled

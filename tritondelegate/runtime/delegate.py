@@ -93,6 +93,7 @@ class DelegateRunner:
             _view(scratch, d) if d.base == Base.SCRATCH and i in used else None for i, d in enumerate(plan.tensors)
         ]
         self._bound: dict[tuple[int, int], int] = {}
+        self._moving: tuple[list[int], list[int]] | None = None  # see fixed()
         # One prebound record per launch: (launch function, argument list, constexprs). Tensor
         # arguments are filled in when their memory is bound and patched only when it moves.
         self._records: list[tuple] = []
@@ -141,8 +142,9 @@ class DelegateRunner:
     def launches(self) -> int:
         return len(self.plan.launches)
 
-    def _bind(self, base: Base, tensors: list[torch.Tensor]) -> None:
-        for i, t in enumerate(tensors):
+    def _bind(self, base: Base, tensors: list[torch.Tensor], positions=None) -> None:
+        for i in range(len(tensors)) if positions is None else positions:
+            t = tensors[i]
             key = (int(base), i)
             if self._bound.get(key) == t.data_ptr() and t.data_ptr() != 0:
                 continue
@@ -154,18 +156,37 @@ class DelegateRunner:
                     for args, pos in self._uses.get(j, ()):
                         args[pos] = view
 
+    def fixed(self, inputs: list[bool], outputs: list[bool]) -> None:
+        """Declare which inputs/outputs keep their memory for the runner's life (arena and program
+        slots): after the first call only the others are checked for a move."""
+        self._moving = ([i for i, f in enumerate(inputs) if not f], [i for i, f in enumerate(outputs) if not f])
+
+    def _bind_call(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        moving = self._moving if self._bound else None
+        if moving is None:
+            self._bind(Base.INPUT, inputs)
+            self._bind(Base.OUTPUT, outputs)
+            return
+        if moving[0]:
+            self._bind(Base.INPUT, inputs, moving[0])
+        if moving[1]:
+            self._bind(Base.OUTPUT, outputs, moving[1])
+
     def __call__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
-        self._bind(Base.INPUT, inputs)
-        self._bind(Base.OUTPUT, outputs)
+        self._bind_call(inputs, outputs)
         if self._direct:
             stream = torch.cuda.current_stream().cuda_stream
             for launch in self._direct:
                 launch(stream)
             return
-        with self.scope():
-            compiled = [launch(*args, **constexprs) for launch, args, constexprs in self._records]
         if self._direct_wanted and self._direct is None:
+            with self.scope():
+                compiled = [launch(*args, **constexprs) for launch, args, constexprs in self._records]
             self._direct = self._prebind(compiled)
+            return
+        with self.scope():
+            for launch, args, constexprs in self._records:
+                launch(*args, **constexprs)
 
     def _prebind(self, compiled: list) -> list:
         """Direct launches of the kernels the first call compiled; [] (stay on the JIT) if any cannot be."""

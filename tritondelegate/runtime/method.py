@@ -187,6 +187,9 @@ class LoadedMethod:
                 method.values[v].arena >= 0 or method.values[v].slot >= 0 for v in instr.inputs + instr.outputs)
         step.runner = DelegateRunner(delegate.plan, scratch, simulated=allocator.simulated, null=allocator.null,
                                      direct=not allocator.host_memory and self.direct_launches)
+        fixed = lambda vids: [delegate.stage_inputs or method.values[v].arena >= 0  # noqa: E731
+                              or method.values[v].slot >= 0 for v in vids]
+        step.runner.fixed(fixed(instr.inputs), fixed(instr.outputs))
         return step
 
     def _device_tensor(self, value, device: str | None = None) -> torch.Tensor:

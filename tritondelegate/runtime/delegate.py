@@ -6,22 +6,19 @@ tensors bound to them change (method-planned values keep their arena address fro
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 
 import torch
 import triton.language as tl
 
-import contextlib
-
 from ..kernels import interpreted, interpreter_library
 from ..kernels.registry import KERNELS
 from ..plan import ArgKind, Base, DelegatePlan, TensorDesc
 from ..program import ProgramError
+from .direct import LAUNCH_OPTIONS, direct_launch
 
-
-# Keyword arguments of a Triton launch that are not kernel parameters.
-LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
 
 
 class DelegateError(ProgramError):
@@ -114,13 +111,13 @@ class DelegateRunner:
         """The plan's arguments must bind to the kernel's parameters (a damaged file must not reach
         a launch with the wrong arguments)."""
         meta = {k: None for k in launch.constexprs if k not in LAUNCH_OPTIONS}
-        params = inspect.signature(kernel.fn).parameters.values()
-        runtime = [p.name for p in params if not _is_constexpr(p)]
+        signature = inspect.signature(kernel.fn)
+        runtime = [p.name for p in signature.parameters.values() if not _is_constexpr(p)]
         try:
             if len(launch.args) != len(runtime):  # a default must not stand in for a lost argument
                 raise TypeError(f"{len(launch.args)} runtime arguments for the {len(runtime)} parameters "
                                 f"{', '.join(runtime)}")
-            inspect.signature(kernel.fn).bind(*launch.args, **meta)
+            signature.bind(*launch.args, **meta)
         except TypeError as exc:
             raise DelegateError(
                 f"launch of {launch.kernel!r} (node {launch.op!r}) does not fit the kernel's parameters: {exc}"
@@ -190,8 +187,6 @@ class DelegateRunner:
 
     def _prebind(self, compiled: list) -> list:
         """Direct launches of the kernels the first call compiled; [] (stay on the JIT) if any cannot be."""
-        from .direct import direct_launch
-
         direct = []
         for kernel, launch, (_, args, constexprs), c in zip(self._kernels, self.plan.launches, self._records, compiled):
             record = direct_launch(kernel, c, launch.grid, args, constexprs)

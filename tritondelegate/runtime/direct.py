@@ -13,9 +13,9 @@ or with a Triton whose compiled kernels lack the launcher this expects, launches
 from __future__ import annotations
 
 import inspect
-import warnings
 
-from .delegate import LAUNCH_OPTIONS
+# Keyword arguments of a Triton launch that are not kernel parameters.
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
 
 
 class DirectLaunch:
@@ -66,7 +66,3 @@ def direct_launch(kernel, compiled, grid, args: list, constexprs: dict) -> Direc
         return None
     return DirectLaunch(compiled, grid, args, tuple(values[len(args):]), _hooks())
 
-
-def warn_fallback(kernel_name: str, exc: Exception) -> None:
-    warnings.warn(f"launching kernel {kernel_name!r} directly failed ({type(exc).__name__}: {exc}); "
-                  "this delegate's launches stay on Triton's JIT dispatch", RuntimeWarning, stacklevel=3)

@@ -44,6 +44,32 @@ def _index_term(idx_ptr, i0, i1, i2, i3, i4, t0, t1, t2, t3, t4, size, stride, m
 
 
 @triton.jit
+def indexed_offsets(
+    idx0_ptr, idx1_ptr, idx2_ptr, i0, i1, i2, i3, i4,
+    s0, s1, s2, s3, s4,
+    t00, t01, t02, t03, t04,
+    t10, t11, t12, t13, t14,
+    t20, t21, t22, t23, t24,
+    size0, size1, size2, u0, u1, u2, mask, NUM_INDICES: tl.constexpr,
+):
+    """``sum_j o_j * S_j + sum_k wrap(idx_k[o . T_k]) * U_k`` and where every index is in range: the
+    address formula gather reads with and scatter writes with."""
+    offs = i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3 + i4 * s4
+    term, valid = _index_term(idx0_ptr, i0, i1, i2, i3, i4, t00, t01, t02, t03, t04, size0, u0, mask)
+    offs += term
+    valid = valid & mask
+    if NUM_INDICES >= 2:
+        term, ok = _index_term(idx1_ptr, i0, i1, i2, i3, i4, t10, t11, t12, t13, t14, size1, u1, mask)
+        offs += term
+        valid = valid & ok
+    if NUM_INDICES >= 3:
+        term, ok = _index_term(idx2_ptr, i0, i1, i2, i3, i4, t20, t21, t22, t23, t24, size2, u2, mask)
+        offs += term
+        valid = valid & ok
+    return offs, valid
+
+
+@triton.jit
 def gather_kernel(
     out_ptr, src_ptr, idx0_ptr, idx1_ptr, idx2_ptr,
     n, d1, d2, d3, d4,
@@ -58,19 +84,10 @@ def gather_kernel(
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     i0, i1, i2, i3, i4 = ew.unravel5(offs, d1, d2, d3, d4)
-    src_offs = i0 * ss0 + i1 * ss1 + i2 * ss2 + i3 * ss3 + i4 * ss4
-    valid = mask
-    term, ok = _index_term(idx0_ptr, i0, i1, i2, i3, i4, t00, t01, t02, t03, t04, size0, u0, mask)
-    src_offs += term
-    valid = valid & ok
-    if NUM_INDICES >= 2:
-        term, ok = _index_term(idx1_ptr, i0, i1, i2, i3, i4, t10, t11, t12, t13, t14, size1, u1, mask)
-        src_offs += term
-        valid = valid & ok
-    if NUM_INDICES >= 3:
-        term, ok = _index_term(idx2_ptr, i0, i1, i2, i3, i4, t20, t21, t22, t23, t24, size2, u2, mask)
-        src_offs += term
-        valid = valid & ok
+    src_offs, valid = indexed_offsets(
+        idx0_ptr, idx1_ptr, idx2_ptr, i0, i1, i2, i3, i4, ss0, ss1, ss2, ss3, ss4,
+        t00, t01, t02, t03, t04, t10, t11, t12, t13, t14, t20, t21, t22, t23, t24,
+        size0, size1, size2, u0, u1, u2, mask, NUM_INDICES)
     value = tl.load(src_ptr + src_offs, mask=valid, other=0)
     tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import elementwise as ew
 from .builder import LoweringError, TRef
-from .index import INDEX_DTYPES, MAX_INDICES, MAX_RANK, _dtype_reason, _index_term, _val
+from .index import INDEX_DTYPES, MAX_INDICES, MAX_RANK, _dtype_reason, _val, indexed_offsets
 from .layout import _meta
 
 aten = torch.ops.aten
@@ -57,19 +57,10 @@ def scatter_kernel(
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     i0, i1, i2, i3, i4 = ew.unravel5(offs, d1, d2, d3, d4)
-    dst_offs = i0 * ds0 + i1 * ds1 + i2 * ds2 + i3 * ds3 + i4 * ds4
-    valid = mask
-    term, ok = _index_term(idx0_ptr, i0, i1, i2, i3, i4, t00, t01, t02, t03, t04, size0, u0, mask)
-    dst_offs += term
-    valid = valid & ok
-    if NUM_INDICES >= 2:
-        term, ok = _index_term(idx1_ptr, i0, i1, i2, i3, i4, t10, t11, t12, t13, t14, size1, u1, mask)
-        dst_offs += term
-        valid = valid & ok
-    if NUM_INDICES >= 3:
-        term, ok = _index_term(idx2_ptr, i0, i1, i2, i3, i4, t20, t21, t22, t23, t24, size2, u2, mask)
-        dst_offs += term
-        valid = valid & ok
+    dst_offs, valid = indexed_offsets(
+        idx0_ptr, idx1_ptr, idx2_ptr, i0, i1, i2, i3, i4, ds0, ds1, ds2, ds3, ds4,
+        t00, t01, t02, t03, t04, t10, t11, t12, t13, t14, t20, t21, t22, t23, t24,
+        size0, size1, size2, u0, u1, u2, mask, NUM_INDICES)
     if SRC_SCALAR:
         v = tl.full([BLOCK], value, dtype=dst_ptr.dtype.element_ty)
     else:

@@ -20,15 +20,8 @@ def describe(program: Program) -> dict:
         "format_version": program.version,
         "methods": [_method(program, m) for m in program.methods],
         "constants": _constants(program),
-        "state": [
-            {"name": s.name, "device": s.device, "bytes": program.constants[s.constant].nbytes}
-            for s in program.slots if s.state
-        ],
-        "segments": [
-            {"device": seg.device, "kind": seg.kind.name.lower(), "bytes": seg.nbytes, "alignment": seg.alignment,
-             "slots": sum(1 for s in program.slots if s.segment == i)}
-            for i, seg in enumerate(program.segments)
-        ],
+        "state": state_facts(program),
+        "segments": segment_facts(program),
         "external_files": list(program.external_files),
         "binaries": [
             {"kernel": b.kernel, "arch": b.arch, "name": b.name, "bytes": b.nbytes,
@@ -36,6 +29,19 @@ def describe(program: Program) -> dict:
             for b in program.binaries
         ],
     }
+
+
+def state_facts(program: Program) -> list[dict]:
+    """Each state buffer: name, where it lives, bytes."""
+    return [{"name": s.name, "device": s.device, "bytes": program.constants[s.constant].nbytes}
+            for s in program.slots if s.state]
+
+
+def segment_facts(program: Program) -> list[dict]:
+    """Each per-device segment: device, kind, bytes, alignment, how many slots it holds."""
+    return [{"device": seg.device, "kind": seg.kind.name.lower(), "bytes": seg.nbytes, "alignment": seg.alignment,
+             "slots": sum(1 for s in program.slots if s.segment == i)}
+            for i, seg in enumerate(program.segments)]
 
 
 def _tensor(value) -> dict:

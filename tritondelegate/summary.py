@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .inspection import segment_facts, state_facts
 from .kernels.traffic import method_traffic, traffic_line
 
 
@@ -88,17 +89,11 @@ def format_summary(lowered) -> str:
 
 def program_facts(lowered) -> dict:
     """Program-level memory: the state buffers and the per-device segments, as plain data."""
-    program = lowered.program
-    state = []
-    for slot in program.slots:
-        if slot.state:
-            info = lowered.state.get(slot.name)
-            state.append({"name": slot.name, "device": slot.device, "bytes": program.constants[slot.constant].nbytes,
-                          "reason": info.reason if info is not None and slot.device == "cpu" else ""})
-    segments = [{"device": s.device, "kind": s.kind.name.lower(), "bytes": s.nbytes,
-                 "slots": sum(1 for slot in program.slots if slot.segment == i)}
-                for i, s in enumerate(program.segments)]
-    return {"state": state, "segments": segments}
+    state = state_facts(lowered.program)
+    for s in state:  # why a buffer stays on the host is known at lower time only
+        info = lowered.state.get(s["name"])
+        s["reason"] = info.reason if info is not None and s["device"] == "cpu" else ""
+    return {"state": state, "segments": segment_facts(lowered.program)}
 
 
 def _program_lines(lowered) -> list[str]:

@@ -154,9 +154,7 @@ def _partition(name: str, ep, partitioner: Partitioner, config: LowerConfig, sta
     """Fold what depends on no input (never state) and let the partitioner tag the method."""
     device_config = config.device_config(name)
     folded = fold_constants(ep, state) if config.fold_constants else []
-    graph = MethodGraph(name, ep, partitioner.partition(ep), device_config.flag("state_on_device", name))
-    graph.folded = folded
-    return graph
+    return MethodGraph(name, ep, partitioner.partition(ep), device_config.flag("state_on_device", name), folded)
 
 
 def _lower_method(graph: MethodGraph, state: dict, constants: ConstantTable, config: LowerConfig):

@@ -18,9 +18,11 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from .backend import build_plan
+from .kernels import sizes
 from .kernels.builder import dtype_name
 from .kernels.registry import lookup
 from .partitioner import PartitionResult, op_name
+from .symbolic import Expr
 from .program import (
     ArgKind,
     Constant,
@@ -80,11 +82,23 @@ class NodeInfo:
 
 
 def _tensor_value(name, val, role, constant=-1) -> TensorValue:
+    """``val``'s value; a dynamic dim is a ``symbolic.Expr``, and ``nbytes`` is at the symbols' bounds."""
     if not isinstance(val, torch.Tensor):
         raise LoweringError(f"value {name!r} is a {type(val).__name__}; only tensor values are supported")
-    shape = tuple(int(s) for s in val.shape)
-    nbytes = val.numel() * val.element_size()
-    return TensorValue(name, dtype_name(val.dtype), shape, "cpu", role, nbytes, constant=constant)
+    shape = sizes.shape(val.shape)
+    nbytes = sizes.upper(val.numel()) * val.element_size()
+    return TensorValue(name, dtype_name(val.dtype), sizes.to_plan(shape), "cpu", role, nbytes, constant=constant)
+
+
+def is_size_node(node: torch.fx.Node) -> bool:
+    """A node that computes a size (``sym_size``, arithmetic on SymInts): no instruction of its own;
+    its expression is evaluated by the runtime wherever an op takes it."""
+    return node.op == "call_function" and isinstance(node.meta.get("val"), torch.SymInt)
+
+
+@dataclass(frozen=True)
+class _Size:
+    expr: object  # a sympy expression over the method's symbols
 
 
 def _fuse(ep: torch.export.ExportedProgram, result: PartitionResult) -> torch.fx.GraphModule:
@@ -111,7 +125,7 @@ def count_nodes(ep: torch.export.ExportedProgram, result: PartitionResult) -> No
     """What the summary reports about the method's nodes: compute and view nodes, delegated or why not."""
     info = NodeInfo()
     for node in ep.graph_module.graph.nodes:
-        if node.op == "call_function" and node.target is not operator.getitem:
+        if node.op == "call_function" and node.target is not operator.getitem and not is_size_node(node):
             spec = lookup(node.target)
             if spec is not None and spec.is_view:
                 info.views += 1
@@ -178,6 +192,8 @@ class _Emitter:
             self.delegate(gm, node)
         elif node.op == "call_function" and node.target is operator.getitem:
             self.env[node] = self.env[node.args[0]][node.args[1]]
+        elif is_size_node(node):
+            self.env[node] = _Size(sizes.size(node.meta["val"]))
         elif node.op == "call_function":
             self.host_op(node)
         elif node.op == "output":
@@ -218,7 +234,7 @@ class _Emitter:
         ]
         self.delegates.append(Delegate(spec.backend_id, spec.device, plan))
         self.instructions.append(Instruction(
-            InstrKind.DELEGATE, inputs=[self.env[a] for a in node.args],
+            InstrKind.DELEGATE, inputs=[self.env[a] for a in node.args if not isinstance(self.env[a], _Size)],
             outputs=[v for i, v in enumerate(results) if i not in aliases],
             delegate=len(self.delegates) - 1, name=tag,
         ))
@@ -264,6 +280,8 @@ class _Emitter:
         """One argument of a host op as a :class:`HostArg`."""
         if isinstance(arg, torch.fx.Node):
             vid = self.env[arg]
+            if isinstance(vid, _Size):
+                return self._encode_size(vid.expr, kwname)
             if not isinstance(vid, int):
                 raise LoweringError(f"argument {arg.name!r} is not a single tensor")
             return HostArg(ArgKind.TENSOR, vid, kwname)
@@ -274,7 +292,16 @@ class _Emitter:
                 return HostArg(kind, convert(arg), kwname)
         raise LoweringError(f"cannot encode argument {arg!r} of a host op")
 
+    def _encode_size(self, expr, kwname: str) -> HostArg:
+        value = sizes.to_plan(expr)
+        return HostArg(ArgKind.INT if isinstance(value, int) else ArgKind.SYM_INT, value, kwname)
+
     def _encode_list(self, items: list, kwname: str) -> HostArg:
+        if any(isinstance(a, torch.fx.Node) and isinstance(self.env[a], _Size) for a in items):
+            values = [sizes.to_plan(self.env[a].expr) if isinstance(a, torch.fx.Node) else a for a in items]
+            if not all(isinstance(v, (int, Expr)) for v in values):
+                raise LoweringError(f"cannot encode argument {items!r} of a host op")
+            return HostArg(ArgKind.SYM_INT_LIST, values, kwname)
         if any(isinstance(a, torch.fx.Node) for a in items):
             return HostArg(ArgKind.TENSOR_LIST, [-1 if a is None else self.encode(a).value for a in items], kwname)
         if all(isinstance(a, bool) for a in items) and items:

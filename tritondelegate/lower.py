@@ -6,11 +6,13 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from torch.export.graph_signature import InputKind
 
 from .binaries import check_archs, compile_binaries
 from .config import LowerConfig
 from .decompose import decompose
-from .emit import ConstantTable, LoweringError, NodeInfo, emit_method
+from .emit import ConstantTable, LoweringError, NodeInfo, emit_method, is_size_node
+from .kernels.sizes import symbol_ranges
 from .memory.method_plan import plan_method
 from .memory.segments import plan_slots
 from .partitioner import Partitioner, TritonPartitioner
@@ -19,7 +21,7 @@ from .passes.fold_repeat_kv import fold_repeat_kv
 from .passes.propagate_device import DeviceReport, PropagateDevicePass
 from .passes.state import MethodGraph, StateBuffer, place_state, reinplace
 from .passes.verify import verify_method
-from .program import InstrKind, Program
+from .program import InstrKind, Program, Symbol
 
 
 @dataclass
@@ -91,16 +93,22 @@ def lower(
     partitioner = TritonPartitioner() if partitioner is None else partitioner
     config = LowerConfig() if config is None else config
     check_archs(config.kernel_archs)
+    symbols = {name: _symbols(name, ep) for name, ep in programs.items() if isinstance(ep, torch.export.ExportedProgram)}
     decomposed = {name: _decompose(name, ep, partitioner) for name, ep in programs.items()}
     # Mutations are explicit once functionalized: state is what any decomposed method writes back.
     mutated = {fqn for ep in decomposed.values() for fqn in ep.graph_signature.buffers_to_mutate.values()}
-    graphs = [_partition(name, ep, partitioner, config, mutated) for name, ep in decomposed.items()]
+    graphs = []
+    for name, ep in decomposed.items():
+        with symbol_ranges(symbols[name][1]):  # sizes over the method's symbols are decided for their range
+            graphs.append(_partition(name, ep, partitioner, config, mutated))
     state = place_state(graphs, config.enable_non_cpu_memory_planning)
     constants = ConstantTable()
     methods, reports = [], {}
     for graph in graphs:
         inplace = reinplace(graph, state)
-        method, reports[graph.name] = _lower_method(graph, state, constants, config)
+        with symbol_ranges(symbols[graph.name][1]):
+            method, reports[graph.name] = _lower_method(graph, state, constants, config)
+        method.symbols = symbols[graph.name][0]
         reports[graph.name].inplace = inplace
         reports[graph.name].folded = graph.folded
         methods.append(method)
@@ -121,33 +129,58 @@ def lower(
 def _decompose(name: str, ep, partitioner: Partitioner) -> torch.export.ExportedProgram:
     if not isinstance(ep, torch.export.ExportedProgram):
         raise TypeError(f"method {name!r}: expected an ExportedProgram, got {type(ep).__name__}")
-    _refuse_dynamic_shapes(name, ep)
     ep = decompose(ep, keep=partitioner.ops_to_not_decompose(ep))
     fold_repeat_kv(ep.graph_module)
+    _detach_size_nodes(ep.graph_module)
     return ep
 
 
-def _refuse_dynamic_shapes(name: str, ep) -> None:
-    """Programs run with the shapes they were exported with; a dynamic dimension is refused up front,
-    naming it, rather than lowered into a program that only accepts the example's size."""
-    for node in ep.graph_module.graph.nodes:
-        val = node.meta.get("val") if node.op == "placeholder" else None
-        if not isinstance(val, torch.Tensor):
-            continue
-        for dim, size in enumerate(val.shape):
+def _symbols(name: str, ep) -> tuple[list[Symbol], dict]:
+    """The method's bounded dynamic dimensions, each bound to the first user input dimension that is
+    exactly that symbol, and ``{sympy symbol: (min, max)}``. A dimension without a finite maximum is
+    refused, naming the input and dimension and how to bound it."""
+    user_inputs = [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
+    placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    symbols, ranges = [], {}
+    for position, input_name in enumerate(user_inputs):
+        val = placeholders[input_name].meta.get("val")
+        for dim, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
             if isinstance(size, int):
                 continue
-            bounds = ep.range_constraints.get(size.node.expr)
-            upper = getattr(bounds, "upper", None)
-            bounded = upper is not None and bool(getattr(upper, "is_Integer", False))  # not sympy's or torch's oo
-            how = (f"bounded {bounds.lower}..{upper}" if bounded
-                   else "without an upper bound (bound it with torch.export.Dim(..., max=N))")
-            raise LoweringError(
-                f"method {name!r}: input {node.name!r} dimension {dim} is dynamic ({size}, {how}). tritondelegate "
-                "plans memory and launches for static shapes: export with concrete example shapes (no "
-                "dynamic_shapes), or export one method per size you need into one program (they share the "
-                "weights and the state)."
-            )
+            expr = size.node.expr
+            for symbol in expr.free_symbols:
+                bounds = ep.range_constraints.get(symbol)
+                upper = getattr(bounds, "upper", None)
+                if upper is None or not bool(getattr(upper, "is_Integer", False)):  # sympy's or torch's oo
+                    raise LoweringError(
+                        f"method {name!r}: input {input_name!r} dimension {dim} is dynamic ({size}) without an "
+                        "upper bound. tritondelegate plans memory for the largest size: bound it with "
+                        "torch.export.Dim(..., max=N) in dynamic_shapes.")
+                ranges[symbol] = (int(bounds.lower), int(upper))
+            if expr.is_Symbol and expr.name not in {s.name for s in symbols}:
+                lo, hi = ranges[expr]
+                symbols.append(Symbol(expr.name, lo, hi, position, dim))
+    unbound = sorted(str(s) for s in ranges if s.name not in {sym.name for sym in symbols})
+    if unbound:
+        raise LoweringError(
+            f"method {name!r}: symbols {unbound} appear only inside expressions of input sizes; each "
+            "dynamic dimension must be exactly one input dimension somewhere (no derived-only Dims)")
+    return symbols, ranges
+
+
+def _detach_size_nodes(gm: torch.fx.GraphModule) -> None:
+    """Size nodes (``sym_size``, arithmetic on SymInts) keep their value (``meta["val"]``, an
+    expression over the symbols) but lose their arguments: the runtime evaluates sizes from the
+    symbols, so they read no tensor and tie no delegate to a host node."""
+    for node in gm.graph.nodes:
+        if is_size_node(node):
+            node.args, node.kwargs = (), {}
+            node.target = symbolic_size
+
+
+def symbolic_size():
+    """The target of a detached size node (never called: see ``_detach_size_nodes``)."""
+    raise RuntimeError("a size node is evaluated from the method's symbols, not called")
 
 
 def _partition(name: str, ep, partitioner: Partitioner, config: LowerConfig, state: set[str]) -> MethodGraph:

@@ -82,13 +82,6 @@ def _resolve_ops(ops: Iterable) -> set:
     return chosen
 
 
-def _static(val) -> bool:
-    vals = val if isinstance(val, (tuple, list)) else [val]
-    return all(
-        not isinstance(v, torch.Tensor) or all(isinstance(s, int) for s in v.shape) for v in vals
-    )
-
-
 class _TritonSupport(OperatorSupportBase):
     def __init__(self, allowed: set | None):
         self.allowed = allowed
@@ -106,8 +99,6 @@ class _TritonSupport(OperatorSupportBase):
         val = node.meta.get("val")
         if val is None:
             return "the node has no shape/dtype metadata"
-        if not _static(val):
-            return "dynamic shapes are not supported"
         return spec.support(node)
 
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:

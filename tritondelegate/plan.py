@@ -4,12 +4,18 @@ A delegate is a subgraph of ATen nodes turned into a list of Triton launches. Ev
 touches is a :class:`TensorDesc`: a strided view of one of the delegate's inputs, outputs, or its scratch
 block (temporaries that live only for the delegate's call). The runtime builds each view once and
 launches ``KERNELS[launch.kernel][grid](*args, **constexprs)``.
+
+In a method with bounded dynamic dimensions, any integer below that depends on them (a view's shape,
+strides and offset, a grid, an INT argument) is a ``symbolic.Expr``; the runtime evaluates them once
+per distinct size. Byte counts (scratch, input and output sizes) are at the symbols' upper bounds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+
+from .symbolic import Expr
 
 
 class Base(IntEnum):
@@ -22,10 +28,10 @@ class Base(IntEnum):
 class TensorDesc:
     base: Base
     index: int  # input/output position; 0 for scratch
-    byte_offset: int  # from the start of the base storage
+    byte_offset: object  # int or Expr: from the start of the base storage
     dtype: str  # torch dtype name without "torch.", e.g. "float32"
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]  # in elements
+    shape: tuple  # ints or Exprs
+    strides: tuple  # ints or Exprs, in elements
 
 
 class ArgKind(IntEnum):
@@ -45,7 +51,7 @@ class Arg:
     def of(value) -> "Arg":
         if isinstance(value, bool):
             return Arg(ArgKind.BOOL, value)
-        if isinstance(value, int):
+        if isinstance(value, (int, Expr)):
             return Arg(ArgKind.INT, value)
         if isinstance(value, float):
             return Arg(ArgKind.FLOAT, value)
@@ -57,7 +63,7 @@ class Arg:
 @dataclass
 class Launch:
     kernel: str
-    grid: tuple[int, ...]
+    grid: tuple  # ints or Exprs
     args: list[Arg]
     constexprs: dict[str, Arg] = field(default_factory=dict)
     op: str = ""  # the ATen node this launch came from, for stats and errors

@@ -16,13 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from .errors import ProgramError  # noqa: F401  (part of the program's interface)
 from .plan import DelegatePlan
 
 FORMAT_VERSION = 2  # 2: program-level slots and segments (shared constants and state)
-
-
-class ProgramError(ValueError):
-    """A program file (or a weights file it names) is malformed, truncated or inconsistent."""
 
 
 class Role(IntEnum):
@@ -36,10 +33,10 @@ class Role(IntEnum):
 class TensorValue:
     name: str  # the graph node name (or constant FQN), for errors and summaries
     dtype: str  # torch dtype name, e.g. "float32"
-    shape: tuple[int, ...]
+    shape: tuple  # ints, or symbolic.Expr for dims that depend on the method's symbols
     device: str  # "cpu" or "cuda:N"
     role: Role
-    nbytes: int
+    nbytes: int  # at the symbols' upper bounds: what memory planning reserves
     constant: int = -1  # index into Program.constants when the data comes from a constant
     arena: int = -1  # index into Method.arenas when planned; -1: not planned
     arena_offset: int = 0
@@ -62,6 +59,8 @@ class ArgKind(IntEnum):
     MEMORY_FORMAT = 11  # str: torch.contiguous_format etc. without "torch."
     LAYOUT = 12  # str
     BOOL_LIST = 13
+    SYM_INT = 14  # symbolic.Expr: a size that depends on the method's symbols
+    SYM_INT_LIST = 15  # ints and symbolic.Exprs (e.g. the sizes of a view with a dynamic dim)
 
 
 @dataclass
@@ -111,6 +110,18 @@ class Arena:
 
 
 @dataclass
+class Symbol:
+    """One bounded dynamic dimension of a method (``torch.export.Dim(..., max=N)``): the name size
+    expressions use for it (``symbolic.Expr``), its range, and where a call's inputs give its value."""
+
+    name: str  # "s0"
+    min: int
+    max: int
+    input: int  # position in Method.inputs of the input that gives it ...
+    dim: int  # ... and its dimension
+
+
+@dataclass
 class Method:
     name: str
     values: list[TensorValue]
@@ -122,6 +133,9 @@ class Method:
     delegates: list[Delegate]
     arenas: list[Arena]
     mutated_buffers: list[tuple[int, int]] = field(default_factory=list)  # (buffer value, new value)
+    # Bounded dynamic dimensions. With any, sizes in values and plans may be ``symbolic.Expr``s
+    # (their ``bound`` is the size at every symbol's maximum; memory is planned for it).
+    symbols: list[Symbol] = field(default_factory=list)
 
 
 @dataclass

@@ -245,8 +245,6 @@ def supported(node) -> str | None:
     out = node.meta.get("val")
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v, out)):
         return "query, key, value and the result must be tensors"
-    if any(not isinstance(s, int) for t in (q, k, v, out) for s in t.shape):
-        return "dynamic shapes are not supported (the kernel is specialized to static sizes)"
     if q.dtype not in ew.FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return (f"query/key/value dtypes {q.dtype}/{k.dtype}/{v.dtype}: all three must be one of "
                 f"{', '.join(map(str, ew.FLOAT_DTYPES))}")

@@ -25,6 +25,8 @@ import torch.fx
 
 from ..memory.planner import Interval, greedy_by_size
 from ..plan import Arg, ArgKind, Base, DelegatePlan, Launch, TensorDesc
+from . import sizes
+from .sizes import to_plan, upper
 
 SCRATCH_ALIGNMENT = 256
 
@@ -41,7 +43,7 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     strides, acc = [], 1
     for size in reversed(shape):
         strides.append(acc)
-        acc *= max(size, 1)
+        acc *= size if not sizes.is_static(size) else max(size, 1)
     return tuple(reversed(strides))
 
 
@@ -73,7 +75,8 @@ class TRef:
 class _Buffer:
     base: Base
     index: int
-    nbytes: int
+    nbytes: int  # at the symbols' upper bounds: what the plan reserves
+    size: object  # the exact byte count: an int, or a sympy expression over the symbols
     owner: str = ""  # the node whose lowering allocated it: only that node's launches write it
     first: int = -1
     last: int = -1
@@ -94,12 +97,17 @@ class LaunchBuilder:
         self._in_place: dict[str, set[int]] = {}
         self.current: torch.fx.Node | None = None
         self._inputs: list[TRef] = []
-        for i, node in enumerate(inputs):
+        position = 0
+        for node in inputs:
             val = node.meta["val"]
-            shape = tuple(int(s) for s in val.shape)
-            buf = self._new_buffer(Base.INPUT, i, math.prod(shape) * val.element_size())
+            if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
+                self._values[node] = sizes.size(val)  # a size the delegate computes with, not a tensor
+                continue
+            shape = sizes.shape(val.shape)
+            buf = self._new_buffer(Base.INPUT, position, math.prod(shape) * val.element_size())
             self._values[node] = self._desc(buf, val.dtype, shape, contiguous_strides(shape), 0)
             self._inputs.append(self._values[node])
+            position += 1
 
     # -- values -------------------------------------------------------------------------------
     def ref(self, arg) -> TRef:
@@ -112,6 +120,19 @@ class LaunchBuilder:
     def values(self, arg):
         """A node's lowered value: a TRef, or a tuple of them for multi-output nodes."""
         return self._values[arg]
+
+    def size(self, arg):
+        """An integer argument of a node (a literal, or a SymInt-valued node such as ``sym_size``) as a
+        size: an int, or a sympy expression over the method's symbols."""
+        if isinstance(arg, torch.fx.Node):
+            if arg in self._values and not isinstance(self._values[arg], (TRef, tuple)):
+                return self._values[arg]
+            return sizes.size(arg.meta["val"])
+        return sizes.size(arg)
+
+    def sizes(self, args) -> tuple:
+        """A list argument of sizes (see :meth:`size`)."""
+        return tuple(self.size(a) for a in args)
 
     def bind(self, node: torch.fx.Node, value) -> None:
         """Record ``value`` (a TRef or a tuple of TRefs) as ``node``'s result."""
@@ -133,9 +154,8 @@ class LaunchBuilder:
     # -- tensors ------------------------------------------------------------------------------
     def alloc(self, shape, dtype: torch.dtype) -> TRef:
         """A fresh contiguous temporary."""
-        shape = tuple(int(s) for s in shape)
-        nbytes = math.prod(shape) * dtype.itemsize
-        buf = self._new_buffer(Base.SCRATCH, 0, nbytes)
+        shape = sizes.shape(shape)
+        buf = self._new_buffer(Base.SCRATCH, 0, math.prod(shape) * dtype.itemsize)
         return self._desc(buf, dtype, shape, contiguous_strides(shape), 0)
 
     def out(self, node: torch.fx.Node, index: int | None = None) -> TRef:
@@ -156,9 +176,9 @@ class LaunchBuilder:
         return self._desc(
             ref.buffer,
             ref.dtype if dtype is None else dtype,
-            tuple(int(s) for s in shape),
-            tuple(int(s) for s in strides),
-            ref.offset if offset is None else int(offset),
+            sizes.shape(shape),
+            sizes.shape(strides),
+            ref.offset if offset is None else sizes.size(offset),
         )
 
     def contiguous(self, ref: TRef) -> TRef:
@@ -174,13 +194,13 @@ class LaunchBuilder:
     # -- launches -----------------------------------------------------------------------------
     def launch(self, kernel: str, grid, *args, **constexprs) -> int | None:
         """Record a launch; returns its position, or None when the grid is empty (nothing to do)."""
-        grid = tuple(int(g) for g in grid)
-        if any(g <= 0 for g in grid):
-            return None  # nothing to do: an empty tensor
+        grid = sizes.shape(grid)
+        if any(sizes.is_static(g) and g <= 0 for g in grid):
+            return None  # nothing to do: an empty tensor (a symbolic grid is checked per call)
         self._launches.append(
             Launch(
                 kernel=kernel,
-                grid=grid,
+                grid=to_plan(grid),
                 args=[_arg(a) for a in args],
                 constexprs={k: Arg.of(v) for k, v in constexprs.items()},
                 op=self.current.name if self.current is not None else "",
@@ -219,10 +239,10 @@ class LaunchBuilder:
                 TensorDesc(
                     base=buf.base,
                     index=buf.index,
-                    byte_offset=scratch_offset.get(id(buf), 0) + ref.offset * ref.dtype.itemsize,
+                    byte_offset=to_plan(scratch_offset.get(id(buf), 0) + ref.offset * ref.dtype.itemsize),
                     dtype=dtype_name(ref.dtype),
-                    shape=ref.shape,
-                    strides=ref.strides,
+                    shape=to_plan(ref.shape),
+                    strides=to_plan(ref.strides),
                 )
             )
         return DelegatePlan(
@@ -255,7 +275,7 @@ class LaunchBuilder:
                 and ref.buffer not in taken
                 and ref.offset == 0
                 and ref.is_contiguous()
-                and buf.nbytes == ref.numel * ref.dtype.itemsize
+                and buf.size == ref.numel * ref.dtype.itemsize
             )
             if own:
                 buf.base, buf.index = Base.OUTPUT, position
@@ -280,9 +300,9 @@ class LaunchBuilder:
     def _where(self) -> str:
         return f"node {self.current.name!r}" if self.current is not None else "delegate"
 
-    def _new_buffer(self, base: Base, index: int, nbytes: int) -> int:
+    def _new_buffer(self, base: Base, index: int, nbytes) -> int:
         owner = self.current.name if self.current is not None else ""
-        self._buffers.append(_Buffer(base, index, nbytes, owner if base != Base.INPUT else ""))
+        self._buffers.append(_Buffer(base, index, upper(nbytes), nbytes, owner if base != Base.INPUT else ""))
         return len(self._buffers) - 1
 
     def _desc(self, buffer: int, dtype, shape, strides, offset) -> TRef:
@@ -325,4 +345,8 @@ class LaunchBuilder:
 
 
 def _arg(value) -> Arg:
-    return Arg(ArgKind.TENSOR, value.index) if isinstance(value, TRef) else Arg.of(value)
+    if isinstance(value, TRef):
+        return Arg(ArgKind.TENSOR, value.index)
+    if not sizes.is_static(value):
+        return Arg(ArgKind.INT, to_plan(value))
+    return Arg.of(value)

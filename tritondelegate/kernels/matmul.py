@@ -320,8 +320,6 @@ def _check(node, tensors) -> str | None:
                     f"{', '.join(str(d) for d in DTYPES)}")
         if v.dtype != out.dtype:
             return f"mixed dtypes: {name} is {v.dtype} but the result is {out.dtype}"
-        if not all(isinstance(s, int) for s in v.shape):
-            return f"{name} has a dynamic shape {tuple(v.shape)}; matmul needs static shapes"
     return None
 
 

@@ -124,9 +124,6 @@ def supported(node) -> str | None:
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     if not all(isinstance(t, torch.Tensor) for t in tensors + outs):
         return "operand or result is not a tensor"
-    reason = rw.static_reason(*tensors, *outs)
-    if reason:
-        return reason
     for t in tensors + outs:
         if t.dtype not in FLOAT_DTYPES:
             return f"dtype {t.dtype} is not supported (supported: {', '.join(map(str, FLOAT_DTYPES))})"

@@ -213,9 +213,6 @@ def _check(node, in_dtypes, out_dtypes) -> str | None:
         return "operand is not a tensor"
     outs = node.meta.get("val")
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-    reason = rw.static_reason(x, *outs)
-    if reason:
-        return reason
     if x.dtype not in in_dtypes:
         return f"input dtype {x.dtype} is not supported (supported: {', '.join(map(str, in_dtypes))})"
     out = outs[0]

@@ -153,9 +153,3 @@ def node_arg(node, i: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
-def static_reason(*vals) -> str | None:
-    """A refusal reason when a tensor has a symbolic (dynamic) shape."""
-    for v in vals:
-        if v is not None and not all(isinstance(s, int) for s in v.shape):
-            return f"dynamic shape {tuple(v.shape)} is not supported (the kernels need static shapes)"
-    return None

@@ -100,9 +100,6 @@ def supported(node) -> str | None:
     out = node.meta.get("val")
     if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor):
         return "operand or result is not a tensor"
-    reason = rw.static_reason(x, out)
-    if reason:
-        return reason
     for what, v in (("input", x), ("result", out)):
         if v.dtype not in FLOAT_DTYPES:
             return f"{what} dtype {v.dtype} is not supported (supported: {', '.join(map(str, FLOAT_DTYPES))})"

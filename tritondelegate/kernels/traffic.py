@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -38,6 +38,7 @@ import torch
 
 from ..plan import Base, DelegatePlan, Launch, TensorDesc
 from ..program import InstrKind, Method, Role
+from ..symbolic import any_symbolic, bound
 from .registry import KERNELS
 
 Args = dict  # parameter name -> value (an int tensor index for pointers), plus "grid"
@@ -284,9 +285,10 @@ def launch_args(launch: Launch) -> Args:
     # Parameters a launch leaves out (an optional epilogue's) take their defaults.
     args: Args = {name: p.default for name, p in _signature(launch.kernel).parameters.items()
                   if p.default is not inspect.Parameter.empty}
-    args.update({name: a.value for name, a in zip(params, launch.args)})
+    # Sizes that depend on a method's symbols count at their upper bounds.
+    args.update({name: bound(a.value) for name, a in zip(params, launch.args)})
     args.update({name: a.value for name, a in launch.constexprs.items()})
-    args["grid"] = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
+    args["grid"] = bound(tuple(launch.grid)) + (1,) * (3 - len(launch.grid))
     return args
 
 
@@ -325,6 +327,8 @@ def _bytes_by_buffer(plan: DelegatePlan, args: Args, accesses) -> dict:
         if not access.when(args):
             continue
         desc = plan.tensors[args[access.param]]
+        if any_symbolic((desc.byte_offset, desc.shape, desc.strides)):
+            desc = replace(desc, byte_offset=bound(desc.byte_offset), shape=bound(desc.shape), strides=bound(desc.strides))
         cap = None if access.at_most is None else access.at_most(args)
         views.setdefault((int(desc.base), desc.index), []).append((desc, cap))
     return {key: _buffer_bytes(group) for key, group in views.items()}

@@ -14,8 +14,14 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..program import ArgKind, InstrKind, Method, ProgramError, Role
+from ..symbolic import resolve
 from .delegate import DelegateRunner, _dtype
 from .memory import ProgramMemory, parse_program_device
+from .sized import specialize
+
+# A method with dynamic dimensions captures CUDA graphs (``graphs=True``) for the first this many
+# distinct sizes it is called with; calls at other sizes run plain (prebound, direct) launches.
+MAX_GRAPH_SIZES = 8
 
 
 class InputError(ValueError):
@@ -126,32 +132,47 @@ class LoadedMethod:
         devices = {v.device for v in method.values} | {d.device for d in method.delegates} | {a.device for a in method.arenas}
         self._allocators = {d: memory.device(d, f"method {method.name!r}") for d in sorted(devices - {"cpu"})}
         self._device_bytes: dict[str, int] = {}
+        # Arenas and scratch are planned for the symbols' upper bounds: every size runs in them.
         self._arenas = [self._alloc(a.device, a.nbytes, a.alignment) for a in method.arenas]
+        resident = [v.slot for v in method.values if v.slot >= 0 and v.resident]
+        self.stats.load_h2d_bytes, self.stats.load_copies = memory.load(resident, stream)
+        self._sizes: dict[tuple, _Sized] = {}  # symbol values -> what a call at that size runs
+        if not method.symbols:
+            self._sizes[()] = self._prepare(method)
+        self.stats.launches_per_call = sum(  # at the upper bounds; after a call, that call's
+            len(method.delegates[i.delegate].plan.launches) for i in method.instructions if i.kind == InstrKind.DELEGATE)
+        memory.add_method(self)
+
+    def _prepare(self, method: Method) -> "_Sized":
+        """The environment and steps of a method without symbols (the method, or one size of it)."""
+        memory = self._memory
         env: list = [None] * len(method.values)
-        resident = []
         for vid, value in enumerate(method.values):
             if value.slot >= 0:  # a resident constant or state: the program's, shared by its methods
                 env[vid] = memory.slot_tensor(value.slot)
-                if value.resident:
-                    resident.append(value.slot)
             elif value.arena >= 0:
                 env[vid] = self._arena_view(value.arena, value.arena_offset, value)
             elif value.role in (Role.CONSTANT, Role.MUTABLE_BUFFER):
                 env[vid] = memory.source.constant_tensor(value.constant)
-        self.stats.load_h2d_bytes, self.stats.load_copies = memory.load(resident, stream)
-        self._static_env = env
-        self._steps = []
+        graphs = self.graphs and len(self._sizes) < MAX_GRAPH_SIZES
+        steps = []
         for instr in method.instructions:
             if instr.kind == InstrKind.HOST_OP:
-                self._steps.append((instr.kind, _HostOp(instr)))
+                steps.append((instr.kind, _HostOp(instr)))
             elif instr.kind == InstrKind.DELEGATE:
-                self._steps.append((instr.kind, self._delegate(method, instr)))
+                steps.append((instr.kind, self._delegate(method, instr, graphs)))
             else:
-                self._steps.append((instr.kind, (instr.inputs[0], instr.outputs[0])))
-        self.stats.launches_per_call = sum(
-            len(method.delegates[i.delegate].plan.launches) for i in method.instructions if i.kind == InstrKind.DELEGATE
-        )
-        memory.add_method(self)
+                steps.append((instr.kind, (instr.inputs[0], instr.outputs[0])))
+        launches = sum(len(method.delegates[i.delegate].plan.launches)
+                       for i in method.instructions if i.kind == InstrKind.DELEGATE)
+        return _Sized(method, env, steps, launches)
+
+    def _sized(self, key: tuple) -> "_Sized":
+        sized = self._sizes.get(key)
+        if sized is None:  # the first call at this size: evaluate its sizes once
+            env = {s.name: v for s, v in zip(self.method.symbols, key)}
+            sized = self._sizes[key] = self._prepare(specialize(self.method, env))
+        return sized
 
     def device_bytes(self) -> dict[str, int]:
         """Device memory this method holds itself (arenas, staging buffers), by device."""
@@ -169,7 +190,7 @@ class LoadedMethod:
             raise ProgramError(f"value {value.name!r} at arena offset {offset} overruns its {buffer.numel()}-byte arena")
         return buffer[offset : offset + value.nbytes].view(_dtype(value.dtype)).view(value.shape)
 
-    def _delegate(self, method: Method, instr) -> "_DelegateStep":
+    def _delegate(self, method: Method, instr, graphs: bool) -> "_DelegateStep":
         delegate = method.delegates[instr.delegate]
         allocator, index = self._allocators[delegate.device]
         step = _DelegateStep(instr.inputs, instr.outputs, allocator, index)
@@ -183,7 +204,7 @@ class LoadedMethod:
                 scratch = self._arenas[delegate.scratch_arena][
                     delegate.scratch_offset : delegate.scratch_offset + delegate.plan.scratch_bytes]
             # Fixed addresses for everything it touches: its launches can be captured once.
-            step.capturable = self.graphs and all(
+            step.capturable = graphs and all(
                 method.values[v].arena >= 0 or method.values[v].slot >= 0 for v in instr.inputs + instr.outputs)
         step.runner = DelegateRunner(delegate.plan, scratch, simulated=allocator.simulated, null=allocator.null,
                                      direct=not allocator.host_memory and self.direct_launches)
@@ -197,21 +218,25 @@ class LoadedMethod:
         return buffer.view(_dtype(value.dtype)).view(value.shape)
 
     # -- calls ----------------------------------------------------------------------------------
-    def _check_inputs(self, args, kwargs) -> list:
+    def _check_inputs(self, args, kwargs) -> tuple[list, tuple]:
+        """The call's input tensors, checked, and the values of the method's symbols."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise InputError(
                 f"method {self.name!r} takes {len(self.method.inputs)} tensor input(s) structured as the "
                 f"exported example inputs; got {len(flat)} leaf value(s) with another structure"
             )
-        out = []
+        for i, t in enumerate(flat):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"{self._where(i)} must be a tensor, got {type(t).__name__}")
+        key = self._bind_symbols(flat)
+        env = {s.name: v for s, v in zip(self.method.symbols, key)}
         for i, (vid, t) in enumerate(zip(self.method.inputs, flat)):
             value = self.method.values[vid]
-            where = f"input {i} ({value.name!r}) of method {self.name!r}"
-            if not isinstance(t, torch.Tensor):
-                raise InputError(f"{where} must be a tensor, got {type(t).__name__}")
-            if tuple(t.shape) != value.shape:
-                raise InputError(f"{where} must have shape {list(value.shape)}, got {list(t.shape)}")
+            where = self._where(i)
+            shape = resolve(tuple(value.shape), env)
+            if tuple(t.shape) != shape:
+                raise InputError(f"{where} must have shape {list(shape)}{self._shape_note(value)}, got {list(t.shape)}")
             if t.dtype != _dtype(value.dtype):
                 raise InputError(f"{where} must have dtype {value.dtype}, got {str(t.dtype).removeprefix('torch.')}")
             if value.device == "cpu" or self._allocators[value.device][0].host_memory:
@@ -223,29 +248,54 @@ class LoadedMethod:
                     raise InputError(f"{where} must be on {value.device} (skip_h2d_for_method_inputs), got {t.device}")
             if value.device != "cpu" and not t.is_contiguous():
                 raise InputError(f"{where} is read in place on {value.device} and must be contiguous")
-            out.append(t)
-        return out
+        return flat, key
+
+    def _where(self, i: int) -> str:
+        return f"input {i} ({self.method.values[self.method.inputs[i]].name!r}) of method {self.name!r}"
+
+    def _shape_note(self, value) -> str:
+        names = {s.name: s for s in self.method.symbols}
+        dims = [f"{d}" for d in value.shape if not isinstance(d, int)]
+        return f" (dims {', '.join(dims)} from the dynamic dimensions)" if dims and names else ""
+
+    def _bind_symbols(self, flat: list) -> tuple:
+        """Each symbol's value from the input dimension it is bound to, checked against its range."""
+        key = []
+        for symbol in self.method.symbols:
+            t = flat[symbol.input]
+            where = f"{self._where(symbol.input)} dimension {symbol.dim}"
+            if t.dim() <= symbol.dim:
+                raise InputError(f"{where} is dynamic, but the input has only {t.dim()} dimension(s)")
+            n = int(t.shape[symbol.dim])
+            if not symbol.min <= n <= symbol.max:
+                raise InputError(f"{where} is {n}, outside its range {symbol.min}..{symbol.max} "
+                                 f"(the bound it was exported and planned with)")
+            key.append(n)
+        return tuple(key)
 
     def __call__(self, *args, stream=None, **kwargs):
-        inputs = self._check_inputs(args, kwargs)
+        inputs, key = self._check_inputs(args, kwargs)
         with self._memory.lock:  # one call at a time per loaded program: its state is shared
-            env = list(self._static_env)
+            sized = self._sized(key)
+            env = list(sized.env)
             for vid, t in zip(self.method.inputs, inputs):
                 env[vid] = t
             counts = _Counts()
             pending: set = set()  # devices with d2h copies the host has not waited for
-            for kind, step in self._steps:
+            values = sized.method.values
+            for kind, step in sized.steps:
                 if kind == InstrKind.HOST_OP:
                     self._wait(pending, stream, counts)
                     step(env)
                 elif kind == InstrKind.DELEGATE:
                     for vid in step.outputs:
                         if env[vid] is None and step.staging_out is None:  # alloc_graph_output=False
-                            env[vid] = self._device_tensor(self.method.values[vid])
+                            env[vid] = self._device_tensor(values[vid])
                     step(env, stream, counts)
                 else:
-                    self._copy(kind, step, env, stream, counts, pending)
-            outputs = self._finish(env, stream, counts, pending)
+                    self._copy(values, kind, step, env, stream, counts, pending)
+            outputs = self._finish(values, env, stream, counts, pending)
+            self.stats.launches_per_call = sized.launches
             self._record(counts)
         return pytree.tree_unflatten(outputs, self._out_spec)
 
@@ -256,9 +306,8 @@ class LoadedMethod:
             counts.syncs += 1
         pending.clear()
 
-    def _copy(self, kind, step, env, stream, counts: "_Counts", pending: set) -> None:
+    def _copy(self, values, kind, step, env, stream, counts: "_Counts", pending: set) -> None:
         src, dst = step
-        values = self.method.values
         value = values[dst]
         if kind == InstrKind.COPY_H2D:
             allocator, index = self._allocators[value.device]
@@ -275,9 +324,8 @@ class LoadedMethod:
             counts.d2h += value.nbytes
         counts.copies += 1
 
-    def _finish(self, env, stream, counts: "_Counts", pending: set) -> list:
+    def _finish(self, values, env, stream, counts: "_Counts", pending: set) -> list:
         """Write state back (where it was not updated in place) and make the outputs the caller's."""
-        values = self.method.values
         outputs = [env[v] for v in self.method.outputs]
         host_writes = any(values[b].device == "cpu" for b, _ in self.method.mutated_buffers)
         if host_writes or any(values[v].device == "cpu" for v in self.method.outputs):
@@ -317,6 +365,17 @@ class LoadedMethod:
         with torch.cuda.stream(s):
             copy = tensor.clone()
         return copy
+
+
+@dataclass
+class _Sized:
+    """What calls at one size run: the method made concrete for it (``sized.py``; the method itself
+    when it has no symbols), its environment of fixed tensors, and its steps."""
+
+    method: Method
+    env: list
+    steps: list
+    launches: int
 
 
 @dataclass

@@ -1,0 +1,128 @@
+"""Sizes at lower time: Python ints, or sympy expressions over a method's bounded symbols.
+
+A program exported with ``torch.export.Dim(..., max=N)`` carries FakeTensors whose dynamic sizes are
+``torch.SymInt``s; their sympy expressions (over symbols such as ``s0``) flow through the launch
+builder as sizes, strides, offsets, grids and size arguments. Arithmetic stays symbolic; a branch
+that cannot be decided for every size in the range raises (sympy refuses the truth value of an
+undecided relation), so a lowering never silently specializes to the example's size.
+
+Decisions that only tune speed (block sizes, one pass or two) are taken with :func:`upper`: the size
+at every symbol's upper bound, valid for the whole range because kernels mask their tails. Memory is
+planned with :func:`upper` too. :func:`to_plan` turns an expression into the runtime's
+``symbolic.Expr`` (text plus its value at the bound).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import sympy
+import torch
+
+from ..symbolic import Expr
+
+_RANGES: contextvars.ContextVar[dict] = contextvars.ContextVar("td_symbol_ranges", default={})
+
+
+class SymbolicShapeError(NotImplementedError):
+    """A lowering needs a size that depends on a symbol to be known (names what)."""
+
+
+@contextlib.contextmanager
+def symbol_ranges(ranges: dict):
+    """Make ``{sympy.Symbol: (min, max)}`` the ranges :func:`upper` uses while lowering a method."""
+    token = _RANGES.set(dict(ranges))
+    try:
+        yield
+    finally:
+        _RANGES.reset(token)
+
+
+def size(x):
+    """An int when ``x`` is a constant size, else its sympy expression (``x``: int, SymInt, sympy)."""
+    if isinstance(x, torch.SymInt):
+        x = x.node.expr
+    if isinstance(x, sympy.Basic):
+        if x.is_Integer:
+            return int(x)
+        if x.is_number:
+            raise SymbolicShapeError(f"size {x} is not an integer")
+        return x
+    if isinstance(x, bool):
+        raise TypeError(f"expected a size, got {x!r}")
+    return int(x)
+
+
+def shape(values) -> tuple:
+    return tuple(size(v) for v in values)
+
+
+def is_static(x) -> bool:
+    if isinstance(x, (tuple, list)):
+        return all(is_static(v) for v in x)
+    return not isinstance(x, (sympy.Basic, torch.SymInt))
+
+
+def upper(x) -> int:
+    """``x`` at every symbol's upper bound (ints pass through; tuples and lists element-wise)."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(upper(v) for v in x)
+    x = size(x)
+    if isinstance(x, int):
+        return x
+    ranges = _RANGES.get()
+    missing = [s for s in x.free_symbols if s not in ranges]
+    if missing:
+        raise SymbolicShapeError(f"size {x} uses symbols {missing} without a known range")
+    return int(x.subs({s: ranges[s][1] for s in x.free_symbols}))
+
+
+def _text(e) -> str:
+    """Python integer-expression text for a sympy size expression (see ``symbolic.Expr``)."""
+    from torch.utils._sympy.functions import CeilDiv, FloorDiv, Mod, PythonMod
+
+    if e.is_Integer:
+        return str(int(e))
+    if e.is_Symbol:
+        return e.name
+    if e.is_Add:
+        return "(" + " + ".join(_text(a) for a in e.args) + ")"
+    if e.is_Mul:
+        num, den = sympy.fraction(e)
+        if den != 1:
+            raise SymbolicShapeError(f"size {e} is not an integer expression")
+        return "*".join(_text(a) for a in e.args)
+    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
+        return "*".join([_text(e.base)] * int(e.exp))
+    if isinstance(e, sympy.floor):
+        num, den = sympy.fraction(sympy.together(e.args[0]))
+        return f"({_text(sympy.expand(num))})//({_text(den)})"
+    if isinstance(e, sympy.ceiling):
+        num, den = sympy.fraction(sympy.together(e.args[0]))
+        return f"(-((-{_text(sympy.expand(num))})//({_text(den)})))"
+    if isinstance(e, FloorDiv):
+        return f"({_text(e.args[0])})//({_text(e.args[1])})"
+    if isinstance(e, CeilDiv):
+        return f"(-((-{_text(e.args[0])})//({_text(e.args[1])})))"
+    if isinstance(e, (sympy.Mod, Mod, PythonMod)):
+        return f"({_text(e.args[0])})%({_text(e.args[1])})"
+    if isinstance(e, (sympy.Max, sympy.Min)):
+        name = "max" if isinstance(e, sympy.Max) else "min"
+        return f"{name}({', '.join(_text(a) for a in e.args)})"
+    raise SymbolicShapeError(f"size {e} ({type(e).__name__}) has no runtime form")
+
+
+def to_plan(x):
+    """A lowering-time size as the plan stores it: an int, or a ``symbolic.Expr``."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_plan(v) for v in x)
+    x = size(x)
+    if isinstance(x, int):
+        return x
+    return Expr(_text(x), upper(x))
+
+
+def cdiv(a, b):
+    """``ceil(a / b)`` for sizes (symbolic ``a`` stays symbolic)."""
+    return (size(a) + b - 1) // b

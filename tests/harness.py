@@ -193,3 +193,36 @@ def check_state_updates(model, calls, in_place=(), keep=(), aliases=True, dtype=
     for name, buffer in reference.named_buffers():
         assert_close(held[name].cpu(), buffer, dtype=dtype)
     return StateRun(plan, recorded, expected, nodes, len(outputs))
+
+
+def check_dynamic(model, calls, dynamic_shapes, dtype=None, scale=1.0, reference=None, example=None, keep_host=()):
+    """Export ``model`` with ``dynamic_shapes`` (bounded ``torch.export.Dim``s), lower it with the
+    default partitioner, and run every argument tuple of ``calls`` (different sizes) through one
+    loaded program, comparing each result with eager. Every compute node must be delegated (except
+    ops named in ``keep_host``), and no call may fall back to re-lowering.
+
+    ``example``: the arguments to export with (default: ``calls[0]``). ``reference``: a function of
+    the call's arguments returning the expected outputs (default: ``model``), e.g. an fp32 model for
+    fp16/bf16 runs. Returns (lowered program, loaded method)."""
+    import tritondelegate as td
+
+    ep = torch.export.export(model, tuple(example or calls[0]), dynamic_shapes=dynamic_shapes)
+    config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
+    lowered = td.lower(ep, config=config)
+    report = lowered.reports["forward"]
+    host = [(n, op, why) for n, op, why in report.nodes.host if op not in keep_host]
+    assert not host, f"nodes left on the host: {host}"
+    method = lowered.load().load_method("forward")
+    for args in calls:
+        results = method(*args)
+        with torch.no_grad():
+            expected = (reference or model)(*args)
+        results = torch.utils._pytree.tree_leaves(results)
+        expected = torch.utils._pytree.tree_leaves(expected)
+        assert len(results) == len(expected)
+        for r, e in zip(results, expected):
+            assert_close(r, e.to(r.dtype) if not r.dtype.is_floating_point else e, dtype=dtype or r.dtype,
+                         scale=scale)
+        # The call moved exactly its own inputs' bytes to the device.
+        assert method.stats.call_h2d_bytes == sum(a.numel() * a.element_size() for a in args)
+    return lowered, method

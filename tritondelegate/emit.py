@@ -171,7 +171,8 @@ class _Emitter:
     def __init__(self, ep, result: PartitionResult, constants: ConstantTable, state_buffers, tags: dict):
         self.ep, self.result, self.constants, self.state_buffers, self.tags = ep, result, constants, state_buffers, tags
         self.state_dict = {**ep.state_dict, **ep.constants}
-        self.input_specs = {spec.arg.name: spec for spec in ep.graph_signature.input_specs}
+        # By position: fusing may rename a placeholder (one named like a builtin, e.g. "input").
+        self.input_specs = iter(ep.graph_signature.input_specs)
         self.values: list[TensorValue] = []
         self.env: dict[torch.fx.Node, object] = {}  # node -> value id, or tuple of ids
         self.instructions: list[Instruction] = []
@@ -200,7 +201,7 @@ class _Emitter:
             self.output(node)
 
     def placeholder(self, node: torch.fx.Node) -> None:
-        spec = self.input_specs[node.name]
+        spec = next(self.input_specs)
         if spec.kind == InputKind.USER_INPUT:
             vid = self.new_value(_tensor_value(node.name, node.meta.get("val"), Role.INPUT))
             self.user_inputs.append(vid)

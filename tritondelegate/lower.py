@@ -93,20 +93,20 @@ def lower(
     partitioner = TritonPartitioner() if partitioner is None else partitioner
     config = LowerConfig() if config is None else config
     check_archs(config.kernel_archs)
-    symbols = {name: _symbols(name, ep) for name, ep in programs.items() if isinstance(ep, torch.export.ExportedProgram)}
     decomposed = {name: _decompose(name, ep, partitioner) for name, ep in programs.items()}
+    symbols = {name: _symbols(name, ep) for name, ep in decomposed.items()}
     # Mutations are explicit once functionalized: state is what any decomposed method writes back.
     mutated = {fqn for ep in decomposed.values() for fqn in ep.graph_signature.buffers_to_mutate.values()}
     graphs = []
     for name, ep in decomposed.items():
-        with symbol_ranges(symbols[name][1]):  # sizes over the method's symbols are decided for their range
+        with symbol_ranges(*symbols[name][1:]):  # sizes over the method's symbols are decided for their range
             graphs.append(_partition(name, ep, partitioner, config, mutated))
     state = place_state(graphs, config.enable_non_cpu_memory_planning)
     constants = ConstantTable()
     methods, reports = [], {}
     for graph in graphs:
         inplace = reinplace(graph, state)
-        with symbol_ranges(symbols[graph.name][1]):
+        with symbol_ranges(*symbols[graph.name][1:]):
             method, reports[graph.name] = _lower_method(graph, state, constants, config)
         method.symbols = symbols[graph.name][0]
         reports[graph.name].inplace = inplace
@@ -135,18 +135,19 @@ def _decompose(name: str, ep, partitioner: Partitioner) -> torch.export.Exported
     return ep
 
 
-def _symbols(name: str, ep) -> tuple[list[Symbol], dict]:
+def _symbols(name: str, ep) -> tuple[list[Symbol], dict, object]:
     """The method's bounded dynamic dimensions, each bound to the first user input dimension that is
-    exactly that symbol, and ``{sympy symbol: (min, max)}``. A dimension without a finite maximum is
-    refused, naming the input and dimension and how to bound it."""
+    exactly that symbol, ``{sympy symbol: (min, max)}``, and the fake mode of its dynamic inputs. A
+    dimension without a finite maximum is refused, naming the input and dimension and how to bound it."""
     user_inputs = [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
     placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
-    symbols, ranges = [], {}
+    symbols, ranges, fake_mode = [], {}, None
     for position, input_name in enumerate(user_inputs):
         val = placeholders[input_name].meta.get("val")
         for dim, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
             if isinstance(size, int):
                 continue
+            fake_mode = getattr(val, "fake_mode", None)
             expr = size.node.expr
             for symbol in expr.free_symbols:
                 bounds = ep.range_constraints.get(symbol)
@@ -165,7 +166,7 @@ def _symbols(name: str, ep) -> tuple[list[Symbol], dict]:
         raise LoweringError(
             f"method {name!r}: symbols {unbound} appear only inside expressions of input sizes; each "
             "dynamic dimension must be exactly one input dimension somewhere (no derived-only Dims)")
-    return symbols, ranges
+    return symbols, ranges, fake_mode
 
 
 def _detach_size_nodes(gm: torch.fx.GraphModule) -> None:

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from . import elementwise as ew
 from .builder import TRef
+from .sizes import next_power_of_2
 
 aten = torch.ops.aten
 
@@ -187,8 +188,8 @@ def block_sizes(lq: int, lk: int, head_dim: int, dtype: torch.dtype,
         block_m, block_n, num_warps, num_stages = 128, (32 if masked and head_dim > 64 else 64), 8, 3
     else:
         block_m, block_n, num_warps, num_stages = 64, 32, 8, 2
-    block_m = min(block_m, max(16, triton.next_power_of_2(lq)))
-    block_n = min(block_n, max(16, triton.next_power_of_2(lk)))
+    block_m = min(block_m, max(16, next_power_of_2(lq)))
+    block_n = min(block_n, max(16, next_power_of_2(lk)))
     if block_m < 64 and dtype != torch.float32:
         num_warps = 4
     return block_m, block_n, num_warps, num_stages
@@ -217,7 +218,7 @@ def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None,
         heads, group, lq, lk, float(scale) * LOG2E,
         E=e, EV=ev, MASK=kind, CAUSAL=bool(is_causal),
         BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(e)), BLOCK_DV=max(16, triton.next_power_of_2(ev)),
+        BLOCK_D=max(16, next_power_of_2(e)), BLOCK_DV=max(16, next_power_of_2(ev)),
         DOT_UPCAST=False, num_warps=num_warps, num_stages=num_stages,
     )
 

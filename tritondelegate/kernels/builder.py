@@ -198,14 +198,7 @@ class LaunchBuilder:
         if any(sizes.is_static(g) and g <= 0 for g in grid):
             return None  # nothing to do: an empty tensor (a symbolic grid is checked per call)
         self._launches.append(
-            Launch(
-                kernel=kernel,
-                grid=to_plan(grid),
-                args=[_arg(a) for a in args],
-                constexprs={k: Arg.of(v) for k, v in constexprs.items()},
-                op=self.current.name if self.current is not None else "",
-            )
-        )
+            new_launch(kernel, grid, args, constexprs, self.current.name if self.current is not None else ""))
         return len(self._launches) - 1
 
     # -- finishing ----------------------------------------------------------------------------
@@ -342,6 +335,13 @@ class LaunchBuilder:
                 buf = self._buffers[index]
                 buf.first = position if buf.first < 0 else buf.first
                 buf.last = position
+
+
+def new_launch(kernel: str, grid, args, constexprs: dict, op: str) -> Launch:
+    """A plan launch from lowering-time values: TRefs become tensor arguments, sizes that depend on
+    the symbols become ``symbolic.Expr``s."""
+    return Launch(kernel=kernel, grid=to_plan(sizes.shape(grid)), args=[_arg(a) for a in args],
+                  constexprs={k: Arg.of(v) for k, v in constexprs.items()}, op=op)
 
 
 def _arg(value) -> Arg:

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .sizes import next_power_of_2
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -86,7 +88,7 @@ def conv2d_kernel(
 
 # --- host launcher --------------------------------------------------------------------------------
 def _block(size: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(size, 1))))
+    return max(lo, min(hi, next_power_of_2(max(size, 1))))
 
 
 def launch_conv2d(b, out, x, weight, bias, stride, padding, dilation, groups: int) -> None:

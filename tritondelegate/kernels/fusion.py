@@ -61,10 +61,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..plan import Arg, ArgKind, Launch
+from ..plan import Launch
 from . import elementwise as ew
+from . import sizes as size_fns
 from . import matmul as mm
-from .builder import TRef
+from .builder import TRef, new_launch
 
 # r may stand on either side of these: no SWAP flag, fewer kernel variants
 COMMUTATIVE = {"add", "mul", "eq", "ne", "logical_and", "logical_or", "bitwise_and", "bitwise_or"}
@@ -151,13 +152,7 @@ def _unwritten(chain: _Chain, upto: int, writes: list[set[int]]) -> bool:
 
 def _launch(chain: _Chain) -> Launch:
     grid, args, constexprs = ew.chain_launch(chain.out, chain.steps, chain.slots, chain.compute)
-    return Launch(
-        kernel="pointwise_chain",
-        grid=grid,
-        args=[Arg(ArgKind.TENSOR, a.index) if isinstance(a, TRef) else Arg.of(a) for a in args],
-        constexprs={k: Arg.of(v) for k, v in constexprs.items()},
-        op="+".join(chain.names),
-    )
+    return new_launch("pointwise_chain", grid, args, constexprs, "+".join(chain.names))
 
 
 def fuse(
@@ -280,13 +275,7 @@ def _epilogue_launch(op: mm.MatmulOp, chain: _Chain, matmul: Launch) -> Launch |
     if out_strides is None:
         return None
     grid, args, constexprs = mm.epilogue_launch(op, chain.out, out_strides, steps, operands)
-    return Launch(
-        kernel=matmul.kernel,
-        grid=grid,
-        args=[Arg(ArgKind.TENSOR, a.index) if isinstance(a, TRef) else Arg.of(a) for a in args],
-        constexprs={k: Arg.of(v) for k, v in constexprs.items()},
-        op="+".join([matmul.op] + chain.names),
-    )
+    return new_launch(matmul.kernel, grid, args, constexprs, "+".join([matmul.op] + chain.names))
 
 
 def _product_order(view: TRef, shape, t: TRef) -> list[int] | None:
@@ -309,9 +298,8 @@ def _product_strides(shape, strides, dims, target) -> tuple[int, ...] | None:
     """``strides`` (a tensor read or written over ``shape``) as strides over the product's ``target``
     [Z, M, N], its dims walked in ``dims`` order; None when no view of that shape exists (the reshape
     PyTorch's ``view`` refuses)."""
-    sizes = [shape[d] for d in dims]
     try:
-        meta = torch.empty_strided(sizes, [strides[d] for d in dims], device="meta")
-        return tuple(meta.view(target).stride())
-    except RuntimeError:
+        with size_fns.tensor_like([shape[d] for d in dims], [strides[d] for d in dims], 0, torch.float32) as t:
+            return size_fns.shape(t.view(size_fns.fake_sizes(target)).stride())
+    except (RuntimeError, ValueError):
         return None

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from . import elementwise as ew
 from .builder import TRef, contiguous_strides
+from .sizes import next_power_of_2
 
 MAX_RANK = 5
 MAX_INDICES = 3
@@ -168,8 +169,8 @@ def launch_cumsum(b, out: TRef, x: TRef, dim: int) -> None:
     sizes, x_strides, out_strides = [1] * pad + sizes, [0] * pad + x_strides, [0] * pad + out_strides
     length = x.shape[dim] if x.ndim else 1
     rows = math.prod(sizes)
-    block_l = min(triton.next_power_of_2(max(length, 1)), 256)
-    block_r = max(1, min(triton.next_power_of_2(rows), 1024 // block_l))
+    block_l = min(next_power_of_2(max(length, 1)), 256)
+    block_r = max(1, min(next_power_of_2(rows), 1024 // block_l))
     b.launch(
         "cumsum", (triton.cdiv(rows, block_r),),
         out, x, rows, *sizes[1:], *x_strides, *out_strides,

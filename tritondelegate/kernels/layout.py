@@ -10,27 +10,34 @@ from __future__ import annotations
 
 import torch
 
+import torch.fx
+
 from . import elementwise as ew
+from . import sizes
 from .builder import TRef
 
 aten = torch.ops.aten
 
 
-def _meta(ref: TRef) -> torch.Tensor:
-    extent = ref.offset + 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.strides) if n > 0)
-    base = torch.empty(max(extent, 1), dtype=ref.dtype, device="meta")
-    return base.as_strided(ref.shape, ref.strides, ref.offset)
+def view_of(b, src: TRef, op, *args) -> TRef:
+    """The view ``op(src, *args)`` (an ATen view op), its shape, strides and offset computed by ATen,
+    symbolically for dynamic sizes. Size nodes among ``args`` (``sym_size`` and arithmetic on it)
+    stand for their SymInts. Raises RuntimeError/ValueError when ``src``'s layout has no such view."""
+    args = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+    with sizes.tensor_like(src.shape, src.strides, src.offset, src.dtype) as t:
+        result = op(t, *args)
+        shape, strides, offset = result.shape, result.stride(), result.storage_offset()
+    return b.view(src, shape, strides, offset)
 
 
 def _apply(b, node, op, *args) -> None:
     src = b.ref(node.args[0])
     try:
-        result = op(_meta(src), *args)
-    except RuntimeError:
+        view = view_of(b, src, op, *args)
+    except (RuntimeError, ValueError):
         # Not viewable with these strides (a view of a transpose, say): view a contiguous copy.
-        src = b.contiguous(src)
-        result = op(_meta(src), *args)
-    b.alias(node, b.view(src, result.shape, result.stride(), result.storage_offset()))
+        view = view_of(b, b.contiguous(src), op, *args)
+    b.alias(node, view)
 
 
 def view(b, node):

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import sizes
 from .builder import LoweringError, TRef
 from .elementwise import MAX_CHAIN, _chain_step, broadcast_strides, collapse
 
@@ -141,8 +142,8 @@ class Config:
     num_stages: int
 
 
-def _tile(size: int, cap: int) -> int:
-    return min(cap, max(MIN_BLOCK, triton.next_power_of_2(max(size, 1))))
+def _tile(size, cap: int) -> int:
+    return min(cap, max(MIN_BLOCK, sizes.next_power_of_2(size)))
 
 
 def choose_config(batch: int, M: int, N: int, K: int, dtype: torch.dtype) -> Config:
@@ -155,6 +156,7 @@ def choose_config(batch: int, M: int, N: int, K: int, dtype: torch.dtype) -> Con
     spread over N.
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
+    batch, M, N, K = sizes.upper((batch, M, N, K))  # tuned for the largest size a dynamic dim takes
     block_m = _tile(M, 128)
     block_n = _tile(N, 128)
     block_k = _tile(K, 32 if itemsize >= 4 else 64)
@@ -232,8 +234,7 @@ def launch_matmul(b, a: TRef, bmat: TRef, c: TRef, bias: TRef | None = None,
     cfg = choose_config(batch, M, N, K, a.dtype)
     has_bias = bias is not None and beta != 0  # beta = 0 ignores the bias, NaNs included (as torch)
     x = bias if has_bias else c  # never read without a bias
-    for start in range(0, max(batch, 1), MAX_GRID_Y):
-        count = min(MAX_GRID_Y, batch - start)
+    for start, count in _batch_chunks(batch):
         views = [_batch_slice(b, t, start, count) for t in (a, bmat, c, x)]
         op = MatmulOp(*views, has_bias, float(alpha), float(beta), cfg)
         position = b.launch("matmul", op.grid(), *op.args(), **op.constexprs())
@@ -280,7 +281,17 @@ def epilogue_launch(op: MatmulOp, out: TRef, out_strides, steps, operands) -> tu
     return op.grid(), op.args(out, out_strides, operands), constexprs
 
 
-def _batch_slice(b, t: TRef, start: int, count: int) -> TRef:
+def _batch_chunks(batch) -> list[tuple[int, object]]:
+    """(start, count) of each launch over the batch: the grid's second axis holds MAX_GRID_Y at most."""
+    if not sizes.is_static(batch):
+        if sizes.upper(batch) > MAX_GRID_Y:
+            raise sizes.SymbolicShapeError(f"a dynamic batch of up to {sizes.upper(batch)} matrix products "
+                                           f"exceeds one launch's {MAX_GRID_Y}")
+        return [(0, batch)]
+    return [(start, min(MAX_GRID_Y, batch - start)) for start in range(0, max(batch, 1), MAX_GRID_Y)]
+
+
+def _batch_slice(b, t: TRef, start: int, count) -> TRef:
     if start == 0 and count == t.shape[0]:
         return t
     return b.view(t, (count, *t.shape[1:]), t.strides, t.offset + start * t.strides[0])

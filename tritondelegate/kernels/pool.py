@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .sizes import next_power_of_2
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NO_TAP = tl.constexpr(2**30)  # larger than any tap number
 
@@ -122,8 +124,8 @@ def launch_pool2d(b, mode: str, out, x, kernel=(1, 1), stride=(1, 1), padding=(0
         kernel = (_adaptive_window(h, oh), _adaptive_window(w, ow))
     kh, kw = kernel
     total = n * c * oh * ow
-    block_k = max(2, min(triton.next_power_of_2(kh * kw), 128))
-    block_m = max(16, min(triton.next_power_of_2(total), 4096 // block_k, 256))
+    block_k = max(2, min(next_power_of_2(kh * kw), 128))
+    block_m = max(16, min(next_power_of_2(total), 4096 // block_k, 256))
     b.launch(
         "pool2d", (triton.cdiv(total, block_m),),
         x, out, indices if indices is not None else out,  # out stands in for unused indices: never written

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .builder import LoweringError, TRef
 from .elementwise import collapse
+from .sizes import next_power_of_2
 
 MAX_ROW_DIMS = 3
 TILE = 4096  # elements per program tile
@@ -132,10 +133,10 @@ def blocks(plan: Rows, cap: int) -> tuple[int, int]:
     rows as fill the tile. Rows that are contiguous with each other while the columns are not (a
     reduction over a leading dim) get a narrow, tall tile so that loads stay coalesced."""
     xs = plan.strides[0]
-    block_c = min(triton.next_power_of_2(max(plan.cols, 1)), cap)
+    block_c = min(next_power_of_2(max(plan.cols, 1)), cap)
     if xs[3] != 1 and xs[2] == 1 and plan.n2 > 1:
         block_c = min(block_c, 32)
-    block_r = min(triton.next_power_of_2(max(plan.rows, 1)), max(1, TILE // block_c))
+    block_r = min(next_power_of_2(max(plan.rows, 1)), max(1, TILE // block_c))
     return block_r, block_c
 
 

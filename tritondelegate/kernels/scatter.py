@@ -32,7 +32,7 @@ import triton.language as tl
 from . import elementwise as ew
 from .builder import LoweringError, TRef
 from .index import INDEX_DTYPES, MAX_INDICES, MAX_RANK, _dtype_reason, _val, indexed_offsets
-from .layout import _meta
+from .layout import view_of
 
 aten = torch.ops.aten
 BLOCK = 1024
@@ -161,8 +161,7 @@ def _same_view(a: TRef, c: TRef) -> bool:
 def _copy_into_view(b, node, op, *view_args) -> None:
     """slice_scatter / select_scatter: ``dst`` with the view ``op(dst, *view_args)`` set to ``src``."""
     dst = _destination(b, node)
-    view = op(_meta(dst), *view_args)
-    target = b.view(dst, view.shape, view.stride(), view.storage_offset())
+    target = view_of(b, dst, op, *view_args)
     src = b.ref(node.args[1])
     if not _same_view(target, src):  # an in-place copy may already have written it there
         ew.launch_pointwise(b, "copy", target, [_apart(b, src, target)])

@@ -23,6 +23,7 @@ import torch
 from ..symbolic import Expr
 
 _RANGES: contextvars.ContextVar[dict] = contextvars.ContextVar("td_symbol_ranges", default={})
+_FAKE_MODE: contextvars.ContextVar = contextvars.ContextVar("td_fake_mode", default=None)
 
 
 class SymbolicShapeError(NotImplementedError):
@@ -30,13 +31,16 @@ class SymbolicShapeError(NotImplementedError):
 
 
 @contextlib.contextmanager
-def symbol_ranges(ranges: dict):
-    """Make ``{sympy.Symbol: (min, max)}`` the ranges :func:`upper` uses while lowering a method."""
-    token = _RANGES.set(dict(ranges))
+def symbol_ranges(ranges: dict, fake_mode=None):
+    """Make ``{sympy.Symbol: (min, max)}`` the ranges :func:`upper` uses while lowering a method, and
+    ``fake_mode`` (the exported program's, whose shape environment knows the symbols) the one
+    :func:`tensor_like` runs symbolic view ops in."""
+    tokens = _RANGES.set(dict(ranges)), _FAKE_MODE.set(fake_mode)
     try:
         yield
     finally:
-        _RANGES.reset(token)
+        _RANGES.reset(tokens[0])
+        _FAKE_MODE.reset(tokens[1])
 
 
 def size(x):
@@ -126,3 +130,47 @@ def to_plan(x):
 def cdiv(a, b):
     """``ceil(a / b)`` for sizes (symbolic ``a`` stays symbolic)."""
     return (size(a) + b - 1) // b
+
+
+def next_power_of_2(x) -> int:
+    """The smallest power of two >= ``x`` at its upper bound: a block size that covers the whole range."""
+    n = upper(x)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@contextlib.contextmanager
+def tensor_like(shape, strides, offset, dtype):
+    """A tensor with no data and this layout, in which ATen view ops compute a view's shape, strides
+    and offset as PyTorch does: a meta tensor for static sizes, else a fake tensor of the exported
+    program's shape environment (its sizes are SymInts; read results back with :func:`size`).
+
+    A view op whose result the symbols' ranges do not decide would add a guard (a silent
+    specialization to the example's size): that raises :class:`SymbolicShapeError` instead."""
+    if is_static((shape, strides, offset)):
+        extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, strides) if n > 0)
+        base = torch.empty(max(extent, 1), dtype=dtype, device="meta")
+        yield base.as_strided(shape, strides, offset)
+        return
+    mode = _FAKE_MODE.get()
+    if mode is None or mode.shape_env is None:
+        raise SymbolicShapeError("a symbolic view outside a method's lowering")
+    env = mode.shape_env
+    sym = lambda e: e if isinstance(e, int) else env.create_symintnode(e, hint=None)  # noqa: E731
+    guards = len(env.guards)
+    extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    with mode:
+        base = torch.empty_strided((sym(extent),), (1,), dtype=dtype)
+        yield base.as_strided([sym(n) for n in shape], [sym(s) for s in strides], sym(offset))
+    if len(env.guards) > guards:
+        added = env.guards[guards:]
+        del env.guards[guards:]
+        raise SymbolicShapeError(f"the result depends on a size its range does not decide ({added[0].expr})")
+
+
+def fake_sizes(values) -> list:
+    """Sizes to pass to an ATen op inside :func:`tensor_like`: SymInts of the shape environment for
+    symbolic ones."""
+    if is_static(tuple(values)):
+        return [int(v) for v in values]
+    env = _FAKE_MODE.get().shape_env
+    return [v if isinstance(v, int) else env.create_symintnode(v, hint=None) for v in map(size, values)]

@@ -14,7 +14,7 @@ from torch.export import Dim
 import tritondelegate as td
 from tritondelegate import models
 
-from harness import check_dynamic
+from harness import Fn, check_dynamic
 
 
 def test_mlp_dynamic_batch():
@@ -55,3 +55,86 @@ def test_decoder_dynamic_batch_and_sequence(attention):
     model, _ = models.demo_decoder(n_layers=1, attention=attention, max_seq_len=32)
     calls = [(torch.randint(0, 256, (b, s)),) for b, s in ((2, 5), (1, 1), (3, 16), (2, 7), (1, 13))]
     check_dynamic(model, calls, {"input_ids": {0: Dim("batch", max=3), 1: Dim("seq", max=16)}})
+
+
+def _mlp_program(bound=33, **config):
+    torch.manual_seed(0)
+    model = models.MLP([8, 16, 4]).eval()
+    ep = torch.export.export(model, (torch.randn(5, 8),), dynamic_shapes={"x": {0: Dim("batch", max=bound)}})
+    cfg = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True), **config)
+    return model, td.lower(ep, config=cfg)
+
+
+def test_size_outside_the_range_is_an_input_error_and_the_next_call_works():
+    model, lowered = _mlp_program(bound=9)
+    method = lowered.load().load_method("forward")
+    with pytest.raises(td.InputError, match=r"input 0 \('x'\) of method 'forward' dimension 0 is 10, outside its range 0..9"):
+        method(torch.randn(10, 8))
+    with pytest.raises(td.InputError, match=r"must have shape \[4, 8\]"):  # a static dim still checked
+        method(torch.randn(4, 9))
+    x = torch.randn(9, 8)
+    torch.testing.assert_close(method(x), model(x), atol=1e-4, rtol=1e-4)
+
+
+def test_a_dimension_without_a_bound_is_refused_naming_it():
+    model = models.MLP([8, 4]).eval()
+    ep = torch.export.export(model, (torch.randn(5, 8),), dynamic_shapes={"x": {0: Dim("batch")}})
+    with pytest.raises(td.LoweringError, match=r"input 'x' dimension 0 is dynamic .* without an upper bound.*Dim\(\.\.\., max=N\)"):
+        td.lower(ep)
+
+
+def test_memory_is_planned_once_for_the_bound_and_views_narrow_per_call():
+    model, lowered = _mlp_program(bound=33)
+    method = lowered.program.methods[0]
+    (arena,) = method.arenas
+    # The output alone takes 33 rows x 4 floats at the bound; the arena holds every size.
+    assert arena.nbytes >= 33 * 4 * 4
+    program = lowered.load()
+    f = program.load_method("forward")
+    before = program.memory()
+    for n in (1, 17, 33, 2):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(f(x), model(x), atol=1e-4, rtol=1e-4)
+        assert f.stats.call_h2d_bytes == n * 8 * 4
+        assert f.stats.call_d2h_bytes == n * 4 * 4
+    assert program.memory() == before  # no call allocated device memory
+
+
+def test_empty_batch():
+    model, lowered = _mlp_program()
+    out = lowered.load().load_method("forward")(torch.randn(0, 8))
+    assert out.shape == (0, 4)
+
+
+def test_graphs_are_captured_per_size_up_to_the_cap():
+    from tritondelegate.runtime.method import MAX_GRAPH_SIZES
+
+    model, lowered = _mlp_program(bound=MAX_GRAPH_SIZES + 2)
+    method = lowered.load().load_method("forward", graphs=True)
+    replays = {}
+    for n in range(1, MAX_GRAPH_SIZES + 2):
+        for _ in range(3):  # a delegate is captured on its second call at a size, replayed from its third
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(method(x), model(x), atol=1e-4, rtol=1e-4)
+        replays[n] = method.stats.graph_replays_per_call
+    assert all(replays[n] == 1 for n in range(1, MAX_GRAPH_SIZES + 1))
+    assert replays[MAX_GRAPH_SIZES + 1] == 0  # past the cap: plain launches
+    x = torch.randn(1, 8)  # an early size still replays its graph
+    torch.testing.assert_close(method(x), model(x), atol=1e-4, rtol=1e-4)
+    assert method.stats.graph_replays_per_call == 1
+
+
+def test_a_node_that_cannot_run_at_every_size_stays_on_the_host_with_the_reason():
+    # bmm over up to 70000 matrices: more than one launch's grid holds, so the dynamic batch
+    # cannot be lowered; the node runs on the host and the program still runs at every size.
+    model = Fn(lambda a, b: torch.bmm(a, b) * 2)
+    batch = Dim("batch", max=70000)
+    args = (torch.randn(3, 4, 5), torch.randn(3, 5, 6))
+    ep = torch.export.export(model, args, dynamic_shapes={"args": ({0: batch}, {0: batch})})
+    lowered = td.lower(ep)
+    host = {op: why for _, op, why in lowered.reports["forward"].nodes.host}
+    assert "aten.bmm.default" in host and "exceeds one launch's 65535" in host["aten.bmm.default"]
+    method = lowered.load().load_method("forward")
+    for n in (1, 4):
+        a, b = torch.randn(n, 4, 5), torch.randn(n, 5, 6)
+        torch.testing.assert_close(method(a, b), model(a, b), atol=1e-4, rtol=1e-4)

@@ -22,6 +22,7 @@ _EXPORTS = {
     "PerCallCopyWarning": "config", "PerCallCopyError": "config",
     "Partitioner": "partitioner", "PartitionResult": "partitioner",
     "DelegationSpec": "partitioner", "TritonPartitioner": "partitioner",
+    "LoweringError": "emit",
     # runtime side
     "load": "runtime", "DeviceAllocator": "runtime", "InputError": "runtime",
     "register_allocator": "runtime",

@@ -51,3 +51,32 @@ def build_plan(
     b.current = None
     # The traffic model of every launch, whatever the builder fused (kernels/traffic.py).
     return traffic.annotate(b.finish(aliases))
+
+
+def symbolic_refusal(node: torch.fx.Node) -> str | None:
+    """Why ``node`` cannot be lowered with the symbolic sizes it has (None: it can), found by lowering
+    it alone over fresh inputs. Partitioners call it for nodes whose shapes depend on a method's
+    symbols, so that such a node stays on the host with the reason instead of failing ``lower()``."""
+    graph = torch.fx.Graph()
+    inputs: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def placeholder(arg: torch.fx.Node) -> torch.fx.Node:
+        if arg not in inputs:
+            inputs[arg] = graph.placeholder(f"in{len(inputs)}")
+            inputs[arg].meta["val"] = arg.meta.get("val")
+        return inputs[arg]
+
+    copy = graph.node_copy(node, placeholder)
+    nodes, outputs = [copy], [copy]
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        outputs = [graph.call_function(operator.getitem, (copy, i)) for i, v in enumerate(val)
+                   if isinstance(v, torch.Tensor)]
+        for out, i in zip(outputs, (i for i, v in enumerate(val) if isinstance(v, torch.Tensor))):
+            out.meta["val"] = val[i]
+        nodes += outputs
+    try:
+        build_plan(nodes, list(inputs.values()), outputs)
+    except Exception as exc:  # noqa: BLE001 - any failure is the reason it stays on the host
+        return f"cannot be lowered with dynamic shapes: {exc.__cause__ or exc}"
+    return None

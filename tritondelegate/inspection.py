@@ -44,8 +44,20 @@ def segment_facts(program: Program) -> list[dict]:
             for i, seg in enumerate(program.segments)]
 
 
+def symbol_facts(m) -> list[dict]:
+    """Each dynamic dimension of method ``m``: its symbol, range, and the input dimension giving it."""
+    return [{"name": s.name, "min": s.min, "max": s.max, "input": m.values[m.inputs[s.input]].name, "dim": s.dim}
+            for s in m.symbols]
+
+
+def symbols_line(symbols: list[dict]) -> str:
+    dims = "; ".join(f"{s['name']} = {s['input']!r} dim {s['dim']} in {s['min']}..{s['max']}" for s in symbols)
+    return f"dynamic dimensions: {dims} (memory planned, and sizes below given, at the upper bounds)"
+
+
 def _tensor(value) -> dict:
-    return {"name": value.name, "dtype": value.dtype, "shape": list(value.shape), "device": value.device}
+    shape = [d if isinstance(d, int) else str(d) for d in value.shape]  # a dynamic dim as its expression
+    return {"name": value.name, "dtype": value.dtype, "shape": shape, "device": value.device}
 
 
 def _method(program: Program, m) -> dict:
@@ -59,6 +71,7 @@ def _method(program: Program, m) -> dict:
                               "scratch_bytes": d.plan.scratch_bytes})
     return {
         "name": m.name,
+        "symbols": symbol_facts(m),
         "inputs": [_tensor(m.values[v]) for v in m.inputs],
         "outputs": [_tensor(m.values[v]) for v in m.outputs],
         "delegates": delegates,
@@ -97,6 +110,8 @@ def format_description(facts: dict) -> str:
     for m in facts["methods"]:
         sig = lambda ts: ", ".join(f"{t['name']}: {t['dtype']}{t['shape']}@{t['device']}" for t in ts)  # noqa: E731
         lines.append(f"method {m['name']!r}: ({sig(m['inputs'])}) -> ({sig(m['outputs'])})")
+        if m["symbols"]:
+            lines.append(f"  {symbols_line(m['symbols'])}")
         lines.append(f"  {len(m['delegates'])} delegates, {m['launches_per_call']} launches per call, "
                      f"{m['host_ops']} host ops, copies per call: {m['copies_per_call']['h2d']} h2d, "
                      f"{m['copies_per_call']['d2h']} d2h")

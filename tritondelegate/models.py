@@ -235,20 +235,32 @@ def kv_cache_decoder(seed: int = 0, max_batch: int = 1, **overrides) -> KVCacheD
     return KVCacheDecoder(DecoderConfig(**overrides), max_batch=max_batch).eval()
 
 
-def export_prefill_decode(model: KVCacheDecoder, prompt_len: int) -> dict[str, torch.export.ExportedProgram]:
+def export_prefill_decode(model: KVCacheDecoder, prompt_len: int,
+                          max_prompt_len: int | None = None) -> dict[str, torch.export.ExportedProgram]:
     """``{"prefill": ep, "decode": ep}``: ``model`` exported for ``prompt_len`` tokens at positions
     0..prompt_len-1 and for one token at position prompt_len. Both programs name the cache buffers
     with the same fully-qualified names, so ``td.lower`` of the dict makes them one shared state.
-    Zeroes the module's cache first."""
-    if not 0 < prompt_len < model.cfg.max_seq_len:
-        raise ValueError(f"prompt_len must be in 1..{model.cfg.max_seq_len - 1} (max_seq_len - 1), got {prompt_len}")
+    Zeroes the module's cache first.
+
+    ``max_prompt_len``: export prefill with a dynamic prompt length (``Dim("prompt", max=...)``, the
+    same symbol for the ids' length and the positions), so one prefill takes any prompt of 1 up to
+    that many tokens; ``prompt_len`` is then only the example."""
+    limit = model.cfg.max_seq_len - 1
+    if not 0 < prompt_len <= limit or (max_prompt_len is not None and not prompt_len <= max_prompt_len <= limit):
+        raise ValueError(f"need 1 <= prompt_len <= max_prompt_len <= {limit} (max_seq_len - 1), got "
+                         f"prompt_len={prompt_len}, max_prompt_len={max_prompt_len}")
     batch = model.max_batch
     prefill_args = (torch.zeros(batch, prompt_len, dtype=torch.long), torch.arange(prompt_len))
     decode_args = (torch.zeros(batch, 1, dtype=torch.long), torch.tensor([prompt_len]))
+    dynamic = None
+    if max_prompt_len is not None:
+        prompt = torch.export.Dim("prompt", min=1, max=max_prompt_len)
+        dynamic = {"input_ids": {1: prompt}, "input_pos": {0: prompt}}
     # The programs hold the module's own cache tensors (not copies); td.lower snapshots their values
     # as the state's initial value. Start from an empty cache.
     model.reset_cache()
-    return {"prefill": torch.export.export(model, prefill_args), "decode": torch.export.export(model, decode_args)}
+    return {"prefill": torch.export.export(model, prefill_args, dynamic_shapes=dynamic),
+            "decode": torch.export.export(model, decode_args)}
 
 
 @torch.no_grad()

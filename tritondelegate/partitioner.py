@@ -18,7 +18,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ._device import parse_device
-from .backend import BACKEND_ID
+from .backend import BACKEND_ID, symbolic_refusal
 from .kernels import registry
 
 
@@ -82,6 +82,13 @@ def _resolve_ops(ops: Iterable) -> set:
     return chosen
 
 
+def _symbolic(node: torch.fx.Node) -> bool:
+    """Whether a tensor the node reads or produces has a size that depends on the method's symbols."""
+    vals = [a.meta.get("val") for a in node.all_input_nodes] + [node.meta.get("val")]
+    vals = [v for x in vals for v in (x if isinstance(x, (tuple, list)) else [x])]
+    return any(isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape) for v in vals)
+
+
 class _TritonSupport(OperatorSupportBase):
     def __init__(self, allowed: set | None):
         self.allowed = allowed
@@ -99,7 +106,10 @@ class _TritonSupport(OperatorSupportBase):
         val = node.meta.get("val")
         if val is None:
             return "the node has no shape/dtype metadata"
-        return spec.support(node)
+        reason = spec.support(node)
+        if reason is None and _symbolic(node):
+            reason = symbolic_refusal(node)
+        return reason
 
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
         if node.op != "call_function":

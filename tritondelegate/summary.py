@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .inspection import segment_facts, state_facts
+from .inspection import segment_facts, state_facts, symbol_facts, symbols_line
 from .kernels.traffic import method_traffic, traffic_line
 
 
@@ -23,6 +23,7 @@ def method_facts(lowered, name: str) -> dict:
         "nodes_total": nodes.total,
         "nodes_delegated": nodes.delegated,
         "view_nodes": nodes.views,
+        "symbols": symbol_facts(method),
         "host_nodes": [{"node": n, "op": op, "reason": r} for n, op, r in nodes.host],
         "delegates": [
             {"name": tag, "device": method.delegates[i].device, "launches": report.launches[tag]}
@@ -50,6 +51,8 @@ def format_summary(lowered) -> str:
             f"  compute nodes: {f['nodes_total']}, delegated {f['nodes_delegated']} ({share:.1f}%); "
             f"view/layout nodes: {f['view_nodes']}"
         )
+        if f["symbols"]:
+            lines.append(f"  {symbols_line(f['symbols'])}")
         if f["host_nodes"]:
             lines.append(f"  on the host ({len(f['host_nodes'])}):")
             for h in f["host_nodes"]:

@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import tritondelegate as td  # noqa: E402
-from tritondelegate.binaries import launch_request  # noqa: E402
+from tritondelegate.binaries import concrete_methods, launch_request  # noqa: E402
 from tritondelegate.kernels.compile import decode_args, specialize, variant_key  # noqa: E402
 from harness import Fn  # noqa: E402  (tests/harness.py: a module around a lambda)
 from tritondelegate.kernels.registry import KERNELS  # noqa: E402
@@ -272,7 +272,21 @@ def cases() -> dict[str, callable]:
     out["scatter/int64"] = _int_scatter
     out["decoder_matmul_attention/float16"] = lambda: _decoder(
         F16, 100, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=128, attention="matmul")
+    for dtype in (F32, F16):  # bounded dynamic dims: each method compiled at sample sizes of its range
+        suffix = str(dtype).removeprefix("torch.")
+        out[f"dynamic_prefill/{suffix}"] = lambda d=dtype: _dynamic_prefill(d)
+        out[f"dynamic_batch_mlp/{suffix}"] = lambda d=dtype: (
+            MLP([784, 1024, 1000]).eval().to(d), (_randn(8, 784, dtype=d),), {"x": {0: torch.export.Dim("batch", max=64)}})
+        out[f"dynamic_batch_convnet/{suffix}"] = lambda d=dtype: (
+            ConvNet().eval().to(d), (_randn(2, 3, 64, 64, dtype=d),), {"x": {0: torch.export.Dim("batch", max=8)}})
     return out
+
+
+def _dynamic_prefill(dtype):
+    """The Llama-style decoder over a dynamic prompt length (batch 1, up to 384 tokens)."""
+    model, (ids,) = _decoder(dtype, 100, dim=512, n_layers=1, hidden_dim=1376, n_heads=8, n_kv_heads=2,
+                             max_seq_len=512)
+    return model, (ids,), {"input_ids": {1: torch.export.Dim("seq", max=384)}}
 
 
 # --- specialization, as JITFunction.run does it ---------------------------------------------------
@@ -315,17 +329,17 @@ def collect(selected: dict, backend, log) -> tuple[dict[str, Variant], dict[str,
         start = time.time()
         torch.manual_seed(0)
         try:
-            model, args = make()
+            model, args, *dynamic = make()  # a third item: the export's dynamic_shapes
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                ep = torch.export.export(model, tuple(args))
+                ep = torch.export.export(model, tuple(args), dynamic_shapes=dynamic[0] if dynamic else None)
                 lowered = td.lower(ep, td.TritonPartitioner("cuda:0"), config)
         except Exception as exc:  # report it with the others; the remaining cases still run
             broken[name] = f"{type(exc).__name__}: {exc}"
             log(f"  {name}: FAILED to lower: {broken[name]}")
             continue
         launches = 0
-        for method in lowered.program.methods:
+        for method in concrete_methods(lowered.program):  # a dynamic method at sample sizes
             for delegate in method.delegates:
                 for launch in delegate.plan.launches:
                     launches += 1

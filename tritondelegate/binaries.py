@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import os
 import subprocess
@@ -33,7 +34,7 @@ ARCHS = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90, "sm_100": 100}
 class CompiledBinaries:
     binaries: list[KernelBinary]
     data: list[bytes]
-    launches: list[list[int]]  # per launch (methods, delegates, launches in order): binary per arch
+    launches: list[list[int]]  # per launch (of concrete_methods, in order): binary per arch
 
 
 def check_archs(archs) -> tuple[str, ...]:
@@ -57,8 +58,34 @@ def launch_request(delegate, launch) -> dict:
     return {"kernel": launch.kernel, "args": args, "constexprs": {k: v.value for k, v in launch.constexprs.items()}}
 
 
+def sample_sizes(symbols) -> list[dict[str, int]]:
+    """Symbol values at which a dynamic method's kernel variants are compiled: Triton specializes an
+    integer argument by whether it is 1 or a multiple of 16, so each symbol takes 1 (or its minimum),
+    a multiple of 16 and an odd prime in its range, and its maximum. A size whose variant is not among
+    them compiles on its first call (Triton's JIT), as without binaries."""
+    per_symbol = []
+    for s in symbols:
+        lo, hi = max(s.min, 1), s.max
+        picks = {lo, hi, next((n for n in range(16 * ((lo + 15) // 16), hi + 1, 16)), hi),
+                 next((n for n in range(hi, lo - 1, -1) if n > 2 and all(n % k for k in range(2, int(n ** 0.5) + 1))),
+                      hi)}
+        per_symbol.append(sorted(p for p in picks if lo <= p <= hi))
+    return [dict(zip((s.name for s in symbols), values)) for values in itertools.product(*per_symbol)]
+
+
+def concrete_methods(program: Program) -> list:
+    """Every method, and each dynamic one at each of its :func:`sample_sizes`."""
+    from .runtime.sized import specialize
+
+    out = []
+    for m in program.methods:
+        out += [specialize(m, env) for env in sample_sizes(m.symbols)] if m.symbols else [m]
+    return out
+
+
 def request_for(program: Program, archs) -> dict:
-    launches = [launch_request(d, launch) for m in program.methods for d in m.delegates for launch in d.plan.launches]
+    launches = [launch_request(d, launch) for m in concrete_methods(program) for d in m.delegates
+                for launch in d.plan.launches]
     return {"archs": [ARCHS[a] for a in archs], "launches": launches}
 
 

@@ -36,11 +36,14 @@ from tritondelegate.program import (
     Program,
     ProgramError,
     Role,
+    Symbol,
     TensorValue,
 )
 from tritondelegate.serialize import header as hdr
 from tritondelegate.serialize import load_program, save_program, writer
 from tritondelegate.serialize.reader import ProgramFile
+from tritondelegate.serialize.validate import check_program
+from tritondelegate.symbolic import Expr, any_symbolic
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -170,12 +173,50 @@ def _example() -> tuple[Program, list[torch.Tensor]]:
         delegates=[],
         arenas=[],
     )
-    program = Program([forward, decode], constants, ["model.safetensors", "sub/more.safetensors"],
+    program = Program([forward, decode, _dynamic_method()], constants, ["model.safetensors", "sub/more.safetensors"],
                       segments=[Segment("cuda:0", SegmentKind.CONSTANTS, 256, 256),
                                 Segment("cuda:0", SegmentKind.STATE, 0, 256)],
                       slots=[Slot("layer.w", 0, "cuda:0", state=False, segment=0, offset=0),
                              Slot("buf", 3, "cpu", state=True)])
     return program, data
+
+
+S0, S1 = Expr("s0", 16), Expr("s1", 8)  # the symbols of _dynamic_method: s0 in 1..16, s1 in 0..8
+
+
+def _dynamic_method() -> Method:
+    """A method with two bounded dynamic dimensions and every kind of size that may be symbolic."""
+    values = [
+        TensorValue("x", "float32", (S0, 3), "cpu", Role.INPUT, 16 * 3 * 4),
+        TensorValue("y", "int64", (2, S1), "cpu", Role.INPUT, 2 * 8 * 8),
+        TensorValue("x_dev", "float32", (S0, 3), "cuda:0", Role.INTERMEDIATE, 192, arena=0, arena_offset=0),
+        TensorValue("z_dev", "float32", (Expr("2*s0", 32), 3), "cuda:0", Role.INTERMEDIATE, 384, arena=0,
+                    arena_offset=256),
+        TensorValue("z", "float32", (Expr("2*s0", 32), 3), "cpu", Role.INTERMEDIATE, 384),
+        TensorValue("w", "float32", (S0, 4, Expr("max(s0, s1)", 16)), "cpu", Role.INTERMEDIATE, 16 * 4 * 16 * 4),
+    ]
+    sym_args = [HostArg(ArgKind.TENSOR, 0), HostArg(ArgKind.SYM_INT_LIST, [S0, 4, Expr("max(s0, s1)", 16)]),
+                HostArg(ArgKind.SYM_INT, Expr("(s0 + 1)//2", 8), "dim"), HostArg(ArgKind.SYM_INT_LIST, [3, 4]),
+                HostArg(ArgKind.SYM_INT_LIST, [])]
+    plan = DelegatePlan(
+        tensors=[TensorDesc(Base.INPUT, 0, 0, "float32", (S0, 3), (3, 1)),
+                 TensorDesc(Base.OUTPUT, 0, Expr("12*s0", 192), "float32", (S0, 3), (3, 1)),
+                 TensorDesc(Base.SCRATCH, 0, 0, "float32", (S1, S0), (Expr("s0", 16), 1))],
+        launches=[Launch("add_kernel", (Expr("(s0 + 63)//64", 1), 1, 1),
+                         [Arg(KArgKind.TENSOR, 0), Arg(KArgKind.TENSOR, 1), Arg(KArgKind.INT, Expr("3*s0", 48)),
+                          Arg(KArgKind.INT, 5)],
+                         {"BLOCK": Arg(KArgKind.INT, 64), "N": Arg(KArgKind.INT, S0)}, op="aten::add.Tensor")],
+        scratch_bytes=512, input_nbytes=[192], output_nbytes=[384])
+    return Method(
+        name="dynamic", values=values, inputs=[0, 1], outputs=[4, 5], input_spec="", output_spec="",
+        instructions=[Instruction(InstrKind.COPY_H2D, [0], [2], name="h2d"),
+                      Instruction(InstrKind.DELEGATE, [2], [3], delegate=0, name="delegate_0"),
+                      Instruction(InstrKind.COPY_D2H, [3], [4], name="d2h"),
+                      Instruction(InstrKind.HOST_OP, [0], [5], target="aten::new_zeros", args=sym_args, name="nz")],
+        delegates=[Delegate("triton", "cuda:0", plan, scratch_arena=0, scratch_offset=768)],
+        arenas=[Arena("cuda:0", 1280, 256, 1280)],
+        symbols=[Symbol("s0", 1, 16, 0, 0), Symbol("s1", 0, 8, 1, 1)],
+    )
 
 
 def _with_offsets(program: Program, loaded: Program) -> Program:
@@ -231,6 +272,38 @@ def test_types_of_decoded_fields(tmp_path):
         assert type(plan.launches[0].grid) is tuple and type(plan.tensors[0].strides) is tuple
         assert list(plan.launches[0].constexprs) == ["BLOCK", "SCALE", "EVEN", "MODE", "EXTRA"]
         assert type(plan.tensors[0].base) is Base and type(plan.launches[0].args[0].kind) is KArgKind
+
+
+def test_symbolic_sizes_round_trip(tmp_path):
+    path, program, _ = _save(tmp_path)
+    with load_program(path) as pf:
+        m, expected = pf.program.methods[2], program.methods[2]
+    assert m.symbols == expected.symbols and type(m.symbols[0]) is Symbol
+    assert [v.shape for v in m.values] == [v.shape for v in expected.values]
+    assert type(m.values[0].shape[0]) is Expr and m.values[0].shape[0] == S0
+    args = m.instructions[3].args
+    assert [(a.kind, a.value) for a in args] == [(a.kind, a.value) for a in expected.instructions[3].args]
+    assert type(args[1].value) is list and type(args[1].value[1]) is int
+    plan, want = m.delegates[0].plan, expected.delegates[0].plan
+    assert plan.tensors == want.tensors and plan.tensors[1].byte_offset == Expr("12*s0", 192)
+    assert plan.launches[0].grid == (Expr("(s0 + 63)//64", 1), 1, 1)
+    assert plan.launches[0].args == want.launches[0].args and plan.launches[0].constexprs == want.launches[0].constexprs
+
+
+def test_concrete_sizes_store_no_expressions():
+    """A method without symbols is stored exactly as before symbolic sizes (no expression fields);
+    a symbolic one stores each size's bound in the int field, its text beside it."""
+    program, _ = _example()
+    constants, _ = writer._layout(program)
+    t = writer._program_t(program, constants)
+    forward, dynamic = t.methods[0], t.methods[2]
+    assert forward.symbols is None and all(v.shapeExprs is None for v in forward.values)
+    plan = forward.delegates[0].plan
+    assert all(d.shapeExprs is d.stridesExprs is d.byteOffsetExpr is None for d in plan.tensors)
+    assert all(l.gridExprs is None and all(a.iexpr is None for a in l.args) for l in plan.launches)
+    assert (dynamic.values[5].shape, dynamic.values[5].shapeExprs) == ([16, 4, 16], ["s0", "", "max(s0, s1)"])
+    assert (dynamic.instructions[3].args[2].ival, dynamic.instructions[3].args[2].sexpr) == (8, "(s0 + 1)//2")
+    assert dynamic.instructions[3].args[3].slistExprs is None
 
 
 def test_file_layout(tmp_path):
@@ -405,6 +478,14 @@ def test_writer_rejects_bad_fields(tmp_path):
     program.external_files[1] = "../outside.safetensors"
     with pytest.raises(ValueError, match="relative to the program file's directory"):
         save_program(program, data, tmp_path / "a.tdp")
+    program, data = _example()
+    program.methods[2].values[0].shape = (Expr("s0", 2**64), 3)
+    with pytest.raises(ValueError, match=r"value 0 \('x'\) shape\[0\] \(bound of 's0'\): .* is outside"):
+        save_program(program, data, tmp_path / "a.tdp")
+    program, data = _example()
+    program.methods[2].delegates[0].plan.launches[0].grid = (Expr("", 1),)
+    with pytest.raises(ValueError, match="grid\\[0\\]: a size expression without text"):
+        save_program(program, data, tmp_path / "a.tdp")
 
 
 def test_data_on_device_independent_storage(tmp_path):
@@ -559,7 +640,7 @@ def _set(path: str, value):
 BAD_FLATBUFFERS = [
     ("methods.0.values.0.role", 9, r"method 0 value 0 has Role value 9; valid: 0 \(INPUT\)"),
     ("methods.0.instructions.0.kind", 5, "InstrKind value 5"),
-    ("methods.0.instructions.3.args.1.kind", 14, "ArgKind value 14"),
+    ("methods.0.instructions.3.args.1.kind", 99, "ArgKind value 99"),
     ("methods.0.delegates.0.plan.tensors.0.base", 3, "Base value 3"),
     ("methods.0.delegates.0.plan.launches.0.args.2.kind", 7, "ArgKind value 7"),
     ("methods.0.outputs.1", 9, r"method 'forward' output 1 refers to value 9, but there are 9"),
@@ -614,6 +695,31 @@ BAD_FLATBUFFERS = [
     ("slots.1.device", "cuda:0", "lies in no segment; only host state may"),
     ("segments.0.alignment", 0, "segment 0 has alignment 0"),
     ("segments.0.kind", 7, "SegmentKind value 7"),
+    # symbolic sizes (method 2): expressions are integer arithmetic over the method's symbols
+    ("methods.2.values.0.shapeExprs", ["__import__('os')", ""],
+     r"method 2 value 0 shape\[0\]: size expression \"__import__\('os'\)\" is not integer arithmetic.*Call"),
+    ("methods.2.instructions.3.args.2.sexpr", "s0.__class__", r"arg 2: size expression 's0.__class__' .*Attribute"),
+    ("methods.2.delegates.0.plan.tensors.1.byteOffsetExpr", "s0**99", r"tensor 1 byte_offset: .*'s0\*\*99'.*Pow"),
+    ("methods.2.delegates.0.plan.launches.0.gridExprs", ["(s7 + 63)//64", "", ""],
+     r"launch 0 grid\[0\]: size expression '\(s7 \+ 63\)//64' is not integer arithmetic over the method's symbols"),
+    ("methods.2.instructions.3.args.1.slistExprs", ["s0", "", "s0; 1"], r"arg 1\[2\]: .*does not parse"),
+    ("methods.2.values.0.shapeExprs", ["s0"], "value 0 shape has 1 size expressions for 2 sizes"),
+    ("methods.2.instructions.3.args.2.sexpr", "7", "the literal size '7' differs from its bound 8"),
+    ("methods.2.delegates.0.plan.launches.0.args.2.ival", 47,
+     r"launch 0 args: size expression '3\*s0' is 48 at the symbols' maxima, but its recorded bound is 47"),
+    ("methods.2.delegates.0.plan.launches.0.constexprs.1.arg.iexpr", "s1 // 0", "divides by zero"),
+    ("methods.2.delegates.0.plan.tensors.0.byteOffset", -8, "tensor 0 byte_offset is negative"),
+    ("methods.2.delegates.0.plan.tensors.1.byteOffset", -8,
+     r"'12\*s0' is 192 at the symbols' maxima, but its recorded bound is -8"),
+    # symbols: a valid range, an input dimension that is exactly the symbol
+    ("methods.2.symbols.0.min", 20, r"symbol 0 \('s0'\): its range 20\.\.16 is not 0 <= min <= max"),
+    ("methods.2.symbols.1.min", -1, r"symbol 1 \('s1'\): its range -1\.\.8"),
+    ("methods.2.symbols.1.input", 2, r"symbol 1 \('s1'\) refers to input 2, but there are 2"),
+    ("methods.2.symbols.1.dim", 2, r"input 1 has no dimension 2 \(its rank is 2\)"),
+    ("methods.2.symbols.1.dim", 0, r"input 1 dimension 0 is 2, not the symbol"),
+    ("methods.2.symbols.0.max", 17, r"input 0 dimension 0 is s0, not the symbol \(bound 17\)"),
+    ("methods.2.symbols.1.name", "s0", "names an unknown|not integer arithmetic over the method's symbols"),
+    ("methods.2.symbols", None, "not integer arithmetic over the method's symbols"),
 ]
 
 
@@ -624,6 +730,48 @@ def test_bad_program_contents(tmp_path, field, value, match):
     with pytest.raises(ProgramError, match=match) as info:
         load_program(path)
     assert str(info.value).startswith(str(path) + ": ")
+
+
+@pytest.mark.parametrize("name, match", [("s0", "two symbols have this name"), ("for", "not a valid symbol name"),
+                                         ("max", "not a valid symbol name"), ("s 1", "not a valid symbol name"),
+                                         ("", "not a valid symbol name")])
+def test_bad_symbol_names(name, match):
+    """Checked on the decoded program (a file with such a name fails earlier, at its expressions)."""
+    program, _ = _example()
+    program.methods[2].symbols[1].name = name
+    with pytest.raises(ProgramError, match=f"p.tdp: method 'dynamic' symbol 1 \\({name!r}\\): {match}"):
+        check_program(program, "p.tdp", FORMAT_VERSION, 0, 4096)
+
+
+def test_dynamic_batch_model_round_trip(tmp_path):
+    """A program lowered from a model with a bounded dynamic batch, saved, loaded and run at several sizes."""
+    import tritondelegate as td
+    from torch.export import Dim
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    ep = torch.export.export(model, (torch.randn(5, 8),), dynamic_shapes={"input": {0: Dim("batch", max=33)}})
+    config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
+    lowered = td.lower(ep, config=config)
+    lowered.save(tmp_path / "dyn.tdp")
+    with load_program(tmp_path / "dyn.tdp") as pf:
+        read = pf.program
+    (symbol,) = read.methods[0].symbols
+    assert read.methods[0].symbols == lowered.program.methods[0].symbols
+    assert (symbol.min, symbol.max, symbol.input, symbol.dim) == (0, 33, 0, 0)
+    got, want = read.methods[0], lowered.program.methods[0]
+    assert [v.shape for v in got.values] == [v.shape for v in want.values]
+    assert any(any_symbolic(v.shape) for v in got.values)
+    for d, e in zip(got.delegates, want.delegates, strict=True):
+        assert d.plan.tensors == e.plan.tensors and d.plan.launches == e.plan.launches
+        assert any(any_symbolic(l.grid) for l in d.plan.launches)
+        assert any(any_symbolic((t.byte_offset, t.shape, t.strides)) for t in d.plan.tensors)
+    assert [i.args for i in got.instructions] == [i.args for i in want.instructions]
+    assert read == _with_offsets(lowered.program, read)  # everything else too
+    method = td.load(tmp_path / "dyn.tdp").load_method("forward")
+    for n in (1, 7, 33):
+        x = torch.randn(n, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(method(x), model(x), atol=1e-4, rtol=1e-4)
 
 
 BAD_HEADERS = [
@@ -692,8 +840,8 @@ def test_vector_length_beyond_the_buffer_is_an_error_not_a_hang(tmp_path):
 
 
 def test_reader_imports_only_the_format():
-    allowed = {"__future__", "json", "mmap", "os", "re", "struct", "zlib", "enum", "torch", "safetensors", "..plan",
-               "..program", ".header", ".generated", ".validate"}
+    allowed = {"__future__", "json", "keyword", "mmap", "os", "re", "struct", "zlib", "enum", "torch", "safetensors",
+               "..plan", "..program", "..symbolic", ".header", ".generated", ".validate"}
     for name in ("reader.py", "header.py", "validate.py"):
         tree = ast.parse((Path(__file__).parent.parent / "tritondelegate" / "serialize" / name).read_text())
         for node in ast.walk(tree):

@@ -65,15 +65,19 @@ TABLES = [
     (program.Program, fb.ProgramT, {}),
     (program.Constant, fb.ConstantT, {}),
     (program.Method, fb.MethodT, {}),
-    (program.TensorValue, fb.TensorValueT, {}),
+    (program.Symbol, fb.SymbolT, {}),
+    # sizes that may be symbolic: the bound in the int field, the expression text beside it
+    (program.TensorValue, fb.TensorValueT, {"shape": ["shape", "shape_exprs"]}),
     (program.Arena, fb.ArenaT, {}),
     (program.Instruction, fb.InstructionT, {}),
-    (program.HostArg, fb.HostArgT, {"value": ["ival", "fval", "bval", "sval", "ilist", "flist", "blist", "tlist"]}),
+    (program.HostArg, fb.HostArgT, {"value": ["ival", "fval", "bval", "sval", "ilist", "flist", "blist", "tlist",
+                                              "sexpr", "slist_exprs"]}),
     (program.Delegate, fb.DelegateT, {}),
     (plan.DelegatePlan, fb.DelegatePlanT, {}),
-    (plan.TensorDesc, fb.TensorDescT, {}),
-    (plan.Launch, fb.LaunchT, {}),
-    (plan.Arg, fb.ArgT, {"value": ["ival", "fval", "bval", "sval"]}),
+    (plan.TensorDesc, fb.TensorDescT, {"byte_offset": ["byte_offset", "byte_offset_expr"],
+                                       "shape": ["shape", "shape_exprs"], "strides": ["strides", "strides_exprs"]}),
+    (plan.Launch, fb.LaunchT, {"grid": ["grid", "grid_exprs"]}),
+    (plan.Arg, fb.ArgT, {"value": ["ival", "fval", "bval", "sval", "iexpr"]}),
 ]
 
 

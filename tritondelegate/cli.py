@@ -100,9 +100,10 @@ def _print_readable(result: dict) -> None:
     print(result["summary"])
 
 
-# The generate command's model: the demo decoder's config, a 16-token prompt, 64 positions of cache.
+# The generate command's model: the demo decoder's config, 64 positions of cache, and one prefill
+# method for every prompt length up to 32 (a bounded dynamic dimension).
 GENERATE_MODEL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=176, max_seq_len=64)
-GENERATE_PROMPT_LEN = 16
+GENERATE_MAX_PROMPT_LEN = 32
 
 
 def _generate(args) -> dict:
@@ -112,7 +113,9 @@ def _generate(args) -> dict:
     from tritondelegate.generate import Generator
     from tritondelegate.models import export_prefill_decode, generate_eager, kv_cache_decoder
 
-    cfg, prompt_len = GENERATE_MODEL, GENERATE_PROMPT_LEN
+    cfg, prompt_len = GENERATE_MODEL, args.prompt_len
+    if not 1 <= prompt_len <= GENERATE_MAX_PROMPT_LEN:
+        raise SystemExit(f"--prompt-len must be in 1..{GENERATE_MAX_PROMPT_LEN}")
     if not 1 <= args.tokens <= cfg["max_seq_len"] - prompt_len + 1:
         raise SystemExit(f"--tokens must be in 1..{cfg['max_seq_len'] - prompt_len + 1} "
                          f"(a {prompt_len}-token prompt in a {cfg['max_seq_len']}-position cache)")
@@ -120,7 +123,8 @@ def _generate(args) -> dict:
     start = time.perf_counter()
     model = kv_cache_decoder(seed=args.seed, **cfg)
     prompt = torch.randint(0, cfg["vocab_size"], (1, prompt_len))
-    programs = export_prefill_decode(model, prompt_len)
+    # Exported once with an example length; the program takes any prompt length up to the bound.
+    programs = export_prefill_decode(model, 16, max_prompt_len=GENERATE_MAX_PROMPT_LEN)
     timings["export_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -256,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                                           "token by token against eager")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--tokens", type=int, default=8, help="tokens to generate (default 8)")
+    gen.add_argument("--prompt-len", type=int, default=11,
+                     help=f"prompt tokens, 1..{GENERATE_MAX_PROMPT_LEN} (default 11; one program for every length)")
     gen.add_argument("--device", default="auto", choices=["auto", "cuda", "simulated"])
     gen.add_argument("--graphs", action="store_true", help="load decode with CUDA graphs")
     gen.add_argument("--state-on-host", action="store_true",

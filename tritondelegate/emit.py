@@ -228,14 +228,15 @@ class _Emitter:
         sub_outputs = list(next(n for n in sub.graph.nodes if n.op == "output").args[0])
         aliases: dict[int, int] = {}  # output -> the input it updated in place (state)
         plan = build_plan(sub_nodes, sub_inputs, sub_outputs, aliases=aliases)
+        tensors = [a for a in node.args if not isinstance(self.env[a], _Size)]  # the plan's inputs
         results = [
-            self.env[node.args[aliases[i]]] if i in aliases
+            self.env[tensors[aliases[i]]] if i in aliases
             else self.new_value(_tensor_value(f"{tag}.out{i}", o.meta["val"], Role.INTERMEDIATE))
             for i, o in enumerate(sub_outputs)
         ]
         self.delegates.append(Delegate(spec.backend_id, spec.device, plan))
         self.instructions.append(Instruction(
-            InstrKind.DELEGATE, inputs=[self.env[a] for a in node.args if not isinstance(self.env[a], _Size)],
+            InstrKind.DELEGATE, inputs=[self.env[a] for a in tensors],
             outputs=[v for i, v in enumerate(results) if i not in aliases],
             delegate=len(self.delegates) - 1, name=tag,
         ))

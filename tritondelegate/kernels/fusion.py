@@ -285,7 +285,8 @@ def _product_order(view: TRef, shape, t: TRef) -> list[int] | None:
     if view.dtype != t.dtype or view.offset != t.offset:
         return None
     strides = ew.broadcast_strides(view, shape)
-    dims = sorted((d for d, n in enumerate(shape) if n != 1), key=lambda d: -strides[d])
+    # Ordered by the strides at the symbols' bounds; the check below holds symbolically or fails.
+    dims = sorted((d for d, n in enumerate(shape) if n != 1), key=lambda d: -size_fns.upper(strides[d]))
     expected = 1
     for d in reversed(dims):
         if strides[d] != expected:

@@ -24,7 +24,8 @@ def view_of(b, src: TRef, op, *args) -> TRef:
     symbolically for dynamic sizes. Size nodes among ``args`` (``sym_size`` and arithmetic on it)
     stand for their SymInts. Raises RuntimeError/ValueError when ``src``'s layout has no such view."""
     args = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
-    with sizes.tensor_like(src.shape, src.strides, src.offset, src.dtype) as t:
+    symbolic = any(isinstance(a, torch.SymInt) for a in torch.utils._pytree.tree_leaves(args))
+    with sizes.tensor_like(src.shape, src.strides, src.offset, src.dtype, symbolic) as t:
         result = op(t, *args)
         shape, strides, offset = result.shape, result.stride(), result.storage_offset()
     return b.view(src, shape, strides, offset)

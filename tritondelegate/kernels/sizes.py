@@ -83,7 +83,8 @@ def upper(x) -> int:
 
 
 def _text(e) -> str:
-    """Python integer-expression text for a sympy size expression (see ``symbolic.Expr``)."""
+    """Python integer-expression text for a sympy size expression (see ``symbolic.Expr``). Every
+    compound part is parenthesized: ``2*floor(x/32)`` must not read as ``(2*x)//32``."""
     from torch.utils._sympy.functions import CeilDiv, FloorDiv, Mod, PythonMod
 
     if e.is_Integer:
@@ -101,16 +102,16 @@ def _text(e) -> str:
         return "*".join([_text(e.base)] * int(e.exp))
     if isinstance(e, sympy.floor):
         num, den = sympy.fraction(sympy.together(e.args[0]))
-        return f"({_text(sympy.expand(num))})//({_text(den)})"
+        return f"(({_text(sympy.expand(num))})//({_text(den)}))"
     if isinstance(e, sympy.ceiling):
         num, den = sympy.fraction(sympy.together(e.args[0]))
         return f"(-((-{_text(sympy.expand(num))})//({_text(den)})))"
     if isinstance(e, FloorDiv):
-        return f"({_text(e.args[0])})//({_text(e.args[1])})"
+        return f"(({_text(e.args[0])})//({_text(e.args[1])}))"
     if isinstance(e, CeilDiv):
         return f"(-((-{_text(e.args[0])})//({_text(e.args[1])})))"
     if isinstance(e, (sympy.Mod, Mod, PythonMod)):
-        return f"({_text(e.args[0])})%({_text(e.args[1])})"
+        return f"(({_text(e.args[0])})%({_text(e.args[1])}))"
     if isinstance(e, (sympy.Max, sympy.Min)):
         name = "max" if isinstance(e, sympy.Max) else "min"
         return f"{name}({', '.join(_text(a) for a in e.args)})"
@@ -124,7 +125,14 @@ def to_plan(x):
     x = size(x)
     if isinstance(x, int):
         return x
-    return Expr(_text(x), upper(x))
+    expr = Expr(_text(x), upper(x))
+    # The text must compute what sympy computes: check it at both ends of every range.
+    ranges = _RANGES.get()
+    for end in (0, 1):
+        env = {s: ranges[s][end] for s in x.free_symbols}
+        if expr.evaluate({s.name: v for s, v in env.items()}) != int(x.subs(env)):
+            raise SymbolicShapeError(f"size {x} printed as {expr.text!r} evaluates differently at {env}")
+    return expr
 
 
 def cdiv(a, b):
@@ -139,14 +147,15 @@ def next_power_of_2(x) -> int:
 
 
 @contextlib.contextmanager
-def tensor_like(shape, strides, offset, dtype):
+def tensor_like(shape, strides, offset, dtype, symbolic_args: bool = False):
     """A tensor with no data and this layout, in which ATen view ops compute a view's shape, strides
     and offset as PyTorch does: a meta tensor for static sizes, else a fake tensor of the exported
     program's shape environment (its sizes are SymInts; read results back with :func:`size`).
+    ``symbolic_args``: the op will take SymInt arguments (a fake tensor even for a static layout).
 
-    A view op whose result the symbols' ranges do not decide would add a guard (a silent
-    specialization to the example's size): that raises :class:`SymbolicShapeError` instead."""
-    if is_static((shape, strides, offset)):
+    A view op whose result the symbols' ranges do not decide would add a guard or a replacement (a
+    silent specialization to the example's size): that raises :class:`SymbolicShapeError` instead."""
+    if is_static((shape, strides, offset)) and not symbolic_args:
         extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, strides) if n > 0)
         base = torch.empty(max(extent, 1), dtype=dtype, device="meta")
         yield base.as_strided(shape, strides, offset)
@@ -156,15 +165,18 @@ def tensor_like(shape, strides, offset, dtype):
         raise SymbolicShapeError("a symbolic view outside a method's lowering")
     env = mode.shape_env
     sym = lambda e: e if isinstance(e, int) else env.create_symintnode(e, hint=None)  # noqa: E731
-    guards = len(env.guards)
-    extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    guards, replacements = len(env.guards), dict(env.replacements)
+    extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, strides) if not is_static(n) or n > 0)
     with mode:
         base = torch.empty_strided((sym(extent),), (1,), dtype=dtype)
         yield base.as_strided([sym(n) for n in shape], [sym(s) for s in strides], sym(offset))
-    if len(env.guards) > guards:
-        added = env.guards[guards:]
-        del env.guards[guards:]
-        raise SymbolicShapeError(f"the result depends on a size its range does not decide ({added[0].expr})")
+    if len(env.guards) > guards or env.replacements != replacements:
+        added = [str(g.expr) for g in env.guards[guards:]]
+        added += [f"{k} = {v}" for k, v in env.replacements.items() if replacements.get(k) != v]
+        del env.guards[guards:]  # leave the exported program's shape environment as it was
+        env.replacements.clear()
+        env.replacements.update(replacements)
+        raise SymbolicShapeError(f"the result depends on a size its range does not decide ({added[0]})")
 
 
 def fake_sizes(values) -> list:

@@ -11,9 +11,11 @@ flatbuffer checksums, every offset and size of the header against the file's siz
 identifier and structure (an accessor that fails, a vector longer than the buffer), enum values; then,
 in ``validate.py``: dtype names, every index (value ids, constant, arena, delegate, external file,
 plan tensor and delegate input/output indices), and that in-file constants lie inside the data
-segment, aligned for their dtype, with ``nbytes`` matching dtype and shape. Checked when an external
-constant is first asked for: the file exists and is a safetensors file, it has the key, the tensor's
-dtype and shape.
+segment, aligned for their dtype, with ``nbytes`` matching dtype and shape; symbolic sizes: each
+expression is integer arithmetic over its method's symbols (parsed, never run as arbitrary code), its
+recorded bound is its value at the symbols' maxima, and each symbol is its input's dimension. Checked
+when an external constant is first asked for: the file exists and is a safetensors file, it has the
+key, the tensor's dtype and shape.
 
 Lifetime policy: the file is mapped once, privately (copy-on-write: writing to a tensor handed out
 never reaches the file). Each tensor handed out holds the part of the mapping it views (through a
@@ -53,8 +55,10 @@ from ..program import (
     Segment,
     SegmentKind,
     Slot,
+    Symbol,
     TensorValue,
 )
+from ..symbolic import from_text
 from . import header as hdr
 from .generated import program_generated as fb
 from .validate import DTYPES, check_program
@@ -299,6 +303,7 @@ class _Decoder:
         self.path = path
         self.budget = len(buf)
         self.buf = buf
+        self.names: frozenset[str] = frozenset()  # the symbols of the method being decoded
 
     def entries(self, n: int, what: str) -> range:
         self.budget -= n
@@ -321,6 +326,27 @@ class _Decoder:
     @staticmethod
     def nums(array) -> list:
         return [] if isinstance(array, int) else array.tolist()  # the accessor returns 0 when absent
+
+    def size(self, bound: int, text, where: str):
+        """A size that may be symbolic: ``bound`` when ``text`` is empty, else its checked ``Expr``."""
+        text = self.text(text)
+        if not text:
+            return bound
+        try:
+            value = from_text(text, bound, self.names)
+        except ProgramError as e:
+            raise ProgramError(f"{self.path}: {where}: {e}") from None
+        if isinstance(value, int) and value != bound:
+            raise ProgramError(f"{self.path}: {where}: the literal size {text!r} differs from its bound {bound}")
+        return value
+
+    def sizes(self, bounds: list, n_exprs: int, expr, where: str) -> list:
+        """Sizes that may be symbolic: ``bounds``, with the texts ``expr(i)`` (none: all concrete)."""
+        if n_exprs == 0:
+            return bounds
+        if n_exprs != len(bounds):
+            raise ProgramError(f"{self.path}: {where} has {n_exprs} size expressions for {len(bounds)} sizes")
+        return [self.size(b, expr(i), f"{where}[{i}]") for i, b in zip(self.entries(n_exprs, where), bounds)]
 
     def program(self) -> Program:
         p = fb.Program.GetRootAs(self.buf, 0)
@@ -354,6 +380,8 @@ class _Decoder:
 
     def method(self, m, i: int) -> Method:
         where = f"method {i}"
+        symbols = [self.symbol(m.Symbols(j)) for j in self.entries(m.SymbolsLength(), f"{where} symbols")]
+        self.names = frozenset(s.name for s in symbols)
         return Method(
             name=self.text(m.Name()),
             values=[self.value(m.Values(j), f"{where} value {j}")
@@ -370,13 +398,18 @@ class _Decoder:
             mutated_buffers=[(b.Buffer(), b.Value()) for b in
                              (m.MutatedBuffers(j)
                               for j in self.entries(m.MutatedBuffersLength(), f"{where} mutated_buffers"))],
+            symbols=symbols,
         )
+
+    def symbol(self, s) -> Symbol:
+        return Symbol(self.text(s.Name()), s.Min(), s.Max(), s.Input(), s.Dim())
 
     def value(self, v, where: str) -> TensorValue:
         return TensorValue(
             name=self.text(v.Name()),
             dtype=self.text(v.Dtype()),
-            shape=tuple(self.nums(v.ShapeAsNumpy())),
+            shape=tuple(self.sizes(self.nums(v.ShapeAsNumpy()), v.ShapeExprsLength(), v.ShapeExprs,
+                                   f"{where} shape")),
             device=self.text(v.Device()),
             role=self.enum(Role, v.Role(), where),
             nbytes=v.Nbytes(),
@@ -419,6 +452,10 @@ class _Decoder:
             value = self.nums(a.BlistAsNumpy())
         elif kind == ArgKind.TENSOR_LIST:
             value = self.nums(a.TlistAsNumpy())
+        elif kind == ArgKind.SYM_INT:
+            value = self.size(a.Ival(), a.Sexpr(), where)
+        elif kind == ArgKind.SYM_INT_LIST:
+            value = self.sizes(self.nums(a.IlistAsNumpy()), a.SlistExprsLength(), a.SlistExprs, where)
         else:  # a new ArgKind member without a case here
             raise RuntimeError(f"internal error: no decoding for {kind!r}")
         return HostArg(kind, value, self.text(a.Name()))
@@ -454,10 +491,12 @@ class _Decoder:
         return TensorDesc(
             base=self.enum(Base, t.Base(), where),
             index=t.Index(),
-            byte_offset=t.ByteOffset(),
+            byte_offset=self.size(t.ByteOffset(), t.ByteOffsetExpr(), f"{where} byte_offset"),
             dtype=self.text(t.Dtype()),
-            shape=tuple(self.nums(t.ShapeAsNumpy())),
-            strides=tuple(self.nums(t.StridesAsNumpy())),
+            shape=tuple(self.sizes(self.nums(t.ShapeAsNumpy()), t.ShapeExprsLength(), t.ShapeExprs,
+                                   f"{where} shape")),
+            strides=tuple(self.sizes(self.nums(t.StridesAsNumpy()), t.StridesExprsLength(), t.StridesExprs,
+                                     f"{where} strides")),
         )
 
     def launch(self, launch, where: str) -> Launch:
@@ -470,7 +509,8 @@ class _Decoder:
             constexprs[self.text(entry.Name())] = self.kernel_arg(arg, f"{where} constexpr {k}")
         return Launch(
             kernel=self.text(launch.Kernel()),
-            grid=tuple(self.nums(launch.GridAsNumpy())),
+            grid=tuple(self.sizes(self.nums(launch.GridAsNumpy()), launch.GridExprsLength(), launch.GridExprs,
+                                  f"{where} grid")),
             args=[self.kernel_arg(launch.Args(k), f"{where} arg {k}")
                   for k in self.entries(launch.ArgsLength(), f"{where} args")],
             constexprs=constexprs,
@@ -482,8 +522,10 @@ class _Decoder:
 
     def kernel_arg(self, a, where: str) -> Arg:
         kind = self.enum(KernelArgKind, a.Kind(), where)
-        if kind in (KernelArgKind.TENSOR, KernelArgKind.INT):
+        if kind == KernelArgKind.TENSOR:
             return Arg(kind, a.Ival())
+        if kind == KernelArgKind.INT:
+            return Arg(kind, self.size(a.Ival(), a.Iexpr(), where))
         if kind == KernelArgKind.FLOAT:
             return Arg(kind, a.Fval())
         if kind == KernelArgKind.BOOL:

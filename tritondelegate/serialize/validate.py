@@ -1,9 +1,12 @@
 """Consistency checks of a decoded program: every index in range, every size and offset sane, every
-dtype name known. The reader runs them on each file it loads, so the runtime can trust the program."""
+dtype name known, every symbolic size an expression over its method's symbols whose recorded bound is
+its value at their maxima (sizes are checked at those bounds, which memory is planned for). The reader
+runs them on each file it loads, so the runtime can trust the program."""
 
 from __future__ import annotations
 
 import json
+import keyword
 import os
 import re
 
@@ -12,6 +15,7 @@ import torch
 from ..plan import ArgKind as KernelArgKind
 from ..plan import Base, DelegatePlan
 from ..program import ArgKind, Constant, InstrKind, Instruction, Method, Program, ProgramError, Role, SegmentKind
+from ..symbolic import Expr, bound
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
@@ -49,9 +53,10 @@ class _Checker:
             self.fail(f"{what} has unknown dtype {name!r}")
         return dtype
 
-    def shape(self, shape: tuple[int, ...], what: str) -> int:
+    def shape(self, shape: tuple, what: str) -> int:
+        """The number of elements of ``shape`` (at the symbols' bounds), after checking its dims."""
         numel = 1
-        for d in shape:
+        for d in bound(tuple(shape)):
             if d < 0:
                 self.fail(f"{what} has a negative dimension in shape {list(shape)}")
             numel *= d
@@ -186,6 +191,8 @@ class _Checker:
             self.index(vid, nv, f"{where} input {j}", "value")
         for j, vid in enumerate(m.outputs):
             self.index(vid, nv, f"{where} output {j}", "value")
+        self.symbols(m, where)
+        self.expressions(m, where)
         for j, (buffer, new) in enumerate(m.mutated_buffers):
             self.index(buffer, nv, f"{where} mutated buffer {j}", "value")
             self.index(new, nv, f"{where} mutated buffer {j}", "value")
@@ -236,15 +243,15 @@ class _Checker:
         for k, t in enumerate(plan.tensors):
             what = f"{where} tensor {k}"
             self.index(t.index, bases[t.base], what, f"{t.base.name.lower()}")
-            self.nonneg(t.byte_offset, f"{what} byte_offset")
+            self.nonneg(bound(t.byte_offset), f"{what} byte_offset")
             self.dtype(t.dtype, what)
             self.shape(t.shape, what)
-            if len(t.strides) != len(t.shape) or any(s < 0 for s in t.strides):
+            if len(t.strides) != len(t.shape) or any(s < 0 for s in bound(tuple(t.strides))):
                 self.fail(f"{what}: strides {list(t.strides)} do not fit shape {list(t.shape)}")
         nt = len(plan.tensors)
         for k, launch in enumerate(plan.launches):
             what = f"{where} launch {k} ({launch.kernel!r})"
-            if any(g < 0 for g in launch.grid):
+            if any(g < 0 for g in bound(tuple(launch.grid))):
                 self.fail(f"{what} has a negative grid {list(launch.grid)}")
             for field in ("bytes_read", "bytes_written", "flops"):
                 self.nonneg(getattr(launch, field), f"{what} {field}")
@@ -253,3 +260,60 @@ class _Checker:
             for w, a in args:
                 if a.kind == KernelArgKind.TENSOR:
                     self.index(a.value, nt, f"{what} {w}", "plan tensor")
+
+    def symbols(self, m: Method, where: str) -> None:
+        """Each symbol: a unique name, a range, and an input dimension of exactly that symbol."""
+        names = set()
+        for k, s in enumerate(m.symbols):
+            what = f"{where} symbol {k} ({s.name!r})"
+            if not s.name.isidentifier() or keyword.iskeyword(s.name) or s.name in ("max", "min"):
+                self.fail(f"{what}: not a valid symbol name (an identifier, not a keyword, max or min)")
+            if s.name in names:
+                self.fail(f"{what}: two symbols have this name")
+            names.add(s.name)
+            if not 0 <= s.min <= s.max:
+                self.fail(f"{what}: its range {s.min}..{s.max} is not 0 <= min <= max")
+            self.index(s.input, len(m.inputs), what, "input")
+            shape = m.values[m.inputs[s.input]].shape
+            if not 0 <= s.dim < len(shape):
+                self.fail(f"{what}: input {s.input} has no dimension {s.dim} (its rank is {len(shape)})")
+            size = shape[s.dim]
+            if not (isinstance(size, Expr) and size.text == s.name and size.bound == s.max):
+                self.fail(f"{what}: input {s.input} dimension {s.dim} is {size}, not the symbol (bound {s.max})")
+
+    def expressions(self, m: Method, where: str) -> None:
+        """Every size expression names only the method's symbols, and its bound is its value at
+        their maxima (memory is planned, and checked here, for the bounds)."""
+        env = {s.name: s.max for s in m.symbols}
+        for what, x in _method_sizes(m, where):
+            for e in (x if isinstance(x, (tuple, list)) else (x,)):
+                if not isinstance(e, Expr):
+                    continue
+                unknown = sorted(e.names() - env.keys())
+                if unknown:
+                    self.fail(f"{what}: size expression {e.text!r} names unknown symbols {unknown}")
+                try:
+                    value = e.evaluate(env)
+                except ProgramError as exc:
+                    self.fail(f"{what}: {exc}")
+                if value != e.bound:
+                    self.fail(f"{what}: size expression {e.text!r} is {value} at the symbols' maxima, but its "
+                              f"recorded bound is {e.bound}")
+
+
+def _method_sizes(m: Method, where: str):
+    """(what, size or sizes) for every size of ``m`` that may be symbolic."""
+    for j, v in enumerate(m.values):
+        yield f"{where} value {j} shape", v.shape
+    for j, ins in enumerate(m.instructions):
+        for k, a in enumerate(ins.args):
+            if a.kind in (ArgKind.SYM_INT, ArgKind.SYM_INT_LIST):
+                yield f"{where} instruction {j} arg {k}", a.value
+    for j, d in enumerate(m.delegates):
+        w = f"{where} delegate {j}"
+        for k, t in enumerate(d.plan.tensors):
+            yield f"{w} tensor {k}", (t.byte_offset, *t.shape, *t.strides)
+        for k, launch in enumerate(d.plan.launches):
+            yield f"{w} launch {k} grid", launch.grid
+            args = [*launch.args, *launch.constexprs.values()]
+            yield f"{w} launch {k} args", [a.value for a in args if a.kind == KernelArgKind.INT]

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from ..plan import Arg, Base, DelegatePlan, Launch, TensorDesc
 from ..plan import ArgKind as KArgKind
 from ..program import (FORMAT_VERSION, ArgKind, Constant, HostArg, InstrKind, Instruction, Method, Program, Role,
-                       SegmentKind)
+                       SegmentKind, Symbol)
+from ..symbolic import Expr
 from . import header as hdr
 from .generated import program_generated as fb
 
@@ -162,6 +163,22 @@ def _ints(values, where: str, bounds=_INT64) -> list[int]:
     return [_int(v, f"{where}[{i}]", bounds) for i, v in enumerate(values)]
 
 
+def _size(value, where: str) -> tuple[int, str | None]:
+    """An int or :class:`Expr` as the format stores it: its bound, and its text (None when concrete)."""
+    if isinstance(value, Expr):
+        if not isinstance(value.text, str) or not value.text.strip():
+            raise ValueError(f"{where}: a size expression without text: {value!r}")
+        return _int(value.bound, f"{where} (bound of {value.text!r})"), value.text
+    return _int(value, where), None
+
+
+def _sizes(values, where: str) -> tuple[list[int], list[str] | None]:
+    """Ints or :class:`Expr` s: their bounds, and their texts (None, no vector, when all are concrete)."""
+    pairs = [_size(v, f"{where}[{i}]") for i, v in enumerate(values)]
+    exprs = [text or "" for _, text in pairs]
+    return [n for n, _ in pairs], (exprs if any(exprs) else None)
+
+
 def _i32(value, where: str) -> int:
     return _int(value, where, _INT32)
 
@@ -261,7 +278,7 @@ def _method(m: Method) -> fb.MethodT:
         w = f"{where} value {i} ({v.name!r})"
         tv = fb.TensorValueT()
         tv.name, tv.dtype, tv.device = v.name, v.dtype, v.device
-        tv.shape = _ints(v.shape, f"{w} shape")
+        tv.shape, tv.shapeExprs = _sizes(v.shape, f"{w} shape")
         tv.role = _enum(Role, v.role, f"{w} role")
         tv.nbytes = _int(v.nbytes, f"{w} nbytes")
         tv.constant = _i32(v.constant, f"{w} constant")
@@ -298,6 +315,15 @@ def _method(m: Method) -> fb.MethodT:
         tm.buffer = _i32(buffer, f"{where} mutated_buffers[{i}]")
         tm.value = _i32(value, f"{where} mutated_buffers[{i}]")
         t.mutatedBuffers.append(tm)
+    t.symbols = [_symbol(s, f"{where} symbol {i}") for i, s in enumerate(m.symbols)] or None
+    return t
+
+
+def _symbol(s: Symbol, where: str) -> fb.SymbolT:
+    t = fb.SymbolT()
+    t.name = _str(s.name, f"{where} name")
+    t.min, t.max = _int(s.min, f"{where} min"), _int(s.max, f"{where} max")
+    t.input, t.dim = _i32(s.input, f"{where} input"), _i32(s.dim, f"{where} dim")
     return t
 
 
@@ -336,6 +362,10 @@ def _host_arg(a: HostArg, where: str) -> fb.HostArgT:
         t.blist = [_bool(x, f"{where}[{i}]") for i, x in enumerate(_list(v, where))]
     elif kind == ArgKind.TENSOR_LIST:
         t.tlist = _i32s(_list(v, where), where)
+    elif kind == ArgKind.SYM_INT:
+        t.ival, t.sexpr = _size(v, where)
+    elif kind == ArgKind.SYM_INT_LIST:
+        t.ilist, t.slistExprs = _sizes(_list(v, where), where)
     else:  # a new ArgKind member without a case here
         raise RuntimeError(f"internal error: {where}: no encoding for {kind!r}")
     return t
@@ -355,17 +385,17 @@ def _tensor_desc(d: TensorDesc, where: str) -> fb.TensorDescT:
     t = fb.TensorDescT()
     t.base = _enum(Base, d.base, f"{where} base")
     t.index = _i32(d.index, f"{where} index")
-    t.byteOffset = _int(d.byte_offset, f"{where} byte_offset")
+    t.byteOffset, t.byteOffsetExpr = _size(d.byte_offset, f"{where} byte_offset")
     t.dtype = d.dtype
-    t.shape = _ints(d.shape, f"{where} shape")
-    t.strides = _ints(d.strides, f"{where} strides")
+    t.shape, t.shapeExprs = _sizes(d.shape, f"{where} shape")
+    t.strides, t.stridesExprs = _sizes(d.strides, f"{where} strides")
     return t
 
 
 def _launch(launch: Launch, where: str) -> fb.LaunchT:
     t = fb.LaunchT()
     t.kernel, t.op = launch.kernel, launch.op
-    t.grid = _ints(launch.grid, f"{where} grid")
+    t.grid, t.gridExprs = _sizes(launch.grid, f"{where} grid")
     t.args = [_kernel_arg(a, f"{where} arg {i}") for i, a in enumerate(launch.args)]
     t.bytesRead = _int(launch.bytes_read, f"{where} bytes_read")
     t.bytesWritten = _int(launch.bytes_written, f"{where} bytes_written")
@@ -382,8 +412,10 @@ def _kernel_arg(a: Arg, where: str) -> fb.ArgT:
     t = fb.ArgT()
     kind = KArgKind(_enum(KArgKind, a.kind, f"{where} kind"))
     t.kind = int(kind)
-    if kind in (KArgKind.TENSOR, KArgKind.INT):
+    if kind == KArgKind.TENSOR:
         t.ival = _int(a.value, where)
+    elif kind == KArgKind.INT:
+        t.ival, t.iexpr = _size(a.value, where)
     elif kind == KArgKind.FLOAT:
         t.fval = _float(a.value, where)
     elif kind == KArgKind.BOOL:

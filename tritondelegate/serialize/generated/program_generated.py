@@ -28,6 +28,8 @@ class HostArgKind(object):
     MEMORY_FORMAT = 11
     LAYOUT = 12
     BOOL_LIST = 13
+    SYM_INT = 14
+    SYM_INT_LIST = 15
 
 
 class InstrKind(object):
@@ -161,8 +163,55 @@ class TensorDesc(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
         return o == 0
 
+    # TensorDesc
+    def ShapeExprs(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.String(a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return ""
+
+    # TensorDesc
+    def ShapeExprsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # TensorDesc
+    def ShapeExprsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        return o == 0
+
+    # TensorDesc
+    def StridesExprs(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.String(a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return ""
+
+    # TensorDesc
+    def StridesExprsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # TensorDesc
+    def StridesExprsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        return o == 0
+
+    # TensorDesc
+    def ByteOffsetExpr(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
 def TensorDescStart(builder):
-    builder.StartObject(6)
+    builder.StartObject(9)
 
 def TensorDescAddBase(builder, base):
     builder.PrependInt8Slot(0, base, 0)
@@ -188,6 +237,21 @@ def TensorDescAddStrides(builder, strides):
 def TensorDescStartStridesVector(builder, numElems):
     return builder.StartVector(8, numElems, 8)
 
+def TensorDescAddShapeExprs(builder, shapeExprs):
+    builder.PrependUOffsetTRelativeSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(shapeExprs), 0)
+
+def TensorDescStartShapeExprsVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def TensorDescAddStridesExprs(builder, stridesExprs):
+    builder.PrependUOffsetTRelativeSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(stridesExprs), 0)
+
+def TensorDescStartStridesExprsVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def TensorDescAddByteOffsetExpr(builder, byteOffsetExpr):
+    builder.PrependUOffsetTRelativeSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(byteOffsetExpr), 0)
+
 def TensorDescEnd(builder):
     return builder.EndObject()
 
@@ -208,6 +272,9 @@ class TensorDescT(object):
         dtype = None,
         shape = None,
         strides = None,
+        shapeExprs = None,
+        stridesExprs = None,
+        byteOffsetExpr = None,
     ):
         self.base = base  # type: int
         self.index = index  # type: int
@@ -215,6 +282,9 @@ class TensorDescT(object):
         self.dtype = dtype  # type: Optional[str]
         self.shape = shape  # type: Optional[List[int]]
         self.strides = strides  # type: Optional[List[int]]
+        self.shapeExprs = shapeExprs  # type: Optional[List[Optional[str]]]
+        self.stridesExprs = stridesExprs  # type: Optional[List[Optional[str]]]
+        self.byteOffsetExpr = byteOffsetExpr  # type: Optional[str]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -255,6 +325,15 @@ class TensorDescT(object):
                     self.strides.append(tensorDesc.Strides(i))
             else:
                 self.strides = tensorDesc.StridesAsNumpy()
+        if not tensorDesc.ShapeExprsIsNone():
+            self.shapeExprs = []
+            for i in range(tensorDesc.ShapeExprsLength()):
+                self.shapeExprs.append(tensorDesc.ShapeExprs(i))
+        if not tensorDesc.StridesExprsIsNone():
+            self.stridesExprs = []
+            for i in range(tensorDesc.StridesExprsLength()):
+                self.stridesExprs.append(tensorDesc.StridesExprs(i))
+        self.byteOffsetExpr = tensorDesc.ByteOffsetExpr()
 
     # TensorDescT
     def Pack(self, builder):
@@ -276,6 +355,24 @@ class TensorDescT(object):
                 for i in reversed(range(len(self.strides))):
                     builder.PrependInt64(self.strides[i])
                 strides = builder.EndVector()
+        if self.shapeExprs is not None:
+            shapeExprslist = []
+            for i in range(len(self.shapeExprs)):
+                shapeExprslist.append(builder.CreateString(self.shapeExprs[i]))
+            TensorDescStartShapeExprsVector(builder, len(self.shapeExprs))
+            for i in reversed(range(len(self.shapeExprs))):
+                builder.PrependUOffsetTRelative(shapeExprslist[i])
+            shapeExprs = builder.EndVector()
+        if self.stridesExprs is not None:
+            stridesExprslist = []
+            for i in range(len(self.stridesExprs)):
+                stridesExprslist.append(builder.CreateString(self.stridesExprs[i]))
+            TensorDescStartStridesExprsVector(builder, len(self.stridesExprs))
+            for i in reversed(range(len(self.stridesExprs))):
+                builder.PrependUOffsetTRelative(stridesExprslist[i])
+            stridesExprs = builder.EndVector()
+        if self.byteOffsetExpr is not None:
+            byteOffsetExpr = builder.CreateString(self.byteOffsetExpr)
         TensorDescStart(builder)
         TensorDescAddBase(builder, self.base)
         TensorDescAddIndex(builder, self.index)
@@ -286,6 +383,12 @@ class TensorDescT(object):
             TensorDescAddShape(builder, shape)
         if self.strides is not None:
             TensorDescAddStrides(builder, strides)
+        if self.shapeExprs is not None:
+            TensorDescAddShapeExprs(builder, shapeExprs)
+        if self.stridesExprs is not None:
+            TensorDescAddStridesExprs(builder, stridesExprs)
+        if self.byteOffsetExpr is not None:
+            TensorDescAddByteOffsetExpr(builder, byteOffsetExpr)
         tensorDesc = TensorDescEnd(builder)
         return tensorDesc
 
@@ -347,8 +450,15 @@ class Arg(object):
             return self._tab.String(o + self._tab.Pos)
         return None
 
+    # Arg
+    def Iexpr(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
 def ArgStart(builder):
-    builder.StartObject(5)
+    builder.StartObject(6)
 
 def ArgAddKind(builder, kind):
     builder.PrependInt8Slot(0, kind, 0)
@@ -365,6 +475,9 @@ def ArgAddBval(builder, bval):
 def ArgAddSval(builder, sval):
     builder.PrependUOffsetTRelativeSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(sval), 0)
 
+def ArgAddIexpr(builder, iexpr):
+    builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(iexpr), 0)
+
 def ArgEnd(builder):
     return builder.EndObject()
 
@@ -380,12 +493,14 @@ class ArgT(object):
         fval = 0.0,
         bval = False,
         sval = None,
+        iexpr = None,
     ):
         self.kind = kind  # type: int
         self.ival = ival  # type: int
         self.fval = fval  # type: float
         self.bval = bval  # type: bool
         self.sval = sval  # type: Optional[str]
+        self.iexpr = iexpr  # type: Optional[str]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -413,11 +528,14 @@ class ArgT(object):
         self.fval = arg.Fval()
         self.bval = arg.Bval()
         self.sval = arg.Sval()
+        self.iexpr = arg.Iexpr()
 
     # ArgT
     def Pack(self, builder):
         if self.sval is not None:
             sval = builder.CreateString(self.sval)
+        if self.iexpr is not None:
+            iexpr = builder.CreateString(self.iexpr)
         ArgStart(builder)
         ArgAddKind(builder, self.kind)
         ArgAddIval(builder, self.ival)
@@ -425,6 +543,8 @@ class ArgT(object):
         ArgAddBval(builder, self.bval)
         if self.sval is not None:
             ArgAddSval(builder, sval)
+        if self.iexpr is not None:
+            ArgAddIexpr(builder, iexpr)
         arg = ArgEnd(builder)
         return arg
 
@@ -669,8 +789,28 @@ class Launch(object):
             return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
         return 0
 
+    # Launch
+    def GridExprs(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.String(a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return ""
+
+    # Launch
+    def GridExprsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Launch
+    def GridExprsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        return o == 0
+
 def LaunchStart(builder):
-    builder.StartObject(8)
+    builder.StartObject(9)
 
 def LaunchAddKernel(builder, kernel):
     builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(kernel), 0)
@@ -705,6 +845,12 @@ def LaunchAddBytesWritten(builder, bytesWritten):
 def LaunchAddFlops(builder, flops):
     builder.PrependInt64Slot(7, flops, 0)
 
+def LaunchAddGridExprs(builder, gridExprs):
+    builder.PrependUOffsetTRelativeSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(gridExprs), 0)
+
+def LaunchStartGridExprsVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
 def LaunchEnd(builder):
     return builder.EndObject()
 
@@ -727,6 +873,7 @@ class LaunchT(object):
         bytesRead = 0,
         bytesWritten = 0,
         flops = 0,
+        gridExprs = None,
     ):
         self.kernel = kernel  # type: Optional[str]
         self.grid = grid  # type: Optional[List[int]]
@@ -736,6 +883,7 @@ class LaunchT(object):
         self.bytesRead = bytesRead  # type: int
         self.bytesWritten = bytesWritten  # type: int
         self.flops = flops  # type: int
+        self.gridExprs = gridExprs  # type: Optional[List[Optional[str]]]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -786,6 +934,10 @@ class LaunchT(object):
         self.bytesRead = launch.BytesRead()
         self.bytesWritten = launch.BytesWritten()
         self.flops = launch.Flops()
+        if not launch.GridExprsIsNone():
+            self.gridExprs = []
+            for i in range(launch.GridExprsLength()):
+                self.gridExprs.append(launch.GridExprs(i))
 
     # LaunchT
     def Pack(self, builder):
@@ -817,6 +969,14 @@ class LaunchT(object):
             constexprs = builder.EndVector()
         if self.op is not None:
             op = builder.CreateString(self.op)
+        if self.gridExprs is not None:
+            gridExprslist = []
+            for i in range(len(self.gridExprs)):
+                gridExprslist.append(builder.CreateString(self.gridExprs[i]))
+            LaunchStartGridExprsVector(builder, len(self.gridExprs))
+            for i in reversed(range(len(self.gridExprs))):
+                builder.PrependUOffsetTRelative(gridExprslist[i])
+            gridExprs = builder.EndVector()
         LaunchStart(builder)
         if self.kernel is not None:
             LaunchAddKernel(builder, kernel)
@@ -831,6 +991,8 @@ class LaunchT(object):
         LaunchAddBytesRead(builder, self.bytesRead)
         LaunchAddBytesWritten(builder, self.bytesWritten)
         LaunchAddFlops(builder, self.flops)
+        if self.gridExprs is not None:
+            LaunchAddGridExprs(builder, gridExprs)
         launch = LaunchEnd(builder)
         return launch
 
@@ -1242,8 +1404,28 @@ class TensorValue(object):
             return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
         return -1
 
+    # TensorValue
+    def ShapeExprs(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.String(a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return ""
+
+    # TensorValue
+    def ShapeExprsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # TensorValue
+    def ShapeExprsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        return o == 0
+
 def TensorValueStart(builder):
-    builder.StartObject(11)
+    builder.StartObject(12)
 
 def TensorValueAddName(builder, name):
     builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
@@ -1281,6 +1463,12 @@ def TensorValueAddResident(builder, resident):
 def TensorValueAddSlot(builder, slot):
     builder.PrependInt32Slot(10, slot, -1)
 
+def TensorValueAddShapeExprs(builder, shapeExprs):
+    builder.PrependUOffsetTRelativeSlot(11, flatbuffers.number_types.UOffsetTFlags.py_type(shapeExprs), 0)
+
+def TensorValueStartShapeExprsVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
 def TensorValueEnd(builder):
     return builder.EndObject()
 
@@ -1306,6 +1494,7 @@ class TensorValueT(object):
         arenaOffset = 0,
         resident = False,
         slot = -1,
+        shapeExprs = None,
     ):
         self.name = name  # type: Optional[str]
         self.dtype = dtype  # type: Optional[str]
@@ -1318,6 +1507,7 @@ class TensorValueT(object):
         self.arenaOffset = arenaOffset  # type: int
         self.resident = resident  # type: bool
         self.slot = slot  # type: int
+        self.shapeExprs = shapeExprs  # type: Optional[List[Optional[str]]]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -1357,6 +1547,10 @@ class TensorValueT(object):
         self.arenaOffset = tensorValue.ArenaOffset()
         self.resident = tensorValue.Resident()
         self.slot = tensorValue.Slot()
+        if not tensorValue.ShapeExprsIsNone():
+            self.shapeExprs = []
+            for i in range(tensorValue.ShapeExprsLength()):
+                self.shapeExprs.append(tensorValue.ShapeExprs(i))
 
     # TensorValueT
     def Pack(self, builder):
@@ -1374,6 +1568,14 @@ class TensorValueT(object):
                 shape = builder.EndVector()
         if self.device is not None:
             device = builder.CreateString(self.device)
+        if self.shapeExprs is not None:
+            shapeExprslist = []
+            for i in range(len(self.shapeExprs)):
+                shapeExprslist.append(builder.CreateString(self.shapeExprs[i]))
+            TensorValueStartShapeExprsVector(builder, len(self.shapeExprs))
+            for i in reversed(range(len(self.shapeExprs))):
+                builder.PrependUOffsetTRelative(shapeExprslist[i])
+            shapeExprs = builder.EndVector()
         TensorValueStart(builder)
         if self.name is not None:
             TensorValueAddName(builder, name)
@@ -1390,6 +1592,8 @@ class TensorValueT(object):
         TensorValueAddArenaOffset(builder, self.arenaOffset)
         TensorValueAddResident(builder, self.resident)
         TensorValueAddSlot(builder, self.slot)
+        if self.shapeExprs is not None:
+            TensorValueAddShapeExprs(builder, shapeExprs)
         tensorValue = TensorValueEnd(builder)
         return tensorValue
 
@@ -1566,8 +1770,35 @@ class HostArg(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
         return o == 0
 
+    # HostArg
+    def Sexpr(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # HostArg
+    def SlistExprs(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.String(a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return ""
+
+    # HostArg
+    def SlistExprsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # HostArg
+    def SlistExprsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        return o == 0
+
 def HostArgStart(builder):
-    builder.StartObject(10)
+    builder.StartObject(12)
 
 def HostArgAddKind(builder, kind):
     builder.PrependInt8Slot(0, kind, 0)
@@ -1611,6 +1842,15 @@ def HostArgAddTlist(builder, tlist):
 def HostArgStartTlistVector(builder, numElems):
     return builder.StartVector(4, numElems, 4)
 
+def HostArgAddSexpr(builder, sexpr):
+    builder.PrependUOffsetTRelativeSlot(10, flatbuffers.number_types.UOffsetTFlags.py_type(sexpr), 0)
+
+def HostArgAddSlistExprs(builder, slistExprs):
+    builder.PrependUOffsetTRelativeSlot(11, flatbuffers.number_types.UOffsetTFlags.py_type(slistExprs), 0)
+
+def HostArgStartSlistExprsVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
 def HostArgEnd(builder):
     return builder.EndObject()
 
@@ -1635,6 +1875,8 @@ class HostArgT(object):
         flist = None,
         blist = None,
         tlist = None,
+        sexpr = None,
+        slistExprs = None,
     ):
         self.kind = kind  # type: int
         self.name = name  # type: Optional[str]
@@ -1646,6 +1888,8 @@ class HostArgT(object):
         self.flist = flist  # type: Optional[List[float]]
         self.blist = blist  # type: Optional[List[bool]]
         self.tlist = tlist  # type: Optional[List[int]]
+        self.sexpr = sexpr  # type: Optional[str]
+        self.slistExprs = slistExprs  # type: Optional[List[Optional[str]]]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -1702,6 +1946,11 @@ class HostArgT(object):
                     self.tlist.append(hostArg.Tlist(i))
             else:
                 self.tlist = hostArg.TlistAsNumpy()
+        self.sexpr = hostArg.Sexpr()
+        if not hostArg.SlistExprsIsNone():
+            self.slistExprs = []
+            for i in range(hostArg.SlistExprsLength()):
+                self.slistExprs.append(hostArg.SlistExprs(i))
 
     # HostArgT
     def Pack(self, builder):
@@ -1741,6 +1990,16 @@ class HostArgT(object):
                 for i in reversed(range(len(self.tlist))):
                     builder.PrependInt32(self.tlist[i])
                 tlist = builder.EndVector()
+        if self.sexpr is not None:
+            sexpr = builder.CreateString(self.sexpr)
+        if self.slistExprs is not None:
+            slistExprslist = []
+            for i in range(len(self.slistExprs)):
+                slistExprslist.append(builder.CreateString(self.slistExprs[i]))
+            HostArgStartSlistExprsVector(builder, len(self.slistExprs))
+            for i in reversed(range(len(self.slistExprs))):
+                builder.PrependUOffsetTRelative(slistExprslist[i])
+            slistExprs = builder.EndVector()
         HostArgStart(builder)
         HostArgAddKind(builder, self.kind)
         if self.name is not None:
@@ -1758,6 +2017,10 @@ class HostArgT(object):
             HostArgAddBlist(builder, blist)
         if self.tlist is not None:
             HostArgAddTlist(builder, tlist)
+        if self.sexpr is not None:
+            HostArgAddSexpr(builder, sexpr)
+        if self.slistExprs is not None:
+            HostArgAddSlistExprs(builder, slistExprs)
         hostArg = HostArgEnd(builder)
         return hostArg
 
@@ -2434,6 +2697,145 @@ class MutatedBufferT(object):
         return mutatedBuffer
 
 
+class Symbol(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = Symbol()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsSymbol(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def SymbolBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x54\x44\x50\x31", size_prefixed=size_prefixed)
+
+    # Symbol
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # Symbol
+    def Name(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # Symbol
+    def Min(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # Symbol
+    def Max(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # Symbol
+    def Input(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # Symbol
+    def Dim(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+def SymbolStart(builder):
+    builder.StartObject(5)
+
+def SymbolAddName(builder, name):
+    builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
+
+def SymbolAddMin(builder, min):
+    builder.PrependInt64Slot(1, min, 0)
+
+def SymbolAddMax(builder, max):
+    builder.PrependInt64Slot(2, max, 0)
+
+def SymbolAddInput(builder, input):
+    builder.PrependInt32Slot(3, input, 0)
+
+def SymbolAddDim(builder, dim):
+    builder.PrependInt32Slot(4, dim, 0)
+
+def SymbolEnd(builder):
+    return builder.EndObject()
+
+
+
+class SymbolT(object):
+
+    # SymbolT
+    def __init__(
+        self,
+        name = None,
+        min = 0,
+        max = 0,
+        input = 0,
+        dim = 0,
+    ):
+        self.name = name  # type: Optional[str]
+        self.min = min  # type: int
+        self.max = max  # type: int
+        self.input = input  # type: int
+        self.dim = dim  # type: int
+
+    @classmethod
+    def InitFromBuf(cls, buf, pos):
+        symbol = Symbol()
+        symbol.Init(buf, pos)
+        return cls.InitFromObj(symbol)
+
+    @classmethod
+    def InitFromPackedBuf(cls, buf, pos=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
+        return cls.InitFromBuf(buf, pos+n)
+
+    @classmethod
+    def InitFromObj(cls, symbol):
+        x = SymbolT()
+        x._UnPack(symbol)
+        return x
+
+    # SymbolT
+    def _UnPack(self, symbol):
+        if symbol is None:
+            return
+        self.name = symbol.Name()
+        self.min = symbol.Min()
+        self.max = symbol.Max()
+        self.input = symbol.Input()
+        self.dim = symbol.Dim()
+
+    # SymbolT
+    def Pack(self, builder):
+        if self.name is not None:
+            name = builder.CreateString(self.name)
+        SymbolStart(builder)
+        if self.name is not None:
+            SymbolAddName(builder, name)
+        SymbolAddMin(builder, self.min)
+        SymbolAddMax(builder, self.max)
+        SymbolAddInput(builder, self.input)
+        SymbolAddDim(builder, self.dim)
+        symbol = SymbolEnd(builder)
+        return symbol
+
+
 class Method(object):
     __slots__ = ['_tab']
 
@@ -2651,8 +3053,32 @@ class Method(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
         return o == 0
 
+    # Method
+    def Symbols(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            x = self._tab.Indirect(x)
+            obj = Symbol()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Method
+    def SymbolsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Method
+    def SymbolsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        return o == 0
+
 def MethodStart(builder):
-    builder.StartObject(10)
+    builder.StartObject(11)
 
 def MethodAddName(builder, name):
     builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
@@ -2705,6 +3131,12 @@ def MethodAddMutatedBuffers(builder, mutatedBuffers):
 def MethodStartMutatedBuffersVector(builder, numElems):
     return builder.StartVector(4, numElems, 4)
 
+def MethodAddSymbols(builder, symbols):
+    builder.PrependUOffsetTRelativeSlot(10, flatbuffers.number_types.UOffsetTFlags.py_type(symbols), 0)
+
+def MethodStartSymbolsVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
 def MethodEnd(builder):
     return builder.EndObject()
 
@@ -2729,6 +3161,7 @@ class MethodT(object):
         delegates = None,
         arenas = None,
         mutatedBuffers = None,
+        symbols = None,
     ):
         self.name = name  # type: Optional[str]
         self.values = values  # type: Optional[List[TensorValueT]]
@@ -2740,6 +3173,7 @@ class MethodT(object):
         self.delegates = delegates  # type: Optional[List[DelegateT]]
         self.arenas = arenas  # type: Optional[List[ArenaT]]
         self.mutatedBuffers = mutatedBuffers  # type: Optional[List[MutatedBufferT]]
+        self.symbols = symbols  # type: Optional[List[SymbolT]]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -2819,6 +3253,14 @@ class MethodT(object):
                 else:
                     mutatedBuffer_ = MutatedBufferT.InitFromObj(method.MutatedBuffers(i))
                     self.mutatedBuffers.append(mutatedBuffer_)
+        if not method.SymbolsIsNone():
+            self.symbols = []
+            for i in range(method.SymbolsLength()):
+                if method.Symbols(i) is None:
+                    self.symbols.append(None)
+                else:
+                    symbol_ = SymbolT.InitFromObj(method.Symbols(i))
+                    self.symbols.append(symbol_)
 
     # MethodT
     def Pack(self, builder):
@@ -2884,6 +3326,14 @@ class MethodT(object):
             for i in reversed(range(len(self.mutatedBuffers))):
                 builder.PrependUOffsetTRelative(mutatedBufferslist[i])
             mutatedBuffers = builder.EndVector()
+        if self.symbols is not None:
+            symbolslist = []
+            for i in range(len(self.symbols)):
+                symbolslist.append(self.symbols[i].Pack(builder))
+            MethodStartSymbolsVector(builder, len(self.symbols))
+            for i in reversed(range(len(self.symbols))):
+                builder.PrependUOffsetTRelative(symbolslist[i])
+            symbols = builder.EndVector()
         MethodStart(builder)
         if self.name is not None:
             MethodAddName(builder, name)
@@ -2905,6 +3355,8 @@ class MethodT(object):
             MethodAddArenas(builder, arenas)
         if self.mutatedBuffers is not None:
             MethodAddMutatedBuffers(builder, mutatedBuffers)
+        if self.symbols is not None:
+            MethodAddSymbols(builder, symbols)
         method = MethodEnd(builder)
         return method
 

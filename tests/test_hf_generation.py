@@ -98,3 +98,35 @@ def test_static_cache_generation_matches_eager(name, tmp_path):
     torch.testing.assert_close(again_logits[0], logits[0])
     second = torch.tensor([[7, 1, 50, 2, 11]])
     assert _greedy(prefill, decode, second, 4)[0] == _greedy(eager, eager, second, 4)[0]
+
+
+def test_dynamic_prompt_length_shares_the_cache_with_decode(tmp_path):
+    """transformers' recipe with a dynamic prompt length (``Dim("seq", max=16)``): one prefill method
+    for every prompt of 1..16 tokens and one decode method, sharing weights and cache on the device."""
+    torch.manual_seed(0)
+    model = _model("llama")
+    seq = torch.export.Dim("seq", min=1, max=16)
+    prefill_ep = executorch.convert_and_export_with_cache(
+        model, PROMPT, torch.arange(PROMPT.shape[1]), dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}})
+    decode_ep = executorch.convert_and_export_with_cache(model, torch.tensor([[4]]), torch.tensor([PROMPT.shape[1]]))
+    lowered = td.lower({"prefill": prefill_ep, "decode": decode_ep},
+                       config=td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True)))
+    for method in ("prefill", "decode"):
+        nodes = lowered.reports[method].nodes
+        assert nodes.delegated == nodes.total, nodes.host
+        assert not lowered.reports[method].device.messages  # weights and cache stay on the device
+    (symbol,) = lowered.program.methods[0].symbols
+    assert (symbol.min, symbol.max) == (1, 16)
+    lowered.save(tmp_path / "lm.tdp")
+    program = td.load(tmp_path / "lm.tdp", devices="simulated")
+    prefill, decode = program.load_method("prefill"), program.load_method("decode")
+    torch.manual_seed(1)
+    for length in (1, 16, 7, 11):  # 1, the bound, primes between
+        prompt = torch.randint(0, COMMON["vocab_size"], (1, length))
+        program.reset_state()
+        eager = executorch.TorchExportableModuleWithStaticCache(model)
+        expected, expected_logits = _greedy(eager, eager, prompt, 3)
+        tokens, logits = _greedy(prefill, decode, prompt, 3)
+        assert tokens == expected, length
+        assert max((a - b).abs().max().item() for a, b in zip(logits, expected_logits)) < 1e-3
+        assert prefill.stats.call_h2d_bytes == 2 * 8 * length  # this prompt's ids and positions only

@@ -89,7 +89,8 @@ class Generator:
     def generate(self, prompt: torch.Tensor, new_tokens: int, keep_logits: bool = False) -> Generation:
         """Prefill ``prompt`` [B, T] at positions 0..T-1, then ``new_tokens - 1`` decode steps, greedy.
 
-        The prompt length must be the one prefill was exported for. ``keep_logits`` keeps each call's
+        The prompt length must be one prefill takes: the length it was exported with, or any length in
+        its range when exported with a dynamic prompt length. ``keep_logits`` keeps each call's
         logits (prefill [B, T, V], then [B, 1, V] per step) in the result.
         """
         if new_tokens < 1:

@@ -7,6 +7,8 @@ every call matches eager.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.export import Dim
@@ -138,3 +140,25 @@ def test_a_node_that_cannot_run_at_every_size_stays_on_the_host_with_the_reason(
     for n in (1, 4):
         a, b = torch.randn(n, 4, 5), torch.randn(n, 5, 6)
         torch.testing.assert_close(method(a, b), model(a, b), atol=1e-4, rtol=1e-4)
+
+
+def test_transformer_encoder_dynamic_batch_and_sequence():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=48, batch_first=True,
+                                             dropout=0.0).eval()
+    model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+    calls = [(torch.randn(b, s, 32),) for b, s in ((2, 6), (1, 1), (3, 13), (2, 11), (1, 5))]
+    check_dynamic(model, calls, {"src": {0: Dim("batch", max=3), 1: Dim("seq", max=13)}})
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_models_with_dynamic_dims(dtype):
+    torch.manual_seed(0)
+    mlp = models.MLP([8, 24, 4]).eval()
+    calls = [(torch.randn(n, 8),) for n in (3, 1, 17)]
+    check_dynamic(copy.deepcopy(mlp).to(dtype), [(x.to(dtype),) for (x,) in calls], {"x": {0: Dim("batch", max=17)}},
+                  dtype=dtype, reference=lambda x: mlp(x.float()))  # judged against fp32
+    decoder, _ = models.demo_decoder(n_layers=1, max_seq_len=32)
+    calls = [(torch.randint(0, 256, (1, s)),) for s in (4, 1, 13)]
+    check_dynamic(copy.deepcopy(decoder).to(dtype), calls, {"input_ids": {1: Dim("seq", max=13)}}, dtype=dtype,
+                  reference=decoder)

@@ -18,6 +18,7 @@ from .memory.segments import plan_slots
 from .partitioner import Partitioner, TritonPartitioner
 from .passes.fold_constants import fold_constants
 from .passes.fold_repeat_kv import fold_repeat_kv
+from .passes.fuse import fuse_patterns
 from .passes.propagate_device import DeviceReport, PropagateDevicePass
 from .passes.state import MethodGraph, StateBuffer, place_state, reinplace
 from .passes.verify import verify_method
@@ -31,6 +32,7 @@ class MethodReport:
     launches: dict[str, int] = field(default_factory=dict)  # delegate tag -> launches per call
     inplace: list[str] = field(default_factory=list)  # state updates that write in place
     folded: list[str] = field(default_factory=list)  # nodes computed once by lower(), now constants
+    fused: list[str] = field(default_factory=list)  # graph rewrites into bigger ops (passes/fuse.py)
 
 
 class LoweredProgram:
@@ -111,6 +113,7 @@ def lower(
         method.symbols = symbols[graph.name][0]
         reports[graph.name].inplace = inplace
         reports[graph.name].folded = graph.folded
+        reports[graph.name].fused = graph.fused
         methods.append(method)
     program = Program(methods, constants.constants)
     plan_slots(program)
@@ -187,8 +190,10 @@ def symbolic_size():
 def _partition(name: str, ep, partitioner: Partitioner, config: LowerConfig, state: set[str]) -> MethodGraph:
     """Fold what depends on no input (never state) and let the partitioner tag the method."""
     device_config = config.device_config(name)
+    fused = fuse_patterns(ep, state, config.fold_constants)
     folded = fold_constants(ep, state) if config.fold_constants else []
-    return MethodGraph(name, ep, partitioner.partition(ep), device_config.flag("state_on_device", name), folded)
+    return MethodGraph(name, ep, partitioner.partition(ep), device_config.flag("state_on_device", name), folded,
+                       fused)
 
 
 def _lower_method(graph: MethodGraph, state: dict, constants: ConstantTable, config: LowerConfig):

@@ -33,6 +33,7 @@ def method_facts(lowered, name: str) -> dict:
         "resident_constants": [{"name": n, "device": d, "bytes": b} for n, d, b in report.device.resident],
         "state_in_place": list(report.inplace),
         "folded": list(report.folded),
+        "fused": list(report.fused),
         "arenas": [
             {"device": a.device, "bytes": a.nbytes, "lower_bound_bytes": a.lower_bound, "alignment": a.alignment}
             for a in method.arenas
@@ -75,6 +76,8 @@ def format_summary(lowered) -> str:
             lines.append(f"  resident constants ({len(f['resident_constants'])}, {_bytes(total)}, loaded once):")
             for r in f["resident_constants"]:
                 lines.append(f"    {r['name']} on {r['device']}, {_bytes(r['bytes'])}")
+        if f["fused"]:
+            lines.append(f"  fused into bigger ops: {'; '.join(f['fused'])}")
         if f["folded"]:
             lines.append(f"  computed once by lower() (constant folding): {', '.join(f['folded'])}")
         if f["state_in_place"]:

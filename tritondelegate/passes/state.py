@@ -59,6 +59,7 @@ class MethodGraph:
     partition: PartitionResult
     state_on_device: bool = True
     folded: list[str] = field(default_factory=list)  # nodes constant folding replaced
+    fused: list[str] = field(default_factory=list)  # rewrites into bigger ops (passes/fuse.py)
 
     def buffer_nodes(self) -> dict[str, torch.fx.Node]:
         nodes = {n.name: n for n in self.ep.graph_module.graph.nodes if n.op == "placeholder"}

@@ -1,0 +1,31 @@
+"""Graph rewrites that hand the kernels bigger pieces of work, run on the decomposed graph before
+constant folding and partitioning:
+
+* ``fuse_rms_norm``: an RMSNorm written out (``pow``/``mean``/``rsqrt``/``mul``, as Llama, Qwen2,
+  Mistral and Gemma write it) becomes one ``aten.rms_norm`` (one row kernel instead of three launches);
+* ``fuse_rotary``: a rotary embedding written out (``x * cos + rotate_half(x) * sin``) becomes one
+  ``tritondelegate::rotary`` op (one launch instead of four per tensor);
+* ``fuse_projections``: linears that read the same input (Q/K/V; gate/up) become one linear over
+  their weights concatenated (folded into one constant by ``lower()``), and views of its result.
+
+Each returns a description of every rewrite it made (``summary()`` lists them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fuse_projections import fuse_projections
+from .fuse_rms_norm import fuse_rms_norm
+from .fuse_rotary import fuse_rotary
+
+
+def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool) -> list[str]:
+    """All the rewrites, in order; ``fold``: constant folding will run (projections need it to store
+    their concatenated weights once)."""
+    done = fuse_rms_norm(ep) + fuse_rotary(ep)
+    if fold:
+        done += fuse_projections(ep, state)
+    if done:
+        ep.graph_module.recompile()
+    return done

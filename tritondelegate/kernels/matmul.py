@@ -15,6 +15,12 @@ before the store, with the steps of ``elementwise.pointwise_chain_kernel`` and i
     C'[z] = r         C' the chain's result, with its own strides and dtype; C is never stored
 
 Each Ek is a tensor addressed by its own [Z, M, N] strides (0 where it broadcasts) or a scalar.
+
+A prologue (``PROLOGUE="rms"``, ``fusion.py`` folds an ``rms_norm`` that only matmuls read into each
+of them) normalizes A's rows on the way in: A is then the norm's input x, each K tile is scaled by the
+norm weight before the product, the row's sum of squares accumulates over the same K loop (the norm
+runs over exactly K), and the product is scaled by ``rsqrt(sum / K + eps)`` before the bias and the
+epilogue, since ``(x * r * w) @ B == r * ((x * w) @ B)`` row by row. The normalized A is never stored.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ def matmul_kernel(
     e0_scalar, e1_scalar, e2_scalar, e3_scalar,
     e0s0, e0s1, e0s2, e1s0, e1s1, e1s2,
     e2s0, e2s1, e2s2, e3s0, e3s1, e3s2,
+    # the rms prologue: the norm weight (a stand-in without one), its stride, the norm's eps
+    p_ptr, stride_pk, p_eps,
     HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
@@ -58,6 +66,7 @@ def matmul_kernel(
     EOP3: tl.constexpr = "copy", EARITY3: tl.constexpr = 1, ESWAP3: tl.constexpr = False,
     EIS_SCALAR0: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
     EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
+    PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False,
 ):
     # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]   (X only when HAS_BIAS); then the epilogue, if any
     pid = tl.program_id(0)
@@ -84,10 +93,18 @@ def matmul_kernel(
     step_b = tl.full((), BLOCK_K, tl.int64) * stride_bk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n, other=0.0)
+        if PROLOGUE == "rms":
+            a32 = a.to(tl.float32)
+            sumsq += tl.sum(a32 * a32, axis=1)
+            if HAS_PW:
+                w = tl.load(p_ptr + (k * BLOCK_K + offs_k) * stride_pk, mask=offs_k < k_left, other=0.0)
+                a32 = a32 * w.to(tl.float32)[None, :]
+            a = a32.to(a.dtype)
         if DOT_UPCAST:  # the interpreter's low-precision dot is wrong; the runtime sets this there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -96,6 +113,8 @@ def matmul_kernel(
         a_ptrs += step_a
         b_ptrs += step_b
 
+    if PROLOGUE == "rms":
+        acc = acc * tl.rsqrt(sumsq / K + p_eps)[:, None]
     acc = acc * alpha
     mask = mask_m & mask_n
     if HAS_BIAS:
@@ -186,10 +205,13 @@ class MatmulOp:
     alpha: float
     beta: float
     cfg: Config
+    # An rms_norm folded into A (``fusion.py``): (its weight or None, eps); ``a`` is then the norm's input.
+    prologue: tuple | None = None
 
     @property
     def reads(self) -> tuple[TRef, ...]:
-        return (self.a, self.bmat) + ((self.x,) if self.has_bias else ())
+        weight = (self.prologue[0],) if self.prologue is not None and self.prologue[0] is not None else ()
+        return (self.a, self.bmat) + ((self.x,) if self.has_bias else ()) + weight
 
     def args(self, c: TRef | None = None, c_strides=None, operands=()) -> list:
         """The launch's positional arguments; with ``c``, storing into ``c`` (with ``c_strides``) after
@@ -210,8 +232,11 @@ class MatmulOp:
                 ptrs.append(c)
                 scalars.append(0.0 if operand is None else float(operand))
                 strides.extend((0, 0, 0))
+        weight, eps = self.prologue if self.prologue is not None else (None, 0.0)
+        prologue = [weight, weight.strides[0], float(eps)] if weight is not None else [self.a, 0, float(eps)]
         return [self.a, self.bmat, c, x, M, N, K, self.alpha, self.beta,
-                *self.a.strides, *self.bmat.strides, *c_strides, *x_strides, *ptrs, *scalars, *strides]
+                *self.a.strides, *self.bmat.strides, *c_strides, *x_strides, *ptrs, *scalars, *strides,
+                *prologue]
 
     def grid(self) -> tuple[int, int]:
         return (triton.cdiv(self.a.shape[1], self.cfg.block_m) * triton.cdiv(self.c.shape[2], self.cfg.block_n),
@@ -219,9 +244,10 @@ class MatmulOp:
 
     def constexprs(self) -> dict:
         cfg = self.cfg
+        prologue = {} if self.prologue is None else dict(PROLOGUE="rms", HAS_PW=self.prologue[0] is not None)
         return dict(HAS_BIAS=self.has_bias, DOT_UPCAST=False,
                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **prologue)
 
 
 def launch_matmul(b, a: TRef, bmat: TRef, c: TRef, bias: TRef | None = None,

@@ -1,7 +1,205 @@
-"""(stub: being written)"""
+"""Horizontal fusion of projections: linears that read the same input become one GEMM.
+
+Attention's Q/K/V projections and a SwiGLU MLP's gate/up read one tensor ``x`` with constant
+weights. Each is a launch that reads ``x`` again; one linear over the weights concatenated along the
+output dim does the same work in one launch:
+
+    q = linear(x, Wq[, bq])                 W = cat([Wq, Wk, Wv], 0)      (b = cat([bq, bk, bv]))
+    k = linear(x, Wk[, bk])       ->        y = linear(x, W[, b])
+    v = linear(x, Wv[, bv])                 q, k, v = split_with_sizes(y, [Nq, Nk, Nv], -1)
+
+``q``, ``k``, ``v`` are then strided views of ``y`` (slices along its last dim, aliases at run time).
+The ``cat`` of the weights depends on no method input, so constant folding (which runs next, and
+without which this pass does not run) computes it once at lower time and stores only ``W``; an
+original weight that nothing else reads is dropped then. One read elsewhere too (tied weights) is
+kept, and stored next to ``W``.
+
+A linear joins a group when its weight is a constant placeholder (parameter, buffer or lifted
+constant that is not program state) of two dims, and its bias is absent or such a constant too; a
+group shares ``x``, the weights' dtype and in-features, and whether there is a bias. A weight that
+appears twice in a group (the same projection computed twice) is fused once only. Projections whose
+results one node combines directly (SwiGLU's gate and up) are left apart: see ``_combined``.
+"""
 
 from __future__ import annotations
 
+import operator
 
-def fuse_projections(ep, *args) -> list[str]:
-    return []
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind
+
+from ..kernels import sizes
+
+aten = torch.ops.aten
+
+_CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+_COPIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+def _constant_placeholders(ep, state: set[str]) -> set[torch.fx.Node]:
+    """The placeholders that hold a constant: parameters, buffers that are not state, lifted constants."""
+    nodes = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    values = {**ep.state_dict, **ep.constants}
+    mutated = set(ep.graph_signature.buffers_to_mutate.values())
+    out = set()
+    for spec in ep.graph_signature.input_specs:
+        if (spec.kind in _CONSTANT_KINDS and spec.target not in state and spec.target not in mutated
+                and spec.target in values and spec.arg.name in nodes):
+            out.add(nodes[spec.arg.name])
+    return out
+
+
+def _tensor(node) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _candidate(node: torch.fx.Node, constants: set[torch.fx.Node]):
+    """(x, weight, bias or None) when ``node`` is a linear that may join a group, else None."""
+    if node.op != "call_function" or node.target != aten.linear.default or node.kwargs:
+        return None
+    x, weight, bias = (*node.args, None)[:3]
+    if not isinstance(x, torch.fx.Node) or weight not in constants:
+        return None
+    if bias is not None and bias not in constants:
+        return None
+    xv, wv, yv = _tensor(x), _tensor(weight), _tensor(node)
+    if xv is None or wv is None or yv is None or wv.ndim != 2 or xv.ndim < 1:
+        return None
+    if bias is not None:
+        bv = _tensor(bias)
+        if bv is None or bv.ndim != 1 or bv.dtype != wv.dtype or bv.shape[0] != wv.shape[0]:
+            return None
+    if wv.dtype != xv.dtype or not isinstance(wv.shape[0], int) or not isinstance(wv.shape[1], int):
+        return None
+    return x, weight, bias
+
+
+def _groups(graph: torch.fx.Graph, constants: set[torch.fx.Node]) -> list[list[torch.fx.Node]]:
+    """Linears by (x, dtype, in-features, has bias), in graph order; only groups of two or more."""
+    groups: dict[tuple, list[torch.fx.Node]] = {}
+    seen: dict[tuple, set] = {}
+    for node in graph.nodes:
+        found = _candidate(node, constants)
+        if found is None:
+            continue
+        x, weight, bias = found
+        wv = _tensor(weight)
+        key = (x, wv.dtype, wv.shape[1], bias is not None)
+        if (weight, bias) in seen.setdefault(key, set()):
+            continue  # the same projection twice: concatenating it would store the weight twice
+        seen[key].add((weight, bias))
+        groups.setdefault(key, []).append(node)
+    return [g for g in groups.values() if len(g) >= 2 and _independent(g) and not _combined(g)]
+
+
+def _combined(group: list[torch.fx.Node]) -> bool:
+    """Whether one node combines two of the group's results, each reached directly or through
+    single-input ops of the same shape (SwiGLU's ``silu(gate) * up``). Unfused, that product already
+    runs in the epilogue of one of the two GEMMs (two launches, the intermediate never stored); fused,
+    it would read two slices of the wide result in a launch of its own (two launches again, and the
+    wide result written and read back): not worth it."""
+    readers = [_elementwise_readers(n) for n in group]
+    return any(readers[i] & readers[j] for i in range(len(group)) for j in range(i + 1, len(group)))
+
+
+def _elementwise_readers(node: torch.fx.Node, depth: int = 4) -> set[torch.fx.Node]:
+    """The nodes that read ``node``'s result, directly or through up to ``depth`` single-input ops
+    that keep its shape (casts, activations); not the graph's output."""
+    found, frontier = set(), [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for user in n.users:
+                if user.op == "output" or user in found:
+                    continue
+                found.add(user)
+                val, own = user.meta.get("val"), n.meta.get("val")
+                if (len(user.all_input_nodes) == 1 and isinstance(val, torch.Tensor)
+                        and isinstance(own, torch.Tensor) and sizes.shape(val.shape) == sizes.shape(own.shape)):
+                    nxt.append(user)
+        frontier = nxt
+    return found
+
+
+def _independent(group: list[torch.fx.Node]) -> bool:
+    """No linear of the group reads another's output, directly or not. (Their operands are ``x`` and
+    placeholders, so this holds by construction; checked to keep the rewrite safe if that changes.)"""
+    members = set(group)
+    seen, stack = set(), [a for n in group for a in n.all_input_nodes]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        if n in members:
+            return False
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return True
+
+
+def _fake(fn, *vals):
+    """``fn(*vals)`` on FakeTensors, under their fake mode (symbolic sizes stay symbolic)."""
+    mode = getattr(vals[0], "fake_mode", None) or torch._guards.detect_fake_mode(list(vals))
+    if mode is None:
+        return fn(*vals)
+    with mode:
+        return fn(*vals)
+
+
+def _new(graph: torch.fx.Graph, target, args: tuple, val, meta: dict, name: str | None = None) -> torch.fx.Node:
+    node = graph.create_node("call_function", target, args, name=name)
+    node.meta["val"] = val
+    for key in _COPIED_META:
+        if key in meta:
+            node.meta[key] = meta[key]
+    return node
+
+
+def _fuse(graph: torch.fx.Graph, group: list[torch.fx.Node]) -> str:
+    first = group[0]
+    x = first.args[0]
+    weights = [n.args[1] for n in group]
+    biases = [n.args[2] for n in group] if len(first.args) > 2 and first.args[2] is not None else None
+    sizes = [_tensor(w).shape[0] for w in weights]
+    xv = _tensor(x)
+    meta = first.meta
+    # Before the first linear: its inputs (x and constants) are defined there, and every user of any
+    # linear of the group comes after it (a user of the first may sit before a later linear).
+    with graph.inserting_before(first):
+        wvals = [_tensor(w) for w in weights]
+        cat = lambda *t: aten.cat.default(list(t), 0)  # noqa: E731
+        # Named for the summary's list of what constant folding computed once.
+        w = _new(graph, aten.cat.default, (weights, 0), _fake(cat, *wvals), meta, f"{first.name}_fused_weight")
+        b = None
+        if biases is not None:
+            bvals = [_tensor(n) for n in biases]
+            b = _new(graph, aten.cat.default, (biases, 0), _fake(cat, *bvals), meta, f"{first.name}_fused_bias")
+        if b is None:
+            yval = _fake(aten.linear.default, xv, w.meta["val"])
+            y = _new(graph, aten.linear.default, (x, w), yval, meta)
+        else:
+            yval = _fake(aten.linear.default, xv, w.meta["val"], b.meta["val"])
+            y = _new(graph, aten.linear.default, (x, w, b), yval, meta)
+        parts_val = _fake(lambda t: aten.split_with_sizes.default(t, sizes, -1), yval)
+        parts = _new(graph, aten.split_with_sizes.default, (y, sizes, -1), tuple(parts_val), meta)
+        outs = [_new(graph, operator.getitem, (parts, i), parts_val[i], meta) for i in range(len(group))]
+    names = [n.name for n in group]
+    for old, new in zip(group, outs):
+        old.replace_all_uses_with(new)
+        graph.erase_node(old)
+    return f"linear x{len(group)} -> one GEMM: {', '.join(names)} (N = {'+'.join(map(str, sizes))})"
+
+
+def fuse_projections(ep: torch.export.ExportedProgram, state: set[str] = frozenset()) -> list[str]:
+    """Fuse every group of linears that read the same input with constant weights, in place.
+    ``state``: FQNs of program state (mutable buffers), never treated as constants. Returns one
+    description per fused group. Relies on constant folding to concatenate the weights once."""
+    graph = ep.graph_module.graph
+    constants = _constant_placeholders(ep, set(state))
+    done = [_fuse(graph, group) for group in _groups(graph, constants)]
+    if done:
+        graph.lint()
+        ep.graph_module.recompile()
+    return done

@@ -25,7 +25,9 @@ def test_rotary_tables_of_the_decoder_are_computed_once():
     model, args = demo_decoder(seed=0)
     folded = _lower(model, args)
     plain = _lower(model, args, fold_constants=False)
-    assert folded.reports["forward"].folded == ["cos", "sin"]
+    # The rotary tables, and the Q/K/V weights concatenated by the projection fusion.
+    assert folded.reports["forward"].folded[:2] == ["cos", "sin"]
+    assert all(n.endswith("_fused_weight") for n in folded.reports["forward"].folded[2:])
     assert "computed once by lower() (constant folding): cos, sin" in folded.summary()
     launches = lambda lowered: sum(lowered.reports["forward"].launches.values())  # noqa: E731
     assert launches(folded) < launches(plain)
@@ -87,16 +89,21 @@ def test_a_graph_reading_only_inputs_is_unchanged():
     assert fold_constants(ep) == [] and len(ep.graph_module.graph.nodes) == before
 
 
-def test_dynamic_dimensions_are_refused_with_what_to_do():
+def test_with_dynamic_dimensions_what_depends_on_a_size_is_kept():
     from torch.export import Dim
 
-    from tritondelegate.models import MLP
+    class Sized(torch.nn.Module):
+        def forward(self, x):
+            scale = torch.arange(8, dtype=torch.float32).exp()  # input-independent: folded
+            rows = torch.arange(x.shape[0], dtype=torch.float32)  # depends on the batch: kept
+            return x * scale + rows[:, None]
 
-    model, x = MLP([8, 16, 4]).eval(), torch.randn(5, 8)
-    bounded = torch.export.export(model, (x,), dynamic_shapes={"x": {0: Dim("batch", max=33)}})
-    with pytest.raises(ValueError, match=r"input 'x' dimension 0 is dynamic \(s\d+, bounded 0\.\.33\).*"
-                                         r"export one method per size"):
-        td.lower(bounded)
-    unbounded = torch.export.export(model, (x,), dynamic_shapes={"x": {0: Dim("batch")}})
-    with pytest.raises(ValueError, match=r"without an upper bound \(bound it with torch.export.Dim\(\.\.\., max=N\)\)"):
-        td.lower({"forward": unbounded})
+    model = Sized()
+    ep = torch.export.export(model, (torch.randn(5, 8),), dynamic_shapes={"x": {0: Dim("batch", max=33)}})
+    lowered = td.lower(ep)
+    folded = lowered.reports["forward"].folded
+    assert len(folded) == 1 and folded[0].startswith("exp")
+    method = lowered.load("simulated").load_method("forward")
+    for n in (1, 33, 7):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(method(x), model(x), atol=1e-5, rtol=1e-5)

@@ -48,7 +48,7 @@ from tritondelegate.binaries import concrete_methods, launch_request  # noqa: E4
 from tritondelegate.kernels.compile import decode_args, specialize, variant_key  # noqa: E402
 from harness import Fn  # noqa: E402  (tests/harness.py: a module around a lambda)
 from tritondelegate.kernels.registry import KERNELS  # noqa: E402
-from tritondelegate.models import MLP, DecoderConfig, LlamaStyleDecoder, demo_decoder  # noqa: E402
+from tritondelegate.models import MLP, DecoderConfig, LlamaStyleDecoder, demo_decoder, rotate_half  # noqa: E402
 
 # Shared memory one block may use (opt-in maximum), by compute capability.
 MAX_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -258,6 +258,11 @@ def _per_dtype(d) -> dict[str, callable]:
         "matmul": lambda: _matmuls(d),
         "epilogue_prefill": lambda: _epilogues(d, 384, 384),
         "epilogue_decode": lambda: _epilogues(d, 1, 512),
+        # written out, fused by passes/fuse_rotary.py: q [1, 8, 64, 128] and k as a projection's transpose
+        "rotary": lambda: (Fn(lambda q, k, c, s: (q * c + rotate_half(q) * s,
+                                                  k.transpose(1, 2) * c + rotate_half(k.transpose(1, 2)) * s)),
+                           (_randn(1, 8, 64, 128, dtype=d), _randn(1, 64, 2, 128, dtype=d),
+                            _randn(64, 128, dtype=d), _randn(64, 128, dtype=d))),
     }
 
 

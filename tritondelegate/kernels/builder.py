@@ -91,6 +91,8 @@ class LaunchBuilder:
         self.pointwise: dict[int, object] = {}
         # launch position -> what that "matmul" launch computes (matmul.MatmulOp), for epilogue fusion
         self.matmul: dict[int, object] = {}
+        # launch position -> the rms_norm that "norm" launch computes (norm.RmsNorm), for prologue fusion
+        self.norms: dict[int, object] = {}
         self._values: dict[torch.fx.Node, object] = {}
         self._outputs = outputs
         # node name -> buffers its launches write although it did not allocate them (writes_in_place)
@@ -321,10 +323,10 @@ class LaunchBuilder:
         ]
         keep = {self.ref(node).buffer for node in self._outputs}
         keep |= {i for i, buf in enumerate(self._buffers) if buf.base != Base.SCRATCH}
-        result = fusion.fuse(self._launches, self.pointwise, self.matmul, touched, writes, keep)
+        result = fusion.fuse(self._launches, self.pointwise, self.matmul, touched, writes, keep, self.norms, self.view)
         if result.changed:
             self._launches = result.launches
-            self.pointwise, self.matmul = {}, {}  # positions moved; nothing after this point fuses
+            self.pointwise, self.matmul, self.norms = {}, {}, {}  # positions moved; nothing after this fuses
 
     def _lifetimes(self) -> None:
         """First and last launch touching each buffer, from the final launch list."""

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sizes import next_power_of_2
+from .sizes import cdiv, next_power_of_2
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -87,8 +87,9 @@ def conv2d_kernel(
 
 
 # --- host launcher --------------------------------------------------------------------------------
-def _block(size: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, next_power_of_2(max(size, 1))))
+def _block(size, lo: int, hi: int) -> int:
+    """A power-of-two block in [lo, hi] covering ``size`` (at its upper bound when it is dynamic)."""
+    return max(lo, min(hi, next_power_of_2(size)))
 
 
 def launch_conv2d(b, out, x, weight, bias, stride, padding, dilation, groups: int) -> None:
@@ -101,7 +102,7 @@ def launch_conv2d(b, out, x, weight, bias, stride, padding, dilation, groups: in
     block_m = _block(m, 16, 64)
     block_n = _block(cout_g, 16, 64)
     block_k = _block(cin_g * kh * kw, 16, 32)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), groups)
+    grid = (cdiv(m, block_m), triton.cdiv(cout_g, block_n), groups)
     b.launch(
         "conv2d", grid,
         x, weight, bias if bias is not None else out, out,  # out stands in for a missing bias: never read

@@ -4,9 +4,12 @@
     arange:                                   out[i] = start + i * step
     empty / empty_permuted:                   a fresh output, no launch
 
-Sizes, values and dtypes come from the node (static shapes only). ``full`` and friends reuse the
-pointwise kernel with a scalar operand; only ``arange`` needs a kernel of its own, because its value
-depends on the element's index.
+Sizes, values and dtypes come from the node. A size may be dynamic (``torch.arange(x.shape[1])``,
+``torch.zeros(x.shape[0], 4)``): the output's shape, and so the launch's grid and length, are then
+expressions over the method's symbols. ``arange``'s start and step and a fill value may be size
+nodes too (position ids ``arange(past, past + seq)``, ``torch.full((b,), x.shape[1])``): they are
+passed as integer arguments. ``full`` and friends reuse the pointwise kernel with a scalar operand;
+only ``arange`` needs a kernel of its own, because its value depends on the element's index.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import triton.language as tl
 
 from . import elementwise as ew
 from . import layout
+from . import sizes
 
 BLOCK = 1024
 
@@ -43,14 +47,19 @@ def launch_fill(b, out, value) -> None:
     ew.launch_pointwise(b, "copy", out, [value])
 
 
+def _number(value, is_float: bool):
+    """A Python number as the kernel takes it, or an integer size expression (a dynamic start or step,
+    which the kernel converts to fp32 for a floating output)."""
+    if not sizes.is_static(value):
+        return sizes.size(value)
+    return float(value) if is_float else int(value)
+
+
 def launch_arange(b, out, start, step) -> None:
+    """``out[i] = start + i * step``; ``start`` and ``step`` Python numbers or integer sizes."""
     is_float = out.dtype.is_floating_point
-    if is_float:
-        start, step = float(start), float(step)
-    else:
-        start, step = int(start), int(step)
-    b.launch("arange", (triton.cdiv(out.numel, BLOCK),), out, out.numel, start, step,
-             IS_FLOAT=is_float, BLOCK=BLOCK)
+    b.launch("arange", (sizes.cdiv(out.numel, BLOCK),), out, out.numel, _number(start, is_float),
+             _number(step, is_float), IS_FLOAT=is_float, BLOCK=BLOCK)
 
 
 # --- lowerings ------------------------------------------------------------------------------------
@@ -65,16 +74,18 @@ def _arange_args(node) -> tuple[object, object]:
 
 def arange(b, node):
     start, step = _arange_args(node)
-    launch_arange(b, b.out(node), start, step)
+    launch_arange(b, b.out(node), b.size(start) if _is_size(start) else start,
+                  b.size(step) if _is_size(step) else step)
 
 
 def full(b, node):  # full(size, value) / scalar_tensor(value)
     value = node.args[1] if node.target == torch.ops.aten.full.default else node.args[0]
-    launch_fill(b, b.out(node), value)
+    launch_fill(b, b.out(node), b.size(value) if _is_size(value) else value)
 
 
 def full_like(b, node):  # full_like(x, value) / fill.Scalar(x, value): x's shape, not its data
-    launch_fill(b, b.out(node), node.args[1])
+    value = node.args[1]
+    launch_fill(b, b.out(node), b.size(value) if _is_size(value) else value)
 
 
 def empty(b, node):
@@ -83,14 +94,17 @@ def empty(b, node):
 
 
 # --- support checks -------------------------------------------------------------------------------
+_is_size = ew.is_size_node
+ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
+
+
 def _scalar_args(node) -> list:
     if node.target in (torch.ops.aten.full.default, torch.ops.aten.full_like.default,
                        torch.ops.aten.fill.Scalar):
         return [node.args[1]]
     if node.target == torch.ops.aten.scalar_tensor.default:
         return [node.args[0]]
-    if node.target in (torch.ops.aten.arange.default, torch.ops.aten.arange.start,
-                       torch.ops.aten.arange.start_step):
+    if node.target in ARANGES:
         return [a for a in _arange_args(node)]
     return []
 
@@ -100,8 +114,11 @@ def supported(node) -> str | None:
     if reason:
         return reason
     for arg in _scalar_args(node):
+        if _is_size(arg):
+            continue  # an integer value, start or step that depends on the dynamic sizes
         if not isinstance(arg, numbers.Number):
-            return f"value {arg!r} is not a constant number (dynamic values are not supported)"
+            return (f"value {arg!r} is neither a constant number nor an integer size (other dynamic "
+                    "values are not supported)")
     return None
 
 
@@ -113,6 +130,7 @@ def supported_arange(node) -> str | None:
     dtype = node.meta["val"].dtype
     if dtype == torch.bool:
         return "arange with dtype torch.bool is not supported"
-    if not dtype.is_floating_point and not all(isinstance(a, numbers.Integral) for a in (start, step)):
+    integral = all(isinstance(a, numbers.Integral) or _is_size(a) for a in (start, step))
+    if not dtype.is_floating_point and not integral:
         return f"integer arange ({dtype}) with non-integer start {start!r} or step {step!r}"
     return None

@@ -4,7 +4,9 @@ strided copies. One kernel serves them all; the formula is picked at compile tim
     out[i] = OP(a[i], b[i], c[i])      i over out's shape; a, b, c broadcast with stride 0
 
 Operands may be strided views (a transpose, a slice, an expand), so view ops never need a copy before
-a pointwise consumer. Floating math runs in fp32 and is cast to the output dtype on store.
+a pointwise consumer. Floating math runs in fp32 and is cast to the output dtype on store. A scalar
+operand may be a size node (``x * x.shape[0]`` with a dynamic dim): an integer argument evaluated per
+call; such a launch is not offered to fusion (an epilogue takes constant scalars only).
 
 A second kernel runs a chain of such ops, the ones ``fusion.py`` merges, with the running value in
 registers:
@@ -22,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import sizes as size_fns
 from .builder import TRef
 
 MAX_RANK = 5
@@ -306,7 +309,10 @@ def _operand_args(out: TRef, operands, compute: str):
             flags.append(False)
         else:
             ptrs.append(out)  # never read: the operand is a scalar, or the slot is unused
-            scalars.append(0 if o is None else float(o) if compute == "f32" else int(o))
+            if o is not None and not size_fns.is_static(o):
+                scalars.append(size_fns.size(o))  # an integer size, converted to CT in the kernel
+            else:
+                scalars.append(0 if o is None else float(o) if compute == "f32" else int(o))
             operand_strides.extend([0] * MAX_RANK)
             flags.append(o is not None)
     return math.prod(shape), sizes[1:], out_strides, ptrs, scalars, operand_strides, flags
@@ -335,7 +341,7 @@ def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | No
         OP=op, ALPHA=alpha, NARGS=len(operands), A_SCALAR=flags[0], B_SCALAR=flags[1], C_SCALAR=flags[2],
         CT=compute, BLOCK=BLOCK,
     )
-    if position is not None:
+    if position is not None and size_fns.is_static([o for o in operands if not isinstance(o, TRef)]):
         b.pointwise[position] = PointwiseOp(op, out, tuple(operands), alpha, compute)
 
 
@@ -365,15 +371,23 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPES = FLOAT_DTYPES + (torch.int64, torch.int32, torch.bool)
 
 
+def is_size_node(arg) -> bool:
+    """Whether ``arg`` is a size node: an integer the program computes from its dynamic sizes."""
+    return hasattr(arg, "meta") and isinstance(arg.meta.get("val"), torch.SymInt)
+
+
 def _tensor_args(node):
-    return [a for a in node.args if hasattr(a, "meta")]
+    return [a for a in node.args if hasattr(a, "meta") and not is_size_node(a)]
 
 
 def supported(node) -> str | None:
-    """None when every tensor in and out has a supported dtype, else the reason."""
+    """None when every tensor in and out has a supported dtype, else the reason. Size nodes may
+    stand for scalar operands."""
     vals = [node.meta.get("val")] + [a.meta.get("val") for a in _tensor_args(node)]
     for v in vals:
         if not isinstance(v, torch.Tensor):
+            if isinstance(v, (torch.SymFloat, torch.SymBool)):
+                return f"a {type(v).__name__} operand (a non-integer value computed from dynamic sizes)"
             return "output or operand is not a tensor"
         if v.dtype not in DTYPES:
             return f"dtype {v.dtype} is not supported (supported: {', '.join(map(str, DTYPES))})"
@@ -387,8 +401,15 @@ def supported_float(node) -> str | None:
     return reason
 
 
+def operand(b, arg):
+    """A node argument as a pointwise operand: a TRef, a Python scalar, or a size (a size node)."""
+    if is_size_node(arg):
+        return b.size(arg)
+    return b.ref(arg) if hasattr(arg, "meta") else arg
+
+
 def _operands(b, node, count):
-    return [b.ref(a) if hasattr(a, "meta") else a for a in node.args[:count]]
+    return [operand(b, a) for a in node.args[:count]]
 
 
 def unary(op):
@@ -412,7 +433,9 @@ def rsub(b, node):  # rsub(a, b, alpha) = b - alpha * a
 
 
 def pow_scalar_base(b, node):  # pow(scalar, tensor)
-    launch_pointwise(b, "pow", b.out(node), [float(node.args[0]), b.ref(node.args[1])])
+    base = operand(b, node.args[0])
+    launch_pointwise(b, "pow", b.out(node), [float(base) if size_fns.is_static(base) else base,
+                                             b.ref(node.args[1])])
 
 
 def where(b, node):
@@ -428,8 +451,8 @@ def clamp(b, node):
     floating = node.meta["val"].dtype.is_floating_point
     lowest, highest = (-math.inf, math.inf) if floating else (-(2**62), 2**62)
     low, high = bounds.get("min"), bounds.get("max")
-    low = lowest if low is None else (b.ref(low) if hasattr(low, "meta") else low)
-    high = highest if high is None else (b.ref(high) if hasattr(high, "meta") else high)
+    low = lowest if low is None else operand(b, low)
+    high = highest if high is None else operand(b, high)
     launch_pointwise(b, "clamp", b.out(node), [x, low, high])
 
 

@@ -49,6 +49,17 @@ residual add and a cast into the GEMM. M merges into C when all of these hold:
     stored in the consumer's layout;
   - no launch between M and C may write A, B or the bias (M's reads move to C's place, as P's do).
 
+Before both, matmul prologues: an ``rms_norm`` whose result only matmuls read, as their A operand,
+runs inside each of them (``matmul``'s ``PROLOGUE="rms"``), so the normalized rows are never stored:
+
+    N:  t = rms_norm(x, w, eps)          t a scratch buffer only N writes and only matmuls read
+    M:  u = t @ B (+ bias)   ->    M':  u = rstd(x) * ((x * w) @ B) (+ bias)   at M's place
+
+when x and t are contiguous with the same elements, each matmul reads t whole as [Z, M, K] with K the
+normalized dim, and no launch between N and M writes x or w. Every such matmul recomputes the row
+sums of squares it needs while streaming x (a few ALU ops per A element; x is read once per N tile
+either way).
+
 The chain starts from t rounded to its dtype (eager stores it so), then keeps fp32 as chains do.
 In ``silu(gate(x)) * up(x)`` the chain ``silu, mul`` reads gate's result first: gate's matmul moves
 after up's and reads up's result in its epilogue.
@@ -57,7 +68,7 @@ after up's and reads up's result in its epilogue.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -158,11 +169,15 @@ def _launch(chain: _Chain) -> Launch:
 def fuse(
     launches: list[Launch], pointwise: dict, matmuls: dict, touched: list[set[int]], writes: list[set[int]],
     keep: set[int],
+    norms: dict | None = None,
+    view=None,
 ) -> FusionResult:
-    """Merge pointwise producers into their consumers, then chains into matmul epilogues.
+    """Merge rms norms into the matmuls that read them, pointwise producers into their consumers,
+    then chains into matmul epilogues.
 
     ``pointwise`` maps a launch position to its ``elementwise.PointwiseOp``, ``matmuls`` to its
-    ``matmul.MatmulOp``; ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may
+    ``matmul.MatmulOp``, ``norms`` to its ``norm.RmsNorm`` (``view``: the builder's ``view``, to
+    address a norm's input as its matmuls' A); ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may
     write; buffers in ``keep`` (delegate inputs and outputs) are never fused away. Launches keep their
     order; a fused chain, or a matmul with its epilogue, takes its last op's place.
     """
@@ -170,10 +185,13 @@ def fuse(
     for position, buffers in enumerate(touched):
         for buf in buffers:
             users[buf].add(position)
+    original, launches, matmuls = launches, list(launches), dict(matmuls)
+    prologued = _merge_prologues(launches, norms or {}, matmuls, writes, keep, users, view)
     chains, merged_away = _merge_chains(launches, pointwise, [set(t) for t in touched], writes, keep, users)
+    merged_away |= prologued
     epilogues = _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away)
     if not merged_away:
-        return FusionResult(launches, False)
+        return FusionResult(original, False)
     fused = [
         epilogues[i] if i in epilogues
         else _launch(chains[i]) if i in chains and len(chains[i].names) > 1
@@ -220,6 +238,49 @@ def _merge_chains(launches, pointwise, touched, writes, keep, users) -> tuple[di
             touched[c] |= touched[p] - {t.buffer}
             break
     return chains, merged_away
+
+
+# --- matmul prologues -----------------------------------------------------------------------------
+def _merge_prologues(launches, norms, matmuls, writes, keep, users, view) -> set[int]:
+    """Fold each rms norm that only matmuls read into them (``launches``/``matmuls`` updated in place);
+    returns the norm positions merged away."""
+    merged = set()
+    for n, norm in sorted(norms.items()):
+        t, x = norm.out, norm.x
+        readers = users[t.buffer] - {n}
+        if (t.buffer in keep or not readers or not all(r in matmuls and r > n for r in readers)
+                or not (x.is_contiguous() and t.is_contiguous() and x.numel == t.numel and x.dtype == t.dtype)):
+            continue
+        ops = {r: _prologue_op(matmuls[r], norm, view) for r in readers}
+        reads = [x] + ([norm.weight] if norm.weight is not None else [])
+        if any(op is None for op in ops.values()) or any(
+                r.buffer in writes[p] for r in reads for p in range(n + 1, max(ops))):
+            continue
+        for r, op in ops.items():
+            matmuls[r] = op
+            launches[r] = new_launch(launches[r].kernel, op.grid(), op.args(), op.constexprs(),
+                                     f"{launches[n].op}+{launches[r].op}")
+            for ref in reads:
+                users[ref.buffer].add(r)
+        for buffers in users.values():
+            buffers.discard(n)
+        users[t.buffer] = set()
+        merged.add(n)
+    return merged
+
+
+def _prologue_op(op: mm.MatmulOp, norm, view) -> "mm.MatmulOp | None":
+    """``op`` reading ``norm``'s input through an rms prologue, or None when its A is not the norm's
+    result read whole, row by row over the normalized dim."""
+    t, a = norm.out, op.a
+    width = t.shape[-1]
+    if (a.buffer != t.buffer or op.prologue is not None or op.bmat.buffer == t.buffer
+            or (op.has_bias and op.x.buffer == t.buffer) or a.offset != t.offset
+            or a.shape[2] != width or a.strides[2] != 1 or a.strides[1] != width
+            or a.shape[0] * a.shape[1] * width != t.numel):
+        return None
+    x = view(norm.x, a.shape, a.strides, norm.x.offset)
+    return replace(op, a=x, prologue=(norm.weight, norm.eps))
 
 
 # --- matmul epilogues -----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from . import elementwise as ew
 from .builder import TRef, contiguous_strides
-from .sizes import next_power_of_2
+from .sizes import SymbolicShapeError, cdiv, is_static, next_power_of_2
 
 MAX_RANK = 5
 MAX_INDICES = 3
@@ -133,6 +133,25 @@ def cumsum_kernel(
 
 
 # --- host launchers -------------------------------------------------------------------------------
+def broadcast_shape(shapes) -> tuple:
+    """The shape ``shapes`` broadcast to, as ``torch.broadcast_shapes``, for sizes that may be sympy
+    expressions: a dim takes the size every operand not of size 1 has. Dynamic sizes that differ
+    (which export would have tied or refused) raise SymbolicShapeError."""
+    shapes = [tuple(shape) for shape in shapes]
+    if is_static(shapes):
+        return tuple(torch.broadcast_shapes(*shapes))
+    rank = max((len(shape) for shape in shapes), default=0)
+    result = []
+    for d in range(rank):
+        own = {shape[d - rank + len(shape)] for shape in shapes if d - rank + len(shape) >= 0}
+        own.discard(1)
+        if len(own) > 1:
+            raise SymbolicShapeError(f"index shapes {shapes} broadcast only if sizes {sorted(map(str, own))} "
+                                     "are equal, which their ranges do not decide")
+        result.append(own.pop() if own else 1)
+    return tuple(result)
+
+
 def launch_gather(b, out: TRef, src: TRef, direct, indices) -> None:
     """``out`` (contiguous) from ``src``: ``direct`` holds S (one stride per out dim); ``indices``
     holds (index TRef, T (one stride per out dim), source dim size N, source dim stride U)."""
@@ -151,7 +170,7 @@ def launch_gather(b, out: TRef, src: TRef, direct, indices) -> None:
     padded = list(indices) + [indices[0]] * (MAX_INDICES - len(indices))  # unused slots, never read
     index_strides = index_strides + [[0] * MAX_RANK] * (MAX_INDICES - len(indices))
     b.launch(
-        "gather", (triton.cdiv(out.numel, BLOCK),),
+        "gather", (cdiv(out.numel, BLOCK),),
         out, src, *(p[0] for p in padded),
         out.numel, *sizes[1:], *direct_strides, *(s for t in index_strides for s in t),
         *(p[2] for p in padded), *(p[3] for p in padded),
@@ -169,10 +188,10 @@ def launch_cumsum(b, out: TRef, x: TRef, dim: int) -> None:
     sizes, x_strides, out_strides = [1] * pad + sizes, [0] * pad + x_strides, [0] * pad + out_strides
     length = x.shape[dim] if x.ndim else 1
     rows = math.prod(sizes)
-    block_l = min(next_power_of_2(max(length, 1)), 256)
+    block_l = min(next_power_of_2(length), 256)
     block_r = max(1, min(next_power_of_2(rows), 1024 // block_l))
     b.launch(
-        "cumsum", (triton.cdiv(rows, block_r),),
+        "cumsum", (cdiv(rows, block_r),),
         out, x, rows, *sizes[1:], *x_strides, *out_strides,
         length, x.strides[dim] if x.ndim else 0, out.strides[dim] if x.ndim else 0,
         IS_FLOAT=out.dtype.is_floating_point, BLOCK_R=block_r, BLOCK_L=block_l,
@@ -220,7 +239,7 @@ def index(b, node):
     entries = list(node.args[1]) + [None] * (src.ndim - len(node.args[1]))
     dims = [d for d, e in enumerate(entries) if e is not None]
     refs = [b.ref(entries[d]) for d in dims]
-    bshape = tuple(torch.broadcast_shapes(*(r.shape for r in refs)))
+    bshape = broadcast_shape(r.shape for r in refs)
     adjacent = dims == list(range(dims[0], dims[-1] + 1))
     rest = [d for d in range(src.ndim) if d not in dims]
     before = [d for d in rest if d < dims[0]] if adjacent else []

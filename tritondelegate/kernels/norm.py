@@ -22,6 +22,7 @@ from . import rows as rw
 from .builder import TRef
 from .elementwise import FLOAT_DTYPES
 from .rows import row_offsets, row_welford
+from .sizes import cdiv, upper
 
 MAX_BLOCK_C = 4096
 
@@ -108,11 +109,11 @@ def launch_norm(b, x: TRef, normalized_ndim: int, weight: TRef | None, bias: TRe
     w, bi = (x if t is None else t for t in (weight, bias))
     mean, rstd = (mean, rstd) if stats else (out, out)
     b.launch(
-        "norm", (triton.cdiv(plan.rows, block_r),),
+        "norm", (cdiv(plan.rows, block_r),),
         x, w, bi, out, mean, rstd,
         plan.rows, plan.cols, plan.n1, plan.n2, *plan.args(0), *plan.args(1), float(eps),
         RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, STATS=stats,
-        ONE_PASS=plan.cols <= block_c, BLOCK_R=block_r, BLOCK_C=block_c,
+        ONE_PASS=upper(plan.cols) <= block_c, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=rw.num_warps(block_r, block_c),
     )
 

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .sizes import next_power_of_2
+from . import sizes
+from .sizes import cdiv, next_power_of_2, upper
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NO_TAP = tl.constexpr(2**30)  # larger than any tap number
@@ -109,9 +110,17 @@ def pool2d_kernel(
 
 
 # --- host launcher --------------------------------------------------------------------------------
-def _adaptive_window(size: int, out_size: int) -> int:
-    """The largest adaptive window: max over o of ceil((o+1) * size / out) - floor(o * size / out)."""
-    return max(-(-(o + 1) * size // out_size) - o * size // out_size for o in range(out_size))
+def _adaptive_window(size, out_size) -> int:
+    """The largest adaptive window: max over o of ceil((o+1) * size / out) - floor(o * size / out).
+
+    With a dynamic size, a bound on it for every size in the range (the kernel masks taps past each
+    window's end): a window spans at most ceil(size / out) + 1 rows, and never more than ``size``."""
+    if sizes.is_static((size, out_size)):
+        return max(-(-(o + 1) * size // out_size) - o * size // out_size for o in range(out_size))
+    most = upper(size)
+    if not sizes.is_static(out_size):
+        return max(most, 1)  # out >= 1
+    return max(1, min(most, -(-most // out_size) + 1))
 
 
 def launch_pool2d(b, mode: str, out, x, kernel=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1),
@@ -127,7 +136,7 @@ def launch_pool2d(b, mode: str, out, x, kernel=(1, 1), stride=(1, 1), padding=(0
     block_k = max(2, min(next_power_of_2(kh * kw), 128))
     block_m = max(16, min(next_power_of_2(total), 4096 // block_k, 256))
     b.launch(
-        "pool2d", (triton.cdiv(total, block_m),),
+        "pool2d", (cdiv(total, block_m),),
         x, out, indices if indices is not None else out,  # out stands in for unused indices: never written
         total, c, h, w, oh, ow,
         *x.strides, *out.strides, *(indices.strides if indices is not None else (0, 0, 0, 0)),

@@ -15,20 +15,28 @@ integer sum/prod) in a [BLOCK_R, BLOCK_C] tile, reduced across the tile once at 
 
 Few, long rows (a full reduction) split their columns over ``SPLIT`` programs that write fp32
 partials, which a second launch of the same kernel reduces (sum, prod, max and min only).
+
+With dynamic sizes (``sizes.py``) the blocks and the choice to split are made at the symbols' upper
+bounds (the kernel masks every tail), and the split count, grids and sizes stay symbolic. A divisor
+that depends on the symbols (a mean or a variance over a dynamic dim) is passed as an integer that
+the kernel converts to fp32.
 """
 
 from __future__ import annotations
 
 import math
 
+import sympy
 import torch
 import triton
 import triton.language as tl
 
 from . import rows as rw
+from . import sizes
 from .builder import TRef
 from .elementwise import FLOAT_DTYPES
 from .rows import row_offsets, row_welford
+from .sizes import cdiv, upper
 
 MAX_BLOCK_C = 1024
 MIN_PROGRAMS = 64  # fewer row programs than this: split long rows over programs
@@ -168,36 +176,50 @@ def reduce_kernel(
 SPLITTABLE = ("sum", "prod", "max", "min")
 
 
-def _launch(b, grid, x, out, out2, plan: rw.Rows, split_cols: int, divisor: float, blocks, **formula):
+def _divisor_arg(divisor):
+    """The kernel's ``divisor``: a float, or an integer size expression when it depends on the symbols
+    (the kernel divides in fp32 either way)."""
+    return float(divisor) if sizes.is_static(divisor) else sizes.size(divisor)
+
+
+def _at_least_1(n):
+    """max(n, 1) for a size that may be symbolic."""
+    return max(n, 1) if sizes.is_static(n) else sympy.Max(n, 1)
+
+
+def _launch(b, grid, x, out, out2, plan: rw.Rows, split_cols, divisor, blocks, **formula):
     block_r, block_c = blocks
     b.launch("reduce", grid, x, out, out2, plan.rows, plan.cols, split_cols, plan.n1, plan.n2, *plan.args(0),
-             float(divisor), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=rw.num_warps(block_r, block_c),
-             **formula)
+             _divisor_arg(divisor), BLOCK_R=block_r, BLOCK_C=block_c,
+             num_warps=rw.num_warps(block_r, block_c), **formula)
 
 
 def launch_reduce(b, x: TRef, dims, out: TRef, out2: TRef | None = None, *, map_="id", combine="sum",
-                  finish="none", divisor: float = 1.0) -> None:
+                  finish="none", divisor=1.0) -> None:
     """Reduce ``x`` over ``dims`` (normalized) into the contiguous ``out`` (and ``out2``), rows in
-    row-major order of the kept dims, so ``keepdim`` does not matter here."""
+    row-major order of the kept dims, so ``keepdim`` does not matter here. ``divisor``: a float, or
+    an integer size (possibly symbolic)."""
     int_acc = not x.dtype.is_floating_point and combine in ("sum", "prod")
     x, plan = rw.lay_out(b, x, dims)
     blocks = rw.blocks(plan, MAX_BLOCK_C)
-    programs = triton.cdiv(plan.rows, blocks[0])
-    if combine not in SPLITTABLE or programs >= MIN_PROGRAMS or plan.cols < SPLIT_MIN_COLS:
-        _launch(b, (programs, 1), x, out, out if out2 is None else out2, plan, max(plan.cols, 1), divisor,
-                blocks, MAP=map_, COMBINE=combine, FINISH=finish, INT_ACC=int_acc)
+    programs = cdiv(plan.rows, blocks[0])
+    # one pass or a split: a speed decision, taken for the largest sizes of a dynamic range
+    max_cols = upper(plan.cols)
+    if combine not in SPLITTABLE or upper(programs) >= MIN_PROGRAMS or max_cols < SPLIT_MIN_COLS:
+        _launch(b, (programs, 1), x, out, out if out2 is None else out2, plan, _at_least_1(plan.cols),
+                divisor, blocks, MAP=map_, COMBINE=combine, FINISH=finish, INT_ACC=int_acc)
         return
     # few long rows: SPLIT programs a row write partials, then one more launch reduces those
     split_cols = SPLIT_BLOCKS * blocks[1]
-    if triton.cdiv(plan.cols, split_cols) > MAX_SPLIT:
-        split_cols = triton.cdiv(triton.cdiv(plan.cols, MAX_SPLIT), blocks[1]) * blocks[1]
-    split = triton.cdiv(plan.cols, split_cols)
+    if triton.cdiv(max_cols, split_cols) > MAX_SPLIT:
+        split_cols = triton.cdiv(triton.cdiv(max_cols, MAX_SPLIT), blocks[1]) * blocks[1]
+    split = cdiv(plan.cols, split_cols)
     partial = b.alloc((plan.rows, split), torch.int64 if int_acc else torch.float32)
     _launch(b, (programs, split), x, partial, partial, plan, split_cols, 1.0, blocks,
             MAP=map_, COMBINE=combine, FINISH="none", INT_ACC=int_acc)
     plan = rw.Rows(plan.rows, split, 1, plan.rows, ((0, 0, split, 1),))
     blocks = rw.blocks(plan, MAX_BLOCK_C)
-    _launch(b, (triton.cdiv(plan.rows, blocks[0]), 1), partial, out, out, plan, split, divisor, blocks,
+    _launch(b, (cdiv(plan.rows, blocks[0]), 1), partial, out, out, plan, split, divisor, blocks,
             MAP="id", COMBINE=combine, FINISH=finish, INT_ACC=int_acc)
 
 
@@ -238,8 +260,9 @@ def supported_norm(node) -> str | None:
 
 
 # --- lowerings ------------------------------------------------------------------------------------
-def _count(x: TRef, dims) -> int:
-    return math.prod(x.shape[d] for d in dims)
+def _count(x: TRef, dims):
+    """The number of elements reduced: an int, or a sympy expression over the symbols."""
+    return sizes.size(math.prod((x.shape[d] for d in dims), start=1))
 
 
 def _sum_like(combine, finish="none"):
@@ -293,10 +316,19 @@ def arg_extreme(combine):
     return lower
 
 
-def _var_divisor(node, x: TRef, dims) -> float:
+def _var_divisor(node, x: TRef, dims):
+    """max(N - correction, 0): a float, or an integer expression when N depends on the symbols."""
     correction = node.kwargs.get("correction")
     correction = 1 if correction is None else correction
-    return float(max(_count(x, dims) - correction, 0))
+    count = _count(x, dims)
+    if sizes.is_static(count):
+        return float(max(count - correction, 0))
+    if float(correction) != int(correction):
+        raise sizes.SymbolicShapeError(
+            f"a variance with the non-integer correction {correction!r} over a dynamic count {count} "
+            "(the divisor of a dynamic count must be an integer size)")
+    # unevaluated: sympy's symbols are positive, but a dynamic size may be 0 (an empty batch)
+    return sympy.Max(count - int(correction), 0, evaluate=False)
 
 
 def var(b, node):

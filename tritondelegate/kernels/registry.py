@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .. import ops as td_ops  # noqa: F401  (registers the tritondelegate:: ops)
 from . import attention as attn
 from . import batchnorm as bn
 from . import conv
@@ -24,6 +25,7 @@ from . import matmul as mm
 from . import norm
 from . import pool
 from . import reduce as red
+from . import rotary as rot
 from . import scatter as sc
 from . import softmax as sm
 
@@ -184,6 +186,8 @@ OPS: dict[object, OpSpec] = {
     aten.var.correction: OpSpec(red.var, red.supported_float),
     aten.var_mean.correction: OpSpec(red.var_mean, red.supported_float),
     aten.linalg_vector_norm.default: OpSpec(red.vector_norm, red.supported_norm),
+    # tritondelegate:: ops (ops.py), put in place of written-out patterns by passes/fuse.py
+    td_ops.rotary: OpSpec(rot.rotary, rot.supported),  # rotary.py
 }
 
 KERNELS: dict[str, object] = {
@@ -201,6 +205,7 @@ KERNELS: dict[str, object] = {
     "softmax": sm.softmax_kernel,
     "norm": norm.norm_kernel,
     "reduce": red.reduce_kernel,
+    "rotary": rot.rotary_kernel,
 }
 
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .builder import LoweringError, TRef
 from .elementwise import collapse
-from .sizes import next_power_of_2
+from .sizes import next_power_of_2, upper
 
 MAX_ROW_DIMS = 3
 TILE = 4096  # elements per program tile
@@ -66,6 +66,8 @@ def row_welford(x_row, rmask, c_begin, c_end, sc, BLOCK_R: tl.constexpr, BLOCK_C
 # --- host side ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Rows:
+    """Sizes and strides are ints, or sympy expressions over the method's symbols (``sizes.py``)."""
+
     rows: int
     cols: int
     n1: int
@@ -131,12 +133,15 @@ def lay_out(b, x: TRef, reduce_dims, others=()) -> tuple[TRef, Rows]:
 def blocks(plan: Rows, cap: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_C): the whole row when it fits ``cap``, else ``cap``-wide chunks; then as many
     rows as fill the tile. Rows that are contiguous with each other while the columns are not (a
-    reduction over a leading dim) get a narrow, tall tile so that loads stay coalesced."""
+    reduction over a leading dim) get a narrow, tall tile so that loads stay coalesced.
+
+    Dynamic sizes are taken at their upper bound (the kernels mask tails), so the blocks serve every
+    size of the range; callers choose one pass or a loop with ``upper(plan.cols) <= BLOCK_C``."""
     xs = plan.strides[0]
-    block_c = min(next_power_of_2(max(plan.cols, 1)), cap)
-    if xs[3] != 1 and xs[2] == 1 and plan.n2 > 1:
+    block_c = min(next_power_of_2(plan.cols), cap)
+    if xs[3] != 1 and xs[2] == 1 and upper(plan.n2) > 1:
         block_c = min(block_c, 32)
-    block_r = min(next_power_of_2(max(plan.rows, 1)), max(1, TILE // block_c))
+    block_r = min(next_power_of_2(plan.rows), max(1, TILE // block_c))
     return block_r, block_c
 
 

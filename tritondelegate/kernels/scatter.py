@@ -30,9 +30,11 @@ import triton
 import triton.language as tl
 
 from . import elementwise as ew
+from . import sizes as size_fns
 from .builder import LoweringError, TRef
-from .index import INDEX_DTYPES, MAX_INDICES, MAX_RANK, _dtype_reason, _val, indexed_offsets
+from .index import INDEX_DTYPES, MAX_INDICES, MAX_RANK, _dtype_reason, _val, broadcast_shape, indexed_offsets
 from .layout import view_of
+from .sizes import cdiv
 
 aten = torch.ops.aten
 BLOCK = 1024
@@ -98,7 +100,7 @@ def launch_scatter(b, dst: TRef, src, shape, direct, values, indices, accumulate
     value = (float(src) if dst.dtype.is_floating_point else int(src)) if scalar else 0
     n = math.prod(shape)
     b.launch(
-        "scatter", (triton.cdiv(n, BLOCK),),
+        "scatter", (cdiv(n, BLOCK),),
         dst, dst if scalar else src, *(p[0] for p in padded), value,
         n, *sizes[1:], *direct_strides, *value_strides, *(s for t in index_strides for s in t),
         *(p[2] for p in padded), *(p[3] for p in padded),
@@ -172,7 +174,7 @@ def _advanced_layout(dst: TRef, refs, dims):
     """PyTorch's advanced-indexing layout: the index tensors (on ``dims`` of ``dst``) broadcast to a
     shape B, which replaces the indexed dims in place when they are adjacent and comes first
     otherwise. Returns (iteration shape, S, [(index, T, N, U)])."""
-    bshape = tuple(torch.broadcast_shapes(*(r.shape for r in refs)))
+    bshape = broadcast_shape(r.shape for r in refs)
     adjacent = dims == list(range(dims[0], dims[-1] + 1))
     rest = [d for d in range(dst.ndim) if d not in dims]
     before = [d for d in rest if d < dims[0]] if adjacent else []
@@ -325,15 +327,17 @@ def supported_index_put(node) -> str | None:
     if reason:
         return reason
     self_val, values = _val(node.args[0]), _val(node.args[2])
-    shapes = [_val(e).shape for e in tensors]
+    # sizes as ints or sympy expressions: comparing SymInts here would add guards to the program
+    shapes = [size_fns.shape(_val(e).shape) for e in tensors]
     try:
-        bshape = torch.broadcast_shapes(*shapes)
-    except RuntimeError:
+        bshape = broadcast_shape(shapes)
+    except (RuntimeError, ValueError, size_fns.SymbolicShapeError):
         return f"index tensors of shapes {[tuple(s) for s in shapes]} do not broadcast together"
     rank = self_val.ndim - len(tensors) + len(bshape)
     if rank > MAX_RANK:
         return f"the indexing result has {rank} dims (at most {MAX_RANK})"
-    if values.ndim > rank and any(s != 1 for s in values.shape[: values.ndim - rank]):
+    leading = size_fns.shape(values.shape[: max(values.ndim - rank, 0)])
+    if any(s != 1 for s in leading):
         return f"values of shape {tuple(values.shape)} do not broadcast to the {rank}-dim indexing result"
     return None
 
@@ -371,10 +375,13 @@ def supported_scatter_add(node) -> str | None:
 
 
 def supported_copy_into(node) -> str | None:
-    """slice_scatter, select_scatter, copy: pointwise copies (elementwise dtypes and rank)."""
-    reason = ew.supported(node)
-    if reason:
-        return reason
+    """slice_scatter, select_scatter, copy: pointwise copies (elementwise dtypes and rank). Their
+    dim, start, end and index may be size nodes (a dynamic slice)."""
+    for what, val in (("the result", node.meta.get("val")), ("self", _val(node.args[0])),
+                      ("the source", _val(node.args[1]))):
+        reason = _dtype_reason(val, what, ew.DTYPES)
+        if reason:
+            return reason
     if node.meta["val"].ndim > ew.MAX_RANK:
         return f"result has {node.meta['val'].ndim} dims (at most {ew.MAX_RANK})"
     return None

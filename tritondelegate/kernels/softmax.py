@@ -20,6 +20,7 @@ from . import rows as rw
 from .builder import TRef
 from .elementwise import FLOAT_DTYPES
 from .rows import row_offsets
+from .sizes import cdiv, upper
 
 MAX_BLOCK_C = 4096
 
@@ -87,9 +88,9 @@ def launch_softmax(b, x: TRef, dim: int, out: TRef, log: bool) -> None:
         return
     block_r, block_c = rw.blocks(plan, MAX_BLOCK_C)
     b.launch(
-        "softmax", (triton.cdiv(plan.rows, block_r),),
+        "softmax", (cdiv(plan.rows, block_r),),
         x, out, plan.rows, plan.cols, plan.n1, plan.n2, *plan.args(0), *plan.args(1),
-        LOG=log, ONE_PASS=plan.cols <= block_c, BLOCK_R=block_r, BLOCK_C=block_c,
+        LOG=log, ONE_PASS=upper(plan.cols) <= block_c, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=rw.num_warps(block_r, block_c),
     )
 

@@ -250,6 +250,12 @@ TRAFFIC: dict[str, KernelTraffic] = {
         writes=(Access("out_ptr"), Access("out2_ptr", lambda a: a["COMBINE"] in ("welford", "argmax", "argmin"))),
         flops=_reduce_flops,
     ),
+    # out = x * cos + rotate_half(x) * sin: two multiplies and an add per output element (rows x 2 half)
+    "rotary": KernelTraffic(
+        reads=(Access("x_ptr"), Access("cos_ptr"), Access("sin_ptr")),
+        writes=(Access("out_ptr"),),
+        flops=lambda a: 3 * a["rows"] * 2 * a["half"],
+    ),
 }
 
 

@@ -1,7 +1,205 @@
-"""(stub: being written)"""
+"""Rotary embeddings written out become one ``tritondelegate::rotary(x, cos, sin)`` (``ops.py``).
+
+Llama, Qwen2, Mistral and Gemma (transformers) and ``models.Attention.project`` write
+
+    x * cos + rotate_half(x) * sin,   rotate_half(x) = cat((-x[..., h:], x[..., :h]), dim=-1), h = D/2
+
+which decomposes to
+
+    lo  = slice(x, -1, 0, h)            hi = slice(x, -1, h, end)       n = neg(hi)
+    r   = cat([n, lo], -1)              a = mul(x, cos)                  b = mul(r, sin)
+    out = add(a, b)
+
+four launches per tensor (the neg and the cat's copies, the two multiplies, the add; fusion merges
+no more since the cat is not pointwise). ``kernels/rotary.py`` runs the op in one launch that reads
+x once. Multiplies and the add match with their operands in either order; the dims may be written
+as -1 or D - 1, the slice bounds as any values that clamp to [0, h) and [h, D); the x that is
+multiplied and the x that is rotated may be two equal views (a transpose written twice). A pattern is
+rewritten only when its intermediates have no other users (a ``cat`` the graph also returns stays).
+The new node takes the add's metadata (its ``val`` is exactly what the op's fake implementation
+computes), so symbolic shapes (a dynamic sequence length) carry over unchanged.
+"""
 
 from __future__ import annotations
 
+import sys
 
-def fuse_rotary(ep, *args) -> list[str]:
-    return []
+import torch
+import torch.fx
+from torch.export.graph_signature import TensorArgument
+
+from ..ops import rotary as rotary_op
+
+aten = torch.ops.aten
+
+
+def _arg(node: torch.fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _is(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
+
+
+def _tensor(node) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _static_int(v) -> int | None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        return None
+    return v
+
+
+def _slice_of(node, x: torch.fx.Node | None = None):
+    """(source, start, end) of ``node`` = ``slice(source, last dim, start, end, 1)``, bounds clamped to
+    [0, D] as ATen clamps them; None when it is not such a slice (or a bound is not a static int)."""
+    if not _is(node, aten.slice.Tensor):
+        return None
+    source = node.args[0]
+    val = _tensor(source)
+    if val is None or val.dim() == 0 or (x is not None and source is not x):
+        return None
+    d = val.shape[-1]
+    if not isinstance(d, int):
+        return None
+    dim = _static_int(_arg(node, 1, "dim", 0))
+    start, end = _arg(node, 2, "start"), _arg(node, 3, "end")
+    step = _static_int(_arg(node, 4, "step", 1))
+    start = 0 if start is None else _static_int(start)
+    end = sys.maxsize if end is None else _static_int(end)
+    if dim is None or dim % val.dim() != val.dim() - 1 or step != 1 or start is None or end is None:
+        return None
+    start, end = (min(max(v + d if v < 0 else v, 0), d) for v in (start, end))
+    return source, start, end
+
+
+def _rotate_half(node):
+    """(x, [cat, neg, slice_hi, slice_lo]) when ``node`` is ``cat((-x[..., h:], x[..., :h]), -1)``."""
+    if not _is(node, aten.cat.default):
+        return None
+    parts = node.args[0]
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        return None
+    neg, lo = parts
+    if not _is(neg, aten.neg.default):
+        return None
+    hi = _slice_of(neg.args[0])
+    if hi is None:
+        return None
+    x, hi_start, hi_end = hi
+    val = _tensor(x)
+    d = val.shape[-1]
+    if d % 2 or d == 0 or (hi_start, hi_end) != (d // 2, d):
+        return None
+    low = _slice_of(lo, x)
+    if low is None or low[1:] != (0, d // 2):
+        return None
+    dim = _static_int(_arg(node, 1, "dim", 0))
+    if dim is None or dim % val.dim() != val.dim() - 1:
+        return None
+    return x, [node, neg, neg.args[0], lo]
+
+
+# Views that export may repeat for each use (``k.transpose(1, 2)`` written twice): equal when their
+# targets and arguments are.
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+          aten.transpose.int, aten.t.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
+          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.alias.default}
+
+
+def _same(a, b, depth: int = 4) -> bool:
+    """Whether ``a`` and ``b`` are one tensor: the same node, or the same view of one tensor."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)) or depth == 0:
+        return False
+    if a.op != "call_function" or a.target not in _VIEWS or a.target != b.target or a.kwargs != b.kwargs:
+        return False
+    if len(a.args) != len(b.args):
+        return False
+    return _same(a.args[0], b.args[0], depth - 1) and a.args[1:] == b.args[1:]
+
+
+def _dead_views(node) -> list[torch.fx.Node]:
+    """``node`` and the views under it that only it reads, once the pattern is gone (it has no users)."""
+    dead = []
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEWS:
+        users = set(node.users) - set(dead)
+        if users:
+            break
+        dead.append(node)
+        node = node.args[0]
+    return dead
+
+
+def _operands(node):
+    """Both operand orders of a binary node whose operands are tensor nodes."""
+    a, b = node.args[:2]
+    if _tensor(a) is None or _tensor(b) is None:
+        return []
+    return [(a, b), (b, a)]
+
+
+def _match(add: torch.fx.Node):
+    """(x, cos, sin, intermediates) when ``add`` is the root of a rotary embedding."""
+    if not _is(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+        return None
+    for m_cos, m_sin in _operands(add):
+        if not (_is(m_cos, aten.mul.Tensor) and _is(m_sin, aten.mul.Tensor)) or m_cos is m_sin:
+            continue
+        for rot, sin in _operands(m_sin):
+            half = _rotate_half(rot)
+            if half is None:
+                continue
+            x, nodes = half
+            for x_, cos in _operands(m_cos):
+                if not _same(x_, x):
+                    continue
+                return x_, cos, sin, [m_cos, m_sin, *nodes]
+    return None
+
+
+def _only_inside(intermediates: list[torch.fx.Node], add: torch.fx.Node) -> bool:
+    """Whether every intermediate is read only by the pattern's own nodes (once)."""
+    inside = set(intermediates) | {add}
+    return all(len(n.users) == 1 and next(iter(n.users)) in inside for n in intermediates)
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    from ..kernels import sizes
+
+    return a.dim() == b.dim() and sizes.shape(a.shape) == sizes.shape(b.shape)
+
+
+def fuse_rotary(ep: torch.export.ExportedProgram, *args) -> list[str]:
+    """Rewrite every rotary embedding of ``ep``'s graph into one ``tritondelegate::rotary`` node.
+    Returns one description per rewrite (the caller recompiles the graph module)."""
+    graph = ep.graph_module.graph
+    done = []
+    for add in list(graph.nodes):
+        found = _match(add)
+        if found is None:
+            continue
+        x, cos, sin, intermediates = found
+        source = intermediates[-1].args[0]  # what rotate_half read: x, or an equal view of its own
+        out = _tensor(add)
+        if out is None or not _same_shape(out, _tensor(x)) or not _only_inside(intermediates, add):
+            continue  # x itself broadcast (cos/sin larger than x), or an intermediate read elsewhere
+        with graph.inserting_before(add):
+            node = graph.call_function(rotary_op, (x, cos, sin))
+        node.meta.update(add.meta)  # val: exactly the pattern's result (shape, dtype, strides)
+        add.replace_all_uses_with(node)
+        for spec in ep.graph_signature.output_specs:  # a returned result keeps its signature entry
+            if isinstance(spec.arg, TensorArgument) and spec.arg.name == add.name:
+                spec.arg = TensorArgument(name=node.name)
+        for dead in [add, *intermediates]:  # users first
+            graph.erase_node(dead)
+        if source is not x:
+            for dead in _dead_views(source):
+                graph.erase_node(dead)
+        done.append(f"rotary embedding of {x.name} -> {node.name} (tritondelegate::rotary, 7 nodes -> 1)")
+    return done

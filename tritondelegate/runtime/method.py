@@ -49,9 +49,17 @@ class MethodStats:
 
 
 def resolve_op(target: str):
-    """``"aten::add.Tensor"`` -> ``torch.ops.aten.add.Tensor``."""
+    """``"aten::add.Tensor"`` -> ``torch.ops.aten.add.Tensor``; ``"tritondelegate::rotary"`` -> the op
+    ``tritondelegate/ops.py`` defines (a fused op left on the host, run by its reference implementation)."""
     namespace, _, rest = target.partition("::")
-    if namespace != "aten":  # programs only ever hold ATen host ops; refuse anything else from a file
+    if namespace == "tritondelegate":
+        from .. import ops
+
+        op = ops.OPS.get(target.removesuffix(".default"))
+        if op is None:
+            raise ProgramError(f"host op {target!r} is not an operator tritondelegate/ops.py defines")
+        return op
+    if namespace != "aten":  # programs only hold ATen and tritondelegate host ops; refuse anything else
         raise ProgramError(f"host op {target!r} is not an ATen operator")
     try:
         name, _, overload = rest.partition(".")

@@ -1,0 +1,132 @@
+"""Rotary position embedding in one launch: ``tritondelegate::rotary(x, cos, sin)`` (``ops.py``),
+which ``passes/fuse_rotary.py`` puts in place of the written-out pattern.
+
+    out = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat((-x[..., h:], x[..., :h]), -1), h = D/2
+
+that is, per position c < h of the last dim:
+
+    out[..., c]     = x[..., c]     * cos[..., c]     - x[..., c + h] * sin[..., c]
+    out[..., c + h] = x[..., c + h] * cos[..., c + h] + x[..., c]     * sin[..., c + h]
+
+x is a strided view of any rank up to MAX_RANK (a transposed projection reads in place), cos and sin
+broadcast to its shape with stride 0 (``[seq, D]`` or ``[b, 1, seq, D]`` against ``[b, heads, seq, D]``).
+The leading dims of all four tensors are collapsed together (``elementwise.collapse``) into at most
+four row dims; one program covers BLOCK_R rows by BLOCK_H positions of the half, loads each x element
+once and writes both halves. Math is fp32; the result is cast to the output's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import sizes
+from .builder import LoweringError, TRef
+from .elementwise import FLOAT_DTYPES, broadcast_strides, collapse
+from .sizes import cdiv, next_power_of_2
+
+MAX_RANK = 5
+ROW_DIMS = MAX_RANK - 1
+MAX_BLOCK_H = 128
+TILE = 1024  # half-row positions per program: 2 * TILE outputs, about 8 fp32 values each in registers
+
+
+# --- kernel ---------------------------------------------------------------------------------------
+@triton.jit
+def _row4(r, n1, n2, n3, s0, s1, s2, s3):
+    """Element offset of row ``r`` (int64) of a [n0, n1, n2, n3] grid of rows with strides s0..s3."""
+    i3 = r % n3
+    rest = r // n3
+    i2 = rest % n2
+    rest = rest // n2
+    return (rest // n1) * s0 + (rest % n1) * s1 + i2 * s2 + i3 * s3
+
+
+@triton.jit
+def rotary_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr,
+    rows, half, n1, n2, n3,
+    xs0, xs1, xs2, xs3, xsd,
+    cs0, cs1, cs2, cs3, csd,
+    ss0, ss1, ss2, ss3, ssd,
+    os0, os1, os2, os3, osd,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (r < rows)[:, None] & (c < half)[None, :]
+    lo = c[None, :]
+    hi = lo + half
+    x_row = x_ptr + _row4(r, n1, n2, n3, xs0, xs1, xs2, xs3)[:, None]
+    c_row = cos_ptr + _row4(r, n1, n2, n3, cs0, cs1, cs2, cs3)[:, None]
+    s_row = sin_ptr + _row4(r, n1, n2, n3, ss0, ss1, ss2, ss3)[:, None]
+    o_row = out_ptr + _row4(r, n1, n2, n3, os0, os1, os2, os3)[:, None]
+    x1 = tl.load(x_row + lo * xsd, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + hi * xsd, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(c_row + lo * csd, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(c_row + hi * csd, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row + lo * ssd, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + hi * ssd, mask=mask, other=0.0).to(tl.float32)
+    y1 = x1 * c1 + (-x2) * s1
+    y2 = x2 * c2 + x1 * s2
+    ty = out_ptr.dtype.element_ty
+    tl.store(o_row + lo * osd, y1.to(ty), mask=mask)
+    tl.store(o_row + hi * osd, y2.to(ty), mask=mask)
+
+
+# --- host launcher --------------------------------------------------------------------------------
+def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef) -> None:
+    """``out = x * cos + rotate_half(x) * sin``; ``out`` has ``x``'s shape, cos and sin broadcast to it."""
+    shape = out.shape
+    if tuple(x.shape) != tuple(shape):
+        raise LoweringError(f"rotary: x {x.shape} does not have the result's shape {shape}")
+    if not shape or not sizes.is_static(shape[-1]) or shape[-1] % 2:
+        raise LoweringError(f"rotary: the last dim of {shape} is not a static even size")
+    half = shape[-1] // 2
+    stride_sets = [out.strides, broadcast_strides(x, shape), broadcast_strides(cos, shape),
+                   broadcast_strides(sin, shape)]
+    lead, lead_strides = collapse(shape[:-1], [s[:-1] for s in stride_sets])
+    if len(lead) > ROW_DIMS:
+        raise LoweringError(f"rotary: {len(lead)} row dims after merging (at most {ROW_DIMS})")
+    pad = ROW_DIMS - len(lead)
+    lead = [1] * pad + list(lead)
+    lead_strides = [[0] * pad + list(s) for s in lead_strides]
+    rows = lead[0] * lead[1] * lead[2] * lead[3]
+    (os_, xs, cs, ss) = (tuple(ls) + (s[-1],) for ls, s in zip(lead_strides, stride_sets))
+    block_h = min(next_power_of_2(half), MAX_BLOCK_H)
+    block_r = max(1, min(next_power_of_2(rows), TILE // block_h))
+    b.launch(
+        "rotary", (cdiv(rows, block_r), cdiv(half, block_h)),
+        x, cos, sin, out,
+        rows, half, lead[1], lead[2], lead[3],
+        *xs, *cs, *ss, *os_,
+        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
+    )
+
+
+# --- support check and lowering -------------------------------------------------------------------
+def supported(node) -> str | None:
+    vals = [a.meta.get("val") if hasattr(a, "meta") else None for a in node.args[:3]] + [node.meta.get("val")]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return "operand or result is not a tensor"
+    for v in vals:
+        if v.dtype not in FLOAT_DTYPES:
+            return f"dtype {v.dtype} is not supported (supported: {', '.join(map(str, FLOAT_DTYPES))})"
+    x, cos, sin, out = vals
+    if not 1 <= x.dim() <= MAX_RANK:
+        return f"x has rank {x.dim()} (supported: 1 to {MAX_RANK})"
+    if cos.dim() > x.dim() or sin.dim() > x.dim():
+        return "cos or sin has a higher rank than x"
+    if sizes.shape(out.shape) != sizes.shape(x.shape):
+        return f"the result's shape {tuple(out.shape)} is not x's {tuple(x.shape)} (x itself broadcast)"
+    d = sizes.size(x.shape[-1])
+    if not sizes.is_static(d) or d % 2:
+        return f"the last dim of x ({d}) is not a static even size"
+    return None
+
+
+def rotary(b, node):
+    """tritondelegate::rotary(x, cos, sin)"""
+    x, cos, sin = (b.ref(a) for a in node.args[:3])
+    launch_rotary(b, x, cos, sin, b.out(node))

@@ -13,6 +13,7 @@ fp32. ``native_layer_norm`` also stores mean and rstd (one per row) when its gra
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -93,13 +94,13 @@ def norm_kernel(
 
 # --- host launcher --------------------------------------------------------------------------------
 def launch_norm(b, x: TRef, normalized_ndim: int, weight: TRef | None, bias: TRef | None, eps: float,
-                out: TRef, mean: TRef | None = None, rstd: TRef | None = None, rms: bool = False) -> None:
+                out: TRef, mean: TRef | None = None, rstd: TRef | None = None, rms: bool = False) -> int | None:
     """Normalize ``x`` over its last ``normalized_ndim`` dims into ``out``; ``mean``/``rstd`` (one
-    per row, contiguous) are stored when given."""
+    per row, contiguous) are stored when given. Returns the launch's position (None: nothing to do)."""
     dims = list(range(x.ndim - normalized_ndim, x.ndim))
     x, plan = rw.lay_out(b, x, dims, [out.strides])
     if plan.cols == 0:
-        return
+        return None
     # weight and bias are indexed by the row-major position in normalized_shape
     weight = b.contiguous(weight) if weight is not None else None
     bias = b.contiguous(bias) if bias is not None else None
@@ -108,7 +109,7 @@ def launch_norm(b, x: TRef, normalized_ndim: int, weight: TRef | None, bias: TRe
     # an absent operand's pointer is x or out: HAS_W, HAS_B and STATS keep the kernel off it
     w, bi = (x if t is None else t for t in (weight, bias))
     mean, rstd = (mean, rstd) if stats else (out, out)
-    b.launch(
+    return b.launch(
         "norm", (cdiv(plan.rows, block_r),),
         x, w, bi, out, mean, rstd,
         plan.rows, plan.cols, plan.n1, plan.n2, *plan.args(0), *plan.args(1), float(eps),
@@ -159,4 +160,17 @@ def rms_norm(b, node):
     eps = rw.node_arg(node, 3, "eps")
     eps = torch.finfo(torch.float32).eps if eps is None else eps
     weight = _opt(b, rw.node_arg(node, 2, "weight"))
-    launch_norm(b, b.ref(node.args[0]), len(node.args[1]), weight, None, eps, b.out(node), rms=True)
+    x, out = b.ref(node.args[0]), b.out(node)
+    position = launch_norm(b, x, len(node.args[1]), weight, None, eps, out, rms=True)
+    if position is not None and len(node.args[1]) == 1 and (weight is None or weight.ndim == 1):
+        b.norms[position] = RmsNorm(x, weight, float(eps), out)  # a matmul may take it as a prologue
+
+
+@dataclass(frozen=True)
+class RmsNorm:
+    """What an rms_norm launch computes over the last dim, for ``fusion.py``'s matmul prologues."""
+
+    x: TRef
+    weight: TRef | None
+    eps: float
+    out: TRef

@@ -206,7 +206,8 @@ TRAFFIC: dict[str, KernelTraffic] = {
     # without a bias x_ptr is C, never read
     "matmul": KernelTraffic(
         reads=(Access("a_ptr"), Access("b_ptr"), Access("x_ptr", _flag("HAS_BIAS")),
-               *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
+               *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4)),
+               Access("p_ptr", _flag("HAS_PW"))),  # an rms prologue's weight
         writes=(Access("c_ptr"),),
         flops=_matmul_flops,
     ),

@@ -1,0 +1,103 @@
+"""rms_norm as the prologue of the matmuls that read it (kernels/fusion.py, matmul PROLOGUE="rms"):
+the normalized rows are never stored, and the norm costs no launch of its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.export import Dim
+
+import tritondelegate as td
+from harness import FLOAT_DTYPES, TOLERANCES, check_dynamic
+
+RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
+
+
+class NormThenLinear(torch.nn.Module):
+    def __init__(self, dim, outs=(40,), weight=True, also_return_norm=False, bias=False):
+        super().__init__()
+        self.w = torch.nn.Parameter(1 + 0.1 * torch.randn(dim)) if weight else None
+        self.linears = torch.nn.ModuleList(torch.nn.Linear(dim, n, bias=bias) for n in outs)
+        self.also_return_norm = also_return_norm
+
+    def forward(self, x):
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],), self.w, 1e-5)
+        ys = [lin(h) for lin in self.linears]
+        return (*ys, h) if self.also_return_norm else tuple(ys)
+
+
+def _lower(model, args):
+    return td.lower(torch.export.export(model, args), config=RESIDENT)
+
+
+def _launches(lowered):
+    return [launch for d in lowered.program.methods[0].delegates for launch in d.plan.launches]
+
+
+def _run(model, args, dtype=torch.float32):
+    lowered = _lower(model, args)
+    results = lowered.load().load_method("forward")(*args)
+    reference = model.float()(*(a.float() for a in args))
+    atol, rtol = TOLERANCES[dtype]
+    for r, e in zip(results, reference):
+        torch.testing.assert_close(r.float(), e, atol=atol, rtol=rtol)
+    return _launches(lowered)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_norm_runs_inside_the_linear(dtype):
+    torch.manual_seed(0)
+    model = NormThenLinear(33, bias=True).eval()
+    launches = _run(model.to(dtype), (torch.randn(2, 5, 33).to(dtype),), dtype)
+    (launch,) = launches
+    assert launch.kernel == "matmul" and launch.constexprs["PROLOGUE"].value == "rms"
+
+
+class SwiGLU(torch.nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(dim, hidden, bias=False), torch.nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],), None, 1e-6)
+        return (torch.nn.functional.silu(self.gate(h)) * self.up(h),)
+
+
+def test_norm_without_weight_and_two_readers():
+    torch.manual_seed(0)
+    launches = _run(SwiGLU(24, 40).eval(), (torch.randn(7, 24),))
+    # both GEMMs normalize their A; one also computes silu(gate) * up in its epilogue
+    assert [launch.kernel for launch in launches] == ["matmul", "matmul"]
+    assert all(launch.constexprs["PROLOGUE"].value == "rms" for launch in launches)
+    assert all(not launch.constexprs["HAS_PW"].value for launch in launches)
+    assert launches[1].constexprs["EPILOGUE"].value == 2
+
+
+def test_a_norm_that_is_also_returned_is_stored():
+    torch.manual_seed(0)
+    launches = _run(NormThenLinear(24, also_return_norm=True).eval(), (torch.randn(3, 24),))
+    assert [launch.kernel for launch in launches] == ["norm", "matmul"]
+    assert "PROLOGUE" not in launches[1].constexprs
+
+
+def test_a_norm_read_transposed_is_not_a_prologue():
+    class Transposed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(5, 3))
+
+        def forward(self, x):  # the matmul reads the normalized rows as columns
+            return (torch.nn.functional.rms_norm(x, (6,), None, 1e-5).t() @ self.w,)
+
+    model = Transposed().eval()
+    launches = _run(model, (torch.randn(5, 6),))
+    assert [launch.kernel for launch in launches] == ["norm", "matmul"]
+
+
+def test_dynamic_rows():
+    torch.manual_seed(0)
+    model = NormThenLinear(24, outs=(16,)).eval()
+    lowered, _ = check_dynamic(model, [(torch.randn(1, n, 24),) for n in (5, 1, 16, 7)],
+                               {"x": {1: Dim("seq", max=16)}})
+    (launch,) = _launches(lowered)
+    assert launch.constexprs["PROLOGUE"].value == "rms"

@@ -3,6 +3,8 @@ constant folding and partitioning:
 
 * ``fuse_rms_norm``: an RMSNorm written out (``pow``/``mean``/``rsqrt``/``mul``, as Llama, Qwen2,
   Mistral and Gemma write it) becomes one ``aten.rms_norm`` (one row kernel instead of three launches);
+* ``fuse_gelu``: a tanh GELU written out (GPT-2's ``0.5 * x * (1 + tanh(...))``) becomes one
+  ``aten.gelu(approximate="tanh")``, which runs in the epilogue of the matmul before it;
 * ``fuse_rotary``: a rotary embedding written out (``x * cos + rotate_half(x) * sin``) becomes one
   ``tritondelegate::rotary`` op (one launch instead of four per tensor);
 * ``fuse_projections``: linears that read the same input (Q/K/V; gate/up) become one linear over
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .fuse_gelu import fuse_gelu
 from .fuse_projections import fuse_projections
 from .fuse_rms_norm import fuse_rms_norm
 from .fuse_rotary import fuse_rotary
@@ -23,7 +26,7 @@ from .fuse_rotary import fuse_rotary
 def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool) -> list[str]:
     """All the rewrites, in order; ``fold``: constant folding will run (projections need it to store
     their concatenated weights once)."""
-    done = fuse_rms_norm(ep) + fuse_rotary(ep)
+    done = fuse_rms_norm(ep) + fuse_gelu(ep) + fuse_rotary(ep)
     if fold:
         done += fuse_projections(ep, state)
     if done:

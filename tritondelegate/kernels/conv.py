@@ -7,6 +7,12 @@ implicit GEMM. For each group g, with Cg = C_in / groups input and Og = C_out / 
         A[m, k] = x[n, g*Cg + ci, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]   (0 in the padding)
         B[k, o] = weight[g*Og + o, ci, kh, kw]
 
+An epilogue (``fusion.py`` folds the pointwise chain that alone reads the result into it, as for
+matmuls: an activation, a residual add) runs on the tile before the store, with the steps of
+``elementwise._chain_step``: each operand Ek is addressed by its own (n, c, h, w) strides (0 where it
+broadcasts) or is a scalar; the result goes to the chain's output, and the convolution's own result
+is never stored.
+
 A is never materialized: each program gathers its [BLOCK_M, BLOCK_K] tile of A straight from x with
 masked loads (the mask is the zero padding), so x, weight and out may have any strides (a permuted
 NHWC input needs no copy). K runs over (ci, kh, kw) flattened, which keeps the tile dense when Cg is
@@ -16,11 +22,17 @@ output channel per group (tl.dot needs every dimension >= 16).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from .builder import TRef
+from .elementwise import MAX_CHAIN, _chain_step
 from .sizes import cdiv, next_power_of_2
+
+EPILOGUE_STEPS = MAX_CHAIN
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -34,8 +46,20 @@ def conv2d_kernel(
     ws_o, ws_i, ws_h, ws_w,
     os_n, os_c, os_h, os_w,
     stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+    # epilogue operands per step k < EPILOGUE: pointer, scalar, (n, c, h, w) strides (else stand-ins)
+    e0_ptr, e1_ptr, e2_ptr, e3_ptr,
+    e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+    e0s0, e0s1, e0s2, e0s3, e1s0, e1s1, e1s2, e1s3,
+    e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3,
     KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
+    EOP0: tl.constexpr = "copy", EARITY0: tl.constexpr = 1, ESWAP0: tl.constexpr = False,
+    EOP1: tl.constexpr = "copy", EARITY1: tl.constexpr = 1, ESWAP1: tl.constexpr = False,
+    EOP2: tl.constexpr = "copy", EARITY2: tl.constexpr = 1, ESWAP2: tl.constexpr = False,
+    EOP3: tl.constexpr = "copy", EARITY3: tl.constexpr = 1, ESWAP3: tl.constexpr = False,
+    EIS_SCALAR0: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
+    EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -82,8 +106,27 @@ def conv2d_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + co, mask=mask_n, other=0.0).to(tl.float32)
         acc += bias[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if EPILOGUE > 0:
+        # Start from the result as eager stores it (rounded to its dtype), then run the chain in fp32.
+        if ROUND_TO == "float16":
+            acc = acc.to(tl.float16).to(tl.float32)
+        elif ROUND_TO == "bfloat16":
+            acc = acc.to(tl.bfloat16).to(tl.float32)
+        en, ec, eh, ew = n[:, None], co[None, :], oh[:, None], ow[:, None]
+        acc = _chain_step(acc, e0_ptr, e0_scalar, en, ec, eh, ew, 0, e0s0, e0s1, e0s2, e0s3, 0, mask,
+                          EOP0, EARITY0, ESWAP0, EIS_SCALAR0, "f32")
+        if EPILOGUE >= 2:
+            acc = _chain_step(acc, e1_ptr, e1_scalar, en, ec, eh, ew, 0, e1s0, e1s1, e1s2, e1s3, 0, mask,
+                              EOP1, EARITY1, ESWAP1, EIS_SCALAR1, "f32")
+        if EPILOGUE >= 3:
+            acc = _chain_step(acc, e2_ptr, e2_scalar, en, ec, eh, ew, 0, e2s0, e2s1, e2s2, e2s3, 0, mask,
+                              EOP2, EARITY2, ESWAP2, EIS_SCALAR2, "f32")
+        if EPILOGUE >= 4:
+            acc = _chain_step(acc, e3_ptr, e3_scalar, en, ec, eh, ew, 0, e3s0, e3s1, e3s2, e3s3, 0, mask,
+                              EOP3, EARITY3, ESWAP3, EIS_SCALAR3, "f32")
     out_offs = (n * os_n + oh * os_h + ow * os_w)[:, None] + (co * os_c)[None, :]
-    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --- host launcher --------------------------------------------------------------------------------
@@ -92,26 +135,63 @@ def _block(size, lo: int, hi: int) -> int:
     return max(lo, min(hi, next_power_of_2(size)))
 
 
+@dataclass(frozen=True)
+class ConvOp:
+    """One ``conv2d`` launch; the builder keeps it (``LaunchBuilder.matmul``, with the matmuls) so that
+    ``fusion.py`` can relaunch it with an epilogue (:meth:`epilogue_launch`)."""
+
+    x: TRef
+    weight: TRef
+    bias: TRef | None
+    c: TRef  # the result
+    stride: tuple
+    padding: tuple
+    dilation: tuple
+    groups: int
+
+    @property
+    def reads(self) -> tuple[TRef, ...]:
+        return (self.x, self.weight) + ((self.bias,) if self.bias is not None else ())
+
+    def launch(self, out: TRef | None = None, steps=(), operands=()) -> tuple[tuple, list, dict]:
+        """(grid, arguments, constexprs): storing into ``out`` (default: the result) after an epilogue
+        of ``steps`` ((op, arity, swap)) reading ``operands`` (a (TRef, its (n, c, h, w) strides) pair,
+        a Python scalar, or None where the step is unary)."""
+        out = self.c if out is None else out
+        x, weight = self.x, self.weight
+        n, _, h, w = x.shape
+        c_out, cin_g, kh, kw = weight.shape
+        _, _, oh, ow = self.c.shape
+        cout_g, m = c_out // self.groups, n * oh * ow
+        block_m, block_n, block_k = _block(m, 16, 64), _block(cout_g, 16, 64), _block(cin_g * kh * kw, 16, 32)
+        grid = (cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
+        ptrs, scalars, strides = [], [], []
+        for operand in list(operands) + [None] * (EPILOGUE_STEPS - len(operands)):
+            tensor = isinstance(operand, tuple)
+            ptrs.append(operand[0] if tensor else out)  # a scalar or no operand: out stands in, never read
+            scalars.append(0.0 if tensor or operand is None else float(operand))
+            strides.extend(operand[1] if tensor else (0, 0, 0, 0))
+        args = [x, weight, self.bias if self.bias is not None else out, out,  # out stands in for a missing bias
+                m, h, w, oh, ow, cin_g, cout_g, *x.strides, *weight.strides, *out.strides,
+                *self.stride, *self.padding, *self.dilation, *ptrs, *scalars, *strides]
+        constexprs = dict(KH=kh, KW=kw, HAS_BIAS=self.bias is not None,
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_UPCAST=False)
+        if steps:
+            padded = list(zip(steps, operands)) + [(("copy", 1, False), None)] * (EPILOGUE_STEPS - len(steps))
+            for k, ((name, arity, swap), operand) in enumerate(padded):
+                constexprs.update({f"EOP{k}": name, f"EARITY{k}": arity, f"ESWAP{k}": swap,
+                                   f"EIS_SCALAR{k}": operand is not None and not isinstance(operand, tuple)})
+            constexprs.update(EPILOGUE=len(steps), ROUND_TO=str(self.c.dtype).removeprefix("torch."))
+        return grid, args, constexprs
+
+
 def launch_conv2d(b, out, x, weight, bias, stride, padding, dilation, groups: int) -> None:
     """``out = conv2d(x, weight, bias)``; every operand a 4-D NCHW TRef (bias 1-D or None)."""
-    n, c_in, h, w = x.shape
-    c_out, cin_g, kh, kw = weight.shape
-    _, _, oh, ow = out.shape
-    cout_g = c_out // groups
-    m = n * oh * ow
-    block_m = _block(m, 16, 64)
-    block_n = _block(cout_g, 16, 64)
-    block_k = _block(cin_g * kh * kw, 16, 32)
-    grid = (cdiv(m, block_m), triton.cdiv(cout_g, block_n), groups)
-    b.launch(
-        "conv2d", grid,
-        x, weight, bias if bias is not None else out, out,  # out stands in for a missing bias: never read
-        m, h, w, oh, ow, cin_g, cout_g,
-        *x.strides, *weight.strides, *out.strides,
-        *stride, *padding, *dilation,
-        KH=kh, KW=kw, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_UPCAST=False,
-    )
+    op = ConvOp(x, weight, bias, out, tuple(stride), tuple(padding), tuple(dilation), groups)
+    grid, args, constexprs = op.launch()
+    position = b.launch("conv2d", grid, *args, **constexprs)
+    if position is not None:
+        b.matmul[position] = op  # fusion may give it an epilogue
 
 
 # --- support check and lowering -------------------------------------------------------------------

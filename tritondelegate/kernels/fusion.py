@@ -73,6 +73,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..plan import Launch
+from . import conv as cv
 from . import elementwise as ew
 from . import sizes as size_fns
 from . import matmul as mm
@@ -248,7 +249,8 @@ def _merge_prologues(launches, norms, matmuls, writes, keep, users, view) -> set
     for n, norm in sorted(norms.items()):
         t, x = norm.out, norm.x
         readers = users[t.buffer] - {n}
-        if (t.buffer in keep or not readers or not all(r in matmuls and r > n for r in readers)
+        if (t.buffer in keep or not readers
+                or not all(isinstance(matmuls.get(r), mm.MatmulOp) and r > n for r in readers)
                 or not (x.is_contiguous() and t.is_contiguous() and x.numel == t.numel and x.dtype == t.dtype)):
             continue
         ops = {r: _prologue_op(matmuls[r], norm, view) for r in readers}
@@ -305,9 +307,31 @@ def _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away
     return epilogues
 
 
-def _epilogue_launch(op: mm.MatmulOp, chain: _Chain, matmul: Launch) -> Launch | None:
+def _conv_epilogue_launch(op, chain: _Chain, conv: Launch) -> Launch | None:
+    """``conv`` (computing ``op``, a ``conv.ConvOp``) relaunched with ``chain`` as its epilogue, or None
+    unless the chain starts from the whole result, read as itself, over the result's own shape."""
+    t = op.c
+    at = [k for k, s in enumerate(chain.slots) if isinstance(s, TRef) and s.buffer == t.buffer]
+    if (chain.compute != "f32" or len(chain.steps) > cv.EPILOGUE_STEPS or len(at) != 1 or at[0] > 1
+            or any(r.buffer == chain.out.buffer for r in op.reads)):
+        return None
+    k = at[0]
+    view, shape = chain.slots[k], chain.out.shape
+    if (view.shape, view.strides, view.offset) != (t.shape, t.strides, t.offset) or tuple(shape) != tuple(t.shape):
+        return None
+    (op0, arity0, _), rest = chain.steps[0], chain.steps[1:]
+    steps = [(op0, arity0, k == 1 and op0 not in COMMUTATIVE)] + list(rest)
+    operands = [(slot, ew.broadcast_strides(slot, shape)) if isinstance(slot, TRef) else slot
+                for slot in [chain.slots[1 - k]] + chain.slots[2:]]
+    grid, args, constexprs = op.launch(chain.out, steps, operands)
+    return new_launch(conv.kernel, grid, args, constexprs, "+".join([conv.op] + chain.names))
+
+
+def _epilogue_launch(op, chain: _Chain, matmul: Launch) -> Launch | None:
     """``matmul`` (computing ``op``) relaunched with ``chain`` as its epilogue, or None when the chain
     does not start from the product or cannot be addressed in the product's [Z, M, N] walk."""
+    if isinstance(op, cv.ConvOp):
+        return _conv_epilogue_launch(op, chain, matmul)
     t = op.c
     at = [k for k, s in enumerate(chain.slots) if isinstance(s, TRef) and s.buffer == t.buffer]
     if (

@@ -213,7 +213,8 @@ TRAFFIC: dict[str, KernelTraffic] = {
     ),
     # without a bias bias_ptr is out, never read
     "conv2d": KernelTraffic(
-        reads=(Access("x_ptr"), Access("w_ptr"), Access("bias_ptr", _flag("HAS_BIAS"))),
+        reads=(Access("x_ptr"), Access("w_ptr"), Access("bias_ptr", _flag("HAS_BIAS")),
+               *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
         writes=(Access("out_ptr"),),
         flops=_conv_flops,
     ),

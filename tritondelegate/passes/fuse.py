@@ -8,7 +8,9 @@ constant folding and partitioning:
 * ``fuse_rotary``: a rotary embedding written out (``x * cos + rotate_half(x) * sin``) becomes one
   ``tritondelegate::rotary`` op (one launch instead of four per tensor);
 * ``fuse_projections``: linears that read the same input (Q/K/V; gate/up) become one linear over
-  their weights concatenated (folded into one constant by ``lower()``), and views of its result.
+  their weights concatenated (folded into one constant by ``lower()``), and views of its result;
+* ``fuse_batchnorm``: an eval batch norm after a convolution is folded into its weight and bias
+  (computed once by ``lower()``).
 
 Each returns a description of every rewrite it made (``summary()`` lists them).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .fuse_batchnorm import fuse_batchnorm
 from .fuse_gelu import fuse_gelu
 from .fuse_projections import fuse_projections
 from .fuse_rms_norm import fuse_rms_norm
@@ -27,8 +30,8 @@ def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool)
     """All the rewrites, in order; ``fold``: constant folding will run (projections need it to store
     their concatenated weights once)."""
     done = fuse_rms_norm(ep) + fuse_gelu(ep) + fuse_rotary(ep)
-    if fold:
-        done += fuse_projections(ep, state)
+    if fold:  # both store new constants (concatenated or folded weights): folding computes them once
+        done += fuse_projections(ep, state) + fuse_batchnorm(ep, state)
     if done:
         ep.graph_module.recompile()
     return done

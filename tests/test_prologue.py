@@ -101,3 +101,9 @@ def test_dynamic_rows():
                                {"x": {1: Dim("seq", max=16)}})
     (launch,) = _launches(lowered)
     assert launch.constexprs["PROLOGUE"].value == "rms"
+
+
+def test_one_row_as_in_decode():
+    torch.manual_seed(0)
+    (launch,) = _run(NormThenLinear(33).eval(), (torch.randn(1, 1, 33),))
+    assert launch.constexprs["PROLOGUE"].value == "rms"

@@ -278,9 +278,8 @@ def _prologue_op(op: mm.MatmulOp, norm, view) -> "mm.MatmulOp | None":
     width = t.shape[-1]
     if (a.buffer != t.buffer or op.prologue is not None or op.bmat.buffer == t.buffer
             or (op.has_bias and op.x.buffer == t.buffer) or a.offset != t.offset
-            or a.shape[2] != width or a.strides[2] != 1 or a.strides[1] != width
-            or a.shape[0] * a.shape[1] * width != t.numel):
-        return None
+            or a.shape[2] != width or not a.is_contiguous() or a.numel != t.numel):
+        return None  # (a contiguous [Z, M, K] view of all of contiguous t: row z*M + m of t is A[z, m])
     x = view(norm.x, a.shape, a.strides, norm.x.offset)
     return replace(op, a=x, prologue=(norm.weight, norm.eps))
 

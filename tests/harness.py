@@ -226,3 +226,25 @@ def check_dynamic(model, calls, dynamic_shapes, dtype=None, scale=1.0, reference
         # The call moved exactly its own inputs' bytes to the device.
         assert method.stats.call_h2d_bytes == sum(a.numel() * a.element_size() for a in args)
     return lowered, method
+
+
+def plan_launches(lowered, method: int = 0) -> list:
+    """Every launch of a lowered program's method, in order, over its delegates."""
+    return [launch for d in lowered.program.methods[method].delegates for launch in d.plan.launches]
+
+
+def check_launches(model, args, dtype=torch.float32) -> list:
+    """Export and lower ``model`` with resident constants, run it on the simulated device and compare
+    every output with the model in fp32 at ``dtype``'s tolerance (the model is left in fp32). Returns
+    the launches of its plan."""
+    import tritondelegate as td
+
+    config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
+    lowered = td.lower(torch.export.export(model, tuple(args)), config=config)
+    results = lowered.load().load_method("forward")(*args)
+    with torch.no_grad():
+        expected = model.float()(*(a.float() for a in args))
+    atol, rtol = TOLERANCES[dtype]
+    for r, e in zip(torch.utils._pytree.tree_leaves(results), torch.utils._pytree.tree_leaves(expected)):
+        torch.testing.assert_close(r.float(), e, atol=atol, rtol=rtol)
+    return plan_launches(lowered)

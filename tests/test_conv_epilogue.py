@@ -7,11 +7,7 @@ import pytest
 import torch
 from torch.export import Dim
 
-import tritondelegate as td
-from harness import FLOAT_DTYPES, TOLERANCES, check_dynamic
-
-RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
-
+from harness import FLOAT_DTYPES, check_dynamic, check_launches, plan_launches
 
 class ConvAct(torch.nn.Module):
     def __init__(self, residual=False, returned=False, groups=1):
@@ -25,40 +21,26 @@ class ConvAct(torch.nn.Module):
         return (out, y) if self.returned else (out,)
 
 
-def _launches(lowered):
-    return [launch for d in lowered.program.methods[0].delegates for launch in d.plan.launches]
-
-
-def _check(model, args, dtype=torch.float32):
-    lowered = td.lower(torch.export.export(model, args), config=RESIDENT)
-    results = lowered.load().load_method("forward")(*args)
-    expected = model.float()(*(a.float() for a in args))
-    atol, rtol = TOLERANCES[dtype]
-    for r, e in zip(results, expected):
-        torch.testing.assert_close(r.float(), e, atol=atol, rtol=rtol)
-    return _launches(lowered)
-
-
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("residual", [False, True])
 def test_chain_runs_in_the_conv(dtype, residual):
     torch.manual_seed(0)
     model = ConvAct(residual=residual).eval().to(dtype)
     args = (torch.randn(2, 4, 5, 7).to(dtype), torch.randn(2, 8, 5, 7).to(dtype))
-    (launch,) = _check(model, args, dtype)
+    (launch,) = check_launches(model, args, dtype)
     assert launch.kernel == "conv2d" and launch.constexprs["EPILOGUE"].value == 2
 
 
 def test_broadcast_operand_and_depthwise():
     torch.manual_seed(0)
     model = ConvAct(residual=True, groups=4).eval()
-    (launch,) = _check(model, (torch.randn(1, 4, 6, 6), torch.randn(1, 8, 1, 6)))  # r broadcast over h
+    (launch,) = check_launches(model, (torch.randn(1, 4, 6, 6), torch.randn(1, 8, 1, 6)))  # r broadcast over h
     assert launch.constexprs["EPILOGUE"].value == 2
 
 
 def test_a_result_also_returned_is_stored():
     torch.manual_seed(0)
-    launches = _check(ConvAct(residual=True, returned=True).eval(), (torch.randn(1, 4, 5, 5), torch.randn(1, 8, 5, 5)))
+    launches = check_launches(ConvAct(residual=True, returned=True).eval(), (torch.randn(1, 4, 5, 5), torch.randn(1, 8, 5, 5)))
     assert [launch.kernel for launch in launches] == ["conv2d", "pointwise_chain"]
     assert "EPILOGUE" not in launches[0].constexprs
 
@@ -69,5 +51,5 @@ def test_dynamic_batch():
     lowered, _ = check_dynamic(ConvAct(residual=True).eval(),
                                [(torch.randn(n, 4, 5, 5), torch.randn(n, 8, 5, 5)) for n in (2, 1, 5, 3)],
                                {"x": {0: batch}, "r": {0: batch}})
-    (launch,) = _launches(lowered)
+    (launch,) = plan_launches(lowered)
     assert launch.constexprs["EPILOGUE"].value == 2

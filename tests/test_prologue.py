@@ -7,11 +7,7 @@ import pytest
 import torch
 from torch.export import Dim
 
-import tritondelegate as td
-from harness import FLOAT_DTYPES, TOLERANCES, check_dynamic
-
-RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
-
+from harness import FLOAT_DTYPES, check_dynamic, check_launches, plan_launches
 
 class NormThenLinear(torch.nn.Module):
     def __init__(self, dim, outs=(40,), weight=True, also_return_norm=False, bias=False):
@@ -26,29 +22,11 @@ class NormThenLinear(torch.nn.Module):
         return (*ys, h) if self.also_return_norm else tuple(ys)
 
 
-def _lower(model, args):
-    return td.lower(torch.export.export(model, args), config=RESIDENT)
-
-
-def _launches(lowered):
-    return [launch for d in lowered.program.methods[0].delegates for launch in d.plan.launches]
-
-
-def _run(model, args, dtype=torch.float32):
-    lowered = _lower(model, args)
-    results = lowered.load().load_method("forward")(*args)
-    reference = model.float()(*(a.float() for a in args))
-    atol, rtol = TOLERANCES[dtype]
-    for r, e in zip(results, reference):
-        torch.testing.assert_close(r.float(), e, atol=atol, rtol=rtol)
-    return _launches(lowered)
-
-
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_norm_runs_inside_the_linear(dtype):
     torch.manual_seed(0)
     model = NormThenLinear(33, bias=True).eval()
-    launches = _run(model.to(dtype), (torch.randn(2, 5, 33).to(dtype),), dtype)
+    launches = check_launches(model.to(dtype), (torch.randn(2, 5, 33).to(dtype),), dtype)
     (launch,) = launches
     assert launch.kernel == "matmul" and launch.constexprs["PROLOGUE"].value == "rms"
 
@@ -65,7 +43,7 @@ class SwiGLU(torch.nn.Module):
 
 def test_norm_without_weight_and_two_readers():
     torch.manual_seed(0)
-    launches = _run(SwiGLU(24, 40).eval(), (torch.randn(7, 24),))
+    launches = check_launches(SwiGLU(24, 40).eval(), (torch.randn(7, 24),))
     # both GEMMs normalize their A; one also computes silu(gate) * up in its epilogue
     assert [launch.kernel for launch in launches] == ["matmul", "matmul"]
     assert all(launch.constexprs["PROLOGUE"].value == "rms" for launch in launches)
@@ -75,7 +53,7 @@ def test_norm_without_weight_and_two_readers():
 
 def test_a_norm_that_is_also_returned_is_stored():
     torch.manual_seed(0)
-    launches = _run(NormThenLinear(24, also_return_norm=True).eval(), (torch.randn(3, 24),))
+    launches = check_launches(NormThenLinear(24, also_return_norm=True).eval(), (torch.randn(3, 24),))
     assert [launch.kernel for launch in launches] == ["norm", "matmul"]
     assert "PROLOGUE" not in launches[1].constexprs
 
@@ -90,7 +68,7 @@ def test_a_norm_read_transposed_is_not_a_prologue():
             return (torch.nn.functional.rms_norm(x, (6,), None, 1e-5).t() @ self.w,)
 
     model = Transposed().eval()
-    launches = _run(model, (torch.randn(5, 6),))
+    launches = check_launches(model, (torch.randn(5, 6),))
     assert [launch.kernel for launch in launches] == ["norm", "matmul"]
 
 
@@ -99,11 +77,11 @@ def test_dynamic_rows():
     model = NormThenLinear(24, outs=(16,)).eval()
     lowered, _ = check_dynamic(model, [(torch.randn(1, n, 24),) for n in (5, 1, 16, 7)],
                                {"x": {1: Dim("seq", max=16)}})
-    (launch,) = _launches(lowered)
+    (launch,) = plan_launches(lowered)
     assert launch.constexprs["PROLOGUE"].value == "rms"
 
 
 def test_one_row_as_in_decode():
     torch.manual_seed(0)
-    (launch,) = _run(NormThenLinear(33).eval(), (torch.randn(1, 1, 33),))
+    (launch,) = check_launches(NormThenLinear(33).eval(), (torch.randn(1, 1, 33),))
     assert launch.constexprs["PROLOGUE"].value == "rms"

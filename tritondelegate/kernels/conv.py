@@ -9,7 +9,7 @@ implicit GEMM. For each group g, with Cg = C_in / groups input and Og = C_out / 
 
 An epilogue (``fusion.py`` folds the pointwise chain that alone reads the result into it, as for
 matmuls: an activation, a residual add) runs on the tile before the store, with the steps of
-``elementwise._chain_step``: each operand Ek is addressed by its own (n, c, h, w) strides (0 where it
+``elementwise._epilogue``: each operand Ek is addressed by its own (n, c, h, w) strides (0 where it
 broadcasts) or is a scalar; the result goes to the chain's output, and the convolution's own result
 is never stored.
 
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .builder import TRef
-from .elementwise import MAX_CHAIN, _chain_step
+from .elementwise import MAX_CHAIN, _epilogue
 from .sizes import cdiv, next_power_of_2
 
 EPILOGUE_STEPS = MAX_CHAIN
@@ -107,24 +107,12 @@ def conv2d_kernel(
         bias = tl.load(bias_ptr + co, mask=mask_n, other=0.0).to(tl.float32)
         acc += bias[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if EPILOGUE > 0:
-        # Start from the result as eager stores it (rounded to its dtype), then run the chain in fp32.
-        if ROUND_TO == "float16":
-            acc = acc.to(tl.float16).to(tl.float32)
-        elif ROUND_TO == "bfloat16":
-            acc = acc.to(tl.bfloat16).to(tl.float32)
-        en, ec, eh, ew = n[:, None], co[None, :], oh[:, None], ow[:, None]
-        acc = _chain_step(acc, e0_ptr, e0_scalar, en, ec, eh, ew, 0, e0s0, e0s1, e0s2, e0s3, 0, mask,
-                          EOP0, EARITY0, ESWAP0, EIS_SCALAR0, "f32")
-        if EPILOGUE >= 2:
-            acc = _chain_step(acc, e1_ptr, e1_scalar, en, ec, eh, ew, 0, e1s0, e1s1, e1s2, e1s3, 0, mask,
-                              EOP1, EARITY1, ESWAP1, EIS_SCALAR1, "f32")
-        if EPILOGUE >= 3:
-            acc = _chain_step(acc, e2_ptr, e2_scalar, en, ec, eh, ew, 0, e2s0, e2s1, e2s2, e2s3, 0, mask,
-                              EOP2, EARITY2, ESWAP2, EIS_SCALAR2, "f32")
-        if EPILOGUE >= 4:
-            acc = _chain_step(acc, e3_ptr, e3_scalar, en, ec, eh, ew, 0, e3s0, e3s1, e3s2, e3s3, 0, mask,
-                              EOP3, EARITY3, ESWAP3, EIS_SCALAR3, "f32")
+    if EPILOGUE > 0:  # operands addressed by (n, c, h, w) strides
+        acc = _epilogue(acc, mask, n[:, None], co[None, :], oh[:, None], ow[:, None],
+                        e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+                        e0s0, e0s1, e0s2, e0s3, e1s0, e1s1, e1s2, e1s3, e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3,
+                        EPILOGUE, ROUND_TO, EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1, EIS_SCALAR1,
+                        EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
     out_offs = (n * os_n + oh * os_h + ow * os_w)[:, None] + (co * os_c)[None, :]
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -198,6 +198,37 @@ def _chain_step(r, ptr, scalar, i0, i1, i2, i3, i4, s0, s1, s2, s3, s4, mask,
     return r
 
 
+# The epilogue of a GEMM-like kernel (matmul.py, conv.py) on its fp32 tile ``acc``: start from the
+# result as eager stores it (rounded to ROUND_TO), then up to four chain steps in fp32. Operand k is
+# addressed as ek_ptr + i0*eks0 + i1*eks1 + i2*eks2 + i3*eks3 (index tensors broadcast to the tile).
+@triton.jit
+def _epilogue(acc, mask, i0, i1, i2, i3,
+              e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+              e0s0, e0s1, e0s2, e0s3, e1s0, e1s1, e1s2, e1s3,
+              e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3,
+              EPILOGUE: tl.constexpr, ROUND_TO: tl.constexpr,
+              EOP0: tl.constexpr, EARITY0: tl.constexpr, ESWAP0: tl.constexpr, EIS_SCALAR0: tl.constexpr,
+              EOP1: tl.constexpr, EARITY1: tl.constexpr, ESWAP1: tl.constexpr, EIS_SCALAR1: tl.constexpr,
+              EOP2: tl.constexpr, EARITY2: tl.constexpr, ESWAP2: tl.constexpr, EIS_SCALAR2: tl.constexpr,
+              EOP3: tl.constexpr, EARITY3: tl.constexpr, ESWAP3: tl.constexpr, EIS_SCALAR3: tl.constexpr):
+    if ROUND_TO == "float16":
+        acc = acc.to(tl.float16).to(tl.float32)
+    elif ROUND_TO == "bfloat16":
+        acc = acc.to(tl.bfloat16).to(tl.float32)
+    acc = _chain_step(acc, e0_ptr, e0_scalar, i0, i1, i2, i3, 0, e0s0, e0s1, e0s2, e0s3, 0, mask,
+                      EOP0, EARITY0, ESWAP0, EIS_SCALAR0, "f32")
+    if EPILOGUE >= 2:
+        acc = _chain_step(acc, e1_ptr, e1_scalar, i0, i1, i2, i3, 0, e1s0, e1s1, e1s2, e1s3, 0, mask,
+                          EOP1, EARITY1, ESWAP1, EIS_SCALAR1, "f32")
+    if EPILOGUE >= 3:
+        acc = _chain_step(acc, e2_ptr, e2_scalar, i0, i1, i2, i3, 0, e2s0, e2s1, e2s2, e2s3, 0, mask,
+                          EOP2, EARITY2, ESWAP2, EIS_SCALAR2, "f32")
+    if EPILOGUE >= 4:
+        acc = _chain_step(acc, e3_ptr, e3_scalar, i0, i1, i2, i3, 0, e3s0, e3s1, e3s2, e3s3, 0, mask,
+                          EOP3, EARITY3, ESWAP3, EIS_SCALAR3, "f32")
+    return acc
+
+
 # r = OP0(p0, p1); then per step k: r = OPk(r, p(k+1)), OPk(p(k+1), r) when SWAPk, OPk(r) when unary
 @triton.jit
 def pointwise_chain_kernel(

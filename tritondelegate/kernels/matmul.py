@@ -8,7 +8,7 @@ the weight of ``linear``, ``b.permute(0, 2, 1)``) is read in place, never copied
 in fp32; fp32 operands are multiplied in IEEE fp32 (no TF32), as torch eager does by default.
 
 An epilogue (``fusion.py`` folds the pointwise chain that alone reads C into it) runs on the tile
-before the store, with the steps of ``elementwise.pointwise_chain_kernel`` and its ``_chain_step``:
+before the store, with the steps of ``elementwise.pointwise_chain_kernel`` (``elementwise._epilogue``):
 
     r = round(C[z])   to C's own dtype, as eager stores it
     r = OPk(r, Ek[z]) (or OPk(Ek[z], r) when ESWAPk, OPk(r) when unary)     k < EPILOGUE
@@ -33,7 +33,7 @@ import triton.language as tl
 
 from . import sizes
 from .builder import LoweringError, TRef
-from .elementwise import MAX_CHAIN, _chain_step, broadcast_strides, collapse
+from .elementwise import MAX_CHAIN, _epilogue, broadcast_strides, collapse
 
 # CUDA caps grid axis 1 (the batch axis here) at 65535 programs; larger batches launch in chunks.
 MAX_GRID_Y = 65535
@@ -120,25 +120,12 @@ def matmul_kernel(
     if HAS_BIAS:
         x_ptrs = x_ptr + z * stride_xz + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
         acc += beta * tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if EPILOGUE > 0:
-        # Start from C as eager stores it (rounded to its dtype), then run the chain in fp32.
-        if ROUND_TO == "float16":
-            acc = acc.to(tl.float16).to(tl.float32)
-        elif ROUND_TO == "bfloat16":
-            acc = acc.to(tl.bfloat16).to(tl.float32)
-        rows = offs_m[:, None]
-        cols = offs_n[None, :]
-        acc = _chain_step(acc, e0_ptr, e0_scalar, z, rows, cols, 0, 0, e0s0, e0s1, e0s2, 0, 0, mask,
-                          EOP0, EARITY0, ESWAP0, EIS_SCALAR0, "f32")
-        if EPILOGUE >= 2:
-            acc = _chain_step(acc, e1_ptr, e1_scalar, z, rows, cols, 0, 0, e1s0, e1s1, e1s2, 0, 0, mask,
-                              EOP1, EARITY1, ESWAP1, EIS_SCALAR1, "f32")
-        if EPILOGUE >= 3:
-            acc = _chain_step(acc, e2_ptr, e2_scalar, z, rows, cols, 0, 0, e2s0, e2s1, e2s2, 0, 0, mask,
-                              EOP2, EARITY2, ESWAP2, EIS_SCALAR2, "f32")
-        if EPILOGUE >= 4:
-            acc = _chain_step(acc, e3_ptr, e3_scalar, z, rows, cols, 0, 0, e3s0, e3s1, e3s2, 0, 0, mask,
-                              EOP3, EARITY3, ESWAP3, EIS_SCALAR3, "f32")
+    if EPILOGUE > 0:  # operands addressed by (z, row, column) strides
+        acc = _epilogue(acc, mask, z, offs_m[:, None], offs_n[None, :], 0,
+                        e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+                        e0s0, e0s1, e0s2, 0, e1s0, e1s1, e1s2, 0, e2s0, e2s1, e2s2, 0, e3s0, e3s1, e3s2, 0,
+                        EPILOGUE, ROUND_TO, EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1, EIS_SCALAR1,
+                        EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
     c_ptrs = c_ptr + z * stride_cz + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 

@@ -162,3 +162,43 @@ def test_low_precision_models_with_dynamic_dims(dtype):
     calls = [(torch.randint(0, 256, (1, s)),) for s in (4, 1, 13)]
     check_dynamic(copy.deepcopy(decoder).to(dtype), calls, {"input_ids": {1: Dim("seq", max=13)}}, dtype=dtype,
                   reference=decoder)
+
+
+class _Hidden(torch.nn.Module):
+    """A transformers encoder as (input_ids or pixel_values) -> last hidden state."""
+
+    def __init__(self, model, key):
+        super().__init__()
+        self.model, self.key = model, key
+
+    def forward(self, x):
+        return self.model(**{self.key: x}).last_hidden_state
+
+
+def _hf_case(name):
+    transformers = pytest.importorskip("transformers")
+    from harness import Logits
+
+    torch.manual_seed(0)
+    seq = Dim("seq", max=16)
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=64,
+                                         bos_token_id=0, eos_token_id=0)
+        model = Logits(transformers.GPT2LMHeadModel(config).eval())
+        return model, [(torch.randint(0, 64, (2, n)),) for n in (5, 1, 16, 11)], {"input_ids": {1: seq}}
+    if name == "bert":
+        config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                         intermediate_size=48, vocab_size=64, max_position_embeddings=64)
+        model = _Hidden(transformers.BertModel(config).eval(), "input_ids")
+        calls = [(torch.randint(0, 64, (b, n)),) for b, n in ((2, 5), (1, 1), (3, 16), (2, 11))]
+        return model, calls, {"x": {0: Dim("batch", max=3), 1: seq}}
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                    intermediate_size=48, image_size=16, patch_size=4)
+    model = _Hidden(transformers.ViTModel(config).eval(), "pixel_values")
+    return model, [(torch.randn(n, 3, 16, 16),) for n in (2, 1, 5, 3)], {"x": {0: Dim("batch", max=5)}}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "vit"])
+def test_transformers_models_with_dynamic_dims(name):
+    model, calls, dynamic = _hf_case(name)
+    check_dynamic(model, calls, dynamic)

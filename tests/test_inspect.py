@@ -32,3 +32,23 @@ def test_inspect_refuses_a_damaged_file(tmp_path, capsys):
     path.write_bytes(b"not a program")
     assert cli.main(["inspect", str(path)]) == 2
     assert "shorter than the 64-byte header" in capsys.readouterr().err
+
+
+def test_inspect_shows_dynamic_dimensions(tmp_path, capsys):
+    import torch
+    from torch.export import Dim
+
+    import tritondelegate as td
+    from tritondelegate.models import MLP
+
+    ep = torch.export.export(MLP([8, 16, 4]).eval(), (torch.randn(5, 8),),
+                             dynamic_shapes={"x": {0: Dim("batch", max=33)}})
+    path = tmp_path / "dynamic.tdp"
+    td.lower(ep).save(path)
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    (method,) = json.loads(capsys.readouterr().out)["methods"]
+    (symbol,) = method["symbols"]
+    assert (symbol["min"], symbol["max"], symbol["input"], symbol["dim"]) == (0, 33, "x", 0)
+    assert method["inputs"][0]["shape"] == [symbol["name"], 8]
+    assert cli.main(["inspect", str(path)]) == 0
+    assert f"dynamic dimensions: {symbol['name']} = 'x' dim 0 in 0..33" in capsys.readouterr().out

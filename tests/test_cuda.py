@@ -157,3 +157,24 @@ def test_kernel_binaries_load_without_compiling(tmp_path):
     suffixes = {name.rsplit(".", 1)[-1] for _, _, files in os.walk(cache) for name in files
                 if not name.startswith("__grp__")}
     assert not suffixes & {"ttir", "ttgir", "llir", "ptx"}, suffixes  # nothing was compiled
+
+
+def test_dynamic_prompt_length_on_the_gpu_with_graphs(tmp_path):
+    """A decoder exported for every prompt length up to 48: compiled kernels, direct launches and
+    one CUDA graph per size, each size matching eager; device memory does not grow per size."""
+    from torch.export import Dim
+
+    model, _ = demo_decoder(seed=0, max_seq_len=64)
+    ep = torch.export.export(model, (torch.randint(0, 256, (1, 16)),),
+                             dynamic_shapes={"input_ids": {1: Dim("seq", max=48)}})
+    td.lower(ep, config=td.LowerConfig(propagate_device=td.PropagateDeviceConfig(
+        skip_h2d_for_constants=True))).save(tmp_path / "dyn.tdp")
+    program = td.load(tmp_path / "dyn.tdp", devices="cuda")
+    method = program.load_method("forward", graphs=True)
+    before = program.memory()
+    for n in (1, 48, 17, 31, 17, 17):
+        ids = torch.randint(0, 256, (1, n))
+        with torch.no_grad():
+            torch.testing.assert_close(method(ids), model(ids), atol=1e-4, rtol=1e-4)
+    assert method.stats.graph_replays_per_call >= 1  # the third call at 17 replays its graphs
+    assert program.memory() == before

@@ -77,7 +77,8 @@ def format_summary(lowered) -> str:
             for r in f["resident_constants"]:
                 lines.append(f"    {r['name']} on {r['device']}, {_bytes(r['bytes'])}")
         if f["fused"]:
-            lines.append(f"  fused into bigger ops: {'; '.join(f['fused'])}")
+            lines.append(f"  fused into bigger ops ({len(f['fused'])}):")
+            lines.extend(f"    {rewrite}" for rewrite in f["fused"])
         if f["folded"]:
             lines.append(f"  computed once by lower() (constant folding): {', '.join(f['folded'])}")
         if f["state_in_place"]:

@@ -162,8 +162,10 @@ class ConvOp:
         args = [x, weight, self.bias if self.bias is not None else out, out,  # out stands in for a missing bias
                 m, h, w, oh, ow, cin_g, cout_g, *x.strides, *weight.strides, *out.strides,
                 *self.stride, *self.padding, *self.dilation, *ptrs, *scalars, *strides]
+        # 8 warps: the gathered A tile's int64 addresses and masks ([BLOCK_M, BLOCK_K] each) next to the
+        # accumulator spill at 4 warps on sm_90 (scripts/compile_check.py); spread over 256 threads they fit.
         constexprs = dict(KH=kh, KW=kw, HAS_BIAS=self.bias is not None,
-                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_UPCAST=False)
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_UPCAST=False, num_warps=8)
         if steps:
             padded = list(zip(steps, operands)) + [(("copy", 1, False), None)] * (EPILOGUE_STEPS - len(steps))
             for k, ((name, arity, swap), operand) in enumerate(padded):

@@ -34,6 +34,7 @@ from . import sizes as size_fns
 from .builder import LoweringError, TRef
 from .index import INDEX_DTYPES, MAX_INDICES, MAX_RANK, _dtype_reason, _val, broadcast_shape, indexed_offsets
 from .layout import view_of
+from .rows import node_arg
 from .sizes import cdiv
 
 aten = torch.ops.aten
@@ -264,13 +265,9 @@ def scatter_add(b, node):
     _scatter(b, node, accumulate=True)
 
 
-def _arg(node, position: int, name: str, default):
-    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
-
-
 def slice_scatter(b, node):  # slice_scatter(self, src, dim=0, start=None, end=None, step=1)
-    _copy_into_view(b, node, aten.slice.Tensor, _arg(node, 2, "dim", 0), _arg(node, 3, "start", None),
-                    _arg(node, 4, "end", None), _arg(node, 5, "step", 1))
+    _copy_into_view(b, node, aten.slice.Tensor, node_arg(node, 2, "dim", 0), node_arg(node, 3, "start", None),
+                    node_arg(node, 4, "end", None), node_arg(node, 5, "step", 1))
 
 
 def select_scatter(b, node):  # select_scatter(self, src, dim, index)

@@ -30,10 +30,12 @@ def _nbytes(val) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def _constant_inputs(ep, state: set[str]) -> dict[torch.fx.Node, torch.Tensor]:
-    """Placeholder node -> its value, for parameters, buffers that are not state, lifted constants."""
+def constant_inputs(ep, state: set[str]) -> dict[torch.fx.Node, torch.Tensor]:
+    """Placeholder node -> its value, for parameters, buffers that are not state (``state``, nor
+    mutated by this program), lifted constants."""
     values = {**ep.state_dict, **ep.constants}
     nodes = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    state = set(state) | set(ep.graph_signature.buffers_to_mutate.values())
     out = {}
     for spec in ep.graph_signature.input_specs:
         kinds = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
@@ -75,7 +77,7 @@ def _is_view_only(node: torch.fx.Node, constants: dict) -> bool:
 def fold_constants(ep: torch.export.ExportedProgram, state: set[str] = frozenset()) -> list[str]:
     """Fold in place; returns the names of the nodes replaced by constants."""
     graph = ep.graph_module.graph
-    constants = _constant_inputs(ep, set(state))
+    constants = constant_inputs(ep, set(state))
     foldable = _foldable_nodes(graph, constants)
     frontier = [
         n for n in graph.nodes

@@ -33,7 +33,8 @@ import operator
 import torch
 import torch.fx
 
-from .fuse_projections import _COPIED_META, _constant_placeholders, _fake, _tensor
+from .fold_constants import constant_inputs
+from .rewrite import fake, take_provenance, tensor_val
 
 aten = torch.ops.aten
 
@@ -59,13 +60,13 @@ def _conv_operands(conv: torch.fx.Node, constants: set[torch.fx.Node]):
     bias = conv.args[2] if len(conv.args) > 2 else None
     if weight not in constants or (bias is not None and bias not in constants):
         return None
-    wv, yv = _tensor(weight), _tensor(conv)
+    wv, yv = tensor_val(weight), tensor_val(conv)
     if wv is None or yv is None or wv.ndim != 4 or yv.ndim != 4 or wv.dtype not in _FLOATS:
         return None
     if not isinstance(wv.shape[0], int) or yv.dtype != wv.dtype:
         return None
     if bias is not None:
-        bv = _tensor(bias)
+        bv = tensor_val(bias)
         if bv is None or bv.dtype != wv.dtype or tuple(bv.shape) != (wv.shape[0],):
             return None
     return weight, bias
@@ -86,7 +87,7 @@ def _batch_norm_operands(bn: torch.fx.Node, constants: set[torch.fx.Node], chann
     for arg, optional in ((gamma, True), (beta, True), (mean, False), (var, False)):
         if arg is None and optional:
             continue
-        val = _tensor(arg)
+        val = tensor_val(arg)
         if arg not in constants or val is None or val.dtype not in _FLOATS or tuple(val.shape) != (channels,):
             return None
     return gamma, beta, mean, var, float(eps)
@@ -119,11 +120,11 @@ def _candidates(graph: torch.fx.Graph, constants: set[torch.fx.Node]):
         if found is None:
             continue
         weight, bias = found
-        operands = _batch_norm_operands(bn, constants, _tensor(weight).shape[0])
+        operands = _batch_norm_operands(bn, constants, tensor_val(weight).shape[0])
         outs = _outputs(bn)
         if operands is None or not outs:
             continue  # not foldable, or its result is not read (nothing to gain)
-        if any(_tensor(o) is None or _tensor(o).dtype != _tensor(conv).dtype for o in outs):
+        if any(tensor_val(o) is None or tensor_val(o).dtype != tensor_val(conv).dtype for o in outs):
             continue
         yield conv, bn, outs, weight, bias, operands
 
@@ -139,11 +140,8 @@ class _Builder:
         vals = torch.fx.map_arg(args, lambda n: n.meta["val"])
         node = self.graph.create_node("call_function", target, args, kwargs, name=name)
         # Under the fake mode of the node inputs' values (symbolic sizes stay symbolic).
-        node.meta["val"] = _fake(lambda *_: target(*vals, **kwargs), *[n.meta["val"] for n in nodes])
-        for key in _COPIED_META:
-            if key in self.meta:
-                node.meta[key] = self.meta[key]
-        return node
+        node.meta["val"] = fake(lambda *_: target(*vals, **kwargs), *[n.meta["val"] for n in nodes])
+        return take_provenance(node, self.meta)
 
     def cast(self, node: torch.fx.Node, dtype: torch.dtype, name: str | None = None) -> torch.fx.Node:
         if node.meta["val"].dtype == dtype:
@@ -153,8 +151,8 @@ class _Builder:
 
 def _fold(graph: torch.fx.Graph, conv, bn, outs, weight, bias, operands) -> str:
     gamma, beta, mean, var, eps = operands
-    dtype = _tensor(weight).dtype
-    channels = _tensor(weight).shape[0]
+    dtype = tensor_val(weight).dtype
+    channels = tensor_val(weight).shape[0]
     with graph.inserting_before(conv):
         new = _Builder(graph, conv.meta)
         compute = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for an fp64 weight
@@ -188,7 +186,7 @@ def fuse_batchnorm(ep: torch.export.ExportedProgram, state: set[str] = frozenset
     treated as constants. Returns one description per folded batch norm. Relies on constant folding
     to compute the new weights once."""
     graph = ep.graph_module.graph
-    constants = _constant_placeholders(ep, set(state))
+    constants = set(constant_inputs(ep, set(state)))
     done = [_fold(graph, *found) for found in list(_candidates(graph, constants))]
     if done:
         graph.lint()

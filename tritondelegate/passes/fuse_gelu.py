@@ -26,16 +26,11 @@ import math
 import torch
 import torch.fx
 
+from .rewrite import is_call, take_provenance
+
 aten = torch.ops.aten
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_KEPT_META = ("stack_trace", "nn_module_stack")
-
-
-def _call(node, *targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
-
-
 def _operands(node) -> tuple:
     """A binary op's two operands (``other`` of ``add`` taken with alpha 1 only)."""
     if node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2:
@@ -55,24 +50,24 @@ def _split(node, constant: float):
 
 
 def _is_cube_of(node, x) -> bool:
-    if _call(node, aten.pow.Tensor_Scalar) and node.args[0] is x and node.args[1] in (3, 3.0):
+    if is_call(node, aten.pow.Tensor_Scalar) and node.args[0] is x and node.args[1] in (3, 3.0):
         return True
-    if _call(node, aten.mul.Tensor):  # x * x * x
+    if is_call(node, aten.mul.Tensor):  # x * x * x
         a, b = _operands(node) or (None, None)
         square = a if b is x else b if a is x else None
-        return _call(square, aten.mul.Tensor) and _operands(square) == (x, x)
+        return is_call(square, aten.mul.Tensor) and _operands(square) == (x, x)
     return False
 
 
 def _inner(t) -> torch.fx.Node | None:
     """``x`` when ``t = tanh(sqrt(2/pi) * (x + 0.044715 * x^3))``."""
     e = t.args[0]
-    d = _split(e, _SQRT_2_OVER_PI) if _call(e, aten.mul.Tensor) else None
-    if not _call(d, aten.add.Tensor):
+    d = _split(e, _SQRT_2_OVER_PI) if is_call(e, aten.mul.Tensor) else None
+    if not is_call(d, aten.add.Tensor):
         return None
     a, b = _operands(d) or (None, None)
     for x, c in ((a, b), (b, a)):
-        cube = _split(c, 0.044715) if _call(c, aten.mul.Tensor) else None
+        cube = _split(c, 0.044715) if is_call(c, aten.mul.Tensor) else None
         if isinstance(x, torch.fx.Node) and _is_cube_of(cube, x):
             return x
     return None
@@ -83,14 +78,14 @@ def _outer(g, x) -> tuple[torch.fx.Node, list] | None:
     if len(g.users) != 1:
         return None
     (y,) = g.users
-    if not _call(y, aten.mul.Tensor):
+    if not is_call(y, aten.mul.Tensor):
         return None
     other = next((a for a in _operands(y) if a is not g), None)
-    if _call(other, aten.mul.Tensor) and _split(other, 0.5) is x:  # (0.5 * x) * g
+    if is_call(other, aten.mul.Tensor) and _split(other, 0.5) is x:  # (0.5 * x) * g
         return y, [other]
     if other is x and len(y.users) == 1:  # (x * g) * 0.5
         (end,) = y.users
-        if _call(end, aten.mul.Tensor) and _split(end, 0.5) is y:
+        if is_call(end, aten.mul.Tensor) and _split(end, 0.5) is y:
             return end, [y]
     return None
 
@@ -101,7 +96,7 @@ def _match(t: torch.fx.Node):
     if x is None or len(t.users) != 1:
         return None
     (g,) = t.users
-    if not (_call(g, aten.add.Tensor) and _split(g, 1.0) is t):
+    if not (is_call(g, aten.add.Tensor) and _split(g, 1.0) is t):
         return None
     outer = _outer(g, x)
     if outer is None:
@@ -122,7 +117,7 @@ def fuse_gelu(ep: torch.export.ExportedProgram, *_args) -> list[str]:
     """Rewrite every written-out tanh GELU of ``ep`` in place; returns a description of each."""
     graph = ep.graph_module.graph
     done = []
-    for t in [n for n in graph.nodes if _call(n, aten.tanh.default)]:
+    for t in [n for n in graph.nodes if is_call(n, aten.tanh.default)]:
         found = _match(t)
         if found is None:
             continue
@@ -130,9 +125,7 @@ def fuse_gelu(ep: torch.export.ExportedProgram, *_args) -> list[str]:
         with graph.inserting_before(y):
             gelu = graph.call_function(aten.gelu.default, (x,), {"approximate": "tanh"})
         gelu.meta["val"] = y.meta.get("val")
-        for key in _KEPT_META:
-            if key in y.meta:
-                gelu.meta[key] = y.meta[key]
+        take_provenance(gelu, y.meta)
         y.replace_all_uses_with(gelu)
         done.append(f"gelu(tanh): {gelu.name} ({', '.join(n.name for n in inner + [y])})")
     if done:

@@ -27,33 +27,12 @@ import operator
 
 import torch
 import torch.fx
-from torch.export.graph_signature import InputKind
 
 from ..kernels import sizes
+from .fold_constants import constant_inputs
+from .rewrite import fake, new_node, tensor_val
 
 aten = torch.ops.aten
-
-_CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
-_COPIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
-
-
-def _constant_placeholders(ep, state: set[str]) -> set[torch.fx.Node]:
-    """The placeholders that hold a constant: parameters, buffers that are not state, lifted constants."""
-    nodes = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
-    values = {**ep.state_dict, **ep.constants}
-    mutated = set(ep.graph_signature.buffers_to_mutate.values())
-    out = set()
-    for spec in ep.graph_signature.input_specs:
-        if (spec.kind in _CONSTANT_KINDS and spec.target not in state and spec.target not in mutated
-                and spec.target in values and spec.arg.name in nodes):
-            out.add(nodes[spec.arg.name])
-    return out
-
-
-def _tensor(node) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
 
 def _candidate(node: torch.fx.Node, constants: set[torch.fx.Node]):
     """(x, weight, bias or None) when ``node`` is a linear that may join a group, else None."""
@@ -64,11 +43,11 @@ def _candidate(node: torch.fx.Node, constants: set[torch.fx.Node]):
         return None
     if bias is not None and bias not in constants:
         return None
-    xv, wv, yv = _tensor(x), _tensor(weight), _tensor(node)
+    xv, wv, yv = tensor_val(x), tensor_val(weight), tensor_val(node)
     if xv is None or wv is None or yv is None or wv.ndim != 2 or xv.ndim < 1:
         return None
     if bias is not None:
-        bv = _tensor(bias)
+        bv = tensor_val(bias)
         if bv is None or bv.ndim != 1 or bv.dtype != wv.dtype or bv.shape[0] != wv.shape[0]:
             return None
     if wv.dtype != xv.dtype or not isinstance(wv.shape[0], int) or not isinstance(wv.shape[1], int):
@@ -85,7 +64,7 @@ def _groups(graph: torch.fx.Graph, constants: set[torch.fx.Node]) -> list[list[t
         if found is None:
             continue
         x, weight, bias = found
-        wv = _tensor(weight)
+        wv = tensor_val(weight)
         key = (x, wv.dtype, wv.shape[1], bias is not None)
         if (weight, bias) in seen.setdefault(key, set()):
             continue  # the same projection twice: concatenating it would store the weight twice
@@ -139,52 +118,34 @@ def _independent(group: list[torch.fx.Node]) -> bool:
     return True
 
 
-def _fake(fn, *vals):
-    """``fn(*vals)`` on FakeTensors, under their fake mode (symbolic sizes stay symbolic)."""
-    mode = getattr(vals[0], "fake_mode", None) or torch._guards.detect_fake_mode(list(vals))
-    if mode is None:
-        return fn(*vals)
-    with mode:
-        return fn(*vals)
-
-
-def _new(graph: torch.fx.Graph, target, args: tuple, val, meta: dict, name: str | None = None) -> torch.fx.Node:
-    node = graph.create_node("call_function", target, args, name=name)
-    node.meta["val"] = val
-    for key in _COPIED_META:
-        if key in meta:
-            node.meta[key] = meta[key]
-    return node
-
-
 def _fuse(graph: torch.fx.Graph, group: list[torch.fx.Node]) -> str:
     first = group[0]
     x = first.args[0]
     weights = [n.args[1] for n in group]
     biases = [n.args[2] for n in group] if len(first.args) > 2 and first.args[2] is not None else None
-    sizes = [_tensor(w).shape[0] for w in weights]
-    xv = _tensor(x)
+    sizes = [tensor_val(w).shape[0] for w in weights]
+    xv = tensor_val(x)
     meta = first.meta
     # Before the first linear: its inputs (x and constants) are defined there, and every user of any
     # linear of the group comes after it (a user of the first may sit before a later linear).
     with graph.inserting_before(first):
-        wvals = [_tensor(w) for w in weights]
+        wvals = [tensor_val(w) for w in weights]
         cat = lambda *t: aten.cat.default(list(t), 0)  # noqa: E731
         # Named for the summary's list of what constant folding computed once.
-        w = _new(graph, aten.cat.default, (weights, 0), _fake(cat, *wvals), meta, f"{first.name}_fused_weight")
+        w = new_node(graph, aten.cat.default, (weights, 0), fake(cat, *wvals), meta, f"{first.name}_fused_weight")
         b = None
         if biases is not None:
-            bvals = [_tensor(n) for n in biases]
-            b = _new(graph, aten.cat.default, (biases, 0), _fake(cat, *bvals), meta, f"{first.name}_fused_bias")
+            bvals = [tensor_val(n) for n in biases]
+            b = new_node(graph, aten.cat.default, (biases, 0), fake(cat, *bvals), meta, f"{first.name}_fused_bias")
         if b is None:
-            yval = _fake(aten.linear.default, xv, w.meta["val"])
-            y = _new(graph, aten.linear.default, (x, w), yval, meta)
+            yval = fake(aten.linear.default, xv, w.meta["val"])
+            y = new_node(graph, aten.linear.default, (x, w), yval, meta)
         else:
-            yval = _fake(aten.linear.default, xv, w.meta["val"], b.meta["val"])
-            y = _new(graph, aten.linear.default, (x, w, b), yval, meta)
-        parts_val = _fake(lambda t: aten.split_with_sizes.default(t, sizes, -1), yval)
-        parts = _new(graph, aten.split_with_sizes.default, (y, sizes, -1), tuple(parts_val), meta)
-        outs = [_new(graph, operator.getitem, (parts, i), parts_val[i], meta) for i in range(len(group))]
+            yval = fake(aten.linear.default, xv, w.meta["val"], b.meta["val"])
+            y = new_node(graph, aten.linear.default, (x, w, b), yval, meta)
+        parts_val = fake(lambda t: aten.split_with_sizes.default(t, sizes, -1), yval)
+        parts = new_node(graph, aten.split_with_sizes.default, (y, sizes, -1), tuple(parts_val), meta)
+        outs = [new_node(graph, operator.getitem, (parts, i), parts_val[i], meta) for i in range(len(group))]
     names = [n.name for n in group]
     for old, new in zip(group, outs):
         old.replace_all_uses_with(new)
@@ -197,7 +158,7 @@ def fuse_projections(ep: torch.export.ExportedProgram, state: set[str] = frozens
     ``state``: FQNs of program state (mutable buffers), never treated as constants. Returns one
     description per fused group. Relies on constant folding to concatenate the weights once."""
     graph = ep.graph_module.graph
-    constants = _constant_placeholders(ep, set(state))
+    constants = set(constant_inputs(ep, set(state)))
     done = [_fuse(graph, group) for group in _groups(graph, constants)]
     if done:
         graph.lint()

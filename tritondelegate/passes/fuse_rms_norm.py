@@ -33,19 +33,16 @@ import numbers
 import torch
 import torch.fx
 
+from .rewrite import is_call, take_provenance
+
 aten = torch.ops.aten
 
 # Mantissa bits: a rounding to a dtype with at least the result's bits may be skipped.
 _MANTISSA = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
-_KEPT_META = ("stack_trace", "nn_module_stack")
 
 
 def _val(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _is_call(node, *targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def _is_number(x) -> bool:
@@ -60,7 +57,7 @@ def _float_val(node) -> torch.Tensor | None:
 def _cast_input(node) -> torch.fx.Node | None:
     """The input of ``node`` when it is a plain dtype cast (``_to_copy`` that keeps layout, device
     and memory format), else None."""
-    if not _is_call(node, aten._to_copy.default) or len(node.args) != 1 or "dtype" not in node.kwargs:
+    if not is_call(node, aten._to_copy.default) or len(node.args) != 1 or "dtype" not in node.kwargs:
         return None
     src = node.args[0]
     src_val, val = _float_val(src), _float_val(node)
@@ -106,7 +103,7 @@ def _weight_ok(weight, d: int) -> bool:
 
 def _binary(node, target) -> bool:
     """A ``target`` node with two positional operands and default alpha."""
-    return (_is_call(node, target) and len(node.args) == 2
+    return (is_call(node, target) and len(node.args) == 2
             and all(k == "alpha" and v == 1 for k, v in node.kwargs.items()))
 
 
@@ -122,7 +119,7 @@ class _Match:
 
 def _match(square) -> _Match | None:
     """The norm whose square is ``square`` (a pow or mul node), or None."""
-    if _is_call(square, aten.pow.Tensor_Scalar):
+    if is_call(square, aten.pow.Tensor_Scalar):
         if len(square.args) != 2 or square.kwargs or not _is_number(square.args[1]) or square.args[1] != 2:
             return None
         xf = square.args[0]
@@ -135,7 +132,7 @@ def _match(square) -> _Match | None:
         return None
     ndim = xval.ndim
     mean = _sole_user(square)
-    if not _is_call(mean, aten.mean.dim) or mean.args[0] is not square or mean.kwargs.get("dtype") is not None:
+    if not is_call(mean, aten.mean.dim) or mean.args[0] is not square or mean.kwargs.get("dtype") is not None:
         return None
     dims, keepdim = mean.args[1], mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
     if not isinstance(dims, (list, tuple)) or len(dims) != 1 or dims[0] not in (-1, ndim - 1) or keepdim is not True:
@@ -147,7 +144,7 @@ def _match(square) -> _Match | None:
     if not _is_number(eps):
         return None
     rsqrt = _sole_user(add)
-    if not _is_call(rsqrt, aten.rsqrt.default) or rsqrt.args[0] is not add:
+    if not is_call(rsqrt, aten.rsqrt.default) or rsqrt.args[0] is not add:
         return None
     normed = _sole_user(rsqrt)
     if not _binary(normed, aten.mul.Tensor) or rsqrt not in normed.args[:2] or normed.args[0] is normed.args[1]:
@@ -220,7 +217,7 @@ def _plan(match: _Match):
 def fuse_rms_norm(ep: torch.export.ExportedProgram, *_args) -> list[str]:
     """Rewrite in place; returns one description per norm fused."""
     graph = ep.graph_module.graph
-    squares = [n for n in graph.nodes if _is_call(n, aten.pow.Tensor_Scalar, aten.mul.Tensor)]
+    squares = [n for n in graph.nodes if is_call(n, aten.pow.Tensor_Scalar, aten.mul.Tensor)]
     done = []
     for square in squares:
         match = _match(square)
@@ -235,9 +232,7 @@ def fuse_rms_norm(ep: torch.export.ExportedProgram, *_args) -> list[str]:
         with graph.inserting_before(last):
             fused = graph.call_function(aten.rms_norm.default, (x, [d], weight, match.eps))
         fused.meta["val"] = value
-        for key in _KEPT_META:
-            if key in last.meta:
-                fused.meta[key] = last.meta[key]
+        take_provenance(fused, last.meta)
         last.replace_all_uses_with(fused)
         replaced = match.stats + match.chain[:end + 1]
         done.append(f"rms_norm: {last.name} ({', '.join(n.name for n in replaced)})")

@@ -28,24 +28,12 @@ import torch
 import torch.fx
 from torch.export.graph_signature import TensorArgument
 
+from ..kernels import sizes
+from ..kernels.rows import node_arg
 from ..ops import rotary as rotary_op
+from .rewrite import is_call, tensor_val
 
 aten = torch.ops.aten
-
-
-def _arg(node: torch.fx.Node, i: int, name: str, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
-
-
-def _is(node, target) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
-
-
-def _tensor(node) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _static_int(v) -> int | None:
@@ -57,18 +45,18 @@ def _static_int(v) -> int | None:
 def _slice_of(node, x: torch.fx.Node | None = None):
     """(source, start, end) of ``node`` = ``slice(source, last dim, start, end, 1)``, bounds clamped to
     [0, D] as ATen clamps them; None when it is not such a slice (or a bound is not a static int)."""
-    if not _is(node, aten.slice.Tensor):
+    if not is_call(node, aten.slice.Tensor):
         return None
     source = node.args[0]
-    val = _tensor(source)
+    val = tensor_val(source)
     if val is None or val.dim() == 0 or (x is not None and source is not x):
         return None
     d = val.shape[-1]
     if not isinstance(d, int):
         return None
-    dim = _static_int(_arg(node, 1, "dim", 0))
-    start, end = _arg(node, 2, "start"), _arg(node, 3, "end")
-    step = _static_int(_arg(node, 4, "step", 1))
+    dim = _static_int(node_arg(node, 1, "dim", 0))
+    start, end = node_arg(node, 2, "start"), node_arg(node, 3, "end")
+    step = _static_int(node_arg(node, 4, "step", 1))
     start = 0 if start is None else _static_int(start)
     end = sys.maxsize if end is None else _static_int(end)
     if dim is None or dim % val.dim() != val.dim() - 1 or step != 1 or start is None or end is None:
@@ -79,26 +67,26 @@ def _slice_of(node, x: torch.fx.Node | None = None):
 
 def _rotate_half(node):
     """(x, [cat, neg, slice_hi, slice_lo]) when ``node`` is ``cat((-x[..., h:], x[..., :h]), -1)``."""
-    if not _is(node, aten.cat.default):
+    if not is_call(node, aten.cat.default):
         return None
     parts = node.args[0]
     if not isinstance(parts, (list, tuple)) or len(parts) != 2:
         return None
     neg, lo = parts
-    if not _is(neg, aten.neg.default):
+    if not is_call(neg, aten.neg.default):
         return None
     hi = _slice_of(neg.args[0])
     if hi is None:
         return None
     x, hi_start, hi_end = hi
-    val = _tensor(x)
+    val = tensor_val(x)
     d = val.shape[-1]
     if d % 2 or d == 0 or (hi_start, hi_end) != (d // 2, d):
         return None
     low = _slice_of(lo, x)
     if low is None or low[1:] != (0, d // 2):
         return None
-    dim = _static_int(_arg(node, 1, "dim", 0))
+    dim = _static_int(node_arg(node, 1, "dim", 0))
     if dim is None or dim % val.dim() != val.dim() - 1:
         return None
     return x, [node, neg, neg.args[0], lo]
@@ -139,17 +127,17 @@ def _dead_views(node) -> list[torch.fx.Node]:
 def _operands(node):
     """Both operand orders of a binary node whose operands are tensor nodes."""
     a, b = node.args[:2]
-    if _tensor(a) is None or _tensor(b) is None:
+    if tensor_val(a) is None or tensor_val(b) is None:
         return []
     return [(a, b), (b, a)]
 
 
 def _match(add: torch.fx.Node):
     """(x, cos, sin, intermediates) when ``add`` is the root of a rotary embedding."""
-    if not _is(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+    if not is_call(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
         return None
     for m_cos, m_sin in _operands(add):
-        if not (_is(m_cos, aten.mul.Tensor) and _is(m_sin, aten.mul.Tensor)) or m_cos is m_sin:
+        if not (is_call(m_cos, aten.mul.Tensor) and is_call(m_sin, aten.mul.Tensor)) or m_cos is m_sin:
             continue
         for rot, sin in _operands(m_sin):
             half = _rotate_half(rot)
@@ -170,8 +158,6 @@ def _only_inside(intermediates: list[torch.fx.Node], add: torch.fx.Node) -> bool
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from ..kernels import sizes
-
     return a.dim() == b.dim() and sizes.shape(a.shape) == sizes.shape(b.shape)
 
 
@@ -186,8 +172,8 @@ def fuse_rotary(ep: torch.export.ExportedProgram, *args) -> list[str]:
             continue
         x, cos, sin, intermediates = found
         source = intermediates[-1].args[0]  # what rotate_half read: x, or an equal view of its own
-        out = _tensor(add)
-        if out is None or not _same_shape(out, _tensor(x)) or not _only_inside(intermediates, add):
+        out = tensor_val(add)
+        if out is None or not _same_shape(out, tensor_val(x)) or not _only_inside(intermediates, add):
             continue  # x itself broadcast (cos/sin larger than x), or an intermediate read elsewhere
         with graph.inserting_before(add):
             node = graph.call_function(rotary_op, (x, cos, sin))

@@ -1,0 +1,46 @@
+"""What the graph rewrites of ``passes/fuse*.py`` share: node tests, values computed on fake tensors,
+and the provenance a new node takes from the node it stands for."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+# The metadata a new node inherits (what stack traces and module paths point to).
+PROVENANCE = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+def is_call(node, *targets) -> bool:
+    """Whether ``node`` is an fx node calling one of ``targets``."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def tensor_val(node) -> torch.Tensor | None:
+    """``node``'s ``meta["val"]`` when it is a tensor (a FakeTensor), else None."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def fake(fn, *vals):
+    """``fn(*vals)`` on FakeTensors, under their fake mode (symbolic sizes stay symbolic)."""
+    mode = getattr(vals[0], "fake_mode", None) or torch._guards.detect_fake_mode(list(vals))
+    if mode is None:
+        return fn(*vals)
+    with mode:
+        return fn(*vals)
+
+
+def take_provenance(node: torch.fx.Node, meta: dict) -> torch.fx.Node:
+    """Copy the :data:`PROVENANCE` entries of ``meta`` (the replaced node's) into ``node``'s."""
+    for key in PROVENANCE:
+        if key in meta:
+            node.meta[key] = meta[key]
+    return node
+
+
+def new_node(graph: torch.fx.Graph, target, args: tuple, val, meta: dict, name: str | None = None,
+             kwargs: dict | None = None) -> torch.fx.Node:
+    """A call_function node with value ``val`` and the provenance in ``meta``."""
+    node = graph.create_node("call_function", target, args, kwargs or {}, name=name)
+    node.meta["val"] = val
+    return take_provenance(node, meta)

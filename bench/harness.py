@@ -403,7 +403,7 @@ def add_one_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 def _pointwise_add(x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
     """``out = x + 1`` through the runtime's own pointwise kernel with the arguments its launcher
     builds (the launcher writes into a recorder instead of a launch plan)."""
-    from tritondelegate.kernels.builder import TRef
+    from tritondelegate.kernels.refs import TRef
     from tritondelegate.kernels.elementwise import launch_pointwise
     from tritondelegate.kernels.registry import KERNELS
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from harness import FLOAT_DTYPES, Buffered, Fn, check_model, check_state_updates, run_delegated
 from tritondelegate.kernels import fusion, matmul
-from tritondelegate.kernels.builder import TRef
+from tritondelegate.kernels.refs import TRef
 from tritondelegate.kernels.elementwise import PointwiseOp
 from tritondelegate.plan import Arg, Launch
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import tritondelegate as td
 from harness import FLOAT_DTYPES, Buffered, Fn, check_model, check_state_updates, run_delegated
 from tritondelegate.kernels import fusion
-from tritondelegate.kernels.builder import TRef
+from tritondelegate.kernels.refs import TRef
 from tritondelegate.kernels.elementwise import PointwiseOp
 from tritondelegate.models import FeedForward, DecoderConfig, RMSNorm, demo_decoder
 from tritondelegate.plan import Launch
@@ -224,7 +224,6 @@ def test_demo_decoder_has_fewer_launches_and_matches_eager(monkeypatch):
         out, expected = method(*args), model(*args)
     assert (out - expected).abs().max().item() < 1e-3
     plans = [d.plan for m in lowered.program.methods for d in m.delegates]
-    fused = [ops for plan in plans for ops in chains(plan)]
     # The RMSNorms are rms_norm ops (passes/fuse_rms_norm.py) and each runs as the prologue of the
     # matmuls that read it; silu * up runs in a matmul epilogue once per layer, and so does each
     # residual add after a projection (test_epilogue.py).

@@ -12,7 +12,8 @@ import operator
 import torch.fx
 
 from .kernels import registry, traffic
-from .kernels.builder import LaunchBuilder, LoweringError
+from .kernels.builder import LaunchBuilder
+from .kernels.refs import LoweringError
 from .plan import DelegatePlan
 
 BACKEND_ID = "TritonBackend"

@@ -19,7 +19,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from .backend import build_plan
 from .kernels import sizes
-from .kernels.builder import dtype_name
+from .kernels.refs import dtype_name
 from .kernels.registry import lookup
 from .partitioner import PartitionResult, op_name
 from .symbolic import Expr

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import elementwise as ew
-from .builder import TRef
+from .refs import TRef
 from .sizes import next_power_of_2
 
 aten = torch.ops.aten

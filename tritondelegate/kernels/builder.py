@@ -25,50 +25,11 @@ import torch.fx
 
 from ..memory.planner import Interval, greedy_by_size
 from ..plan import Arg, ArgKind, Base, DelegatePlan, Launch, TensorDesc
-from . import sizes
+from . import elementwise, fusion, sizes
+from .refs import LoweringError, TRef, contiguous_strides, dtype_name, new_launch
 from .sizes import to_plan, upper
 
 SCRATCH_ALIGNMENT = 256
-
-
-class LoweringError(RuntimeError):
-    """A node passed its support check but could not be lowered (names the node)."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def contiguous_strides(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= size if not sizes.is_static(size) else max(size, 1)
-    return tuple(reversed(strides))
-
-
-@dataclass(frozen=True)
-class TRef:
-    """A tensor as kernels see it: a strided view of a buffer."""
-
-    index: int  # TensorDesc index in the plan
-    buffer: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    offset: int  # element offset into the buffer
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def is_contiguous(self) -> bool:
-        expected = contiguous_strides(self.shape)
-        return all(s == e for s, e, n in zip(self.strides, expected, self.shape) if n != 1)
 
 
 @dataclass
@@ -187,8 +148,6 @@ class LaunchBuilder:
         """``ref`` itself when contiguous, else a contiguous copy."""
         if ref.is_contiguous():
             return ref
-        from . import elementwise
-
         out = self.alloc(ref.shape, ref.dtype)
         elementwise.launch_pointwise(self, "copy", out, [ref])
         return out
@@ -211,9 +170,7 @@ class LaunchBuilder:
         wrote in place (offset 0, contiguous, same numel and dtype) gets no output buffer and no copy:
         ``aliases[output_position] = input_position`` is recorded instead, and the remaining outputs
         are numbered consecutively in the plan. When None, every output gets its own buffer."""
-        from . import fusion
-
-        self._fuse(fusion)
+        self._fuse()
         self._place_outputs(aliases)
         self._lifetimes()
         scratch = [b for b in self._buffers if b.base == Base.SCRATCH and b.first >= 0]
@@ -253,8 +210,6 @@ class LaunchBuilder:
     def _place_outputs(self, aliases: dict[int, int] | None) -> None:
         """Give each delegate output its OUTPUT slot: the scratch buffer holding it when it fills
         that buffer alone, else a copy; or, with ``aliases``, the input it updated in place."""
-        from . import elementwise
-
         taken: set[int] = set()
         position = 0  # OUTPUT index: aliased outputs take none
         for i, node in enumerate(self._outputs):
@@ -308,7 +263,7 @@ class LaunchBuilder:
     def _touched(self, launch: Launch) -> set[int]:
         return {self._refs[a.value].buffer for a in launch.args if a.kind == ArgKind.TENSOR}
 
-    def _fuse(self, fusion) -> None:
+    def _fuse(self) -> None:
         """Merge chains of pointwise launches, and a chain that alone reads a matmul's result into that
         matmul's epilogue (``fusion.py``). Buffers that hold a delegate output, or that a delegate
         output views, are never fused away."""
@@ -337,18 +292,3 @@ class LaunchBuilder:
                 buf = self._buffers[index]
                 buf.first = position if buf.first < 0 else buf.first
                 buf.last = position
-
-
-def new_launch(kernel: str, grid, args, constexprs: dict, op: str) -> Launch:
-    """A plan launch from lowering-time values: TRefs become tensor arguments, sizes that depend on
-    the symbols become ``symbolic.Expr``s."""
-    return Launch(kernel=kernel, grid=to_plan(sizes.shape(grid)), args=[_arg(a) for a in args],
-                  constexprs={k: Arg.of(v) for k, v in constexprs.items()}, op=op)
-
-
-def _arg(value) -> Arg:
-    if isinstance(value, TRef):
-        return Arg(ArgKind.TENSOR, value.index)
-    if not sizes.is_static(value):
-        return Arg(ArgKind.INT, to_plan(value))
-    return Arg.of(value)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .builder import TRef
+from .refs import TRef
 from .elementwise import MAX_CHAIN, _epilogue
 from .sizes import cdiv, next_power_of_2
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import sizes as size_fns
-from .builder import TRef
+from .refs import TRef
 
 MAX_RANK = 5
 BLOCK = 1024

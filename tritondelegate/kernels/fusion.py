@@ -77,7 +77,7 @@ from . import conv as cv
 from . import elementwise as ew
 from . import sizes as size_fns
 from . import matmul as mm
-from .builder import TRef, new_launch
+from .refs import TRef, new_launch
 
 # r may stand on either side of these: no SWAP flag, fewer kernel variants
 COMMUTATIVE = {"add", "mul", "eq", "ne", "logical_and", "logical_or", "bitwise_and", "bitwise_or"}

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import elementwise as ew
-from .builder import TRef, contiguous_strides
+from .refs import TRef, contiguous_strides
 from .sizes import SymbolicShapeError, cdiv, is_static, next_power_of_2
 
 MAX_RANK = 5

@@ -14,7 +14,7 @@ import torch.fx
 
 from . import elementwise as ew
 from . import sizes
-from .builder import TRef
+from .refs import TRef
 
 aten = torch.ops.aten
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import sizes
-from .builder import LoweringError, TRef
+from .refs import LoweringError, TRef
 from .elementwise import MAX_CHAIN, _epilogue, broadcast_strides, collapse
 
 # CUDA caps grid axis 1 (the batch axis here) at 65535 programs; larger batches launch in chunks.

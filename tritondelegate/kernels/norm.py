@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import rows as rw
-from .builder import TRef
+from .refs import TRef
 from .elementwise import FLOAT_DTYPES
 from .rows import row_offsets, row_welford
 from .sizes import cdiv, upper

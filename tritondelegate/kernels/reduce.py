@@ -33,7 +33,7 @@ import triton.language as tl
 
 from . import rows as rw
 from . import sizes
-from .builder import TRef
+from .refs import TRef
 from .elementwise import FLOAT_DTYPES
 from .rows import row_offsets, row_welford
 from .sizes import cdiv, upper

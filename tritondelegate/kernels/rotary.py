@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import sizes
-from .builder import LoweringError, TRef
+from .refs import LoweringError, TRef
 from .elementwise import FLOAT_DTYPES, broadcast_strides, collapse
 from .sizes import cdiv, next_power_of_2
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .builder import LoweringError, TRef
+from .refs import LoweringError, TRef
 from .elementwise import collapse
 from .sizes import next_power_of_2, upper
 

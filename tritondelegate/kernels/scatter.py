@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import elementwise as ew
 from . import sizes as size_fns
-from .builder import LoweringError, TRef
+from .refs import LoweringError, TRef
 from .index import INDEX_DTYPES, MAX_INDICES, MAX_RANK, _dtype_reason, _val, broadcast_shape, indexed_offsets
 from .layout import view_of
 from .rows import node_arg

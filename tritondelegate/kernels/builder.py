@@ -36,11 +36,15 @@ SCRATCH_ALIGNMENT = 256
 class _Buffer:
     base: Base
     index: int
-    nbytes: int  # at the symbols' upper bounds: what the plan reserves
     size: object  # the exact byte count: an int, or a sympy expression over the symbols
     owner: str = ""  # the node whose lowering allocated it: only that node's launches write it
     first: int = -1
     last: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes at the symbols' upper bounds: what the plan reserves."""
+        return upper(self.size)
 
 
 class LaunchBuilder:
@@ -252,7 +256,7 @@ class LaunchBuilder:
 
     def _new_buffer(self, base: Base, index: int, nbytes) -> int:
         owner = self.current.name if self.current is not None else ""
-        self._buffers.append(_Buffer(base, index, upper(nbytes), nbytes, owner if base != Base.INPUT else ""))
+        self._buffers.append(_Buffer(base, index, nbytes, owner if base != Base.INPUT else ""))
         return len(self._buffers) - 1
 
     def _desc(self, buffer: int, dtype, shape, strides, offset) -> TRef:

@@ -72,33 +72,23 @@ class Expr:
         return self.text
 
 
-SizeLike = "int | Expr"
-
-
-def is_symbolic(x) -> bool:
-    return isinstance(x, Expr)
+def _each(x, fn):
+    """``x`` with ``fn`` applied to every :class:`Expr` in it (also inside tuples and lists)."""
+    if isinstance(x, Expr):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_each(v, fn) for v in x)
+    return x
 
 
 def resolve(x, env: dict[str, int]):
-    """``x`` with every :class:`Expr` in it (also inside tuples and lists) evaluated at ``env``."""
-    if isinstance(x, Expr):
-        return x.evaluate(env)
-    if isinstance(x, tuple):
-        return tuple(resolve(v, env) for v in x)
-    if isinstance(x, list):
-        return [resolve(v, env) for v in x]
-    return x
+    """``x`` with every :class:`Expr` in it evaluated at ``env``."""
+    return _each(x, lambda e: e.evaluate(env))
 
 
 def bound(x):
     """``x`` at every symbol's upper bound (ints pass through; tuples and lists element-wise)."""
-    if isinstance(x, Expr):
-        return x.bound
-    if isinstance(x, tuple):
-        return tuple(bound(v) for v in x)
-    if isinstance(x, list):
-        return [bound(v) for v in x]
-    return x
+    return _each(x, lambda e: e.bound)
 
 
 def any_symbolic(x) -> bool:
@@ -109,13 +99,9 @@ def any_symbolic(x) -> bool:
     return False
 
 
-def to_text(x) -> str:
-    """An int or Expr as expression text (how the format stores a size that may be symbolic)."""
-    return x.text if isinstance(x, Expr) else str(int(x))
-
-
 def from_text(text: str, bound_value: int, symbols=None):
-    """The inverse of :func:`to_text`: an int for a literal, else a checked :class:`Expr`."""
+    """A size as the format stores it (expression text and its bound): an int for a literal, else a
+    checked :class:`Expr`."""
     stripped = text.strip()
     if stripped.lstrip("-").isdigit():
         return int(stripped)

@@ -262,9 +262,8 @@ class LoadedMethod:
         return f"input {i} ({self.method.values[self.method.inputs[i]].name!r}) of method {self.name!r}"
 
     def _shape_note(self, value) -> str:
-        names = {s.name: s for s in self.method.symbols}
-        dims = [f"{d}" for d in value.shape if not isinstance(d, int)]
-        return f" (dims {', '.join(dims)} from the dynamic dimensions)" if dims and names else ""
+        dims = [str(d) for d in value.shape if not isinstance(d, int)]
+        return f" (dims {', '.join(dims)} from the dynamic dimensions)" if dims else ""
 
     def _bind_symbols(self, flat: list) -> tuple:
         """Each symbol's value from the input dimension it is bound to, checked against its range."""

@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .refs import TRef
 from .elementwise import MAX_CHAIN, _epilogue
-from .sizes import cdiv, next_power_of_2
+from .refs import TRef
+from .sizes import next_power_of_2
 
 EPILOGUE_STEPS = MAX_CHAIN
 
@@ -152,7 +152,7 @@ class ConvOp:
         _, _, oh, ow = self.c.shape
         cout_g, m = c_out // self.groups, n * oh * ow
         block_m, block_n, block_k = _block(m, 16, 64), _block(cout_g, 16, 64), _block(cin_g * kh * kw, 16, 32)
-        grid = (cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
         ptrs, scalars, strides = [], [], []
         for operand in list(operands) + [None] * (EPILOGUE_STEPS - len(operands)):
             tensor = isinstance(operand, tuple)

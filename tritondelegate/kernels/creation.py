@@ -58,7 +58,7 @@ def _number(value, is_float: bool):
 def launch_arange(b, out, start, step) -> None:
     """``out[i] = start + i * step``; ``start`` and ``step`` Python numbers or integer sizes."""
     is_float = out.dtype.is_floating_point
-    b.launch("arange", (sizes.cdiv(out.numel, BLOCK),), out, out.numel, _number(start, is_float),
+    b.launch("arange", (triton.cdiv(out.numel, BLOCK),), out, out.numel, _number(start, is_float),
              _number(step, is_float), IS_FLOAT=is_float, BLOCK=BLOCK)
 
 

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from . import elementwise as ew
 from .refs import TRef, contiguous_strides
-from .sizes import SymbolicShapeError, cdiv, is_static, next_power_of_2
+from .sizes import SymbolicShapeError, is_static, next_power_of_2
 
 MAX_RANK = 5
 MAX_INDICES = 3
@@ -170,7 +170,7 @@ def launch_gather(b, out: TRef, src: TRef, direct, indices) -> None:
     padded = list(indices) + [indices[0]] * (MAX_INDICES - len(indices))  # unused slots, never read
     index_strides = index_strides + [[0] * MAX_RANK] * (MAX_INDICES - len(indices))
     b.launch(
-        "gather", (cdiv(out.numel, BLOCK),),
+        "gather", (triton.cdiv(out.numel, BLOCK),),
         out, src, *(p[0] for p in padded),
         out.numel, *sizes[1:], *direct_strides, *(s for t in index_strides for s in t),
         *(p[2] for p in padded), *(p[3] for p in padded),
@@ -191,7 +191,7 @@ def launch_cumsum(b, out: TRef, x: TRef, dim: int) -> None:
     block_l = min(next_power_of_2(length), 256)
     block_r = max(1, min(next_power_of_2(rows), 1024 // block_l))
     b.launch(
-        "cumsum", (cdiv(rows, block_r),),
+        "cumsum", (triton.cdiv(rows, block_r),),
         out, x, rows, *sizes[1:], *x_strides, *out_strides,
         length, x.strides[dim] if x.ndim else 0, out.strides[dim] if x.ndim else 0,
         IS_FLOAT=out.dtype.is_floating_point, BLOCK_R=block_r, BLOCK_L=block_l,

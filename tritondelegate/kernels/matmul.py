@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from . import sizes
-from .refs import LoweringError, TRef
 from .elementwise import MAX_CHAIN, _epilogue, broadcast_strides, collapse
+from .refs import LoweringError, TRef
 
 # CUDA caps grid axis 1 (the batch axis here) at 65535 programs; larger batches launch in chunks.
 MAX_GRID_Y = 65535

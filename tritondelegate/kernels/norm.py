@@ -20,10 +20,10 @@ import triton
 import triton.language as tl
 
 from . import rows as rw
-from .refs import TRef
 from .elementwise import FLOAT_DTYPES
+from .refs import TRef
 from .rows import row_offsets, row_welford
-from .sizes import cdiv, upper
+from .sizes import upper
 
 MAX_BLOCK_C = 4096
 
@@ -110,7 +110,7 @@ def launch_norm(b, x: TRef, normalized_ndim: int, weight: TRef | None, bias: TRe
     w, bi = (x if t is None else t for t in (weight, bias))
     mean, rstd = (mean, rstd) if stats else (out, out)
     return b.launch(
-        "norm", (cdiv(plan.rows, block_r),),
+        "norm", (triton.cdiv(plan.rows, block_r),),
         x, w, bi, out, mean, rstd,
         plan.rows, plan.cols, plan.n1, plan.n2, *plan.args(0), *plan.args(1), float(eps),
         RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, STATS=stats,

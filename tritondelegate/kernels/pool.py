@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import sizes
-from .sizes import cdiv, next_power_of_2, upper
+from .sizes import next_power_of_2, upper
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NO_TAP = tl.constexpr(2**30)  # larger than any tap number
@@ -136,7 +136,7 @@ def launch_pool2d(b, mode: str, out, x, kernel=(1, 1), stride=(1, 1), padding=(0
     block_k = max(2, min(next_power_of_2(kh * kw), 128))
     block_m = max(16, min(next_power_of_2(total), 4096 // block_k, 256))
     b.launch(
-        "pool2d", (cdiv(total, block_m),),
+        "pool2d", (triton.cdiv(total, block_m),),
         x, out, indices if indices is not None else out,  # out stands in for unused indices: never written
         total, c, h, w, oh, ow,
         *x.strides, *out.strides, *(indices.strides if indices is not None else (0, 0, 0, 0)),

@@ -33,10 +33,10 @@ import triton.language as tl
 
 from . import rows as rw
 from . import sizes
-from .refs import TRef
 from .elementwise import FLOAT_DTYPES
+from .refs import TRef
 from .rows import row_offsets, row_welford
-from .sizes import cdiv, upper
+from .sizes import upper
 
 MAX_BLOCK_C = 1024
 MIN_PROGRAMS = 64  # fewer row programs than this: split long rows over programs
@@ -202,7 +202,7 @@ def launch_reduce(b, x: TRef, dims, out: TRef, out2: TRef | None = None, *, map_
     int_acc = not x.dtype.is_floating_point and combine in ("sum", "prod")
     x, plan = rw.lay_out(b, x, dims)
     blocks = rw.blocks(plan, MAX_BLOCK_C)
-    programs = cdiv(plan.rows, blocks[0])
+    programs = triton.cdiv(plan.rows, blocks[0])
     # one pass or a split: a speed decision, taken for the largest sizes of a dynamic range
     max_cols = upper(plan.cols)
     if combine not in SPLITTABLE or upper(programs) >= MIN_PROGRAMS or max_cols < SPLIT_MIN_COLS:
@@ -213,13 +213,13 @@ def launch_reduce(b, x: TRef, dims, out: TRef, out2: TRef | None = None, *, map_
     split_cols = SPLIT_BLOCKS * blocks[1]
     if triton.cdiv(max_cols, split_cols) > MAX_SPLIT:
         split_cols = triton.cdiv(triton.cdiv(max_cols, MAX_SPLIT), blocks[1]) * blocks[1]
-    split = cdiv(plan.cols, split_cols)
+    split = triton.cdiv(plan.cols, split_cols)
     partial = b.alloc((plan.rows, split), torch.int64 if int_acc else torch.float32)
     _launch(b, (programs, split), x, partial, partial, plan, split_cols, 1.0, blocks,
             MAP=map_, COMBINE=combine, FINISH="none", INT_ACC=int_acc)
     plan = rw.Rows(plan.rows, split, 1, plan.rows, ((0, 0, split, 1),))
     blocks = rw.blocks(plan, MAX_BLOCK_C)
-    _launch(b, (cdiv(plan.rows, blocks[0]), 1), partial, out, out, plan, split, divisor, blocks,
+    _launch(b, (triton.cdiv(plan.rows, blocks[0]), 1), partial, out, out, plan, split, divisor, blocks,
             MAP="id", COMBINE=combine, FINISH=finish, INT_ACC=int_acc)
 
 

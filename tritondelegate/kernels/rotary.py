@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from . import sizes
-from .refs import LoweringError, TRef
 from .elementwise import FLOAT_DTYPES, broadcast_strides, collapse
-from .sizes import cdiv, next_power_of_2
+from .refs import LoweringError, TRef
+from .sizes import next_power_of_2
 
 MAX_RANK = 5
 ROW_DIMS = MAX_RANK - 1
@@ -97,7 +97,7 @@ def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef) -> None:
     block_h = min(next_power_of_2(half), MAX_BLOCK_H)
     block_r = max(1, min(next_power_of_2(rows), TILE // block_h))
     b.launch(
-        "rotary", (cdiv(rows, block_r), cdiv(half, block_h)),
+        "rotary", (triton.cdiv(rows, block_r), triton.cdiv(half, block_h)),
         x, cos, sin, out,
         rows, half, lead[1], lead[2], lead[3],
         *xs, *cs, *ss, *os_,

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .refs import LoweringError, TRef
 from .elementwise import collapse
+from .refs import LoweringError, TRef
 from .sizes import next_power_of_2, upper
 
 MAX_ROW_DIMS = 3

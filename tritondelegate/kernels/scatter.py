@@ -31,11 +31,10 @@ import triton.language as tl
 
 from . import elementwise as ew
 from . import sizes as size_fns
-from .refs import LoweringError, TRef
 from .index import INDEX_DTYPES, MAX_INDICES, MAX_RANK, _dtype_reason, _val, broadcast_shape, indexed_offsets
 from .layout import view_of
+from .refs import LoweringError, TRef
 from .rows import node_arg
-from .sizes import cdiv
 
 aten = torch.ops.aten
 BLOCK = 1024
@@ -101,7 +100,7 @@ def launch_scatter(b, dst: TRef, src, shape, direct, values, indices, accumulate
     value = (float(src) if dst.dtype.is_floating_point else int(src)) if scalar else 0
     n = math.prod(shape)
     b.launch(
-        "scatter", (cdiv(n, BLOCK),),
+        "scatter", (triton.cdiv(n, BLOCK),),
         dst, dst if scalar else src, *(p[0] for p in padded), value,
         n, *sizes[1:], *direct_strides, *value_strides, *(s for t in index_strides for s in t),
         *(p[2] for p in padded), *(p[3] for p in padded),

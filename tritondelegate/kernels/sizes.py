@@ -135,11 +135,6 @@ def to_plan(x):
     return expr
 
 
-def cdiv(a, b):
-    """``ceil(a / b)`` for sizes (symbolic ``a`` stays symbolic)."""
-    return (size(a) + b - 1) // b
-
-
 def next_power_of_2(x) -> int:
     """The smallest power of two >= ``x`` at its upper bound: a block size that covers the whole range."""
     n = upper(x)

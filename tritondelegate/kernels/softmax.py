@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 
 from . import rows as rw
-from .refs import TRef
 from .elementwise import FLOAT_DTYPES
+from .refs import TRef
 from .rows import row_offsets
-from .sizes import cdiv, upper
+from .sizes import upper
 
 MAX_BLOCK_C = 4096
 
@@ -88,7 +88,7 @@ def launch_softmax(b, x: TRef, dim: int, out: TRef, log: bool) -> None:
         return
     block_r, block_c = rw.blocks(plan, MAX_BLOCK_C)
     b.launch(
-        "softmax", (cdiv(plan.rows, block_r),),
+        "softmax", (triton.cdiv(plan.rows, block_r),),
         x, out, plan.rows, plan.cols, plan.n1, plan.n2, *plan.args(0), *plan.args(1),
         LOG=log, ONE_PASS=upper(plan.cols) <= block_c, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=rw.num_warps(block_r, block_c),

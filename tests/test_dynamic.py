@@ -202,3 +202,12 @@ def _hf_case(name):
 def test_transformers_models_with_dynamic_dims(name):
     model, calls, dynamic = _hf_case(name)
     check_dynamic(model, calls, dynamic)
+
+
+def test_a_damaged_dynamic_plan_is_refused_at_load():
+    # Sizes are prepared on the first call at each size; the plans are still checked when the method loads.
+    _, lowered = _mlp_program()
+    launch = lowered.program.methods[0].delegates[0].plan.launches[0]
+    launch.args.pop()
+    with pytest.raises(td.ProgramError, match="does not fit the kernel's parameters"):
+        lowered.load().load_method("forward")

@@ -7,6 +7,7 @@ tensors bound to them change (method-planned values keep their arena address fro
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 
@@ -17,6 +18,7 @@ from ..kernels import interpreted, interpreter_library
 from ..kernels.registry import KERNELS
 from ..plan import ArgKind, Base, DelegatePlan, TensorDesc
 from ..program import ProgramError
+from ..symbolic import bound
 from .direct import LAUNCH_OPTIONS, direct_launch
 
 
@@ -70,6 +72,39 @@ def _skip(*args, **kwargs) -> None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _parameters(fn) -> tuple[inspect.Signature, list[str]]:
+    """A kernel function's signature and its runtime (non-constexpr) parameter names."""
+    signature = inspect.signature(fn)
+    return signature, [p.name for p in signature.parameters.values() if not _is_constexpr(p)]
+
+
+def _check_signature(kernel, launch) -> None:
+    """The plan's arguments must bind to the kernel's parameters (a damaged file must not reach a
+    launch with the wrong arguments). A grid that depends on symbols is checked at its bound."""
+    meta = {k: None for k in launch.constexprs if k not in LAUNCH_OPTIONS}
+    signature, runtime = _parameters(kernel.fn)
+    try:
+        if len(launch.args) != len(runtime):  # a default must not stand in for a lost argument
+            raise TypeError(f"{len(launch.args)} runtime arguments for the {len(runtime)} parameters "
+                            f"{', '.join(runtime)}")
+        signature.bind(*launch.args, **meta)
+    except TypeError as exc:
+        raise DelegateError(
+            f"launch of {launch.kernel!r} (node {launch.op!r}) does not fit the kernel's parameters: {exc}"
+        ) from exc
+    grid = bound(tuple(launch.grid))
+    if not all(isinstance(g, int) and g > 0 for g in grid) or not 1 <= len(grid) <= 3:
+        raise DelegateError(f"launch of {launch.kernel!r} has grid {launch.grid}")
+
+
+def check_plan(plan: DelegatePlan) -> None:
+    """Every launch of ``plan`` names a kernel this runtime has and fits its parameters. A runner
+    checks its own plan; a method with symbols checks its plans at load, before any size is run."""
+    for launch in plan.launches:
+        _check_signature(_kernel(launch.kernel), launch)
+
+
 class DelegateRunner:
     def __init__(self, plan: DelegatePlan, scratch: torch.Tensor | None, simulated: bool, null: bool = False,
                  direct: bool = False):
@@ -84,7 +119,7 @@ class DelegateRunner:
             raise DelegateError(f"delegate needs {plan.scratch_bytes} scratch bytes")
         self._kernels = [self._resolve(launch.kernel, simulated) for launch in plan.launches]
         for kernel, launch in zip(self._kernels, plan.launches):
-            self._check_signature(kernel, launch)
+            _check_signature(kernel, launch)
         used = {a.value for launch in plan.launches for a in launch.args if a.kind == ArgKind.TENSOR}
         self._views: list[torch.Tensor | None] = [
             _view(scratch, d) if d.base == Base.SCRATCH and i in used else None for i, d in enumerate(plan.tensors)
@@ -105,25 +140,6 @@ class DelegateRunner:
                 # The Triton interpreter computes low-precision tl.dot wrongly: upcast there.
                 constexprs["DOT_UPCAST"] = True
             self._records.append((_skip if null else kernel[launch.grid], args, constexprs))
-
-    @staticmethod
-    def _check_signature(kernel, launch) -> None:
-        """The plan's arguments must bind to the kernel's parameters (a damaged file must not reach
-        a launch with the wrong arguments)."""
-        meta = {k: None for k in launch.constexprs if k not in LAUNCH_OPTIONS}
-        signature = inspect.signature(kernel.fn)
-        runtime = [p.name for p in signature.parameters.values() if not _is_constexpr(p)]
-        try:
-            if len(launch.args) != len(runtime):  # a default must not stand in for a lost argument
-                raise TypeError(f"{len(launch.args)} runtime arguments for the {len(runtime)} parameters "
-                                f"{', '.join(runtime)}")
-            signature.bind(*launch.args, **meta)
-        except TypeError as exc:
-            raise DelegateError(
-                f"launch of {launch.kernel!r} (node {launch.op!r}) does not fit the kernel's parameters: {exc}"
-            ) from exc
-        if not all(isinstance(g, int) and g > 0 for g in launch.grid) or not 1 <= len(launch.grid) <= 3:
-            raise DelegateError(f"launch of {launch.kernel!r} has grid {launch.grid}")
 
     @staticmethod
     def _resolve(name: str, simulated: bool):

@@ -70,11 +70,11 @@ def symbolic_refusal(node: torch.fx.Node) -> str | None:
     copy = graph.node_copy(node, placeholder)
     nodes, outputs = [copy], [copy]
     val = node.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        outputs = [graph.call_function(operator.getitem, (copy, i)) for i, v in enumerate(val)
-                   if isinstance(v, torch.Tensor)]
-        for out, i in zip(outputs, (i for i, v in enumerate(val) if isinstance(v, torch.Tensor))):
-            out.meta["val"] = val[i]
+    if isinstance(val, (tuple, list)):  # each tensor element through a getitem, as in the graph
+        outputs = []
+        for i in (i for i, v in enumerate(val) if isinstance(v, torch.Tensor)):
+            outputs.append(graph.call_function(operator.getitem, (copy, i)))
+            outputs[-1].meta["val"] = val[i]
         nodes += outputs
     try:
         build_plan(nodes, list(inputs.values()), outputs)

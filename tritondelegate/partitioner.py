@@ -19,7 +19,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ._device import parse_device
 from .backend import BACKEND_ID, symbolic_refusal
-from .kernels import registry
+from .kernels import registry, sizes
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def _symbolic(node: torch.fx.Node) -> bool:
     """Whether a tensor the node reads or produces has a size that depends on the method's symbols."""
     vals = [a.meta.get("val") for a in node.all_input_nodes] + [node.meta.get("val")]
     vals = [v for x in vals for v in (x if isinstance(x, (tuple, list)) else [x])]
-    return any(isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape) for v in vals)
+    return any(isinstance(v, torch.Tensor) and not sizes.is_static(tuple(v.shape)) for v in vals)
 
 
 class _TritonSupport(OperatorSupportBase):

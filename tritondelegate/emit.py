@@ -19,6 +19,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from .backend import build_plan
 from .kernels import sizes
+from .kernels.sizes import is_size_node
 from .kernels.refs import dtype_name
 from .kernels.registry import lookup
 from .partitioner import PartitionResult, op_name
@@ -88,12 +89,6 @@ def _tensor_value(name, val, role, constant=-1) -> TensorValue:
     shape = sizes.shape(val.shape)
     nbytes = sizes.upper(val.numel()) * val.element_size()
     return TensorValue(name, dtype_name(val.dtype), sizes.to_plan(shape), "cpu", role, nbytes, constant=constant)
-
-
-def is_size_node(node: torch.fx.Node) -> bool:
-    """A node that computes a size (``sym_size``, arithmetic on SymInts): no instruction of its own;
-    its expression is evaluated by the runtime wherever an op takes it."""
-    return node.op == "call_function" and isinstance(node.meta.get("val"), torch.SymInt)
 
 
 @dataclass(frozen=True)
@@ -193,7 +188,7 @@ class _Emitter:
             self.delegate(gm, node)
         elif node.op == "call_function" and node.target is operator.getitem:
             self.env[node] = self.env[node.args[0]][node.args[1]]
-        elif is_size_node(node):
+        elif is_size_node(node):  # no instruction: the runtime evaluates it wherever an op takes it
             self.env[node] = _Size(sizes.size(node.meta["val"]))
         elif node.op == "call_function":
             self.host_op(node)

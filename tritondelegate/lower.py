@@ -11,8 +11,8 @@ from torch.export.graph_signature import InputKind
 from .binaries import check_archs, compile_binaries
 from .config import LowerConfig
 from .decompose import decompose
-from .emit import ConstantTable, LoweringError, NodeInfo, emit_method, is_size_node
-from .kernels.sizes import symbol_ranges
+from .emit import ConstantTable, LoweringError, NodeInfo, emit_method
+from .kernels.sizes import is_size_node, symbol_ranges
 from .memory.method_plan import plan_method
 from .memory.segments import plan_slots
 from .partitioner import Partitioner, TritonPartitioner
@@ -177,7 +177,7 @@ def _detach_size_nodes(gm: torch.fx.GraphModule) -> None:
     expression over the symbols) but lose their arguments: the runtime evaluates sizes from the
     symbols, so they read no tensor and tie no delegate to a host node."""
     for node in gm.graph.nodes:
-        if is_size_node(node):
+        if node.op == "call_function" and is_size_node(node):
             node.args, node.kwargs = (), {}
             node.target = symbolic_size
 

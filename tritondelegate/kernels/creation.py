@@ -23,6 +23,7 @@ import triton.language as tl
 from . import elementwise as ew
 from . import layout
 from . import sizes
+from .sizes import is_size_node
 
 BLOCK = 1024
 
@@ -74,18 +75,18 @@ def _arange_args(node) -> tuple[object, object]:
 
 def arange(b, node):
     start, step = _arange_args(node)
-    launch_arange(b, b.out(node), b.size(start) if _is_size(start) else start,
-                  b.size(step) if _is_size(step) else step)
+    launch_arange(b, b.out(node), b.size(start) if is_size_node(start) else start,
+                  b.size(step) if is_size_node(step) else step)
 
 
 def full(b, node):  # full(size, value) / scalar_tensor(value)
     value = node.args[1] if node.target == torch.ops.aten.full.default else node.args[0]
-    launch_fill(b, b.out(node), b.size(value) if _is_size(value) else value)
+    launch_fill(b, b.out(node), b.size(value) if is_size_node(value) else value)
 
 
 def full_like(b, node):  # full_like(x, value) / fill.Scalar(x, value): x's shape, not its data
     value = node.args[1]
-    launch_fill(b, b.out(node), b.size(value) if _is_size(value) else value)
+    launch_fill(b, b.out(node), b.size(value) if is_size_node(value) else value)
 
 
 def empty(b, node):
@@ -94,7 +95,6 @@ def empty(b, node):
 
 
 # --- support checks -------------------------------------------------------------------------------
-_is_size = ew.is_size_node
 ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
 
 
@@ -114,7 +114,7 @@ def supported(node) -> str | None:
     if reason:
         return reason
     for arg in _scalar_args(node):
-        if _is_size(arg):
+        if is_size_node(arg):
             continue  # an integer value, start or step that depends on the dynamic sizes
         if not isinstance(arg, numbers.Number):
             return (f"value {arg!r} is neither a constant number nor an integer size (other dynamic "
@@ -130,7 +130,7 @@ def supported_arange(node) -> str | None:
     dtype = node.meta["val"].dtype
     if dtype == torch.bool:
         return "arange with dtype torch.bool is not supported"
-    integral = all(isinstance(a, numbers.Integral) or _is_size(a) for a in (start, step))
+    integral = all(isinstance(a, numbers.Integral) or is_size_node(a) for a in (start, step))
     if not dtype.is_floating_point and not integral:
         return f"integer arange ({dtype}) with non-integer start {start!r} or step {step!r}"
     return None

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from . import sizes as size_fns
+from .sizes import is_size_node
 from .refs import TRef
 
 MAX_RANK = 5
@@ -400,11 +401,6 @@ def chain_launch(out: TRef, steps, slots, compute: str):
 # --- support checks and lowerings -----------------------------------------------------------------
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPES = FLOAT_DTYPES + (torch.int64, torch.int32, torch.bool)
-
-
-def is_size_node(arg) -> bool:
-    """Whether ``arg`` is a size node: an integer the program computes from its dynamic sizes."""
-    return hasattr(arg, "meta") and isinstance(arg.meta.get("val"), torch.SymInt)
 
 
 def _tensor_args(node):

@@ -19,6 +19,7 @@ import contextvars
 
 import sympy
 import torch
+import torch.fx
 
 from ..symbolic import Expr
 
@@ -56,6 +57,12 @@ def size(x):
     if isinstance(x, bool):
         raise TypeError(f"expected a size, got {x!r}")
     return int(x)
+
+
+def is_size_node(arg) -> bool:
+    """Whether ``arg`` is an fx node whose value is a SymInt: a size the program computes from its
+    dynamic dimensions (``sym_size``, arithmetic on it; in a delegate's subgraph, a placeholder)."""
+    return isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("val"), torch.SymInt)
 
 
 def shape(values) -> tuple:

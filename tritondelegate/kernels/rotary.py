@@ -24,6 +24,7 @@ import triton.language as tl
 from . import sizes
 from .elementwise import FLOAT_DTYPES, broadcast_strides, collapse
 from .refs import LoweringError, TRef
+from .rows import row_offsets
 from .sizes import next_power_of_2
 
 MAX_RANK = 5
@@ -35,12 +36,9 @@ TILE = 1024  # half-row positions per program: 2 * TILE outputs, about 8 fp32 va
 # --- kernel ---------------------------------------------------------------------------------------
 @triton.jit
 def _row4(r, n1, n2, n3, s0, s1, s2, s3):
-    """Element offset of row ``r`` (int64) of a [n0, n1, n2, n3] grid of rows with strides s0..s3."""
-    i3 = r % n3
-    rest = r // n3
-    i2 = rest % n2
-    rest = rest // n2
-    return (rest // n1) * s0 + (rest % n1) * s1 + i2 * s2 + i3 * s3
+    """Element offset of row ``r`` (int64) of a [n0, n1, n2, n3] grid of rows with strides s0..s3:
+    ``rows.row_offsets`` with one more inner dim."""
+    return row_offsets(r // n3, n1, n2, s0, s1, s2) + (r % n3) * s3
 
 
 @triton.jit

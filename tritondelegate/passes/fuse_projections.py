@@ -28,9 +28,8 @@ import operator
 import torch
 import torch.fx
 
-from ..kernels import sizes
 from .fold_constants import constant_inputs
-from .rewrite import fake, new_node, tensor_val
+from .rewrite import fake, new_node, same_shape, tensor_val
 
 aten = torch.ops.aten
 
@@ -96,7 +95,7 @@ def _elementwise_readers(node: torch.fx.Node, depth: int = 4) -> set[torch.fx.No
                 found.add(user)
                 val, own = user.meta.get("val"), n.meta.get("val")
                 if (len(user.all_input_nodes) == 1 and isinstance(val, torch.Tensor)
-                        and isinstance(own, torch.Tensor) and sizes.shape(val.shape) == sizes.shape(own.shape)):
+                        and isinstance(own, torch.Tensor) and same_shape(val, own)):
                     nxt.append(user)
         frontier = nxt
     return found

@@ -28,10 +28,9 @@ import torch
 import torch.fx
 from torch.export.graph_signature import TensorArgument
 
-from ..kernels import sizes
 from ..kernels.rows import node_arg
 from ..ops import rotary as rotary_op
-from .rewrite import is_call, tensor_val
+from .rewrite import is_call, same_shape, tensor_val
 
 aten = torch.ops.aten
 
@@ -157,10 +156,6 @@ def _only_inside(intermediates: list[torch.fx.Node], add: torch.fx.Node) -> bool
     return all(len(n.users) == 1 and next(iter(n.users)) in inside for n in intermediates)
 
 
-def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dim() == b.dim() and sizes.shape(a.shape) == sizes.shape(b.shape)
-
-
 def fuse_rotary(ep: torch.export.ExportedProgram, *args) -> list[str]:
     """Rewrite every rotary embedding of ``ep``'s graph into one ``tritondelegate::rotary`` node.
     Returns one description per rewrite (the caller recompiles the graph module)."""
@@ -173,7 +168,7 @@ def fuse_rotary(ep: torch.export.ExportedProgram, *args) -> list[str]:
         x, cos, sin, intermediates = found
         source = intermediates[-1].args[0]  # what rotate_half read: x, or an equal view of its own
         out = tensor_val(add)
-        if out is None or not _same_shape(out, tensor_val(x)) or not _only_inside(intermediates, add):
+        if out is None or not same_shape(out, tensor_val(x)) or not _only_inside(intermediates, add):
             continue  # x itself broadcast (cos/sin larger than x), or an intermediate read elsewhere
         with graph.inserting_before(add):
             node = graph.call_function(rotary_op, (x, cos, sin))

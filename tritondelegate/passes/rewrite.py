@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..kernels import sizes
+
 # The metadata a new node inherits (what stack traces and module paths point to).
 PROVENANCE = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
@@ -19,6 +21,12 @@ def tensor_val(node) -> torch.Tensor | None:
     """``node``'s ``meta["val"]`` when it is a tensor (a FakeTensor), else None."""
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None
+
+
+def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two (fake) tensors have the same shape, dynamic sizes compared as expressions (never
+    through a SymInt comparison, which would add a guard to the shape environment)."""
+    return a.dim() == b.dim() and sizes.shape(a.shape) == sizes.shape(b.shape)
 
 
 def fake(fn, *vals):

@@ -43,6 +43,18 @@ EPILOGUE_STEPS = MAX_CHAIN
 
 # --- kernel ---------------------------------------------------------------------------------------
 @triton.jit
+def _rms_tile(a, sumsq, p_ptr, stride_pk, k0, offs_k, k_left, HAS_PW: tl.constexpr):
+    """One K tile of the rms prologue: its squares added to the row sums, the tile scaled by the norm
+    weight (in fp32, back to A's dtype for the product)."""
+    a32 = a.to(tl.float32)
+    sumsq += tl.sum(a32 * a32, axis=1)
+    if HAS_PW:
+        w = tl.load(p_ptr + (k0 + offs_k) * stride_pk, mask=offs_k < k_left, other=0.0)
+        a32 = a32 * w.to(tl.float32)[None, :]
+    return a32.to(a.dtype), sumsq
+
+
+@triton.jit
 def matmul_kernel(
     a_ptr, b_ptr, c_ptr, x_ptr,
     M, N, K, alpha, beta,
@@ -99,12 +111,7 @@ def matmul_kernel(
         a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n, other=0.0)
         if PROLOGUE == "rms":
-            a32 = a.to(tl.float32)
-            sumsq += tl.sum(a32 * a32, axis=1)
-            if HAS_PW:
-                w = tl.load(p_ptr + (k * BLOCK_K + offs_k) * stride_pk, mask=offs_k < k_left, other=0.0)
-                a32 = a32 * w.to(tl.float32)[None, :]
-            a = a32.to(a.dtype)
+            a, sumsq = _rms_tile(a, sumsq, p_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW)
         if DOT_UPCAST:  # the interpreter's low-precision dot is wrong; the runtime sets this there
             a = a.to(tl.float32)
             b = b.to(tl.float32)

@@ -244,7 +244,7 @@ class LoadedMethod:
         for i, (vid, t) in enumerate(zip(self.method.inputs, flat)):
             value = self.method.values[vid]
             where = self._where(i)
-            shape = resolve(tuple(value.shape), env)
+            shape = resolve(tuple(value.shape), env) if env else tuple(value.shape)
             if tuple(t.shape) != shape:
                 raise InputError(f"{where} must have shape {list(shape)}{self._shape_note(value)}, got {list(t.shape)}")
             if t.dtype != _dtype(value.dtype):

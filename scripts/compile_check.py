@@ -25,6 +25,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
+import multiprocessing  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -413,6 +414,37 @@ def compile_variant(v: Variant, target, max_shared: int) -> None:
         v.error = f"needs {v.shared} bytes of shared memory; the target allows {max_shared} per block"
 
 
+_JOB: tuple = ()  # (variants, target, max shared): what forked compile workers inherit
+
+
+def _compile_one(index: int) -> tuple:
+    variants, target, max_shared = _JOB
+    v = variants[index]
+    compile_variant(v, target, max_shared)
+    return v.error, v.seconds, v.registers, v.stack_bytes, v.shared
+
+
+def compile_all(variants: list[Variant], target, max_shared: int, jobs: int, log) -> None:
+    """Compiles every variant, in ``jobs`` forked worker processes (compiling is CPU-bound and each
+    variant independent); results are copied back into the variants."""
+    global _JOB
+    _JOB = (variants, target, max_shared)
+    if jobs > 1:
+        pool = multiprocessing.get_context("fork").Pool(jobs)
+        results = pool.imap(_compile_one, range(len(variants)))
+    else:
+        pool, results = None, map(_compile_one, range(len(variants)))
+    try:
+        for i, (v, result) in enumerate(zip(variants, results), 1):
+            v.error, v.seconds, v.registers, v.stack_bytes, v.shared = result
+            status = "FAILED" if v.error else f"ok  regs={v.registers} stack={v.stack_bytes}B smem={v.shared}B"
+            log(f"[{i}/{len(variants)}] {v.seconds:5.1f}s {status}  {v.describe()}  ({v.uses[0]})")
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+
+
 # --- main -----------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -420,6 +452,8 @@ def main(argv=None) -> int:
     parser.add_argument("--case", action="append", default=[], help="only the cases whose name contains this")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="compile in this many processes (default: one per CPU)")
     parser.add_argument("--collect-only", action="store_true", help="lower the cases and count variants")
     opts = parser.parse_args(argv)
 
@@ -444,10 +478,7 @@ def main(argv=None) -> int:
     if opts.collect_only:
         return 0
     start = time.time()
-    for i, v in enumerate(variants.values(), 1):
-        compile_variant(v, target, max_shared)
-        status = "FAILED" if v.error else f"ok  regs={v.registers} stack={v.stack_bytes}B smem={v.shared}B"
-        log(f"[{i}/{len(variants)}] {v.seconds:5.1f}s {status}  {v.describe()}  ({v.uses[0]})")
+    compile_all(list(variants.values()), target, max_shared, opts.jobs, log)
 
     by_kernel: dict[str, list[int]] = {}
     for v in variants.values():

@@ -30,47 +30,75 @@ def _lower(model, args):
         return td.lower(torch.export.export(model, args), config=CONFIG)
 
 
-def _hf(kind: str, layers: int, batch: int):
+# Tiny widths (the tests' configs) and a width where a layer's weights outweigh its activations, as in
+# the models an H100 runs (hidden 1024, MLP 2816, 8 heads: 25 M parameters per 2 layers).
+WIDTHS = {"tiny": dict(hidden=32, mlp=64, heads=4, vocab=64),
+          "wide": dict(hidden=1024, mlp=2816, heads=8, vocab=2048)}
+
+
+def _hf(kind: str, layers: int, batch: int, hidden: int, mlp: int, heads: int, vocab: int):
     import transformers
 
     from harness import Logits
 
     torch.manual_seed(0)
     if kind == "llama":
-        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp,
+                                          num_hidden_layers=layers, num_attention_heads=heads,
+                                          num_key_value_heads=heads // 2, max_position_embeddings=64)
         model = transformers.LlamaForCausalLM(config)
     else:
-        config = transformers.GPT2Config(n_embd=32, n_layer=layers, n_head=4, vocab_size=64, n_positions=64,
-                                         bos_token_id=0, eos_token_id=0)
+        config = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab,
+                                         n_positions=64, bos_token_id=0, eos_token_id=0)
         model = transformers.GPT2LMHeadModel(config)
-    return Logits(model.eval()), (torch.randint(0, 64, (batch, 7)),)
+    return Logits(model.eval()), (torch.randint(0, vocab, (batch, 7)),)
 
 
-def _decoder(layers: int, batch: int):
-    model, (ids,) = demo_decoder(seed=0, n_layers=layers)
+def _decoder(layers: int, batch: int, hidden: int, mlp: int, heads: int, vocab: int):
+    if hidden == WIDTHS["tiny"]["hidden"]:  # the demo's own config
+        model, (ids,) = demo_decoder(seed=0, n_layers=layers)
+    else:
+        model, (ids,) = demo_decoder(seed=0, n_layers=layers, dim=hidden, hidden_dim=mlp, n_heads=heads,
+                                     n_kv_heads=heads // 2, vocab_size=vocab)
     return model, (ids.repeat(batch, 1),)
 
 
-def _resnet(layers: int, batch: int):
-    from test_resnet_block import TinyResNet
-
+def _resnet(layers: int, batch: int, hidden: int, **_):
     torch.manual_seed(0)
-    return TinyResNet().eval(), (torch.randn(batch, 3, 16, 16),)
+    if hidden == WIDTHS["tiny"]["hidden"]:
+        from test_resnet_block import TinyResNet
+
+        return TinyResNet().eval(), (torch.randn(batch, 3, 16, 16),)
+    import transformers  # ResNet-18's widths and depths at 224 x 224
+
+    model = transformers.ResNetModel(transformers.ResNetConfig(
+        embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2], layer_type="basic")).eval()
+    return _Pooled(model), (torch.randn(batch, 3, 224, 224),)
 
 
-MODELS = {"demo decoder": _decoder, "HF Llama": lambda n, b: _hf("llama", n, b),
-          "HF GPT-2": lambda n, b: _hf("gpt2", n, b), "TinyResNet": _resnet}
+class _Pooled(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x).pooler_output
+
+
+MODELS = {"demo decoder": _decoder, "HF Llama": lambda n, b, **w: _hf("llama", n, b, **w),
+          "HF GPT-2": lambda n, b, **w: _hf("gpt2", n, b, **w), "ResNet": _resnet}
 
 
 def main() -> int:
-    for name, make in MODELS.items():
-        two, four = (sum(_lower(*make(n, 1)).reports["forward"].launches.values()) for n in (2, 4))
-        per_layer = (four - two) / 2
-        layers = f"{per_layer:g} per layer + {two - 2 * per_layer:g} outside" if name != "TinyResNet" else "-"
-        ratios = [method_traffic(_lower(*make(2, b)).program.methods[0])["ratio"] for b in (1, 8)]
-        print(f"{name}: {two} launches (2 layers), {layers}; traffic / lower bound: "
-              f"{ratios[0]:.2f} at batch 1, {ratios[1]:.2f} at batch 8")
+    for width, dims in WIDTHS.items():
+        print(f"{width}: {dims}")
+        for name, make in MODELS.items():
+            two, four = (sum(_lower(*make(n, 1, **dims)).reports["forward"].launches.values()) for n in (2, 4))
+            per_layer = (four - two) / 2
+            layers = f"{per_layer:g} per layer + {two - 2 * per_layer:g} outside" if name != "ResNet" else "-"
+            ratios = [method_traffic(_lower(*make(2, b, **dims)).program.methods[0])["ratio"] for b in (1, 8)]
+            print(f"  {name}: {two} launches (2 layers), {layers}; traffic / lower bound: "
+                  f"{ratios[0]:.2f} at batch 1, {ratios[1]:.2f} at batch 8")
     return 0
 
 

@@ -41,14 +41,22 @@ class SwiGLU(torch.nn.Module):
         return (torch.nn.functional.silu(self.gate(h)) * self.up(h),)
 
 
-def test_norm_without_weight_and_two_readers():
+def test_norm_without_weight_into_a_gated_mlp():
     torch.manual_seed(0)
     launches = check_launches(SwiGLU(24, 40).eval(), (torch.randn(7, 24),))
-    # both GEMMs normalize their A; one also computes silu(gate) * up in its epilogue
+    # gate and up are one GEMM (passes/fuse_glu.py) that normalizes its A and gates its result
+    (launch,) = launches
+    assert launch.kernel == "matmul" and launch.constexprs["PROLOGUE"].value == "rms"
+    assert not launch.constexprs["HAS_PW"].value and launch.constexprs["GLU"].value == "silu"
+
+
+def test_norm_with_two_readers():
+    torch.manual_seed(0)
+    model = NormThenLinear(24, outs=(40, 16)).eval()
+    model.linears[1].bias = torch.nn.Parameter(torch.randn(16))  # not one projection group
+    launches = check_launches(model, (torch.randn(7, 24),))
     assert [launch.kernel for launch in launches] == ["matmul", "matmul"]
     assert all(launch.constexprs["PROLOGUE"].value == "rms" for launch in launches)
-    assert all(not launch.constexprs["HAS_PW"].value for launch in launches)
-    assert launches[1].constexprs["EPILOGUE"].value == 2
 
 
 def test_a_norm_that_is_also_returned_is_stored():

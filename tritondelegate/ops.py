@@ -4,6 +4,11 @@ place of a written-out pattern, so one kernel runs them.
     tritondelegate::rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor
         x * cos + rotate_half(x) * sin,   rotate_half(x) = cat((-x[..., h:], x[..., :h]), dim=-1), h = D / 2
 
+    tritondelegate::glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor
+        y = linear(x, weight, bias);  act(y[..., 0::2]) * y[..., 1::2]
+        (a gated MLP's gate and up projections as one GEMM: their weight rows interleaved, gate first;
+        act one of GLU_ACTS: SwiGLU is "silu", GeGLU "gelu" or "gelu_tanh", ReGLU "relu")
+
 Each op has a reference implementation in plain PyTorch (any device; it computes what the pattern it
 replaces computes, in the same dtype order, so a host fallback matches eager exactly) and a fake
 implementation (FakeTensors, symbolic shapes). The kernel registry imports this module, so the
@@ -20,6 +25,15 @@ NAMESPACE = "tritondelegate"
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 _lib.define("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor")
+_lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
+
+# The activations of a gated linear unit, by the name the pointwise kernels give them.
+GLU_ACTS = {
+    "silu": torch.nn.functional.silu,
+    "relu": torch.nn.functional.relu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+}
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -46,9 +60,37 @@ def _rotary_fake(x, cos, sin):
     return rotary_reference(x, cos, sin)
 
 
+def glu_linear_reference(x, weight, bias, act: str) -> torch.Tensor:
+    """``act(gate) * up`` with gate and up the even and odd output features of one linear: the values
+    (and dtype rounding) of ``act(linear(x, w_gate)) * linear(x, w_up)``."""
+    y = torch.nn.functional.linear(x, weight, bias)
+    return GLU_ACTS[act](y[..., 0::2]) * y[..., 1::2]
+
+
+def _check_glu(weight, act: str) -> None:
+    if act not in GLU_ACTS:
+        raise ValueError(f"tritondelegate::glu_linear: act {act!r} is not one of {sorted(GLU_ACTS)}")
+    if weight.shape[0] % 2:
+        raise ValueError(f"tritondelegate::glu_linear: the weight has {weight.shape[0]} rows, not an even count")
+
+
+@torch.library.impl(_lib, "glu_linear", "CompositeExplicitAutograd")
+def _glu_linear(x, weight, bias, act):
+    _check_glu(weight, act)
+    return glu_linear_reference(x, weight, bias, act)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::glu_linear")
+def _glu_linear_fake(x, weight, bias, act):
+    _check_glu(weight, act)
+    return glu_linear_reference(x, weight, bias, act)
+
+
 # The ops this module defines, by the name a program file stores for a host op (``OpOverload.name()``).
 OPS: dict[str, torch._ops.OpOverload] = {
     "tritondelegate::rotary": torch.ops.tritondelegate.rotary.default,
+    "tritondelegate::glu_linear": torch.ops.tritondelegate.glu_linear.default,
 }
 
 rotary = torch.ops.tritondelegate.rotary.default
+glu_linear = torch.ops.tritondelegate.glu_linear.default

@@ -21,6 +21,11 @@ of them) normalizes A's rows on the way in: A is then the norm's input x, each K
 norm weight before the product, the row's sum of squares accumulates over the same K loop (the norm
 runs over exactly K), and the product is scaled by ``rsqrt(sum / K + eps)`` before the bias and the
 epilogue, since ``(x * r * w) @ B == r * ((x * w) @ B)`` row by row. The normalized A is never stored.
+
+A gated linear unit (``GLU`` = an activation name; ``tritondelegate::glu_linear``, whose weight rows
+interleave gate and up) pairs the tile's columns after the bias: with B's columns g0, u0, g1, u1, ...
+the tile becomes ``act(g) * u`` (g and u rounded to C's dtype first, as eager stores the two linears'
+results), half as wide, and C is [M, N / 2]; any epilogue then runs on that.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ops import GLU_ACTS
 from . import sizes
-from .elementwise import MAX_CHAIN, _epilogue, broadcast_strides, collapse
-from .refs import LoweringError, TRef
+from .elementwise import MAX_CHAIN, _epilogue, _formula, broadcast_strides, collapse
+from .refs import LoweringError, TRef, dtype_name
 
 # CUDA caps grid axis 1 (the batch axis here) at 65535 programs; larger batches launch in chunks.
 MAX_GRID_Y = 65535
@@ -52,6 +58,19 @@ def _rms_tile(a, sumsq, p_ptr, stride_pk, k0, offs_k, k_left, HAS_PW: tl.constex
         w = tl.load(p_ptr + (k0 + offs_k) * stride_pk, mask=offs_k < k_left, other=0.0)
         a32 = a32 * w.to(tl.float32)[None, :]
     return a32.to(a.dtype), sumsq
+
+
+@triton.jit
+def _glu_tile(acc, ACT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``act(g) * u`` of a tile whose columns alternate g, u: [BLOCK_M, BLOCK_N / 2], fp32."""
+    g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+    if ROUND == "float16":
+        g = g.to(tl.float16).to(tl.float32)
+        u = u.to(tl.float16).to(tl.float32)
+    elif ROUND == "bfloat16":
+        g = g.to(tl.bfloat16).to(tl.float32)
+        u = u.to(tl.bfloat16).to(tl.float32)
+    return _formula(g, g, g, ACT, 1) * u
 
 
 @triton.jit
@@ -79,6 +98,7 @@ def matmul_kernel(
     EIS_SCALAR0: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
     EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
     PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False,
+    GLU: tl.constexpr = "", GLU_ROUND: tl.constexpr = "",
 ):
     # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]   (X only when HAS_BIAS); then the epilogue, if any
     pid = tl.program_id(0)
@@ -127,6 +147,10 @@ def matmul_kernel(
     if HAS_BIAS:
         x_ptrs = x_ptr + z * stride_xz + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
         acc += beta * tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if GLU != "":  # columns (gate, up) pair up: the tile, its columns and C are half as wide
+        acc = _glu_tile(acc, GLU, GLU_ROUND, BLOCK_M, BLOCK_N)
+        offs_n = pid_n.to(tl.int64) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        mask = mask_m & (offs_n[None, :] < N // 2)
     if EPILOGUE > 0:  # operands addressed by (z, row, column) strides
         acc = _epilogue(acc, mask, z, offs_m[:, None], offs_n[None, :], 0,
                         e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
@@ -201,6 +225,13 @@ class MatmulOp:
     cfg: Config
     # An rms_norm folded into A (``fusion.py``): (its weight or None, eps); ``a`` is then the norm's input.
     prologue: tuple | None = None
+    # A gated linear unit's activation (``glu_linear``): B's columns alternate gate, up; C is [Z, M, N / 2].
+    glu: str = ""
+
+    @property
+    def n(self):
+        """The product's N: B's columns (C's, or twice C's under a gated linear unit)."""
+        return self.bmat.shape[2]
 
     @property
     def reads(self) -> tuple[TRef, ...]:
@@ -215,7 +246,7 @@ class MatmulOp:
         c_strides = c.strides if c_strides is None else tuple(c_strides)
         x_strides = self.x.strides if self.has_bias else (0, 0, 0)
         _, M, K = self.a.shape
-        N = self.c.shape[2]
+        N = self.n
         ptrs, scalars, strides = [], [], []
         for operand in list(operands) + [None] * (EPILOGUE_STEPS - len(operands)):
             if isinstance(operand, tuple):  # (tensor, its [Z, M, N] strides)
@@ -233,30 +264,33 @@ class MatmulOp:
                 *prologue]
 
     def grid(self) -> tuple[int, int]:
-        return (triton.cdiv(self.a.shape[1], self.cfg.block_m) * triton.cdiv(self.c.shape[2], self.cfg.block_n),
+        return (triton.cdiv(self.a.shape[1], self.cfg.block_m) * triton.cdiv(self.n, self.cfg.block_n),
                 self.a.shape[0])
 
     def constexprs(self) -> dict:
         cfg = self.cfg
         prologue = {} if self.prologue is None else dict(PROLOGUE="rms", HAS_PW=self.prologue[0] is not None)
+        if self.glu:
+            prologue.update(GLU=self.glu, GLU_ROUND=dtype_name(self.c.dtype))
         return dict(HAS_BIAS=self.has_bias, DOT_UPCAST=False,
                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **prologue)
 
 
 def launch_matmul(b, a: TRef, bmat: TRef, c: TRef, bias: TRef | None = None,
-                  alpha: float = 1.0, beta: float = 1.0) -> None:
+                  alpha: float = 1.0, beta: float = 1.0, glu: str = "") -> None:
     """Launch ``c = alpha * (a @ bmat) + beta * bias``. ``a`` [Z, M, K], ``bmat`` [Z, K, N] and
     ``c`` [Z, M, N] are 3-D views (stride 0 on a broadcast batch); ``bias`` is a view broadcast to
-    ``c``'s shape, or None."""
+    ``[Z, M, N]``, or None. With ``glu`` (an activation name), ``c`` is [Z, M, N / 2]: the gated
+    linear unit of B's alternating gate and up columns."""
     batch, M, K = a.shape
-    N = c.shape[2]
+    N = bmat.shape[2]
     cfg = choose_config(batch, M, N, K, a.dtype)
     has_bias = bias is not None and beta != 0  # beta = 0 ignores the bias, NaNs included (as torch)
     x = bias if has_bias else c  # never read without a bias
     for start, count in _batch_chunks(batch):
         views = [_batch_slice(b, t, start, count) for t in (a, bmat, c, x)]
-        op = MatmulOp(*views, has_bias, float(alpha), float(beta), cfg)
+        op = MatmulOp(*views, has_bias, float(alpha), float(beta), cfg, glu=glu)
         position = b.launch("matmul", op.grid(), *op.args(), **op.constexprs())
         if position is not None and count == batch:  # a product split over launches takes no epilogue
             b.matmul[position] = op
@@ -418,9 +452,10 @@ def baddbmm(b, node):
                   alpha=node.kwargs.get("alpha", 1), beta=node.kwargs.get("beta", 1))
 
 
-def linear(b, node):
+def linear(b, node, glu: str = ""):
     """out[..., N] = x[..., K] @ weight[N, K].T + bias: the leading dims of x become M (merged in
-    place when their strides allow, else a batch axis), the weight is read transposed in place."""
+    place when their strides allow, else a batch axis), the weight is read transposed in place.
+    With ``glu``, out is [..., N / 2] (``glu_linear``)."""
     x, w = b.ref(node.args[0]), b.ref(node.args[1])
     bias = b.ref(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
     out = b.out(node)
@@ -432,8 +467,28 @@ def linear(b, node):
     (batch, M), (sz, sm) = rows
     a = b.view(x, (batch, M, K), (sz, sm, x.strides[-1]))
     wt = b.view(w, (batch, K, N), (0, w.strides[1], w.strides[0]))
-    c = b.view(out, (batch, M, N), (M * N, N, 1))  # out is contiguous: [..., N] = [batch, M, N]
-    launch_matmul(b, a, wt, c, None if bias is None else _bias(b, bias, c.shape))
+    n_out = out.shape[-1]  # N, or N / 2 under a gated linear unit
+    c = b.view(out, (batch, M, n_out), (M * n_out, n_out, 1))  # out is contiguous: [batch, M, N]
+    launch_matmul(b, a, wt, c, None if bias is None else _bias(b, bias, (batch, M, N)), glu=glu)
+
+
+def glu_linear(b, node):
+    """``tritondelegate::glu_linear(x, weight, bias, act)``: ``linear`` with the gated linear unit
+    of the weight's interleaved gate and up rows in the kernel (C is half as wide)."""
+    linear(b, node, glu=node.args[3])
+
+
+def supported_glu(node) -> str | None:
+    """glu_linear(x [..., K], weight [2N, K], bias [2N] | None, act): None, or why it is refused."""
+    reason = supported_linear(node)
+    if reason:
+        return reason
+    if node.args[3] not in GLU_ACTS:
+        return f"act {node.args[3]!r} is not one of {', '.join(sorted(GLU_ACTS))}"
+    rows = _val(node.args[1]).shape[0]
+    if not isinstance(rows, int) or rows % 2:
+        return f"the weight has {rows} rows; a gated linear unit needs an even, static count"
+    return None
 
 
 def _rows(shape, strides):

@@ -198,6 +198,7 @@ KERNELS: dict[str, object] = {
     "cumsum": idx.cumsum_kernel,
     "scatter": sc.scatter_kernel,
     "matmul": mm.matmul_kernel,
+    td_ops.glu_linear: OpSpec(mm.glu_linear, mm.supported_glu),  # matmul.py
     "conv2d": conv.conv2d_kernel,
     "pool2d": pool.pool2d_kernel,
     "batch_norm": bn.batch_norm_kernel,

@@ -7,6 +7,8 @@ constant folding and partitioning:
   ``aten.gelu(approximate="tanh")``, which runs in the epilogue of the matmul before it;
 * ``fuse_rotary``: a rotary embedding written out (``x * cos + rotate_half(x) * sin``) becomes one
   ``tritondelegate::rotary`` op (one launch instead of four per tensor);
+* ``fuse_glu``: a gated MLP's ``act(linear(x, Wg)) * linear(x, Wu)`` becomes one
+  ``tritondelegate::glu_linear`` over the two weights interleaved (one GEMM, the gating in its epilogue);
 * ``fuse_projections``: linears that read the same input (Q/K/V; gate/up) become one linear over
   their weights concatenated (folded into one constant by ``lower()``), and views of its result;
 * ``fuse_batchnorm``: an eval batch norm after a convolution is folded into its weight and bias
@@ -21,6 +23,7 @@ import torch
 
 from .fuse_batchnorm import fuse_batchnorm
 from .fuse_gelu import fuse_gelu
+from .fuse_glu import fuse_glu
 from .fuse_projections import fuse_projections
 from .fuse_rms_norm import fuse_rms_norm
 from .fuse_rotary import fuse_rotary
@@ -31,7 +34,7 @@ def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool)
     their concatenated weights once)."""
     done = fuse_rms_norm(ep) + fuse_gelu(ep) + fuse_rotary(ep)
     if fold:  # both store new constants (concatenated or folded weights): folding computes them once
-        done += fuse_projections(ep, state) + fuse_batchnorm(ep, state)
+        done += fuse_glu(ep, state) + fuse_projections(ep, state) + fuse_batchnorm(ep, state)
     if done:
         ep.graph_module.recompile()
     return done

@@ -17,8 +17,9 @@ kept, and stored next to ``W``.
 A linear joins a group when its weight is a constant placeholder (parameter, buffer or lifted
 constant that is not program state) of two dims, and its bias is absent or such a constant too; a
 group shares ``x``, the weights' dtype and in-features, and whether there is a bias. A weight that
-appears twice in a group (the same projection computed twice) is fused once only. Projections whose
-results one node combines directly (SwiGLU's gate and up) are left apart: see ``_combined``.
+appears twice in a group (the same projection computed twice) is fused once only. A gated MLP's gate
+and up projections are ``fuse_glu.py``'s (it runs first); other projections whose results one node
+combines directly are left apart: see ``_combined``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .rewrite import fake, new_node, same_shape, tensor_val
 
 aten = torch.ops.aten
 
-def _candidate(node: torch.fx.Node, constants: set[torch.fx.Node]):
+def linear_candidate(node: torch.fx.Node, constants: set[torch.fx.Node]):
     """(x, weight, bias or None) when ``node`` is a linear that may join a group, else None."""
     if node.op != "call_function" or node.target != aten.linear.default or node.kwargs:
         return None
@@ -59,7 +60,7 @@ def _groups(graph: torch.fx.Graph, constants: set[torch.fx.Node]) -> list[list[t
     groups: dict[tuple, list[torch.fx.Node]] = {}
     seen: dict[tuple, set] = {}
     for node in graph.nodes:
-        found = _candidate(node, constants)
+        found = linear_candidate(node, constants)
         if found is None:
             continue
         x, weight, bias = found

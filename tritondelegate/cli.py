@@ -235,9 +235,20 @@ def _inspect(args) -> int:
     try:
         with load_program(args.program) as f:
             facts = describe(f.program)
+            program = f.program
     except (ProgramError, OSError) as exc:
         print(f"tritondelegate inspect: {exc}", file=sys.stderr)
         return 2
+    if args.plot:
+        try:
+            from tritondelegate.plot import plot_arenas
+
+            panels = plot_arenas(program, args.plot)
+        except ImportError as exc:
+            print(f"tritondelegate inspect: --plot needs matplotlib (pip install 'tritondelegate[plot]'): {exc}",
+                  file=sys.stderr)
+            return 2
+        print(f"tritondelegate inspect: {panels} panels (arenas, segments) drawn into {args.plot}", file=sys.stderr)
     if args.json:
         json.dump(facts, sys.stdout, indent=2)
         print()
@@ -270,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     insp = sub.add_parser("inspect", help="what a program file holds: methods, delegates, constants, state, memory")
     insp.add_argument("program", help="a program file written by LoweredProgram.save")
     insp.add_argument("--json", action="store_true", help="print one JSON object")
+    insp.add_argument("--plot", metavar="FILE.png",
+                      help="also draw each arena and segment (values by lifetime and offset) into a PNG "
+                           "(needs matplotlib: pip install 'tritondelegate[plot]')")
     args = parser.parse_args(argv)
     if args.command == "inspect":
         return _inspect(args)

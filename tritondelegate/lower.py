@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.export.graph_signature import InputKind
 
+from . import progress as progress_module
 from .binaries import check_archs, compile_binaries
 from .config import LowerConfig
 from .decompose import decompose
@@ -62,16 +63,20 @@ class LoweredProgram:
             self.program.external_files = [f"{stem}.weights.safetensors"]
         return save_program(self.program, self.constant_data, path, binary_data=self.binary_data)
 
-    def load(self, devices="auto"):
-        """Run without a file: the same runtime, with constants read from memory."""
+    def load(self, devices="auto", progress: bool | None = None):
+        """Run without a file: the same runtime, with constants read from memory (``progress``: as
+        ``td.load``'s)."""
         from .runtime.loader import InMemorySource, LoadedProgram
 
-        return LoadedProgram(InMemorySource(self.program, self.constant_data, self.binary_data), devices=devices)
+        return LoadedProgram(InMemorySource(self.program, self.constant_data, self.binary_data), devices=devices,
+                             progress=progress)
 
-    def summary(self) -> str:
+    def summary(self, verbose: bool = False) -> str:
+        """What runs where: a table of the methods, then each one's details, grouped (the largest items
+        of each kind, then one line for the rest); ``verbose=True`` lists every item."""
         from .summary import format_summary
 
-        return format_summary(self)
+        return format_summary(self, verbose=verbose)
 
     def __repr__(self) -> str:
         return f"LoweredProgram(methods={self.method_names})"
@@ -81,12 +86,16 @@ def lower(
     programs: "torch.export.ExportedProgram | dict[str, torch.export.ExportedProgram]",
     partitioner: Partitioner | None = None,
     config: LowerConfig | None = None,
+    progress: bool | None = None,
 ) -> LoweredProgram:
     """Lower one exported program (method ``"forward"``) or a dict of them by method name.
 
     Nodes the partitioner claims run in Triton delegates on their device; the rest run on the host
     through ATen. Constants are stored once in the program, whichever methods read them; a buffer
     that any method mutates is program state, shared by every method of a loaded program.
+
+    ``progress``: a bar on stderr over the lowering's steps; None (auto) shows it when stderr is a
+    terminal and lowering runs longer than ``progress.LOWER_DELAY_S``; True always, False never.
     """
     if isinstance(programs, torch.export.ExportedProgram):
         programs = {"forward": programs}
@@ -95,18 +104,30 @@ def lower(
     partitioner = TritonPartitioner() if partitioner is None else partitioner
     config = LowerConfig() if config is None else config
     check_archs(config.kernel_archs)
-    decomposed = {name: _decompose(name, ep, partitioner) for name, ep in programs.items()}
+    steps = 3 * len(programs) + 1 + bool(config.kernel_archs)  # per method: decompose, partition, lower
+    with progress_module.bar("lowering", steps, progress, unit="step", delay=progress_module.LOWER_DELAY_S) as bar:
+        return _lower(programs, partitioner, config, bar)
+
+
+def _lower(programs: dict, partitioner: Partitioner, config: LowerConfig, bar) -> LoweredProgram:
+    """:func:`lower` after its checks; ``bar.step(label)`` marks each step (``progress.bar``)."""
+    decomposed = {}
+    for name, ep in programs.items():
+        bar.step(f"decompose {name}")
+        decomposed[name] = _decompose(name, ep, partitioner)
     symbols = {name: _symbols(name, ep) for name, ep in decomposed.items()}
     # Mutations are explicit once functionalized: state is what any decomposed method writes back.
     mutated = {fqn for ep in decomposed.values() for fqn in ep.graph_signature.buffers_to_mutate.values()}
     graphs = []
     for name, ep in decomposed.items():
+        bar.step(f"partition {name}")
         with symbol_ranges(*symbols[name][1:]):  # sizes over the method's symbols are decided for their range
             graphs.append(_partition(name, ep, partitioner, config, mutated))
     state = place_state(graphs, config.enable_non_cpu_memory_planning)
     constants = ConstantTable()
     methods, reports = [], {}
     for graph in graphs:
+        bar.step(f"lower {graph.name}")
         inplace = reinplace(graph, state)
         with symbol_ranges(*symbols[graph.name][1:]):
             method, reports[graph.name] = _lower_method(graph, state, constants, config)
@@ -116,9 +137,11 @@ def lower(
         reports[graph.name].fused = graph.fused
         methods.append(method)
     program = Program(methods, constants.constants)
+    bar.step("plan memory")
     plan_slots(program)
     binary_data = []
     if config.kernel_archs:
+        bar.step(f"compile kernels for {', '.join(config.kernel_archs)}")
         compiled = compile_binaries(program, config.kernel_archs)
         program.binaries, binary_data = compiled.binaries, compiled.data
     external = [i for i, c in enumerate(program.constants) if config.is_external(c.name)]

@@ -188,6 +188,7 @@ OPS: dict[object, OpSpec] = {
     aten.linalg_vector_norm.default: OpSpec(red.vector_norm, red.supported_norm),
     # tritondelegate:: ops (ops.py), put in place of written-out patterns by passes/fuse.py
     td_ops.rotary: OpSpec(rot.rotary, rot.supported),  # rotary.py
+    td_ops.glu_linear: OpSpec(mm.glu_linear, mm.supported_glu),  # matmul.py
 }
 
 KERNELS: dict[str, object] = {
@@ -198,7 +199,6 @@ KERNELS: dict[str, object] = {
     "cumsum": idx.cumsum_kernel,
     "scatter": sc.scatter_kernel,
     "matmul": mm.matmul_kernel,
-    td_ops.glu_linear: OpSpec(mm.glu_linear, mm.supported_glu),  # matmul.py
     "conv2d": conv.conv2d_kernel,
     "pool2d": pool.pool2d_kernel,
     "batch_norm": bn.batch_norm_kernel,

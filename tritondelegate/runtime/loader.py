@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
+from .. import progress as _progress
 from ..program import Program, ProgramError
 from .allocator import allocators_for
 from .delegate import _dtype
@@ -52,6 +54,27 @@ class FileSource:
         self._file.close()
 
 
+class _CountedSource:
+    """``source`` that advances a progress bar by each pending constant's bytes once the next one is
+    read (the copy of the previous one is then issued) and by the last one's at :meth:`done`."""
+
+    def __init__(self, source, pending: dict[int, int], bar):
+        self._source, self._pending, self._bar, self._issued = source, dict(pending), bar, 0
+
+    def constant_tensor(self, index: int) -> torch.Tensor:
+        tensor = self._source.constant_tensor(index)
+        self._bar.update(self._issued)
+        self._issued = self._pending.pop(index, 0)
+        return tensor
+
+    def done(self) -> None:
+        self._bar.update(self._issued)
+        self._issued = 0
+
+    def __getattr__(self, name):
+        return getattr(self._source, name)
+
+
 class LoadedProgram:
     """A program ready to run: ``load_method(name)`` gives a callable method.
 
@@ -61,9 +84,10 @@ class LoadedProgram:
     on the methods of one load are serialized by a lock, since they share its state.
     """
 
-    def __init__(self, source, devices="auto"):
+    def __init__(self, source, devices="auto", progress: bool | None = None):
         self._source = source
         self.program: Program = source.program
+        self.progress = progress  # the default of load_method(progress=...)
         self.allocators = allocators_for(devices)
         self._memory = ProgramMemory(self.program, source, self.allocators)
         self._binaries_installed: set[str] = set()
@@ -88,6 +112,32 @@ class LoadedProgram:
             install_for_device(self.program, self._source.binary_bytes, index)
             self._binaries_installed.add(device)
 
+    @contextmanager
+    def _load_progress(self, method, progress: bool | None):
+        """While ``method`` loads: a bar over the bytes it copies from the program to a device first
+        (resident constants not loaded yet, state of a segment not allocated yet)."""
+        memory, pending = self._memory, {}
+        for index in sorted({v.slot for v in method.values if v.slot >= 0}):
+            slot = self.program.slots[index]
+            if slot.segment < 0:
+                continue  # host state: no copy to a device
+            first = memory._segments[slot.segment] is None if slot.state else index not in memory._loaded
+            if first:
+                pending[slot.constant] = pending.get(slot.constant, 0) + self.program.constants[slot.constant].nbytes
+        total = sum(pending.values())
+        with _progress.bar(f"loading {method.name!r}", total, progress, large=total > _progress.LOAD_BYTES,
+                           unit="B") as bar:
+            if not bar.shown:
+                yield
+                return
+            source = memory.source
+            memory.source = counted = _CountedSource(source, pending, bar)
+            try:
+                yield
+            finally:
+                memory.source = source
+                counted.done()
+
     @property
     def state_names(self) -> list[str]:
         """The fully-qualified names of the program's state buffers."""
@@ -106,7 +156,7 @@ class LoadedProgram:
         return "simulated" if allocator is None or allocator.simulated else "cuda"
 
     def load_method(self, name: str = "forward", stream=None, reuse_output_memory: bool = False,
-                    graphs: bool = False) -> LoadedMethod:
+                    graphs: bool = False, progress: bool | None = None) -> LoadedMethod:
         """Allocate the method's arenas once and load its resident constants on ``stream``.
 
         With ``reuse_output_memory=True`` device outputs are returned as views of the method's arena:
@@ -116,26 +166,34 @@ class LoadedProgram:
         With ``graphs=True`` each delegate whose tensors all live in the arena is recorded once (on its
         second call) and replayed as one CUDA graph from then on: one launch instead of one per
         kernel. Delegates that read caller-provided device inputs run their launches directly.
+
+        ``progress``: a bar on stderr while the constants load; None (default: the ``td.load`` setting,
+        else auto) shows one when stderr is a terminal and more than ``progress.LOAD_BYTES`` load.
         """
+        progress = self.progress if progress is None else progress
         for method in self.program.methods:
             if method.name == name:
                 with self._memory.lock:
                     self._install_binaries(method)
-                    return LoadedMethod(method, self._memory, stream, reuse_output_memory, graphs)
+                    with self._load_progress(method, progress):
+                        return LoadedMethod(method, self._memory, stream, reuse_output_memory, graphs)
         raise KeyError(f"no method {name!r} in this program; methods: {', '.join(self.method_names)}")
 
 
-def load(path: str | os.PathLike, *, data_files: dict[str, str] | None = None, devices="auto") -> LoadedProgram:
+def load(path: str | os.PathLike, *, data_files: dict[str, str] | None = None, devices="auto",
+         progress: bool | None = None) -> LoadedProgram:
     """Open a program file written by ``LoweredProgram.save``.
 
     ``data_files`` maps an external weights file name recorded in the program to its path (default:
     that name next to the program file). ``devices``: ``"auto"`` (CUDA when available, else the
     simulated device), ``"cuda"``, ``"simulated"``, ``"null"`` (memory allocated on the host, copies and
     launches counted but not done: the runtime's own host cost), or a dict of device type -> DeviceAllocator.
+    ``progress``: the default of ``load_method(progress=...)``: True shows a bar on stderr while
+    constants load, False never; None (auto) when stderr is a terminal and the load is large.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ProgramError(f"program file {path!r} does not exist")
     if not os.path.isfile(path):
         raise ProgramError(f"program path {path!r} is not a file")
-    return LoadedProgram(FileSource(path, data_files), devices=devices)
+    return LoadedProgram(FileSource(path, data_files), devices=devices, progress=progress)

@@ -132,6 +132,21 @@ def _rows(dtype):
     return Fn(fn), (_randn(64, 768, dtype=dtype), _randn(5, 17, dtype=dtype), _randn(16, 8192, dtype=dtype))
 
 
+class _LayerNormMLP(nn.Module):
+    """GPT-2's MLP half: layer_norm -> linear + tanh GELU -> linear + residual (norm as a prologue)."""
+
+    def __init__(self, dim=768):
+        super().__init__()
+        self.norm, self.fc, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.norm(x)), approximate="tanh"))
+
+
+def _layer_norm_mlp(dtype, rows):
+    return _LayerNormMLP().eval().to(dtype), (_randn(1, rows, 768, dtype=dtype),)
+
+
 def _softmax_vocab(dtype):
     return Fn(lambda x: torch.softmax(x, -1)), (_randn(4, 32000, dtype=dtype),)
 
@@ -259,6 +274,8 @@ def _per_dtype(d) -> dict[str, callable]:
         "matmul": lambda: _matmuls(d),
         "epilogue_prefill": lambda: _epilogues(d, 384, 384),
         "epilogue_decode": lambda: _epilogues(d, 1, 512),
+        "layer_norm_mlp_prefill": lambda: _layer_norm_mlp(d, 200),
+        "layer_norm_mlp_decode": lambda: _layer_norm_mlp(d, 1),
         # written out, fused by passes/fuse_rotary.py: q [1, 8, 64, 128] and k as a projection's transpose
         "rotary": lambda: (Fn(lambda q, k, c, s: (q * c + rotate_half(q) * s,
                                                   k.transpose(1, 2) * c + rotate_half(k.transpose(1, 2)) * s)),

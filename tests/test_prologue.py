@@ -93,3 +93,50 @@ def test_one_row_as_in_decode():
     torch.manual_seed(0)
     (launch,) = check_launches(NormThenLinear(33).eval(), (torch.randn(1, 1, 33),))
     assert launch.constexprs["PROLOGUE"].value == "rms"
+
+
+class LayerNormThenLinear(torch.nn.Module):
+    """layer_norm (weight and bias optional) read by linears (bias too); odd widths."""
+
+    def __init__(self, dim, outs=(40,), affine=True, bias=True, shift=None):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim, elementwise_affine=affine, bias=affine)
+        if affine:  # not the identity: weight near 1, bias near 0
+            self.norm.weight.data = 1 + 0.1 * torch.randn(dim)
+            self.norm.bias.data = 0.1 * torch.randn(dim)
+        self.linears = torch.nn.ModuleList(torch.nn.Linear(dim, n, bias=bias) for n in outs)
+        self.shift = shift  # rows far from zero mean: the prologue must center them
+
+    def forward(self, x):
+        h = self.norm(x if self.shift is None else x + self.shift)
+        return tuple(lin(h) for lin in self.linears)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_layer_norm_runs_inside_the_linear(dtype):
+    torch.manual_seed(0)
+    model = LayerNormThenLinear(33, shift=3.0).eval()
+    shift, launch = check_launches(model.to(dtype), (torch.randn(2, 5, 33).to(dtype),), dtype)
+    assert shift.kernel == "pointwise"  # x + 3: the norm's input, stored
+    assert launch.kernel == "matmul" and launch.constexprs["PROLOGUE"].value == "layer"
+    assert launch.constexprs["HAS_PW"].value and launch.constexprs["HAS_PB"].value
+
+
+def test_layer_norm_without_affine_and_two_readers():
+    torch.manual_seed(0)
+    model = LayerNormThenLinear(24, outs=(16, 8), affine=False).eval()
+    model.linears[1].bias = None  # not one projection group: two GEMMs read the norm
+    launches = check_launches(model, (torch.randn(7, 24),))
+    assert [launch.kernel for launch in launches] == ["matmul", "matmul"]
+    for launch in launches:
+        assert launch.constexprs["PROLOGUE"].value == "layer"
+        assert not launch.constexprs["HAS_PW"].value and not launch.constexprs["HAS_PB"].value
+
+
+def test_layer_norm_dynamic_rows():
+    torch.manual_seed(0)
+    model = LayerNormThenLinear(24, outs=(16,)).eval()
+    lowered, _ = check_dynamic(model, [(torch.randn(1, n, 24),) for n in (5, 1, 16)],
+                               {"x": {1: Dim("seq", max=16)}})
+    (launch,) = plan_launches(lowered)
+    assert launch.constexprs["PROLOGUE"].value == "layer"

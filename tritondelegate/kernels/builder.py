@@ -56,7 +56,7 @@ class LaunchBuilder:
         self.pointwise: dict[int, object] = {}
         # launch position -> what that "matmul" launch computes (matmul.MatmulOp), for epilogue fusion
         self.matmul: dict[int, object] = {}
-        # launch position -> the rms_norm that "norm" launch computes (norm.RmsNorm), for prologue fusion
+        # launch position -> the norm that "norm" launch computes (norm.RowNorm), for prologue fusion
         self.norms: dict[int, object] = {}
         self._values: dict[torch.fx.Node, object] = {}
         self._outputs = outputs

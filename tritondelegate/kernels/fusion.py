@@ -49,7 +49,7 @@ residual add and a cast into the GEMM. M merges into C when all of these hold:
     stored in the consumer's layout;
   - no launch between M and C may write A, B or the bias (M's reads move to C's place, as P's do).
 
-Before both, matmul prologues: an ``rms_norm`` whose result only matmuls read, as their A operand,
+Before both, matmul prologues: an ``rms_norm`` or ``layer_norm`` whose result only matmuls read, as their A operand,
 runs inside each of them (``matmul``'s ``PROLOGUE="rms"``), so the normalized rows are never stored:
 
     N:  t = rms_norm(x, w, eps)          t a scratch buffer only N writes and only matmuls read
@@ -58,7 +58,9 @@ runs inside each of them (``matmul``'s ``PROLOGUE="rms"``), so the normalized ro
 when x and t are contiguous with the same elements, each matmul reads t whole as [Z, M, K] with K the
 normalized dim, and no launch between N and M writes x or w. Every such matmul recomputes the row
 sums of squares it needs while streaming x (a few ALU ops per A element; x is read once per N tile
-either way).
+either way). A ``layer_norm`` (weight and bias optional) folds the same way (``PROLOGUE="layer"``):
+each matmul first reads its block's rows of x for their mean and variance, then normalizes A's tiles
+as it streams them.
 
 The chain starts from t rounded to its dtype (eager stores it so), then keeps fp32 as chains do.
 In ``silu(gate(x)) * up(x)`` the chain ``silu, mul`` reads gate's result first: gate's matmul moves
@@ -173,11 +175,11 @@ def fuse(
     norms: dict | None = None,
     view=None,
 ) -> FusionResult:
-    """Merge rms norms into the matmuls that read them, pointwise producers into their consumers,
+    """Merge rms and layer norms into the matmuls that read them, pointwise producers into their consumers,
     then chains into matmul epilogues.
 
     ``pointwise`` maps a launch position to its ``elementwise.PointwiseOp``, ``matmuls`` to its
-    ``matmul.MatmulOp``, ``norms`` to its ``norm.RmsNorm`` (``view``: the builder's ``view``, to
+    ``matmul.MatmulOp``, ``norms`` to its ``norm.RowNorm`` (``view``: the builder's ``view``, to
     address a norm's input as its matmuls' A); ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may
     write; buffers in ``keep`` (delegate inputs and outputs) are never fused away. Launches keep their
     order; a fused chain, or a matmul with its epilogue, takes its last op's place.
@@ -243,7 +245,7 @@ def _merge_chains(launches, pointwise, touched, writes, keep, users) -> tuple[di
 
 # --- matmul prologues -----------------------------------------------------------------------------
 def _merge_prologues(launches, norms, matmuls, writes, keep, users, view) -> set[int]:
-    """Fold each rms norm that only matmuls read into them (``launches``/``matmuls`` updated in place);
+    """Fold each norm that only matmuls read into them (``launches``/``matmuls`` updated in place);
     returns the norm positions merged away."""
     merged = set()
     for n, norm in sorted(norms.items()):
@@ -254,7 +256,7 @@ def _merge_prologues(launches, norms, matmuls, writes, keep, users, view) -> set
                 or not (x.is_contiguous() and t.is_contiguous() and x.numel == t.numel and x.dtype == t.dtype)):
             continue
         ops = {r: _prologue_op(matmuls[r], norm, view) for r in readers}
-        reads = [x] + ([norm.weight] if norm.weight is not None else [])
+        reads = [x] + [t for t in (norm.weight, norm.bias) if t is not None]
         if any(op is None for op in ops.values()) or any(
                 r.buffer in writes[p] for r in reads for p in range(n + 1, max(ops))):
             continue
@@ -272,7 +274,7 @@ def _merge_prologues(launches, norms, matmuls, writes, keep, users, view) -> set
 
 
 def _prologue_op(op: mm.MatmulOp, norm, view) -> "mm.MatmulOp | None":
-    """``op`` reading ``norm``'s input through an rms prologue, or None when its A is not the norm's
+    """``op`` reading ``norm``'s input through a norm prologue, or None when its A is not the norm's
     result read whole, row by row over the normalized dim."""
     t, a = norm.out, op.a
     width = t.shape[-1]
@@ -281,7 +283,7 @@ def _prologue_op(op: mm.MatmulOp, norm, view) -> "mm.MatmulOp | None":
             or a.shape[2] != width or not a.is_contiguous() or a.numel != t.numel):
         return None  # (a contiguous [Z, M, K] view of all of contiguous t: row z*M + m of t is A[z, m])
     x = view(norm.x, a.shape, a.strides, norm.x.offset)
-    return replace(op, a=x, prologue=(norm.weight, norm.eps))
+    return replace(op, a=x, prologue=(norm.kind, norm.weight, norm.bias, norm.eps))
 
 
 # --- matmul epilogues -----------------------------------------------------------------------------

@@ -21,6 +21,9 @@ of them) normalizes A's rows on the way in: A is then the norm's input x, each K
 norm weight before the product, the row's sum of squares accumulates over the same K loop (the norm
 runs over exactly K), and the product is scaled by ``rsqrt(sum / K + eps)`` before the bias and the
 epilogue, since ``(x * r * w) @ B == r * ((x * w) @ B)`` row by row. The normalized A is never stored.
+``PROLOGUE="layer"`` (a ``layer_norm``) first walks the block's rows of x twice over K for their mean
+and variance (as the norm kernel does, in fp32), then normalizes each A tile in the K loop:
+``(x - mean) * rstd * w + b``, rounded to A's dtype as eager stores the norm's result.
 
 A gated linear unit (``GLU`` = an activation name; ``tritondelegate::glu_linear``, whose weight rows
 interleave gate and up) pairs the tile's columns after the bias: with B's columns g0, u0, g1, u1, ...
@@ -61,6 +64,39 @@ def _rms_tile(a, sumsq, p_ptr, stride_pk, k0, offs_k, k_left, HAS_PW: tl.constex
 
 
 @triton.jit
+def _row_stats(a_ptr, offs_m, stride_am, stride_ak, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Mean and 1 / std (biased variance) over K of rows ``offs_m`` of A, in fp32."""
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    rows = a_ptr + offs_m[:, None] * stride_am
+    total = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask = (offs_m[:, None] < M) & (k0 + offs_k[None, :] < K)
+        total += tl.sum(tl.load(rows + (k0 + offs_k[None, :]) * stride_ak, mask=mask, other=0.0).to(tl.float32), 1)
+    mean = total / K
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask = (offs_m[:, None] < M) & (k0 + offs_k[None, :] < K)
+        x = tl.load(rows + (k0 + offs_k[None, :]) * stride_ak, mask=mask, other=0.0).to(tl.float32)
+        d = tl.where(mask, x - mean[:, None], 0.0)
+        sq += tl.sum(d * d, 1)
+    return mean, tl.rsqrt(sq / K + eps)
+
+
+@triton.jit
+def _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k0, offs_k, k_left,
+                HAS_PW: tl.constexpr, HAS_PB: tl.constexpr):
+    """One K tile of the layer-norm prologue: ``(x - mean) * rstd * w + b`` in fp32, back to A's dtype;
+    0 past K (the product must not see the norm of padding)."""
+    inside = offs_k < k_left
+    y = (a.to(tl.float32) - mean[:, None]) * rstd[:, None]
+    if HAS_PW:
+        y = y * tl.load(p_ptr + (k0 + offs_k) * stride_pk, mask=inside, other=0.0).to(tl.float32)[None, :]
+    if HAS_PB:
+        y = y + tl.load(pb_ptr + (k0 + offs_k) * stride_pk, mask=inside, other=0.0).to(tl.float32)[None, :]
+    return tl.where(inside[None, :], y, 0.0).to(a.dtype)
+
+
+@triton.jit
 def _glu_tile(acc, ACT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``act(g) * u`` of a tile whose columns alternate g, u: [BLOCK_M, BLOCK_N / 2], fp32."""
     g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
@@ -86,8 +122,8 @@ def matmul_kernel(
     e0_scalar, e1_scalar, e2_scalar, e3_scalar,
     e0s0, e0s1, e0s2, e1s0, e1s1, e1s2,
     e2s0, e2s1, e2s2, e3s0, e3s1, e3s2,
-    # the rms prologue: the norm weight (a stand-in without one), its stride, the norm's eps
-    p_ptr, stride_pk, p_eps,
+    # the norm prologue: its weight and bias (stand-ins without), their stride, the norm's eps
+    p_ptr, pb_ptr, stride_pk, p_eps,
     HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
@@ -97,7 +133,7 @@ def matmul_kernel(
     EOP3: tl.constexpr = "copy", EARITY3: tl.constexpr = 1, ESWAP3: tl.constexpr = False,
     EIS_SCALAR0: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
     EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
-    PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False,
+    PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False, HAS_PB: tl.constexpr = False,
     GLU: tl.constexpr = "", GLU_ROUND: tl.constexpr = "",
 ):
     # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]   (X only when HAS_BIAS); then the epilogue, if any
@@ -126,12 +162,16 @@ def matmul_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == "layer":
+        mean, rstd = _row_stats(a_ptr + z * stride_az, offs_m, stride_am, stride_ak, M, K, p_eps, BLOCK_M, BLOCK_K)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n, other=0.0)
         if PROLOGUE == "rms":
             a, sumsq = _rms_tile(a, sumsq, p_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW)
+        elif PROLOGUE == "layer":
+            a = _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW, HAS_PB)
         if DOT_UPCAST:  # the interpreter's low-precision dot is wrong; the runtime sets this there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -223,7 +263,8 @@ class MatmulOp:
     alpha: float
     beta: float
     cfg: Config
-    # An rms_norm folded into A (``fusion.py``): (its weight or None, eps); ``a`` is then the norm's input.
+    # A norm folded into A (``fusion.py``): (kind "rms" or "layer", weight or None, bias or None, eps);
+    # ``a`` is then the norm's input.
     prologue: tuple | None = None
     # A gated linear unit's activation (``glu_linear``): B's columns alternate gate, up; C is [Z, M, N / 2].
     glu: str = ""
@@ -235,8 +276,8 @@ class MatmulOp:
 
     @property
     def reads(self) -> tuple[TRef, ...]:
-        weight = (self.prologue[0],) if self.prologue is not None and self.prologue[0] is not None else ()
-        return (self.a, self.bmat) + ((self.x,) if self.has_bias else ()) + weight
+        norm = tuple(t for t in (self.prologue or (None,) * 4)[1:3] if t is not None)
+        return (self.a, self.bmat) + ((self.x,) if self.has_bias else ()) + norm
 
     def args(self, c: TRef | None = None, c_strides=None, operands=()) -> list:
         """The launch's positional arguments; with ``c``, storing into ``c`` (with ``c_strides``) after
@@ -257,8 +298,10 @@ class MatmulOp:
                 ptrs.append(c)
                 scalars.append(0.0 if operand is None else float(operand))
                 strides.extend((0, 0, 0))
-        weight, eps = self.prologue if self.prologue is not None else (None, 0.0)
-        prologue = [weight, weight.strides[0], float(eps)] if weight is not None else [self.a, 0, float(eps)]
+        _, weight, bias, eps = self.prologue if self.prologue is not None else ("", None, None, 0.0)
+        given = weight if weight is not None else bias
+        prologue = [self.a if weight is None else weight, self.a if bias is None else bias,
+                    0 if given is None else given.strides[0], float(eps)]
         return [self.a, self.bmat, c, x, M, N, K, self.alpha, self.beta,
                 *self.a.strides, *self.bmat.strides, *c_strides, *x_strides, *ptrs, *scalars, *strides,
                 *prologue]
@@ -269,7 +312,8 @@ class MatmulOp:
 
     def constexprs(self) -> dict:
         cfg = self.cfg
-        prologue = {} if self.prologue is None else dict(PROLOGUE="rms", HAS_PW=self.prologue[0] is not None)
+        prologue = {} if self.prologue is None else dict(
+            PROLOGUE=self.prologue[0], HAS_PW=self.prologue[1] is not None, HAS_PB=self.prologue[2] is not None)
         if self.glu:
             prologue.update(GLU=self.glu, GLU_ROUND=dtype_name(self.c.dtype))
         return dict(HAS_BIAS=self.has_bias, DOT_UPCAST=False,

@@ -137,10 +137,25 @@ def _opt(b, arg):
     return b.ref(arg) if arg is not None else None
 
 
+def _record(b, position, kind: str, x, normalized_ndim: int, weight, bias, eps, out) -> None:
+    """Keep a norm over the last dim with 1-D (contiguous) weight and bias for ``fusion.py``: a matmul
+    that reads its result may take it as a prologue."""
+    if position is not None and normalized_ndim == 1 and all(
+            t is None or (t.ndim == 1 and t.is_contiguous()) for t in (weight, bias)):
+        b.norms[position] = RowNorm(kind, x, weight, bias, float(eps), out)
+
+
+def _contiguous(b, t):
+    return b.contiguous(t) if t is not None else None
+
+
 def layer_norm(b, node):
     """layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True)"""
-    launch_norm(b, b.ref(node.args[0]), len(node.args[1]), _opt(b, rw.node_arg(node, 2, "weight")),
-                _opt(b, rw.node_arg(node, 3, "bias")), rw.node_arg(node, 4, "eps", 1e-5), b.out(node))
+    x, out, ndim = b.ref(node.args[0]), b.out(node), len(node.args[1])
+    weight = _contiguous(b, _opt(b, rw.node_arg(node, 2, "weight")))
+    bias = _contiguous(b, _opt(b, rw.node_arg(node, 3, "bias")))
+    eps = rw.node_arg(node, 4, "eps", 1e-5)
+    _record(b, launch_norm(b, x, ndim, weight, bias, eps, out), "layer", x, ndim, weight, bias, eps, out)
 
 
 def native_layer_norm(b, node):
@@ -148,10 +163,12 @@ def native_layer_norm(b, node):
     are computed only when a later node reads them."""
     read = {u.args[1] for u in node.users if u.target is operator.getitem}
     stats = bool(read & {1, 2}) or any(u.target is not operator.getitem for u in node.users)
-    out = b.out(node, 0)
+    x, out, ndim, eps = b.ref(node.args[0]), b.out(node, 0), len(node.args[1]), node.args[4]
     mean, rstd = (b.out(node, 1), b.out(node, 2)) if stats else (None, None)
-    launch_norm(b, b.ref(node.args[0]), len(node.args[1]), _opt(b, node.args[2]), _opt(b, node.args[3]),
-                node.args[4], out, mean, rstd)
+    weight, bias = (_contiguous(b, _opt(b, node.args[i])) for i in (2, 3))
+    position = launch_norm(b, x, ndim, weight, bias, eps, out, mean, rstd)
+    if not stats:
+        _record(b, position, "layer", x, ndim, weight, bias, eps, out)
 
 
 def rms_norm(b, node):
@@ -159,18 +176,19 @@ def rms_norm(b, node):
     as in PyTorch (its math runs in fp32 for fp16/bf16 inputs too)."""
     eps = rw.node_arg(node, 3, "eps")
     eps = torch.finfo(torch.float32).eps if eps is None else eps
-    weight = _opt(b, rw.node_arg(node, 2, "weight"))
-    x, out = b.ref(node.args[0]), b.out(node)
-    position = launch_norm(b, x, len(node.args[1]), weight, None, eps, out, rms=True)
-    if position is not None and len(node.args[1]) == 1 and (weight is None or weight.ndim == 1):
-        b.norms[position] = RmsNorm(x, weight, float(eps), out)  # a matmul may take it as a prologue
+    weight = _contiguous(b, _opt(b, rw.node_arg(node, 2, "weight")))
+    x, out, ndim = b.ref(node.args[0]), b.out(node), len(node.args[1])
+    _record(b, launch_norm(b, x, ndim, weight, None, eps, out, rms=True), "rms", x, ndim, weight, None, eps, out)
 
 
 @dataclass(frozen=True)
-class RmsNorm:
-    """What an rms_norm launch computes over the last dim, for ``fusion.py``'s matmul prologues."""
+class RowNorm:
+    """What a norm launch computes over the last dim (``kind`` "rms" or "layer"), for ``fusion.py``'s
+    matmul prologues."""
 
+    kind: str
     x: TRef
     weight: TRef | None
+    bias: TRef | None
     eps: float
     out: TRef

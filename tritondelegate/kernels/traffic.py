@@ -207,7 +207,7 @@ TRAFFIC: dict[str, KernelTraffic] = {
     "matmul": KernelTraffic(
         reads=(Access("a_ptr"), Access("b_ptr"), Access("x_ptr", _flag("HAS_BIAS")),
                *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4)),
-               Access("p_ptr", _flag("HAS_PW"))),  # an rms prologue's weight
+               Access("p_ptr", _flag("HAS_PW")), Access("pb_ptr", _flag("HAS_PB"))),  # a norm prologue's
         writes=(Access("c_ptr"),),
         flops=_matmul_flops,
     ),

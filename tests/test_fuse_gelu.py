@@ -76,7 +76,7 @@ def test_dynamic_rows():
     assert len(_launches(lowered)) == 1
 
 
-def test_gpt2_layers_take_seven_launches():
+def test_gpt2_layers_take_five_launches():
     transformers = pytest.importorskip("transformers")
     from harness import Logits
 
@@ -91,5 +91,6 @@ def test_gpt2_layers_take_seven_launches():
         with torch.no_grad():
             torch.testing.assert_close(lowered.load().load_method("forward")(*args), model(*args),
                                        atol=1e-4, rtol=1e-4)
-    # layer norm, QKV, attention, projection + residual, layer norm, fc + gelu, projection + residual
-    assert counts[2] - counts[1] == 7
+    # layer norm + QKV, attention, projection + residual, layer norm + fc + gelu, projection + residual
+    # (each layer norm the prologue of the matmul after it)
+    assert counts[2] - counts[1] == 5

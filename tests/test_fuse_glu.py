@@ -12,7 +12,7 @@ from torch import nn
 
 import tritondelegate as td
 import tritondelegate.passes.fuse as fuse_module
-from harness import TOLERANCES, check_dynamic
+from harness import TOLERANCES, Fn, check_dynamic
 from tritondelegate.models import demo_decoder
 
 RESIDENT = td.PropagateDeviceConfig(skip_h2d_for_constants=True)
@@ -143,3 +143,12 @@ def test_gated_mlp_dynamic_rows():
     calls = [(torch.randn(n, 24),) for n in (1, 7, 12)]
     lowered, _ = check_dynamic(model, calls, ({0: rows},), example=calls[1])
     assert len(_glu(lowered)) == 1
+
+
+def test_activation_times_a_scalar_is_not_a_gated_mlp():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 20)
+    model = Fn(lambda x: F.silu(lin(x)) * 0.5)
+    model.lin = lin
+    lowered = _check(model.eval(), torch.randn(3, 16), model, torch.float32)
+    assert _glu(lowered) == []

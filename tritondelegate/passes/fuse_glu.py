@@ -57,8 +57,8 @@ def _match(mul: torch.fx.Node, constants: set[torch.fx.Node]):
         return None
     for gated, up in (mul.args, mul.args[::-1]):
         act = _act(gated)
-        if act is None or up is gated:
-            continue
+        if act is None or up is gated or not isinstance(up, torch.fx.Node):
+            continue  # (the other operand may be a Python scalar)
         gate = gated.args[0]
         g, u = linear_candidate(gate, constants), linear_candidate(up, constants)
         if g is None or u is None or gate is up or g[0] is not u[0] or (g[2] is None) != (u[2] is None):

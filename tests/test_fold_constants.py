@@ -109,3 +109,12 @@ def test_with_dynamic_dimensions_what_depends_on_a_size_is_kept():
     for n in (1, 33, 7):
         x = torch.randn(n, 8)
         torch.testing.assert_close(method(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_method_without_inputs():
+    model = Fn(lambda: (torch.arange(5) * 2, torch.ones(3, 2).cumsum(0)))
+    lowered = _lower(model, ())
+    assert lowered.reports["forward"].folded  # all of it depends on no input
+    out = lowered.load("simulated").load_method("forward")()
+    for r, e in zip(out, model()):
+        torch.testing.assert_close(r, e)

@@ -133,8 +133,13 @@ def _replace_with_constant(ep, node: torch.fx.Node, value: torch.Tensor) -> None
     specs = list(ep.graph_signature.input_specs)
     first_user_input = next((i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT), len(specs))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    anchor = placeholders[first_user_input] if first_user_input < len(placeholders) else None
-    with graph.inserting_before(anchor) if anchor is not None else graph.inserting_after(placeholders[-1]):
+    if first_user_input < len(placeholders):
+        where = graph.inserting_before(placeholders[first_user_input])
+    elif placeholders:
+        where = graph.inserting_after(placeholders[-1])
+    else:  # a method without inputs (``torch.arange(5) * 2``): the graph's first node
+        where = graph.inserting_before(next(iter(graph.nodes)))
+    with where:
         placeholder = graph.placeholder(name)
     placeholder.meta["val"] = node.meta["val"]
     node.replace_all_uses_with(placeholder)

@@ -209,9 +209,21 @@ def _pointwise(dtype):
         torch.reciprocal(x + 3), torch.sigmoid(x), F.silu(x), torch.relu(x), torch.tanh(x), torch.cos(x),
         torch.sin(x), F.gelu(x), F.gelu(x, approximate="tanh"), torch.where(x > 0, x, y),
         torch.clamp(x, -1, 1), torch.clamp(x, min=y), x.clamp_max(0.3), x.to(F32), x.to(torch.int32),
-        i & 7, i | 8, i * 3 + 1, i.to(dtype), x[:, None, :] + y[None, :, :1].transpose(0, 1))
+        i & 7, i | 8, i * 3 + 1, i.to(dtype), x[:, None, :] + y[None, :, :1].transpose(0, 1),
+        F.relu6(x), F.hardtanh(x, -0.5, 0.5), x ** 2.5, torch.pow(x, y))
     return Fn(fn), (_randn(129, 257, dtype=dtype), _randn(129, 257, dtype=dtype),
                     torch.randint(0, 99, (129, 257)))
+
+
+def _pads(dtype):
+    """Every padding mode over 1 to 3 dims, on an activation map and a strided view of it."""
+    fn = lambda x, i: (  # noqa: E731
+        F.pad(x, (1, 1, 1, 1)), F.pad(x, (0, 1, 0, 1), value=-1.0), F.pad(x, (-1, 2, 3, -2)),
+        F.pad(x, (2, 2, 2, 2), mode="reflect"), F.pad(x[0], (3, 3), mode="reflect"),
+        F.pad(x, (1, 2, 1, 2, 1, 2), mode="reflect"), F.pad(x, (1, 1, 1, 1), mode="replicate"),
+        F.pad(x[0], (2, 1), mode="replicate"), F.pad(x.transpose(2, 3), (1, 2, 0, 1, 1, 0), mode="replicate"),
+        F.pad(i, (1, 1, 2, 2), value=7))
+    return Fn(fn), (_randn(2, 32, 56, 56, dtype=dtype), torch.randint(0, 99, (3, 100, 100)))
 
 
 def _matmuls(dtype):
@@ -272,6 +284,7 @@ def _per_dtype(d) -> dict[str, callable]:
         "creation": lambda: _creation(d),
         "pointwise": lambda: _pointwise(d),
         "matmul": lambda: _matmuls(d),
+        "pad": lambda: _pads(d),
         "epilogue_prefill": lambda: _epilogues(d, 384, 384),
         "epilogue_decode": lambda: _epilogues(d, 1, 512),
         "layer_norm_mlp_prefill": lambda: _layer_norm_mlp(d, 200),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from safetensors.torch import load_file, save_file
 
 from tritondelegate.plan import Arg, Base, DelegatePlan, Launch, TensorDesc
@@ -60,6 +61,12 @@ def _value(name, t_or_spec, role, device="cpu", **kw) -> TensorValue:
     return TensorValue(name, dtype, tuple(shape), device, role, nbytes, **kw)
 
 
+def _specs(n_inputs: int, n_outputs: int) -> dict:
+    """The input and output pytree specs of a method with these many tensor inputs and outputs."""
+    dump = lambda tree: pytree.treespec_dumps(pytree.tree_flatten(tree)[1])  # noqa: E731
+    return {"input_spec": dump((tuple(range(n_inputs)), {})), "output_spec": dump(tuple(range(n_outputs)))}
+
+
 def _plan() -> DelegatePlan:
     return DelegatePlan(
         tensors=[
@@ -79,7 +86,7 @@ def _plan() -> DelegatePlan:
             Launch("copy_kernel", (7,), [Arg(KArgKind.TENSOR, 1)], {}, op=""),
         ],
         scratch_bytes=512,
-        input_nbytes=[48, 16],
+        input_nbytes=[48, 48],
         output_nbytes=[48],
     )
 
@@ -117,7 +124,7 @@ def _example() -> tuple[Program, list[torch.Tensor]]:
         torch.empty(0, dtype=torch.bfloat16),  # 7 external, zero-byte
         torch.tensor([True, False, True]),  # 8 bool
     ]
-    names = ["layer.w", "layer.b", "empty", "step", "ext.w", "ext.b", "ext2.idx", "ext.empty", "mask"]
+    names = ["layer.w", "layer.b", "empty", "buf", "ext.w", "ext.b", "ext2.idx", "ext.empty", "mask"]
     ext = {4: 0, 5: 0, 6: 1, 7: 0}
     constants = [_const(n, t, ext.get(i, -1)) for i, (n, t) in enumerate(zip(names, data))]
 
@@ -134,22 +141,22 @@ def _example() -> tuple[Program, list[torch.Tensor]]:
             _value("buf", ("int64", ()), Role.MUTABLE_BUFFER, constant=3, slot=1),
             _value("buf_new", ("int64", ()), Role.INTERMEDIATE),
             _value("ext.w", ("bfloat16", (2, 2)), Role.CONSTANT, constant=4),
+            _value("x_copy", ("float32", (4, 3)), Role.INTERMEDIATE, device="cuda:1"),
         ],
         inputs=[0],
         outputs=[5, 8],
-        input_spec='[1, {"type": "builtins.tuple"}]',
-        output_spec="[1, {}]",
+        **_specs(1, 2),
         instructions=[
             Instruction(InstrKind.COPY_H2D, [0], [3], name="h2d_x"),
-            Instruction(InstrKind.DELEGATE, [3, 2], [4], delegate=0, name="delegate_0"),
+            Instruction(InstrKind.DELEGATE, [3, 1], [4], delegate=0, name="delegate_0"),
             Instruction(InstrKind.COPY_D2H, [4], [5], name="d2h_y"),
             Instruction(InstrKind.HOST_OP, [0, 1, 2], [7], target="aten::add.Tensor", args=_all_host_args(),
                         name="add"),
-            Instruction(InstrKind.COPY_D2D, [3], [4], name="d2d"),
+            Instruction(InstrKind.COPY_D2D, [3], [9], name="d2d"),
         ],
         delegates=[Delegate("triton", "cuda:0", _plan(), scratch_arena=0, scratch_offset=1024,
                             stage_inputs=False)],
-        arenas=[Arena("cuda:0", 2048, 256, 1800)],
+        arenas=[Arena("cuda:0", 1536, 256, 1500)],
         mutated_buffers=[(6, 7)],
     )
     decode = Method(
@@ -158,16 +165,15 @@ def _example() -> tuple[Program, list[torch.Tensor]]:
             _value("layer.w", ("float32", (4, 3)), Role.CONSTANT, constant=0),
             _value("layer.b", ("bfloat16", (3,)), Role.CONSTANT, constant=1),
             _value("empty", ("float32", (0, 5)), Role.CONSTANT, constant=2),
-            _value("step", ("int64", ()), Role.CONSTANT, constant=3),
+            _value("buf", ("int64", ()), Role.CONSTANT, constant=3),
             _value("ext.b", ("float32", (3,)), Role.CONSTANT, constant=5),
-            _value("idx", ("int8", (5,)), Role.CONSTANT, constant=6),
+            _value("ext2.idx", ("int8", (5,)), Role.CONSTANT, constant=6),
             _value("mask", ("bool", (3,)), Role.CONSTANT, constant=8),
             _value("out", ("float32", (4, 3)), Role.INTERMEDIATE),
         ],
         inputs=[],
         outputs=[7],
-        input_spec="",
-        output_spec="",
+        **_specs(0, 1),
         instructions=[Instruction(InstrKind.HOST_OP, [0, 1], [7], target="aten::mul.Tensor",
                                   args=[HostArg(ArgKind.TENSOR, 0), HostArg(ArgKind.TENSOR, 1)])],
         delegates=[],
@@ -208,7 +214,7 @@ def _dynamic_method() -> Method:
                          {"BLOCK": Arg(KArgKind.INT, 64), "N": Arg(KArgKind.INT, S0)}, op="aten::add.Tensor")],
         scratch_bytes=512, input_nbytes=[192], output_nbytes=[384])
     return Method(
-        name="dynamic", values=values, inputs=[0, 1], outputs=[4, 5], input_spec="", output_spec="",
+        name="dynamic", values=values, inputs=[0, 1], outputs=[4, 5], **_specs(2, 2),
         instructions=[Instruction(InstrKind.COPY_H2D, [0], [2], name="h2d"),
                       Instruction(InstrKind.DELEGATE, [2], [3], delegate=0, name="delegate_0"),
                       Instruction(InstrKind.COPY_D2H, [3], [4], name="d2h"),
@@ -220,8 +226,8 @@ def _dynamic_method() -> Method:
 
 
 def _with_offsets(program: Program, loaded: Program) -> Program:
-    """``program`` with the data offsets the writer chose (the only field the writer decides)."""
-    constants = [dataclasses.replace(c, data_offset=l.data_offset)
+    """``program`` with the data offsets and checksums the writer chose (the fields the writer decides)."""
+    constants = [dataclasses.replace(c, data_offset=l.data_offset, checksum=l.checksum)
                  for c, l in zip(program.constants, loaded.constants)]
     return dataclasses.replace(program, constants=constants)
 
@@ -334,7 +340,8 @@ def test_constant_shared_by_two_methods_is_stored_once(tmp_path):
         for k in range(2):
             values = [_value("big", ("float32", (2048,)), Role.CONSTANT, constant=0)] if k < readers else []
             values.append(_value("x", ("float32", (2048,)), Role.INPUT))
-            methods.append(Method(f"m{k}", values, [len(values) - 1], [0], "", "", [], [], []))
+            methods.append(Method(f"m{k}", values, [len(values) - 1], [0], **_specs(1, 1), instructions=[],
+                                  delegates=[], arenas=[]))
         return Program(methods, constants), data
 
     sizes = {}
@@ -390,6 +397,28 @@ def test_data_files_override(tmp_path):
     with load_program(path) as pf:
         assert torch.equal(pf.constant_tensor(5, {"model.safetensors": moved}), data[5])
         assert pf.external_path(0, {"model.safetensors": moved}) == str(moved)
+
+
+def test_every_constant_records_the_checksum_of_its_bytes(tmp_path):
+    path, program, data = _save(tmp_path)
+    with load_program(path) as pf:
+        assert [c.checksum for c in pf.program.constants] == [hdr.checksum(t) for t in data]
+        for i in range(len(data)):
+            assert torch.equal(pf.constant_tensor(i), data[i])  # checked on the way
+
+
+def test_a_file_without_checksums_loads_unchecked(tmp_path):
+    """Files written before constants had checksums load as before: nothing to check them against."""
+    program, data = _example()
+    path = _write_raw(tmp_path / "old.tdp", program, data)  # the object tree as _layout makes it: no checksums
+    with load_program(path) as pf:
+        assert all(c.checksum is None for c in pf.program.constants)
+        start = pf.data_offset + pf.program.constants[0].data_offset
+    raw = bytearray(path.read_bytes())
+    raw[start] ^= 1
+    path.write_bytes(bytes(raw))
+    with load_program(path) as pf:
+        assert not torch.equal(pf.constant_tensor(0), data[0])  # damaged, and nothing can tell
 
 
 def test_external_file_contents(tmp_path):
@@ -476,7 +505,7 @@ def test_writer_rejects_bad_fields(tmp_path):
         save_program(program, data, tmp_path / "a.tdp")
     program, data = _example()
     program.external_files[1] = "../outside.safetensors"
-    with pytest.raises(ValueError, match="relative to the program file's directory"):
+    with pytest.raises(ValueError, match="must be a relative path inside the program file's directory"):
         save_program(program, data, tmp_path / "a.tdp")
     program, data = _example()
     program.methods[2].values[0].shape = (Expr("s0", 2**64), 3)
@@ -504,7 +533,8 @@ def test_data_on_device_independent_storage(tmp_path):
 
 
 def _load_outcome(path):
-    """ProgramError -> None; else the program (after touching every constant's bytes)."""
+    """ProgramError -> None; else the program (after reading every in-file constant: a dtype torch cannot
+    view bytes as, or bytes that do not match their checksum, is a ProgramError too)."""
     try:
         pf = load_program(path)
     except ProgramError:
@@ -512,10 +542,10 @@ def _load_outcome(path):
     with pf:
         for i, c in enumerate(pf.program.constants):
             if c.external < 0:
-                pf.constant_bytes(i).sum()
                 try:
+                    pf.constant_bytes(i).sum()
                     pf.constant_tensor(i)
-                except ProgramError:  # a dtype torch cannot view bytes as
+                except ProgramError:
                     return None
         return pf.program
 
@@ -580,12 +610,18 @@ def test_damaged_files(tmp_path):
     assert errors > 100  # most structural damage is found
     counts["repaired-checksum flips (error/same/other)"] = (errors, same, other)
 
-    # flips in the data segment change only constant values (not checksummed): the same program
-    for _ in range(20):
+    # flips in the data segment: inside a constant, its checksum catches them; in padding, the same program
+    spans = [(c.data_offset, c.data_offset + c.nbytes) for c in expected.constants if c.external < 0]
+    caught = 0
+    for _ in range(40):
         raw = bytearray(good)
-        raw[data_off + rng.randrange(data_size)] ^= 0xFF
-        assert outcome(bytes(raw)) == expected
-    counts["data flips"] = 20
+        pos = rng.randrange(data_size)
+        raw[data_off + pos] ^= 0xFF
+        inside = any(start <= pos < end for start, end in spans)
+        assert outcome(bytes(raw)) == (None if inside else expected), pos
+        caught += inside
+    assert 0 < caught < 40  # both kinds of position were hit
+    counts["data flips (caught)"] = (40, caught)
     elapsed = time.perf_counter() - start
     print(counts, f"{elapsed:.2f}s")
     assert elapsed < 20, f"damaged-file loads took {elapsed:.1f}s: {counts}"
@@ -643,10 +679,10 @@ BAD_FLATBUFFERS = [
     ("methods.0.instructions.3.args.1.kind", 99, "ArgKind value 99"),
     ("methods.0.delegates.0.plan.tensors.0.base", 3, "Base value 3"),
     ("methods.0.delegates.0.plan.launches.0.args.2.kind", 7, "ArgKind value 7"),
-    ("methods.0.outputs.1", 9, r"method 'forward' output 1 refers to value 9, but there are 9"),
+    ("methods.0.outputs.1", 10, r"method 'forward' output 1 refers to value 10, but there are 10"),
     ("methods.0.inputs.0", -1, "input 0 refers to value -1"),
     ("methods.0.instructions.1.inputs.0", 100, r"instruction 1 \('delegate_0'\) input 0 refers to value 100"),
-    ("methods.0.instructions.3.args.0.ival", 9, "arg 0 refers to value 9"),
+    ("methods.0.instructions.3.args.0.ival", 10, "arg 0 refers to value 10"),
     ("methods.0.instructions.3.args.9.tlist", [1, -2], r"arg 9\[1\] refers to value -2"),
     ("methods.0.instructions.1.delegate", 1, "refers to delegate 1, but there are 1"),
     ("methods.0.instructions.1.delegate", -1, "refers to delegate -1"),
@@ -683,8 +719,35 @@ BAD_FLATBUFFERS = [
     ("constants.4.external", 2, "refers to external file 2, but there are 2"),
     ("constants.5.name", "ext.w", "two constants have key 'ext.w'"),
     ("externalFiles.0", "/abs/model.safetensors", "must be a relative path"),
+    # external files stay in the program's directory (the writer's rule: validate.external_name_problem)
+    ("externalFiles.0", "../../../x.safetensors", r"external file 0 \('../../../x.safetensors'\) must be a relative "
+                                                  "path inside the program file's directory"),
+    ("externalFiles.1", "sub/../../x.safetensors", "must be a relative path inside"),
+    ("externalFiles.1", "sub\\..\\..\\x.safetensors", "must be a relative path inside"),
+    ("externalFiles.0", "./model.safetensors", "must be a relative path inside"),
+    ("externalFiles.0", "", "must be a relative path inside"),
+    # indices that point at a value of the same type, caught by the names and slots that must agree
+    ("methods.0.values.1.constant", -1, r"has constant -1, but its slot 0 holds constant 0"),
+    ("slots.0.name", "other", r"slot 0 \('other'\) holds constant 0, which is named 'layer.w'"),
+    ("methods.1.values.0.name", "w2", r"value 0 \('w2'\) refers to constant 0, which is named 'layer.w'"),
+    # consistency.py: specs, sizes, devices, arenas, data flow
+    ("methods.0.inputSpec", "{", r"method 'forward' input spec does not parse \(JSONDecodeError"),
+    ("methods.1.outputSpec", "[1, {}]", r"method 'decode' output spec does not parse \(KeyError"),
+    ("methods.0.values.3.nbytes", 40, r"value 3 \('x_dev'\) records 40 bytes, but float32\[4, 3\] has 48"),
+    ("methods.0.values.0.device", "cuda", "has device 'cuda', not a device such as 'cpu' or 'cuda:0'"),
+    ("methods.0.values.7.role", 0, r"value 7 \('buf_new'\) has role INPUT but is not a method input"),
+    ("methods.0.arenas.0.alignment", 3, "arena 0 has alignment 3, not a power of two"),
+    ("methods.0.arenas.0.nbytes", 4096, "arena 0 has 4096 bytes; what lies in it needs 1536"),
+    ("segments.0.nbytes", 1024, "segment 0 has 1024 bytes; its slots need 256"),
+    ("methods.0.instructions.1.inputs", [3], "passes 1 inputs and 1 outputs to delegate 0, whose plan takes 2 and 1"),
+    ("methods.0.instructions.4.kind", 2, r"a COPY_H2D copy from float32\[4, 3\] on cuda:0 to float32\[4, 3\] on cuda:1"),
+    ("methods.0.instructions.3.args.11.sval", "gpu:0", "unknown device 'gpu:0'"),
+    ("methods.0.instructions.0.outputs", [1], r"writes value 1 \('layer.w'\), a constant"),
+    ("methods.0.instructions.1.inputs.0", 5, r"reads value 5 \('y'\) before anything writes it"),
+    ("methods.0.mutatedBuffers.0.buffer", 7, r"cannot be written back to state 7 \('buf_new', intermediate"),
     ("version", 99, f"the program records version 99, the header {FORMAT_VERSION}"),
     ("methods.0.values.1.slot", 5, "refers to slot 5, but there are 2"),
+    ("methods.0.values.0.slot", -2, r"refers to slot -2, but there are 2 \(-1: none\)"),
     ("methods.0.values.1.slot", -1, "is resident but has no slot"),
     ("methods.0.values.6.slot", -1, "is state but has no slot"),
     ("methods.0.values.6.slot", 0, r"is int64\[\] on cpu, but its slot 0 holds float32\[4, 3\] on cuda:0"),
@@ -840,9 +903,10 @@ def test_vector_length_beyond_the_buffer_is_an_error_not_a_hang(tmp_path):
 
 
 def test_reader_imports_only_the_format():
-    allowed = {"__future__", "json", "keyword", "mmap", "os", "re", "struct", "zlib", "enum", "torch", "safetensors",
-               "..plan", "..program", "..symbolic", ".header", ".generated", ".validate"}
-    for name in ("reader.py", "header.py", "validate.py"):
+    allowed = {"__future__", "json", "keyword", "math", "mmap", "os", "re", "struct", "zlib", "enum", "torch",
+               "torch.utils._pytree", "safetensors", "xxhash", "..plan", "..program", "..symbolic", ".._device",
+               ".header", ".generated", ".validate", ".consistency"}
+    for name in ("reader.py", "header.py", "validate.py", "consistency.py"):
         tree = ast.parse((Path(__file__).parent.parent / "tritondelegate" / "serialize" / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):

@@ -6,10 +6,9 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import tritondelegate as td
-from harness import FLOAT_DTYPES, Buffered, Fn, check_model, check_state_updates, run_delegated
+from harness import FLOAT_DTYPES, Buffered, Fn, check_model, check_state_updates
 from tritondelegate.kernels import fusion
 from tritondelegate.kernels.refs import TRef
 from tritondelegate.kernels.elementwise import PointwiseOp

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch.export.graph_signature import InputKind, OutputKind
 
 aten = torch.ops.aten
 
@@ -28,6 +29,12 @@ KEEP_CANDIDATES = (
     aten.embedding.default,
     aten.conv2d.default,
     aten.batch_norm.default,
+    aten.reflection_pad1d.default,
+    aten.reflection_pad2d.default,
+    aten.reflection_pad3d.default,
+    aten.replication_pad1d.default,
+    aten.replication_pad2d.default,
+    aten.replication_pad3d.default,
 )
 
 METADATA_ONLY = {
@@ -55,4 +62,20 @@ def decompose(ep: torch.export.ExportedProgram, keep: Iterable | None = None) ->
         if node.op == "call_function" and node.target in METADATA_ONLY and not node.users:
             graph.erase_node(node)
     ep.graph_module.recompile()
+    _mutated_parameters_as_buffers(ep)
     return ep
+
+
+def _mutated_parameters_as_buffers(ep: torch.export.ExportedProgram) -> None:
+    """A parameter the program writes (``embedding(max_norm=...)`` renormalizes its weight in place)
+    is program state, like a mutated buffer: its input and write-back are relabelled as a buffer's."""
+    signature = ep.graph_signature
+    mutated = {spec.target for spec in signature.output_specs if spec.kind == OutputKind.PARAMETER_MUTATION}
+    if not mutated:
+        return
+    for spec in signature.input_specs:
+        if spec.kind == InputKind.PARAMETER and spec.target in mutated:
+            spec.kind, spec.persistent = InputKind.BUFFER, True
+    for spec in signature.output_specs:
+        if spec.kind == OutputKind.PARAMETER_MUTATION:
+            spec.kind = OutputKind.BUFFER_MUTATION

@@ -9,6 +9,7 @@ later, from the device propagation pass.
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ from .kernels.sizes import is_size_node
 from .kernels.refs import dtype_name
 from .kernels.registry import lookup
 from .partitioner import PartitionResult, op_name
+from .runtime.method import RETURN_TYPES
 from .symbolic import Expr
 from .program import (
     ArgKind,
@@ -149,13 +151,27 @@ def emit_method(name: str, ep: torch.export.ExportedProgram, result: PartitionRe
         inputs=emitter.user_inputs,
         outputs=emitter.user_outputs,
         input_spec=pytree.treespec_dumps(ep.call_spec.in_spec),
-        output_spec=pytree.treespec_dumps(ep.call_spec.out_spec),
+        output_spec=pytree.treespec_dumps(_serializable(ep.call_spec.out_spec)),
         instructions=emitter.instructions,
         delegates=emitter.delegates,
         arenas=[],
         mutated_buffers=emitter.mutations,
     )
     return method, info
+
+
+def _serializable(spec: pytree.TreeSpec) -> pytree.TreeSpec:
+    """``spec`` with every named tuple as a plain tuple, which pytree can serialize: a
+    ``torch.return_types`` one (``torch.max(x, 1)``) keeps its class name as the tuple's context, and
+    the runtime rebuilds it (``runtime.method.output_structure``); a user's named tuple is returned
+    as a tuple."""
+    if spec.is_leaf():
+        return spec
+    children = [_serializable(c) for c in spec.children()]
+    if pytree.is_structseq_class(spec.type) or pytree.is_namedtuple_class(spec.type):
+        named = spec.type in torch.return_types.all_return_types
+        return pytree.TreeSpec(tuple, f"{RETURN_TYPES}{spec.type.__name__}" if named else None, children)
+    return pytree.TreeSpec(spec.type, spec.context, children)
 
 
 class _Emitter:
@@ -198,14 +214,16 @@ class _Emitter:
     def placeholder(self, node: torch.fx.Node) -> None:
         spec = next(self.input_specs)
         if spec.kind == InputKind.USER_INPUT:
-            vid = self.new_value(_tensor_value(node.name, node.meta.get("val"), Role.INPUT))
+            # the signature's name: fusing renames a placeholder named like a builtin ("input" -> "input_1")
+            vid = self.new_value(_tensor_value(spec.arg.name, node.meta.get("val"), Role.INPUT))
             self.user_inputs.append(vid)
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             tensor = self.state_dict[spec.target]
             is_state = spec.target in self.state_buffers
             index = self.constants.add(spec.target, tensor, snapshot=is_state)
             role = Role.MUTABLE_BUFFER if is_state else Role.CONSTANT
-            vid = self.new_value(_tensor_value(spec.target, tensor, role, constant=index))
+            name = self.constants.constants[index].name  # spec.target, or "target#k" for a different tensor
+            vid = self.new_value(_tensor_value(name, tensor, role, constant=index))
             if is_state:
                 self.buffer_values[spec.target] = vid
         else:
@@ -270,6 +288,11 @@ class _Emitter:
             elif out_spec.kind == OutputKind.BUFFER_MUTATION:
                 if vid != self.buffer_values[out_spec.target]:  # else updated in place: nothing to write back
                     self.mutations.append((self.buffer_values[out_spec.target], vid))
+            elif out_spec.kind == OutputKind.USER_INPUT_MUTATION:
+                warnings.warn(
+                    f"the method writes into its input {out_spec.target!r} in place ({arg.name}, "
+                    "e.g. embedding(max_norm=...) or a training-mode batch norm's running statistics): the lowered "
+                    "method computes with the new value but never writes to the caller's tensors", stacklevel=4)
             else:
                 raise LoweringError(f"output kind {out_spec.kind.name} is not supported")
 

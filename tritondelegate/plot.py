@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from .plan import ArgKind, Base
-from .program import InstrKind, Program, Role
+from .program import InstrKind, Program, Role, value_lifetimes
 from .symbolic import bound
 
 # The kinds of rectangles, in legend order, and their colours (the benchmarks' report uses tab: colours).
@@ -41,22 +41,6 @@ def _steps(method) -> list[int]:
         width = len(method.delegates[instr.delegate].plan.launches) if instr.kind == InstrKind.DELEGATE else 1
         starts.append(starts[-1] + max(width, 1))
     return starts
-
-
-def _lifetimes(method) -> tuple[dict[int, int], dict[int, int]]:
-    """First and last instruction of each value, as memory planning counts them (``plan_method``):
-    from its first write to its last read; a method output to the end of the call."""
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for i, instr in enumerate(method.instructions):
-        for vid in instr.outputs:
-            first.setdefault(vid, i)
-            last[vid] = max(last.get(vid, i), i)
-        for vid in instr.inputs:
-            last[vid] = i
-    for vid in method.outputs:
-        last[vid] = len(method.instructions)
-    return first, last
 
 
 def _value_kind(method, vid: int, copied_from: dict[int, int]) -> str:
@@ -165,7 +149,7 @@ def arena_rectangles(program: Program) -> list[dict]:
     rects = []
     for m in program.methods:
         starts = _steps(m)
-        first, last = _lifetimes(m)
+        first, last = value_lifetimes(m)
         copied_from = {ins.outputs[0]: ins.inputs[0] for ins in m.instructions
                        if ins.kind in (InstrKind.COPY_H2D, InstrKind.COPY_D2H, InstrKind.COPY_D2D)}
         panel = {i: f"{m.name} arena {a.device}" for i, a in enumerate(m.arenas)}

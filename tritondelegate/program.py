@@ -146,6 +146,9 @@ class Constant:
     nbytes: int
     data_offset: int = 0  # in the program's data segment
     external: int = -1  # index into Program.external_files; -1: stored in the program file
+    # xxh3_64 of the bytes (serialize/header.py: checksum), set by the writer and checked by the reader
+    # as the bytes are first read; None: unchecked (a program in memory, a file written before it).
+    checksum: int | None = None
 
 
 class SegmentKind(IntEnum):
@@ -204,3 +207,20 @@ class Program:
     segments: list[Segment] = field(default_factory=list)
     slots: list[Slot] = field(default_factory=list)
     binaries: list[KernelBinary] = field(default_factory=list)
+
+
+def value_lifetimes(method: Method) -> tuple[dict[int, int], dict[int, int]]:
+    """(first, last) instruction of each value of ``method`` as memory planning counts them: from its
+    first write to its last read; a method output lives to the end of the call
+    (``len(method.instructions)``)."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, instr in enumerate(method.instructions):
+        for vid in instr.outputs:
+            first.setdefault(vid, i)
+            last[vid] = max(last.get(vid, i), i)
+        for vid in instr.inputs:
+            last[vid] = i
+    for vid in method.outputs:
+        last[vid] = len(method.instructions)
+    return first, last

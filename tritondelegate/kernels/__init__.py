@@ -9,6 +9,7 @@ import contextlib
 import operator
 import os
 import sys
+import threading
 
 if "TRITON_INTERPRET" not in os.environ:
     import torch
@@ -23,6 +24,9 @@ def interpreted() -> bool:
 
 
 _LIBRARY_SWAPS: list | None = None
+# Interpreted launches patch module-level state (Triton's interpreter patches triton.language for the
+# duration of a launch; interpreter_library swaps its helpers), so they run one at a time per process.
+_INTERPRETER_LOCK = threading.RLock()
 
 
 def _library_swaps() -> list:
@@ -53,15 +57,17 @@ def interpreter_library():
     machine runs the simulated device), its own ``@jit`` helpers are compiled-mode functions that
     refuse to run inside an interpreted kernel. Interpreted launches run inside this block, which
     swaps in interpreted twins and puts the originals back after, so nobody else's kernels change.
+    The block holds a process-wide lock: interpreted launches from several threads take turns.
     """
-    swaps = _library_swaps()
-    for owner, name, _, interpreted_fn in swaps:
-        setattr(owner, name, interpreted_fn)
-    try:
-        yield
-    finally:
-        for owner, name, compiled, _ in swaps:
-            setattr(owner, name, compiled)
+    with _INTERPRETER_LOCK:
+        swaps = _library_swaps()
+        for owner, name, _, interpreted_fn in swaps:
+            setattr(owner, name, interpreted_fn)
+        try:
+            yield
+        finally:
+            for owner, name, compiled, _ in swaps:
+                setattr(owner, name, compiled)
 
 
 def _fix_interpreter_index() -> bool:

@@ -40,6 +40,21 @@ def _tanh(x):
 
 
 @triton.jit
+def _pow(a, b):
+    """C's pow: |a| ** b through fp64 exp2/log2 (fp32's lose ~1e-6 of the result), the sign of a (-0.0
+    included) for an odd integer b, NaN for a finite negative a and a non-integer b, 1 for b == 0, for
+    a == 1 and for a == -1 with an infinite b."""
+    mag = tl.exp2(b.to(tl.float64) * tl.log2(tl.abs(a).to(tl.float64))).to(a.dtype)
+    is_int = tl.floor(b) == b  # true for +-inf, false for NaN
+    odd = is_int & ((tl.abs(b) % 2.0) == 1.0)
+    negative = (a < 0) | ((a == 0) & ((1.0 / a) < 0))
+    r = tl.where(negative & odd, -mag, mag)
+    r = tl.where((a < 0) & (a > float("-inf")) & (is_int == 0), float("nan"), r)
+    one = (b == 0.0) | (a == 1.0) | ((a == -1.0) & (tl.abs(b) == float("inf")))
+    return tl.where(one, 1.0, r)
+
+
+@triton.jit
 def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
     if OP == "copy":
         r = a
@@ -61,8 +76,8 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = tl.sigmoid(a)
     elif OP == "silu":
         r = a * tl.sigmoid(a)
-    elif OP == "relu":
-        r = tl.maximum(a, 0.0)
+    elif OP == "relu":  # NaN kept, as everywhere below
+        r = tl.maximum(a, 0, propagate_nan=tl.PropagateNan.ALL)
     elif OP == "tanh":
         r = _tanh(a)
     elif OP == "gelu":  # 0.5 x (1 + erf(x / sqrt 2))
@@ -89,15 +104,12 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = a * b
     elif OP == "div":
         r = a / b
-    elif OP == "pow":  # a ** b, b a scalar or tensor; integer powers keep the sign of a
-        r = tl.exp2(b * tl.log2(tl.abs(a)))
-        odd = (tl.abs(b) % 2.0) == 1.0
-        r = tl.where((a < 0) & odd, -r, r)
-        r = tl.where(b == 0.0, 1.0, r)
+    elif OP == "pow":  # a ** b, b a scalar or tensor
+        r = _pow(a, b)
     elif OP == "maximum":
-        r = tl.maximum(a, b)
+        r = tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
     elif OP == "minimum":
-        r = tl.minimum(a, b)
+        r = tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
     elif OP == "eq":
         r = a == b
     elif OP == "ne":
@@ -118,8 +130,8 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = a & b
     elif OP == "bitwise_or":
         r = a | b
-    elif OP == "clamp":  # min(max(a, b), c), NaN kept
-        r = tl.where(a != a, a, tl.minimum(tl.maximum(a, b), c))
+    elif OP == "clamp":  # min(max(a, b), c); a NaN in a or a bound gives NaN
+        r = tl.minimum(tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL), c, propagate_nan=tl.PropagateNan.ALL)
     elif OP == "where":  # a ? b : c
         r = tl.where(a != 0, b, c)
     else:
@@ -469,18 +481,34 @@ def where(b, node):
     launch_pointwise(b, "where", b.out(node), _operands(b, node, 3))
 
 
+def _clamp(b, node, x: TRef, low, high) -> None:
+    """out = minimum(maximum(x, low), high), each step NaN-propagating and skipped when its bound is
+    None: two launches that fusion merges into one chain (or into a GEMM's epilogue)."""
+    out = b.out(node)
+    steps = [(op, bound) for op, bound in (("maximum", low), ("minimum", high)) if bound is not None]
+    if not steps:
+        launch_pointwise(b, "copy", out, [x])
+        return
+    value = x
+    for k, (op, bound) in enumerate(steps):
+        dst = out if k == len(steps) - 1 else b.alloc(out.shape, out.dtype)
+        launch_pointwise(b, op, dst, [value, operand(b, bound)])
+        value = dst
+
+
 def clamp(b, node):
     """clamp(x, min=None, max=None), clamp_min, clamp_max; bounds are scalars or tensors."""
-    x = b.ref(node.args[0])
     names = {"clamp_min": ("min",), "clamp_max": ("max",)}.get(node.target._opname, ("min", "max"))
     bounds = dict(zip(names, node.args[1:]))
     bounds.update({k: v for k, v in node.kwargs.items() if k in ("min", "max")})
-    floating = node.meta["val"].dtype.is_floating_point
-    lowest, highest = (-math.inf, math.inf) if floating else (-(2**62), 2**62)
-    low, high = bounds.get("min"), bounds.get("max")
-    low = lowest if low is None else operand(b, low)
-    high = highest if high is None else operand(b, high)
-    launch_pointwise(b, "clamp", b.out(node), [x, low, high])
+    _clamp(b, node, b.ref(node.args[0]), bounds.get("min"), bounds.get("max"))
+
+
+def hardtanh(b, node):
+    """hardtanh(x, min_val=-1, max_val=1) (ReLU6 is hardtanh(x, 0, 6)): a clamp."""
+    low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min_val", -1.0)
+    high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max_val", 1.0)
+    _clamp(b, node, b.ref(node.args[0]), low, high)
 
 
 def gelu(b, node):

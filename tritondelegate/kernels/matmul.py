@@ -97,8 +97,22 @@ def _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k0, offs_k, k_left,
 
 
 @triton.jit
-def _glu_tile(acc, ACT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``act(g) * u`` of a tile whose columns alternate g, u: [BLOCK_M, BLOCK_N / 2], fp32."""
+def _swizzle(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program ``pid``. GROUP_M swizzle: consecutive programs walk GROUP_M row
+    tiles down one column of tiles, so the B tiles they share are still in L2 when the next program of
+    the group reads them."""
+    num_pid_in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(tl.cdiv(M, BLOCK_M) - first_pid_m, GROUP_M)
+    return first_pid_m + (pid % num_pid_in_group) % group_size_m, (pid % num_pid_in_group) // group_size_m
+
+
+@triton.jit
+def _glu_tile(acc, pid_n, mask_m, N, ACT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """``act(g) * u`` of a tile whose columns alternate g, u: [BLOCK_M, BLOCK_N / 2] in fp32, with its
+    output columns and mask."""
+    offs_n = pid_n.to(tl.int64) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
     if ROUND == "float16":
         g = g.to(tl.float16).to(tl.float32)
@@ -106,7 +120,7 @@ def _glu_tile(acc, ACT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr
     elif ROUND == "bfloat16":
         g = g.to(tl.bfloat16).to(tl.float32)
         u = u.to(tl.bfloat16).to(tl.float32)
-    return _formula(g, g, g, ACT, 1) * u
+    return _formula(g, g, g, ACT, 1) * u, offs_n, mask_m & (offs_n[None, :] < N // 2)
 
 
 @triton.jit
@@ -137,17 +151,8 @@ def matmul_kernel(
     GLU: tl.constexpr = "", GLU_ROUND: tl.constexpr = "",
 ):
     # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]   (X only when HAS_BIAS); then the epilogue, if any
-    pid = tl.program_id(0)
     z = tl.program_id(1).to(tl.int64)
-    # GROUP_M swizzle: consecutive programs walk GROUP_M row tiles down one column of tiles, so the
-    # B tiles they share are still in L2 when the next program of the group reads them.
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _swizzle(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     # int64 offsets: a batch or a row stride times an index can pass 2^31 elements.
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -188,9 +193,7 @@ def matmul_kernel(
         x_ptrs = x_ptr + z * stride_xz + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
         acc += beta * tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     if GLU != "":  # columns (gate, up) pair up: the tile, its columns and C are half as wide
-        acc = _glu_tile(acc, GLU, GLU_ROUND, BLOCK_M, BLOCK_N)
-        offs_n = pid_n.to(tl.int64) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        mask = mask_m & (offs_n[None, :] < N // 2)
+        acc, offs_n, mask = _glu_tile(acc, pid_n, mask_m, N, GLU, GLU_ROUND, BLOCK_M, BLOCK_N)
     if EPILOGUE > 0:  # operands addressed by (z, row, column) strides
         acc = _epilogue(acc, mask, z, offs_m[:, None], offs_n[None, :], 0,
                         e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,

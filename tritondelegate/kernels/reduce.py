@@ -157,6 +157,9 @@ def reduce_kernel(
     out_off = r * tl.num_programs(1) + split
     if COMBINE == "welford":
         mean, m2 = row_welford(x_row, rmask, c_begin, c_end, sc, BLOCK_R, BLOCK_C)
+        # the mean of no values is 0 / 0; with an inf or NaN in the row (M2 NaN) eager's running update
+        # makes the mean NaN too (it keeps inf only when the row's one inf is its last value)
+        mean = tl.where((c_end > c_begin) & (m2 == m2), mean, float("nan"))
         tl.store(out_ptr + out_off, (m2 / divisor).to(out_ptr.dtype.element_ty), mask=rmask)
         tl.store(out2_ptr + out_off, mean.to(out2_ptr.dtype.element_ty), mask=rmask)
     elif COMBINE == "argmax" or COMBINE == "argmin":

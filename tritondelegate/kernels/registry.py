@@ -23,6 +23,7 @@ from . import elementwise as ew
 from . import layout
 from . import matmul as mm
 from . import norm
+from . import pad
 from . import pool
 from . import reduce as red
 from . import rotary as rot
@@ -96,6 +97,7 @@ OPS: dict[object, OpSpec] = {
     aten.clamp.Tensor: OpSpec(ew.clamp),
     aten.clamp_min.default: OpSpec(ew.clamp),
     aten.clamp_max.default: OpSpec(ew.clamp),
+    aten.hardtanh.default: OpSpec(ew.hardtanh),
     aten.clone.default: OpSpec(ew.copy),
     aten._to_copy.default: OpSpec(ew.copy, ew.supported_copy),
     # views and layout: layout.py
@@ -115,6 +117,14 @@ OPS: dict[object, OpSpec] = {
     aten.squeeze.default: _view(layout.squeeze),
     aten.cat.default: OpSpec(layout.cat, layout.supported_cat),
     aten.split_with_sizes.default: _view(layout.split_with_sizes, layout.supported_split),
+    # padding: pad.py
+    aten.constant_pad_nd.default: OpSpec(pad.pad, pad.supported),
+    aten.reflection_pad1d.default: OpSpec(pad.pad, pad.supported),
+    aten.reflection_pad2d.default: OpSpec(pad.pad, pad.supported),
+    aten.reflection_pad3d.default: OpSpec(pad.pad, pad.supported),
+    aten.replication_pad1d.default: OpSpec(pad.pad, pad.supported),
+    aten.replication_pad2d.default: OpSpec(pad.pad, pad.supported),
+    aten.replication_pad3d.default: OpSpec(pad.pad, pad.supported),
     # creation: creation.py
     aten.scalar_tensor.default: OpSpec(creation.full, creation.supported),
     aten.full.default: OpSpec(creation.full, creation.supported),
@@ -195,6 +205,7 @@ KERNELS: dict[str, object] = {
     "pointwise": ew.pointwise_kernel,
     "pointwise_chain": ew.pointwise_chain_kernel,
     "arange": creation.arange_kernel,
+    "pad": pad.pad_kernel,
     "gather": idx.gather_kernel,
     "cumsum": idx.cumsum_kernel,
     "scatter": sc.scatter_kernel,

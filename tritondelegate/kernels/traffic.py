@@ -184,6 +184,9 @@ TRAFFIC: dict[str, KernelTraffic] = {
         flops=_chain_flops,
     ),
     "arange": KernelTraffic(reads=(), writes=(Access("out_ptr"),), flops=_zero),
+    # out[i] = x[source(i)] or the pad value: at most one read of x per output element
+    "pad": KernelTraffic(reads=(Access("x_ptr", at_most=lambda a: a["total"]),), writes=(Access("out_ptr"),),
+                         flops=_zero),
     # out[o] = src[direct(o) + index terms]: n elements of src at most; unused index slots repeat idx0
     "gather": KernelTraffic(
         reads=(Access("src_ptr", at_most=_n), Access("idx0_ptr"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..program import Arena, InstrKind, Method, Role
+from ..program import Arena, InstrKind, Method, Role, value_lifetimes
 from .planner import Interval, greedy_by_size, lower_bound
 
 DEVICE_ALIGNMENT = {"cuda": 256}
@@ -25,17 +25,7 @@ class _Slot:
 
 def plan_method(method: Method, alloc_graph_input: bool = True, alloc_graph_output: bool = True) -> None:
     """Set ``arena``/``arena_offset`` on planned values and delegate scratch; fill ``method.arenas``."""
-    end = len(method.instructions)
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for i, instr in enumerate(method.instructions):
-        for vid in instr.outputs:
-            first.setdefault(vid, i)
-            last[vid] = max(last.get(vid, i), i)
-        for vid in instr.inputs:
-            last[vid] = i
-    for vid in method.outputs:
-        last[vid] = end
+    first, last = value_lifetimes(method)
 
     slots: dict[str, list[_Slot]] = {}
     for vid, value in enumerate(method.values):

@@ -92,6 +92,12 @@ class LoadedProgram:
         self._memory = ProgramMemory(self.program, source, self.allocators)
         self._binaries_installed: set[str] = set()
 
+    @property
+    def lock(self):
+        """The program's lock (reentrant): every call of its methods, ``load_method`` and
+        ``reset_state`` hold it, so they run one at a time."""
+        return self._memory.lock
+
     def memory(self) -> dict[str, dict[str, int]]:
         """Bytes this load holds per device: ``{device: {"constants", "state", "arenas", "total"}}``
         (``arenas``: the arenas of the methods loaded so far, summed)."""

@@ -28,6 +28,17 @@ def parse_program_device(device: str) -> tuple[str, int]:
         raise ProgramError(f"bad device {device!r} in the program: {exc}") from exc
 
 
+def allocate(allocator: DeviceAllocator, nbytes: int, device_index: int, alignment: int, who: str) -> torch.Tensor:
+    """``allocator.allocate``; a size the device cannot hold is a ProgramError naming who asked for it."""
+    try:
+        return allocator.allocate(nbytes, device_index, alignment)
+    except AllocatorError:
+        raise
+    except (RuntimeError, MemoryError) as exc:
+        raise ProgramError(f"{who} needs {nbytes} bytes on {allocator.device_type}:{device_index}, which cannot be "
+                           f"allocated ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+
+
 class ProgramMemory:
     def __init__(self, program: Program, source, allocators: dict[str, DeviceAllocator]):
         self.program, self.source, self.allocators = program, source, allocators
@@ -89,7 +100,7 @@ class ProgramMemory:
         if self._segments[index] is None:
             seg = self.program.segments[index]
             allocator, device_index = self.device(seg.device)
-            self._segments[index] = allocator.allocate(seg.nbytes, device_index, seg.alignment)
+            self._segments[index] = allocate(allocator, seg.nbytes, device_index, seg.alignment, f"segment {index}")
             if seg.kind == SegmentKind.STATE:
                 self._fill_state(index, None)
         return self._segments[index]

@@ -8,6 +8,8 @@ for planned values and synchronizes only where the host must read device data.
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -16,12 +18,34 @@ import torch.utils._pytree as pytree
 from ..program import ArgKind, InstrKind, Method, ProgramError, Role
 from ..symbolic import resolve
 from .delegate import DelegateRunner, _dtype, check_plan
-from .memory import ProgramMemory, parse_program_device
+from .memory import ProgramMemory, allocate, parse_program_device
 from .sized import specialize
+from .verify import verify_launches, verify_method
 
 # A method with dynamic dimensions captures CUDA graphs (``graphs=True``) for the first this many
 # distinct sizes it is called with; calls at other sizes run plain (prebound, direct) launches.
 MAX_GRAPH_SIZES = 8
+
+
+RETURN_TYPES = "torch.return_types."  # a tuple node with this context prefix: a torch named tuple (emit.py)
+
+
+def output_structure(text: str, name: str) -> pytree.TreeSpec:
+    """The method's output pytree spec. A tuple node whose context names a ``torch.return_types``
+    class (what ``torch.max(x, 1)`` returns, which pytree cannot serialize) becomes that class again."""
+    def rebuild(spec):
+        if spec.is_leaf():
+            return spec
+        children = [rebuild(c) for c in spec.children()]
+        context = spec.context
+        if spec.type is tuple and isinstance(context, str):
+            cls = getattr(torch.return_types, context.removeprefix(RETURN_TYPES), None)
+            if not context.startswith(RETURN_TYPES) or cls not in torch.return_types.all_return_types:
+                raise ProgramError(f"method {name!r}: output structure names an unknown type {context!r}")
+            return pytree.TreeSpec(cls, None, children)
+        return pytree.TreeSpec(spec.type, context, children)
+
+    return rebuild(pytree.treespec_loads(text))
 
 
 class InputError(ValueError):
@@ -61,11 +85,41 @@ def resolve_op(target: str):
         return op
     if namespace != "aten":  # programs only hold ATen and tritondelegate host ops; refuse anything else
         raise ProgramError(f"host op {target!r} is not an ATen operator")
-    try:
-        name, _, overload = rest.partition(".")
-        return getattr(getattr(torch.ops.aten, name), overload or "default")
-    except (AttributeError, RuntimeError) as exc:
-        raise ProgramError(f"host op {target!r} is not an operator this PyTorch knows") from exc
+    name, _, overload = rest.partition(".")
+    overload = overload or "default"
+    # Only a name the dispatcher registers is looked up: no attribute of anything else is ever reached.
+    registered = f"aten::{name}" + ("" if overload == "default" else f".{overload}")
+    if not (_IDENTIFIER.fullmatch(name) and _IDENTIFIER.fullmatch(overload)) or registered not in _dispatcher_ops():
+        raise ProgramError(f"host op {target!r} is not an operator this PyTorch knows")
+    op = getattr(getattr(torch.ops.aten, name, None), overload, None)
+    if not isinstance(op, torch._ops.OpOverload):
+        raise ProgramError(f"host op {target!r} is not an operator this PyTorch knows")
+    refusal = _refusal(op)
+    if refusal:
+        raise ProgramError(f"host op {target!r} is not allowed in a program: {refusal}")
+    return op
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_FILE_ARGUMENT = re.compile(r"file|path|dir")  # a str argument with such a name names a file
+
+
+@functools.lru_cache(maxsize=None)
+def _dispatcher_ops() -> frozenset:
+    return frozenset(torch._C._dispatch_get_all_op_names())
+
+
+def _refusal(op: torch._ops.OpOverload) -> str | None:
+    """Why an ATen op may not run from a program file, read from its schema: it takes a file name
+    (``from_file``), or it returns nothing and writes none of its arguments, so it exists for an effect
+    outside its tensors (printing, process-wide settings)."""
+    schema = op._schema
+    for arg in schema.arguments:
+        if "str" in str(arg.type) and _FILE_ARGUMENT.search(arg.name):
+            return f"it takes a file name (argument {arg.name!r})"
+    if not schema.returns and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return "it returns nothing and writes no tensor: it acts on the process, not on tensors"
+    return None
 
 
 _SCALAR_DECODERS = {
@@ -135,8 +189,9 @@ class LoadedMethod:
         self.stats = MethodStats()
         self.reuse_output_memory = reuse_output_memory
         self._memory = memory
+        verify_method(memory.program, method)  # the file is untrusted: its plans, before anything runs
         self._in_spec = pytree.treespec_loads(method.input_spec)
-        self._out_spec = pytree.treespec_loads(method.output_spec)
+        self._out_spec = output_structure(method.output_spec, method.name)
         devices = {v.device for v in method.values} | {d.device for d in method.delegates} | {a.device for a in method.arenas}
         self._allocators = {d: memory.device(d, f"method {method.name!r}") for d in sorted(devices - {"cpu"})}
         self._device_bytes: dict[str, int] = {}
@@ -181,7 +236,9 @@ class LoadedMethod:
         sized = self._sizes.get(key)
         if sized is None:  # the first call at this size: evaluate its sizes once
             env = {s.name: v for s, v in zip(self.method.symbols, key)}
-            sized = self._sizes[key] = self._prepare(specialize(self.method, env))
+            specialized = specialize(self.method, env)
+            verify_launches(specialized)  # every launch at exactly this size
+            sized = self._sizes[key] = self._prepare(specialized)
         return sized
 
     def device_bytes(self) -> dict[str, int]:
@@ -192,7 +249,7 @@ class LoadedMethod:
     def _alloc(self, device: str, nbytes: int, alignment: int = 256) -> torch.Tensor:
         allocator, index = self._allocators[device]
         self._device_bytes[device] = self._device_bytes.get(device, 0) + nbytes
-        return allocator.allocate(nbytes, index, alignment)
+        return allocate(allocator, nbytes, index, alignment, f"method {self.name!r}")
 
     def _arena_view(self, arena: int, offset: int, value) -> torch.Tensor:
         buffer = self._arenas[arena]
@@ -285,25 +342,40 @@ class LoadedMethod:
     def __call__(self, *args, stream=None, **kwargs):
         inputs, key = self._check_inputs(args, kwargs)
         with self._memory.lock:  # one call at a time per loaded program: its state is shared
-            sized = self._sized(key)
+            try:
+                sized = self._sized(key)
+            except _PASS_THROUGH:
+                raise
+            except Exception as exc:  # the inputs were checked: what fails now is the program's fault
+                raise _failure(self.name, f"preparing the size {key}", exc) from exc
             env = list(sized.env)
             for vid, t in zip(self.method.inputs, inputs):
                 env[vid] = t
             counts = _Counts()
             pending: set = set()  # devices with d2h copies the host has not waited for
             values = sized.method.values
-            for kind, step in sized.steps:
-                if kind == InstrKind.HOST_OP:
-                    self._wait(pending, stream, counts)
-                    step(env)
-                elif kind == InstrKind.DELEGATE:
-                    for vid in step.outputs:
-                        if env[vid] is None and step.staging_out is None:  # alloc_graph_output=False
-                            env[vid] = self._device_tensor(values[vid])
-                    step(env, stream, counts)
-                else:
-                    self._copy(values, kind, step, env, stream, counts, pending)
-            outputs = self._finish(values, env, stream, counts, pending)
+            for j, (kind, step) in enumerate(sized.steps):
+                try:
+                    if kind == InstrKind.HOST_OP:
+                        self._wait(pending, stream, counts)
+                        step(env)
+                    elif kind == InstrKind.DELEGATE:
+                        for vid in step.outputs:
+                            if env[vid] is None and step.staging_out is None:  # alloc_graph_output=False
+                                env[vid] = self._device_tensor(values[vid])
+                        step(env, stream, counts)
+                    else:
+                        self._copy(values, kind, step, env, stream, counts, pending)
+                except _PASS_THROUGH:
+                    raise
+                except Exception as exc:
+                    raise _failure(self.name, f"instruction {j} ({sized.method.instructions[j].name!r})", exc) from exc
+            try:
+                outputs = self._finish(values, env, stream, counts, pending)
+            except _PASS_THROUGH:
+                raise
+            except Exception as exc:
+                raise _failure(self.name, "writing state and outputs", exc) from exc
             self.stats.launches_per_call = sized.launches
             self._record(counts)
         return pytree.tree_unflatten(outputs, self._out_spec)
@@ -374,6 +446,17 @@ class LoadedMethod:
         with torch.cuda.stream(s):
             copy = tensor.clone()
         return copy
+
+
+# Errors a call passes on as they are: the file's (already a ProgramError) and the machine's (memory).
+_PASS_THROUGH = (ProgramError, MemoryError, torch.cuda.OutOfMemoryError)
+
+
+def _failure(method: str, where: str, exc: Exception) -> ProgramError:
+    """A call that fails after its inputs were checked fails by the program's doing (an op given
+    arguments it refuses, tensors of the wrong size): a ProgramError naming what failed."""
+    return ProgramError(f"method {method!r}: {where} failed with {type(exc).__name__}: {exc} (the inputs were "
+                        "valid: the program is inconsistent)")
 
 
 @dataclass

@@ -25,15 +25,20 @@ is always aligned), is a cache line and the widest CPU vector load, and matches 
 alignment in torch. Page-aligning every constant would waste up to 4 KiB per small constant (biases,
 norms) for no gain: the runtime copies constants, it does not map them one by one.
 
-The checksums cover the header and the flatbuffer (the program's structure: a flipped bit there
-could otherwise load as a different, plausible program). The data segment is not checksummed: the
-loader maps it lazily, and hashing gigabytes of weights at every load would defeat that.
+The header's two checksums cover the header and the flatbuffer (the program's structure: a flipped
+bit there could otherwise load as a different, plausible program). The data segment has no checksum
+of its own: each constant records one of its bytes (``Constant.checksum``, :func:`checksum`, in the
+data segment or in an external safetensors file), checked when the reader first hands the constant
+out, so a load hashes only what it reads (a resident constant is read in full at load anyway).
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
+
+import torch
+import xxhash
 
 MAGIC = b"TDPROG\0\0"
 HEADER = struct.Struct("<8sIIQQQQQII")
@@ -51,3 +56,10 @@ def pack_header(version: int, fb_size: int, data_off: int, data_size: int, fb_cr
     fields = HEADER.pack(MAGIC, version, HEADER.size, FLATBUFFER_OFFSET, fb_size, data_off, data_size,
                          data_off + data_size, fb_crc, 0)
     return fields[:-4] + struct.pack("<I", zlib.crc32(fields[:-4]))
+
+
+def checksum(data: torch.Tensor) -> int:
+    """The checksum of a constant: xxh3_64 of the bytes of ``data`` (a host tensor, read in memory
+    order; a non-contiguous one is copied first)."""
+    flat = data.detach().contiguous().reshape(-1).view(torch.uint8)
+    return xxhash.xxh3_64_intdigest(flat.numpy())

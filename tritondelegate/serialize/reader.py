@@ -13,9 +13,12 @@ in ``validate.py``: dtype names, every index (value ids, constant, arena, delega
 plan tensor and delegate input/output indices), and that in-file constants lie inside the data
 segment, aligned for their dtype, with ``nbytes`` matching dtype and shape; symbolic sizes: each
 expression is integer arithmetic over its method's symbols (parsed, never run as arbitrary code), its
-recorded bound is its value at the symbols' maxima, and each symbol is its input's dimension. Checked
-when an external constant is first asked for: the file exists and is a safetensors file, it has the
-key, the tensor's dtype and shape.
+recorded bound is its value at the symbols' maxima, and each symbol is its input's dimension; in
+``consistency.py``: specs, devices, value sizes, arenas and data flow. Checked when an external
+constant is first asked for: the file exists and is a safetensors file, it has the key, the tensor's
+dtype and shape. Checked the first time a constant's bytes are handed out: their checksum
+(``header.checksum``) against the one the program records, so damaged data, or an external file whose
+tensors were swapped or replaced, is an error naming the constant instead of a wrong answer.
 
 Lifetime policy: the file is mapped once, privately (copy-on-write: writing to a tensor handed out
 never reaches the file). Each tensor handed out holds the part of the mapping it views (through a
@@ -111,6 +114,7 @@ class ProgramFile:
         self._data_size = data_size
         self._data_files = dict(data_files or {})
         self._external: dict[str, tuple[object, frozenset[str]]] = {}  # path -> (safe_open, keys)
+        self._checked: set = set()  # constants whose bytes matched their checksum: index or (index, path)
 
     @property
     def data_offset(self) -> int:
@@ -139,7 +143,9 @@ class ProgramFile:
         if c.nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         start = self._data_off + c.data_offset
-        return torch.frombuffer(self._mv[start:start + c.nbytes], dtype=torch.uint8)
+        data = torch.frombuffer(self._mv[start:start + c.nbytes], dtype=torch.uint8)
+        self._check_sum(index, index, data, "the program file's data segment")
+        return data
 
     def constant_tensor(self, index: int, data_files: dict[str, str] | None = None) -> torch.Tensor:
         """``program.constants[index]`` with its dtype and shape: a host view, not a copy."""
@@ -223,7 +229,18 @@ class ProgramFile:
         if t.numel() * t.element_size() != c.nbytes:  # implied by the above; cheap to be sure
             raise ProgramError(f"{what}: {key} has {t.numel() * t.element_size()} bytes, the program "
                                f"expects {c.nbytes}")
+        self._check_sum(index, (index, os.path.abspath(file_path)), t, what)
         return t
+
+    def _check_sum(self, index: int, key, data: torch.Tensor, where: str) -> None:
+        """The first time a constant is read (from one file): its bytes against its checksum."""
+        c = self.program.constants[index]
+        if c.checksum is None or key in self._checked:
+            return
+        if hdr.checksum(data) != c.checksum:
+            raise ProgramError(f"{self.path}: constant {index} ({c.name!r}): its bytes in {where} do not match "
+                               "the checksum the program records for them (damaged, or not this program's data)")
+        self._checked.add(key)
 
     def _open_external(self, file_path: str, what: str, key: str):
         cache_key = os.path.abspath(file_path)
@@ -376,7 +393,7 @@ class _Decoder:
 
     def constant(self, c, i: int) -> Constant:
         return Constant(self.text(c.Name()), self.text(c.Dtype()), tuple(self.nums(c.ShapeAsNumpy())),
-                        c.Nbytes(), c.DataOffset(), c.External())
+                        c.Nbytes(), c.DataOffset(), c.External(), c.Checksum())
 
     def method(self, m, i: int) -> Method:
         where = f"method {i}"

@@ -16,10 +16,22 @@ from ..plan import ArgKind as KernelArgKind
 from ..plan import Base, DelegatePlan
 from ..program import ArgKind, Constant, InstrKind, Instruction, Method, Program, ProgramError, Role, SegmentKind
 from ..symbolic import Expr, bound
+from .consistency import MethodConsistency, aligned_end, check_alignment, check_device
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
+
+
+def external_name_problem(name: str) -> str | None:
+    """What is wrong with ``name`` as the name of an external data file, or None. A name is a path
+    relative to the program file's directory and inside it: plain names joined by "/", none of them
+    empty, "." or "..", with no backslash or NUL (the writer and the reader share this rule)."""
+    if (not isinstance(name, str) or not name or os.path.isabs(name) or "\\" in name or "\0" in name
+            or any(part in ("", ".", "..") for part in name.split("/"))):
+        return ("must be a relative path inside the program file's directory: plain names joined by '/', "
+                "none of them empty, '.' or '..'")
+    return None
 
 
 def check_program(program: Program, path: str, version: int, data_off: int, data_size: int) -> None:
@@ -67,8 +79,9 @@ class _Checker:
         if p.version != self.version:
             self.fail(f"the program records version {p.version}, the header {self.version}")
         for i, name in enumerate(p.external_files):
-            if not name or os.path.isabs(name):
-                self.fail(f"external file {i} ({name!r}) must be a relative path")
+            problem = external_name_problem(name)
+            if problem:
+                self.fail(f"external file {i} ({name!r}) {problem}")
         keys = set()
         for i, c in enumerate(p.constants):
             self.constant(c, i, keys)
@@ -108,12 +121,15 @@ class _Checker:
         p = self.p
         for i, seg in enumerate(p.segments):
             self.nonneg(seg.nbytes, f"segment {i} nbytes")
-            if seg.alignment <= 0:
-                self.fail(f"segment {i} has alignment {seg.alignment}")
+            check_device(seg.device, f"segment {i}", self.fail)
+            check_alignment(seg.alignment, f"segment {i}", self.fail)
         spans: dict[int, list[tuple[int, int, int]]] = {}
         for i, slot in enumerate(p.slots):
             what = f"slot {i} ({slot.name!r})"
+            check_device(slot.device, what, self.fail)
             self.index(slot.constant, len(p.constants), what, "constant")
+            if p.constants[slot.constant].name != slot.name:
+                self.fail(f"{what} holds constant {slot.constant}, which is named {p.constants[slot.constant].name!r}")
             self.index(slot.segment, len(p.segments), what, "segment", optional=True)
             if slot.segment < 0:
                 if not slot.state or slot.device != "cpu":
@@ -129,6 +145,10 @@ class _Checker:
                 self.fail(f"{what}: bytes [{slot.offset}, {end}) do not fit segment {slot.segment} "
                           f"({seg.nbytes} bytes, alignment {seg.alignment})")
             spans.setdefault(slot.segment, []).append((slot.offset, end, i))
+        for i, seg in enumerate(p.segments):  # no larger than its slots need: a file cannot over-allocate
+            need = aligned_end([max(end, start + 1) for start, end, _ in spans.get(i, ())], seg.alignment)
+            if seg.nbytes > need:
+                self.fail(f"segment {i} has {seg.nbytes} bytes; its slots need {need}")
         for segment, items in spans.items():
             items.sort()
             for (_, a_end, a), (b_start, _, b) in zip(items, items[1:]):
@@ -152,11 +172,11 @@ class _Checker:
                 self.fail(f"{what}: its metadata is not Triton's metadata for kernel {b.name!r}")
 
     def value_slot(self, v, what: str) -> None:
+        self.index(v.slot, len(self.p.slots), what, "slot", optional=True)
         if v.slot < 0:
             if v.role == Role.MUTABLE_BUFFER or v.resident:
                 self.fail(f"{what} is {'state' if v.role == Role.MUTABLE_BUFFER else 'resident'} but has no slot")
             return
-        self.index(v.slot, len(self.p.slots), what, "slot")
         slot = self.p.slots[v.slot]
         c = self.p.constants[slot.constant]
         if (c.dtype, tuple(c.shape), slot.device) != (v.dtype, tuple(v.shape), v.device):
@@ -164,6 +184,8 @@ class _Checker:
                       f"{c.dtype}{list(c.shape)} on {slot.device}")
         if slot.state != (v.role == Role.MUTABLE_BUFFER) or v.arena >= 0:
             self.fail(f"{what} does not fit its slot {v.slot} ({'state' if slot.state else 'constant'})")
+        if v.constant != slot.constant:
+            self.fail(f"{what} has constant {v.constant}, but its slot {v.slot} holds constant {slot.constant}")
 
     def method(self, m: Method) -> None:
         where = f"method {m.name!r}"
@@ -182,6 +204,8 @@ class _Checker:
                 if (c.dtype, c.shape) != (v.dtype, v.shape):
                     self.fail(f"{what} is {v.dtype}{list(v.shape)} but its constant {v.constant} "
                               f"({c.name!r}) is {c.dtype}{list(c.shape)}")
+                if c.name != v.name:  # names are keys: an index that points elsewhere shows here
+                    self.fail(f"{what} refers to constant {v.constant}, which is named {c.name!r}")
             self.value_slot(v, what)
             self.index(v.arena, na, what, "arena", optional=True)
             if v.arena >= 0 and not 0 <= v.arena_offset <= m.arenas[v.arena].nbytes:
@@ -206,6 +230,7 @@ class _Checker:
             if d.scratch_arena >= 0 and d.scratch_offset + d.plan.scratch_bytes > m.arenas[d.scratch_arena].nbytes:
                 self.fail(f"{what}: scratch [{d.scratch_offset}, {d.scratch_offset + d.plan.scratch_bytes}) "
                           f"lies outside arena {d.scratch_arena} ({m.arenas[d.scratch_arena].nbytes} bytes)")
+        MethodConsistency(m, where, self.fail, DTYPES).check()
 
     def instruction(self, ins: Instruction, what: str, nv: int, nd: int) -> None:
         for k, vid in enumerate(ins.inputs):
@@ -227,6 +252,11 @@ class _Checker:
                     self.index(vid, nv, f"{w}[{e}]", "value", optional=True)
             elif a.kind == ArgKind.DTYPE:
                 self.dtype(a.value, w)
+            elif a.kind == ArgKind.DEVICE:
+                try:
+                    torch.device(a.value)
+                except (RuntimeError, TypeError):
+                    self.fail(f"{w} has unknown device {a.value!r}")
             elif a.kind == ArgKind.MEMORY_FORMAT and not isinstance(getattr(torch, a.value, None),
                                                                     torch.memory_format):
                 self.fail(f"{w} has unknown memory format {a.value!r}")

@@ -24,10 +24,12 @@ from ..program import (FORMAT_VERSION, ArgKind, Constant, HostArg, InstrKind, In
 from ..symbolic import Expr
 from . import header as hdr
 from .generated import program_generated as fb
+from .validate import external_name_problem
 
 _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
 _UINT32 = (0, 2**32 - 1)
+_UINT64 = (0, 2**64 - 1)
 
 
 def save_program(program: Program, constant_data: Sequence[torch.Tensor], path,
@@ -37,6 +39,7 @@ def save_program(program: Program, constant_data: Sequence[torch.Tensor], path,
     ``constant_data[i]`` holds the bytes of ``program.constants[i]`` (any device; its dtype and shape
     must match the constant). The writer chooses every in-file ``Constant.data_offset`` (the value in
     ``program`` is ignored, and ``program`` is not modified); external constants get ``data_offset`` 0.
+    It records each constant's checksum (``header.checksum`` of the bytes written; ignored in ``program``).
     Each name in ``program.external_files`` is a path relative to the program file's directory and is
     written as a safetensors file holding the constants that name it, keyed by ``Constant.name``.
     ``binary_data[i]`` holds the bytes of ``program.binaries[i]`` (kernel binaries), stored after the
@@ -58,6 +61,8 @@ def save_program(program: Program, constant_data: Sequence[torch.Tensor], path,
     constants, data_size = _layout(program)
     binaries, data_size = _layout_binaries(program, binary_data, data_size)
     host = [_host_bytes(c, t, i) for i, (c, t) in enumerate(zip(program.constants, constant_data))]
+    constants = [dataclasses.replace(c, checksum=hdr.checksum(data if c.external < 0 else _resolved(data)))
+                 for c, data in zip(constants, host)]
     fb_bytes = _finish(_program_t(program, constants, binaries))
     data_off = hdr.align(hdr.FLATBUFFER_OFFSET + len(fb_bytes), hdr.DATA_SEGMENT_ALIGNMENT)
     head = hdr.pack_header(FORMAT_VERSION, len(fb_bytes), data_off, data_size, zlib.crc32(fb_bytes))
@@ -87,7 +92,7 @@ def save_program(program: Program, constant_data: Sequence[torch.Tensor], path,
         tensors, storages = {}, set()
         for c, t in zip(constants, constant_data):
             if c.external == file_index:
-                t = t.detach().cpu().contiguous()
+                t = _resolved(t)
                 # safetensors refuses views and tensors that share storage: copy those only
                 if t.untyped_storage().nbytes() != t.nbytes or t.untyped_storage().data_ptr() in storages:
                     t = t.clone()
@@ -100,9 +105,9 @@ def save_program(program: Program, constant_data: Sequence[torch.Tensor], path,
 
 
 def _external_path(directory: str, name: str, program_path: str) -> str:
-    if not name or os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == os.pardir:
-        raise ValueError(f"external file name {name!r} must be a path relative to the program file's "
-                         "directory, inside it")
+    problem = external_name_problem(name)
+    if problem:
+        raise ValueError(f"external file name {name!r} {problem}")
     file_path = os.path.join(directory, name)
     if os.path.abspath(file_path) == os.path.abspath(program_path):
         raise ValueError(f"external file {name!r} is the program file itself")
@@ -121,8 +126,12 @@ def _host_bytes(c: Constant, t: torch.Tensor, index: int) -> torch.Tensor:
         raise ValueError(f"{what} records {c.nbytes} bytes; its tensor has {t.numel() * t.element_size()}")
     if c.external >= 0:
         return t  # written by safetensors
-    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    return _resolved(t).reshape(-1).view(torch.uint8)
+
+
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host, contiguous, with no lazy conjugate or negative bit: the bytes written."""
+    return t.detach().cpu().resolve_conj().resolve_neg().contiguous()
 
 
 def _layout(program: Program) -> tuple[list[Constant], int]:
@@ -266,6 +275,7 @@ def _constant(c: Constant, i: int) -> fb.ConstantT:
     t.nbytes = _int(c.nbytes, f"{where} nbytes")
     t.dataOffset = _int(c.data_offset, f"{where} data_offset")
     t.external = _i32(c.external, f"{where} external")
+    t.checksum = None if c.checksum is None else _int(c.checksum, f"{where} checksum", _UINT64)
     return t
 
 

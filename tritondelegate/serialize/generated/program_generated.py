@@ -3445,8 +3445,15 @@ class Constant(object):
             return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
         return -1
 
+    # Constant
+    def Checksum(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return None
+
 def ConstantStart(builder):
-    builder.StartObject(6)
+    builder.StartObject(7)
 
 def ConstantAddName(builder, name):
     builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
@@ -3469,12 +3476,15 @@ def ConstantAddDataOffset(builder, dataOffset):
 def ConstantAddExternal(builder, external):
     builder.PrependInt32Slot(5, external, -1)
 
+def ConstantAddChecksum(builder, checksum):
+    builder.PrependUint64Slot(6, checksum, None)
+
 def ConstantEnd(builder):
     return builder.EndObject()
 
 
 try:
-    from typing import List
+    from typing import List, Optional
 except:
     pass
 
@@ -3489,6 +3499,7 @@ class ConstantT(object):
         nbytes = 0,
         dataOffset = 0,
         external = -1,
+        checksum = None,
     ):
         self.name = name  # type: Optional[str]
         self.dtype = dtype  # type: Optional[str]
@@ -3496,6 +3507,7 @@ class ConstantT(object):
         self.nbytes = nbytes  # type: int
         self.dataOffset = dataOffset  # type: int
         self.external = external  # type: int
+        self.checksum = checksum  # type: Optional[int]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -3530,6 +3542,7 @@ class ConstantT(object):
         self.nbytes = constant.Nbytes()
         self.dataOffset = constant.DataOffset()
         self.external = constant.External()
+        self.checksum = constant.Checksum()
 
     # ConstantT
     def Pack(self, builder):
@@ -3555,6 +3568,7 @@ class ConstantT(object):
         ConstantAddNbytes(builder, self.nbytes)
         ConstantAddDataOffset(builder, self.dataOffset)
         ConstantAddExternal(builder, self.external)
+        ConstantAddChecksum(builder, self.checksum)
         constant = ConstantEnd(builder)
         return constant
 

@@ -1,0 +1,382 @@
+"""The load-time plan verifier (``runtime/verify.py``): a program whose launch plans or memory plan are
+damaged (with every checksum valid) is refused with a ProgramError naming the method, delegate, launch,
+kernel and value before anything runs; an undamaged program loads."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.export import Dim
+
+import tritondelegate as td
+from tritondelegate.kernels.registry import KERNELS
+from tritondelegate.plan import Arg, ArgKind, Base
+from tritondelegate.program import InstrKind
+from tritondelegate.runtime.loader import InMemorySource, LoadedProgram
+from tritondelegate.runtime.footprints import RULES, _unravel, kernel_parameters
+from tritondelegate.runtime.verify import _first_overlap
+from tritondelegate.symbolic import Expr
+
+RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
+
+
+class Zoo(torch.nn.Module):
+    """One delegate over most kernel families: gather, norm, matmul, attention, softmax, cumsum, conv
+    with an epilogue, batch norm, pooling, padding, a pointwise chain, a reduction and a scatter."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.ln = torch.nn.LayerNorm(8)
+        self.fc = torch.nn.Linear(8, 8)
+        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(2)
+
+    def forward(self, ids, img):
+        h = self.fc(self.ln(self.emb(ids)))[None]
+        s = torch.softmax(F.scaled_dot_product_attention(h, h, h, is_causal=True) * 2.0, -1)
+        y = F.max_pool2d(torch.relu(self.conv(img)), 2)
+        p = F.layer_norm(torch.sigmoid(F.pad(self.bn(img), (1, 1))) * 3.0 + 1.0, (8,))
+        z = torch.zeros(6, 8).index_copy(0, ids[:2], h[0, :2])
+        return s, torch.cumsum(ids, 0), y, p, s.amax(-1), z
+
+
+def _zoo_args():
+    return torch.tensor([1, 3, 5, 7]), torch.randn(1, 2, 6, 6)
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    torch.manual_seed(0)
+    model = Zoo().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", td.PerCallCopyWarning)
+        lowered = td.lower(torch.export.export(model, _zoo_args()), config=RESIDENT)
+    return model, lowered
+
+
+def _load(lowered, program=None, name="forward"):
+    source = InMemorySource(program or lowered.program, lowered.constant_data)
+    return LoadedProgram(source, devices="simulated").load_method(name)
+
+
+def _launches(program):
+    """(delegate index, launch index, launch) of the first method, in order."""
+    return [(d, k, launch) for d, delegate in enumerate(program.methods[0].delegates)
+            for k, launch in enumerate(delegate.plan.launches)]
+
+
+def _arg(launch, name: str) -> int:
+    """The position of parameter ``name`` among the launch's arguments."""
+    return kernel_parameters(KERNELS[launch.kernel])[0].index(name)
+
+
+def _refused(lowered, program, match: str):
+    with pytest.raises(td.ProgramError, match=match):
+        _load(lowered, program)
+
+
+def test_every_kernel_has_a_footprint_rule_for_its_parameters():
+    """A kernel added to the runtime table without a rule (or whose constexprs changed) fails here; at
+    load its launches would be refused."""
+    assert set(RULES) == set(KERNELS)
+    for name, kernel in KERNELS.items():
+        runtime, constexprs = kernel_parameters(kernel)
+        assert set(RULES[name].constexprs) == set(constexprs), name
+        for tile in RULES[name].tiles:
+            assert set(tile) <= set(constexprs), name
+
+
+def test_the_undamaged_program_loads_and_runs(zoo):
+    model, lowered = zoo
+    assert {launch.kernel for _, _, launch in _launches(lowered.program)} >= {
+        "gather", "norm", "matmul", "attention", "softmax", "cumsum", "conv2d", "batch_norm", "pool2d", "pad",
+        "pointwise_chain", "reduce", "scatter"}
+    args = _zoo_args()
+    with torch.no_grad():
+        expected = model(*args)
+    for got, want in zip(_load(lowered)(*args), expected):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _matmul(program):
+    return next((d, k, launch) for d, k, launch in _launches(program) if launch.kernel == "matmul")
+
+
+def _set_int(name, value):
+    def edit(launch):
+        launch.args[_arg(launch, name)] = Arg(ArgKind.INT, value)
+    return edit
+
+
+def _set_grid(*grid):
+    def edit(launch):
+        launch.grid = grid
+    return edit
+
+
+def _set_constexpr(name, value):
+    def edit(launch):
+        launch.constexprs[name] = Arg.of(value)
+    return edit
+
+
+def _pointer_to_int(launch):
+    launch.args[_arg(launch, "a_ptr")] = Arg(ArgKind.INT, 0)
+
+
+def _float_size(launch):
+    launch.args[_arg(launch, "M")] = Arg(ArgKind.FLOAT, 4.0)
+
+
+def _rename(launch):
+    launch.kernel = "matmul_v2"
+
+
+MATMUL_DAMAGE = [
+    ("stride 8 -> 100000", _set_int("stride_am", 100000), r"argument 'a_ptr' reaches elements \[0, 300007\]"),
+    ("M 4 -> 64", _set_int("M", 64), r"argument 'a_ptr' reaches elements \[0, 511\] .* spans 32 elements"),
+    ("N 8 -> 0", _set_int("N", 0), "argument 'N' is 0; the kernel divides by it"),
+    ("negative stride", _set_int("stride_bn", -1), r"argument 'b_ptr' reaches elements \[-7, 7\]"),
+    ("grid x too big", _set_grid(1000, 1), "grid axis 0 has 1000 programs, but the launch's sizes need 1"),
+    ("grid y 70000", _set_grid(1, 70000), r"grid \[1, 70000\] must have 1 to 3 axes"),
+    ("grid x 2**31", _set_grid(2**31, 1), r"grid \[2147483648, 1\]"),
+    ("grid y past the batch", _set_grid(1, 2), r"argument 'c_ptr' reaches elements \[0, 63\]"),
+    ("block not a power of two", _set_constexpr("BLOCK_M", 24), "constexpr BLOCK_M=24 is not allowed"),
+    ("block too small for tl.dot", _set_constexpr("BLOCK_K", 8), "constexpr BLOCK_K=8 is not allowed"),
+    ("unknown epilogue op", _set_constexpr("EOP0", "system"), "constexpr EOP0='system' is not allowed"),
+    ("flag not a bool", _set_constexpr("HAS_BIAS", 2), "constexpr HAS_BIAS=2 is not allowed"),
+    ("unknown constexpr", _set_constexpr("EVIL", 1), "'EVIL' is not a constexpr or launch option"),
+    ("bad launch option", _set_constexpr("num_warps", 3), "constexpr num_warps=3 is not allowed"),
+    ("pointer turned into an int", _pointer_to_int, "argument 'a_ptr' is passed as INT; the kernel takes a tensor"),
+    ("size turned into a float", _float_size, "argument 'M' must be an integer"),
+    ("unknown kernel", _rename, "this runtime has no kernel 'matmul_v2' with a footprint rule"),
+]
+
+
+@pytest.mark.parametrize("edit, match", [d[1:] for d in MATMUL_DAMAGE], ids=[d[0] for d in MATMUL_DAMAGE])
+def test_damaged_launch_is_refused_naming_it(zoo, edit, match):
+    _, lowered = zoo
+    program = copy.deepcopy(lowered.program)
+    d, k, launch = _matmul(program)
+    edit(launch)
+    kernel = "matmul_v2" if edit is _rename else "matmul"
+    _refused(lowered, program, rf"method 'forward' delegate {d} \('triton_0'\) launch {k} \('{kernel}', "
+                               rf"node '[^']+'\): .*{match}")
+
+
+def test_a_kernel_that_writes_a_constant_is_refused(zoo):
+    """The matmul's result redirected onto the embedding table (a resident constant, big enough)."""
+    _, lowered = zoo
+    program = copy.deepcopy(lowered.program)
+    method = program.methods[0]
+    instr = _call(method)
+    table = instr.inputs.index(_values(method, name="emb.weight")[0])
+    plan = method.delegates[instr.delegate].plan
+    _, k, launch = _matmul(program)
+    c = plan.tensors[launch.args[_arg(launch, "c_ptr")].value]
+    c.base, c.index, c.byte_offset = Base.INPUT, table, 0
+    _refused(lowered, program, rf"launch {k} \('matmul'.*argument 'c_ptr' writes .*input {table}: value "
+                               r"'emb.weight'\), a delegate input that is not program state")
+
+
+# The main size of each kernel family: a million times larger is always refused (its index range leaves
+# its views, or is larger than any view the launch touches).
+SIZES = {"pointwise": "n", "pointwise_chain": "n", "matmul": "M", "conv2d": "M", "attention": "Lq",
+         "reduce": "rows", "softmax": "rows", "norm": "rows", "gather": "n", "scatter": "n", "cumsum": "rows",
+         "pool2d": "total", "batch_norm": "numel", "pad": "total", "arange": "n", "rotary": "rows"}
+
+
+def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):
+    _, lowered = zoo
+    assert set(SIZES) == set(RULES)
+    for d, k, launch in _launches(lowered.program):
+        where = rf"delegate {d} \('triton_0'\) launch {k} \('{launch.kernel}'"
+        program = copy.deepcopy(lowered.program)
+        program.methods[0].delegates[d].plan.launches[k].grid = (2 * launch.grid[0] + 1, *launch.grid[1:])
+        _refused(lowered, program, rf"{where}.*grid axis 0 has {2 * launch.grid[0] + 1} programs")
+        program = copy.deepcopy(lowered.program)
+        damaged = program.methods[0].delegates[d].plan.launches[k]
+        size = _arg(damaged, SIZES[launch.kernel])
+        damaged.args[size] = Arg(ArgKind.INT, damaged.args[size].value * 10**6)
+        _refused(lowered, program, where)
+
+
+# -- the memory plan --------------------------------------------------------------------------------
+def _values(method, **where):
+    return [vid for vid, v in enumerate(method.values) if all(getattr(v, k) == x for k, x in where.items())]
+
+
+def _call(method):
+    (call,) = [i for i in method.instructions if i.kind == InstrKind.DELEGATE]
+    return call
+
+
+def _input_copy(method):
+    """The arena value the first user input is copied into."""
+    (copy_instr,) = [i for i in method.instructions
+                     if i.kind == InstrKind.COPY_H2D and i.inputs == [method.inputs[0]]]
+    return copy_instr.outputs[0]
+
+
+def _nbytes(method):
+    method.values[_input_copy(method)].nbytes += 4
+    return r"value \d+ \('ids@cuda:0'\) records 36 bytes, but int64\[4\] has 32"
+
+
+def _misaligned(method):
+    method.values[_input_copy(method)].arena_offset += 8
+    return r"value \d+ \('ids@cuda:0'\): bytes \[\d+, \d+\) on cuda:0 do not fit arena 0 .*aligned to 256"
+
+
+def _overlap(method):
+    """The input's copy moved onto the delegate's first output: both are live during the delegate call."""
+    vid, out = _input_copy(method), _call(method).outputs[0]
+    method.values[vid].arena_offset = method.values[out].arena_offset
+    names = r"(ids@cuda:0|triton_0.out0)"
+    return rf"arena 0: value \d+ \('{names}'\) and value \d+ \('{names}'\) are live together"
+
+
+def _scratch_over_a_value(method):
+    """The delegate's scratch moved onto one of its outputs (with room for it in the arena)."""
+    (delegate,) = method.delegates
+    room = method.arenas[0].nbytes - delegate.plan.scratch_bytes
+    out = next(vid for vid in _call(method).outputs if method.values[vid].arena_offset <= room)
+    delegate.scratch_offset = method.values[out].arena_offset
+    return rf"arena 0: .*(delegate 0 scratch|value {out}).* are live together and share bytes"
+
+
+def _input_over_a_constant(method):
+    """The input's device copy placed in the embedding table's program slot."""
+    vid = _input_copy(method)
+    (table,) = _values(method, name="emb.weight")
+    method.values[vid].slot, method.values[vid].arena = method.values[table].slot, -1
+    return r"value \d+ \('ids@cuda:0'\) is an intermediate with arena -1, slot \d+"
+
+
+def _input_with_a_slot(method):
+    (table,) = _values(method, name="emb.weight")
+    method.values[method.inputs[0]].slot = method.values[table].slot
+    return r"value \d+ \('ids'\) is an input with arena -1, slot"
+
+
+def _constant_written(method):
+    _call(method).outputs[0] = _values(method, name="ln.bias")[0]
+    return r"instruction \d+ \('triton_0'\) writes value \d+ \('ln.bias'\), a constant"
+
+
+def _constant_in_an_arena(method):
+    (bias,) = _values(method, name="ln.bias")
+    method.values[bias].arena = 0
+    return r"value \d+ \('ln.bias'\) is a constant with arena 0"
+
+
+def _device_constant_not_resident(method):
+    (bias,) = _values(method, name="ln.bias")
+    method.values[bias].resident, method.values[bias].slot = False, -1
+    return r"value \d+ \('ln.bias'\): a constant on cuda:0 must be resident"
+
+
+def _huge_arena(method):
+    method.arenas[0].nbytes = 2**40
+    return r"arena 0 has 1099511627776 bytes, more than the \d+ its values use"
+
+
+def _copy_shapes(method):
+    vid = _input_copy(method)
+    method.values[vid].shape, method.values[vid].nbytes = (2,), 16
+    return (r"instruction \d+ \('ids@cuda:0'\): a COPY_H2D copy from 'ids' \(cpu, int64\[4\]\) to 'ids@cuda:0' "
+            r"\(cuda:0, int64\[2\]\)")
+
+
+MEMORY_DAMAGE = [_nbytes, _misaligned, _overlap, _scratch_over_a_value, _input_over_a_constant, _input_with_a_slot,
+                 _constant_written, _constant_in_an_arena, _device_constant_not_resident, _huge_arena, _copy_shapes]
+
+
+@pytest.mark.parametrize("damage", MEMORY_DAMAGE, ids=[d.__name__.strip("_") for d in MEMORY_DAMAGE])
+def test_damaged_memory_plan_is_refused(zoo, damage):
+    _, lowered = zoo
+    program = copy.deepcopy(lowered.program)
+    match = damage(program.methods[0])
+    _refused(lowered, program, rf"method 'forward' {match}")
+
+
+# -- bounded dynamic dimensions: every size is verified ----------------------------------------------
+@pytest.fixture(scope="module")
+def dynamic():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    ep = torch.export.export(model, (torch.randn(5, 8),), dynamic_shapes=({0: Dim("batch", max=9)},))
+    return model, td.lower(ep, config=RESIDENT)
+
+
+def _dynamic_m(program):
+    _, _, launch = _matmul(program)
+    position = _arg(launch, "M")
+    m = launch.args[position].value
+    assert isinstance(m, Expr)
+    return launch, position, m
+
+
+def test_dynamic_plan_damaged_at_its_bound_is_refused_at_load(dynamic):
+    _, lowered = dynamic
+    program = copy.deepcopy(lowered.program)
+    launch, position, m = _dynamic_m(program)
+    launch.args[position] = Arg(ArgKind.INT, Expr(f"{m.text} + 1", m.bound + 1))
+    _refused(lowered, program, r"launch 0 \('matmul'.* argument 'a_ptr' reaches elements \[0, 79\] .* spans 72")
+
+
+def test_dynamic_plan_damaged_below_its_bound_is_refused_at_that_size(dynamic):
+    """``max(M, 9)`` rows: right at the bound (9), past the views at every smaller size. The method
+    loads; a call at the bound runs; a call at another size is refused before any launch at it."""
+    model, lowered = dynamic
+    program = copy.deepcopy(lowered.program)
+    launch, position, m = _dynamic_m(program)
+    launch.args[position] = Arg(ArgKind.INT, Expr(f"max({m.text}, {m.bound})", m.bound))
+    method = _load(lowered, program)
+    x = torch.randn(9, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(method(x), model(x))
+    with pytest.raises(td.ProgramError, match=r"launch 0 \('matmul'.* argument 'a_ptr' reaches elements \[0, 71\] "
+                                              r".* spans 24 elements"):
+        method(torch.randn(3, 8))
+
+
+def test_a_damaged_file_is_refused_when_its_method_loads(zoo, tmp_path):
+    _, lowered = zoo
+    lowered.save(tmp_path / "zoo.tdp")
+    program = td.load(tmp_path / "zoo.tdp", devices="simulated")
+    _, k, launch = _matmul(program.program)
+    launch.args[_arg(launch, "stride_am")] = Arg(ArgKind.INT, 100000)
+    with pytest.raises(td.ProgramError, match=rf"launch {k} \('matmul'.*argument 'a_ptr' reaches"):
+        program.load_method("forward")
+
+
+# -- the helpers, against brute force ---------------------------------------------------------------
+def test_unravel_counts_every_coordinate_a_flat_range_takes():
+    for n, inner in [(0, (3,)), (1, (4, 5)), (7, (1, 3)), (12, (3, 4)), (13, (3, 4)), (5, (8, 2)), (40, (2, 3, 4))]:
+        seen = [set() for _ in range(len(inner) + 1)]
+        for flat in range(n):
+            coords = []
+            for d in reversed(inner):
+                coords.append(flat % d)
+                flat //= d
+            for s, c in zip(seen, [flat] + coords[::-1]):
+                s.add(c)
+        assert _unravel(n, inner) == [len(s) for s in seen], (n, inner)
+
+
+def test_overlap_sweep_agrees_with_every_pair():
+    rng = random.Random(7)
+    for _ in range(300):
+        items = [(first, first + rng.randrange(4), 8 * rng.randrange(10), rng.randrange(0, 40), f"v{i}")
+                 for i, first in enumerate(rng.randrange(10) for _ in range(rng.randrange(1, 9)))]
+        pairs = any(a[0] <= b[1] and b[0] <= a[1] and a[3] and b[3] and a[2] < b[2] + b[3] and b[2] < a[2] + a[3]
+                    for a, b in itertools.combinations(items, 2))
+        assert (_first_overlap(items) is not None) == pairs, items

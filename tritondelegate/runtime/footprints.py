@@ -1,0 +1,412 @@
+"""Footprint rules: for each kernel of the runtime's table (``kernels/registry.py``), the memory its
+launches reach, written from the kernel's own indexing formula over its masks, and the constexprs it
+allows. ``verify.py`` checks every launch of a program against them.
+
+A rule reads a launch's integer arguments, constexprs and grid (:class:`LaunchArgs`) and returns a
+:class:`Footprint`: for each pointer the kernel loads or stores, the index ranges and strides of the
+element offsets it reaches (:class:`Access`), the programs per grid axis the launch's sizes need, and
+the sizes its grid and loops walk. Ranges are per coordinate (a box): where a kernel's masks tie
+coordinates together the box holds the reachable offsets, never fewer.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from ..kernels import elementwise
+from ..ops import GLU_ACTS
+from .delegate import DelegateError, _is_constexpr
+
+DTYPE_NAMES = ("", "float32", "float16", "bfloat16")  # the rounding targets of GEMM epilogues
+
+
+# --- what a launch reaches --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Access:
+    """The element offsets a kernel reaches through pointer ``param``: ``sum_k i_k * stride_k`` with
+    each ``i_k`` in ``[0, count_k)``; none at all when some count is 0 or less (a masked-off range)."""
+
+    param: str
+    terms: tuple  # ((count, stride), ...)
+    write: bool = False
+
+    def reach(self) -> tuple[int, int] | None:
+        """(smallest, largest) offset, or None when the kernel reaches nothing through ``param``."""
+        if any(n <= 0 for n, _ in self.terms):
+            return None
+        return (sum((n - 1) * min(s, 0) for n, s in self.terms),
+                sum((n - 1) * max(s, 0) for n, s in self.terms))
+
+
+@dataclass
+class Footprint:
+    accesses: list  # Access per pointer the launch loads or stores
+    grid: tuple  # the most programs per grid axis the launch's sizes need
+    sizes: dict  # name -> index points the grid covers, or a loop's length
+
+
+class LaunchArgs:
+    """A launch's integer arguments, constexprs and grid, as a footprint rule reads them."""
+
+    def __init__(self, where: str, ints: dict, constexprs: dict, grid: tuple):
+        self.where, self._ints, self.c, self.grid = where, ints, constexprs, grid
+
+    def i(self, name: str) -> int:
+        value = self._ints.get(name)
+        if value is None:
+            raise DelegateError(f"{self.where}: argument {name!r} must be an integer")
+        return value
+
+    def ints(self, prefix: str, count: int) -> list[int]:
+        return [self.i(f"{prefix}{k}") for k in range(count)]
+
+    def d(self, *names: str) -> list[int]:
+        """Integers the kernel divides by: each must be at least 1."""
+        values = [self.i(n) for n in names]
+        for name, v in zip(names, values):
+            if v < 1:
+                raise DelegateError(f"{self.where}: argument {name!r} is {v}; the kernel divides by it, "
+                                    "so it must be at least 1")
+        return values
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _unravel(n: int, inner) -> list[int]:
+    """How many values each coordinate takes when flat indices ``[0, n)`` are split row-major over
+    sizes (lead, *inner): ``[lead count, *inner counts]``."""
+    if n <= 0:
+        return [0] * (len(inner) + 1)
+    counts, below = [], 1
+    for d in reversed(inner):
+        counts.append(min(d, (n - 1) // below + 1))
+        below *= d
+    return [(n - 1) // below + 1] + counts[::-1]
+
+
+def _walk(counts, strides) -> tuple:
+    return tuple(zip(counts, strides))
+
+
+# --- footprint rules, one per kernel: the kernel's indexing formula over its masks -------------------
+def _pointwise(x: LaunchArgs) -> Footprint:
+    n = x.i("n")
+    idx = _unravel(n, x.d("d1", "d2", "d3", "d4"))
+    acc = [Access("out_ptr", _walk(idx, x.ints("os", 5)), write=True)]
+    for k, name in enumerate("abc"):
+        if k < x.c["NARGS"] and not x.c[f"{name.upper()}_SCALAR"]:
+            acc.append(Access(f"{name}_ptr", _walk(idx, x.ints(f"{name}s", 5))))
+    return Footprint(acc, (_cdiv(n, x.c["BLOCK"]),), {"n": n})
+
+
+def _pointwise_chain(x: LaunchArgs) -> Footprint:
+    n = x.i("n")
+    idx = _unravel(n, x.d("d1", "d2", "d3", "d4"))
+    acc = [Access("out_ptr", _walk(idx, x.ints("os", 5)), write=True)]
+    # slot 0 is the first op's left operand; slot k + 1 the operand of op k, when op k runs and is binary
+    loads = [True] + [k < x.c["NOPS"] and x.c[f"ARITY{k}"] != 1 for k in range(4)]
+    for k, load in enumerate(loads):
+        if load and not x.c[f"IS_SCALAR{k}"]:
+            acc.append(Access(f"p{k}_ptr", _walk(idx, x.ints(f"p{k}s", 5))))
+    return Footprint(acc, (_cdiv(n, x.c["BLOCK"]),), {"n": n})
+
+
+def _epilogue(x: LaunchArgs, index: tuple, strides: int) -> list[Access]:
+    """The operands a GEMM epilogue (``elementwise._epilogue``) loads: step k < EPILOGUE, binary,
+    with a tensor operand addressed by its own strides over ``index`` (counts)."""
+    return [Access(f"e{k}_ptr", _walk(index, x.ints(f"e{k}s", strides)))
+            for k in range(4)
+            if k < x.c["EPILOGUE"] and x.c[f"EARITY{k}"] != 1 and not x.c[f"EIS_SCALAR{k}"]]
+
+
+def _matmul(x: LaunchArgs) -> Footprint:
+    M, N = x.d("M", "N")
+    K, Z = x.i("K"), x.grid[1]  # the batch is grid axis 1, unmasked
+    n_out = N // 2 if x.c["GLU"] else N  # a gated linear unit halves the stored columns
+    s = {name: x.i(name) for name in ("stride_az", "stride_am", "stride_ak", "stride_bz", "stride_bk",
+                                      "stride_bn", "stride_cz", "stride_cm", "stride_cn")}
+    acc = [Access("a_ptr", ((Z, s["stride_az"]), (M, s["stride_am"]), (K, s["stride_ak"]))),
+           Access("b_ptr", ((Z, s["stride_bz"]), (K, s["stride_bk"]), (N, s["stride_bn"]))),
+           Access("c_ptr", ((Z, s["stride_cz"]), (M, s["stride_cm"]), (n_out, s["stride_cn"])), write=True)]
+    if x.c["HAS_BIAS"]:
+        acc.append(Access("x_ptr", ((Z, x.i("stride_xz")), (M, x.i("stride_xm")), (N, x.i("stride_xn")))))
+    # a norm prologue reads A's rows (as a_ptr) and its weight and bias over K
+    if x.c["PROLOGUE"] in ("rms", "layer") and x.c["HAS_PW"]:
+        acc.append(Access("p_ptr", ((K, x.i("stride_pk")),)))
+    if x.c["PROLOGUE"] == "layer" and x.c["HAS_PB"]:
+        acc.append(Access("pb_ptr", ((K, x.i("stride_pk")),)))
+    acc += _epilogue(x, (Z, M, n_out), 3)
+    grid = (_cdiv(M, x.c["BLOCK_M"]) * _cdiv(N, x.c["BLOCK_N"]), Z)
+    return Footprint(acc, grid, {"batch x M x N stored": Z * M * n_out, "K": K})
+
+
+def _conv2d(x: LaunchArgs) -> Footprint:
+    M, H, W, cin, cout = (x.i(name) for name in ("M", "H", "W", "CIN_G", "COUT_G"))
+    oh_, ow_ = x.d("OH", "OW")
+    n, oh, ow = _unravel(M, (oh_, ow_))
+    groups, KH, KW = x.grid[2], x.c["KH"], x.c["KW"]
+    co = groups * cout  # output channels: group g's are g * COUT_G + [0, COUT_G)
+    k_loop = cin * KH * KW
+    acc = [
+        Access("x_ptr", ((n, x.i("xs_n")), (groups * cin, x.i("xs_c")), (H, x.i("xs_h")), (W, x.i("xs_w")))),
+        Access("w_ptr", ((co, x.i("ws_o")), (cin, x.i("ws_i")), (KH, x.i("ws_h")), (KW, x.i("ws_w")))),
+        Access("out_ptr", ((n, x.i("os_n")), (co, x.i("os_c")), (oh, x.i("os_h")), (ow, x.i("os_w"))),
+               write=True),
+    ]
+    if x.c["HAS_BIAS"]:
+        acc.append(Access("bias_ptr", ((co, 1),)))
+    acc += _epilogue(x, (n, co, oh, ow), 4)
+    grid = (_cdiv(M, x.c["BLOCK_M"]), _cdiv(cout, x.c["BLOCK_N"]), groups)
+    return Footprint(acc, grid, {"output elements": max(M, 0) * max(co, 0), "K": k_loop})
+
+
+def _attention(x: LaunchArgs) -> Footprint:
+    H, group = x.d("H", "GROUP")
+    Lq, Lk, bh = x.i("Lq"), x.i("Lk"), x.grid[1]  # grid axis 1 is batch * heads, unmasked
+    b, h = (bh - 1) // H + 1, min(H, bh)
+    hk = (h - 1) // group + 1
+    E, EV = x.c["E"], x.c["EV"]
+    acc = [
+        Access("q_ptr", _walk((b, h, Lq, E), (x.i("sq_b"), x.i("sq_h"), x.i("sq_m"), x.i("sq_d")))),
+        Access("k_ptr", _walk((b, hk, Lk, E), (x.i("sk_b"), x.i("sk_h"), x.i("sk_n"), x.i("sk_d")))),
+        Access("v_ptr", _walk((b, hk, Lk, EV), (x.i("sv_b"), x.i("sv_h"), x.i("sv_n"), x.i("sv_d")))),
+        Access("out_ptr", _walk((b, h, Lq, EV), (x.i("so_b"), x.i("so_h"), x.i("so_m"), x.i("so_d"))),
+               write=True),
+    ]
+    if x.c["MASK"] != "none":
+        acc.append(Access("mask_ptr", _walk((b, h, Lq, Lk), (x.i("smask_b"), x.i("smask_h"), x.i("smask_m"),
+                                                              x.i("smask_n")))))
+    grid = (_cdiv(Lq, x.c["BLOCK_M"]), bh)
+    return Footprint(acc, grid, {"batch x heads x queries": bh * max(Lq, 0), "keys": Lk})
+
+
+def _rows(x: LaunchArgs, strides: list[int]) -> tuple:
+    """``rows.row_offsets`` over rows [0, rows): (count, stride) of its three row coordinates."""
+    return _walk(_unravel(x.i("rows"), x.d("n1", "n2")), strides)
+
+
+def _reduce(x: LaunchArgs) -> Footprint:
+    rows, cols, split_cols = x.i("rows"), x.i("cols"), x.d("split_cols")[0]
+    splits = x.grid[1]  # out[r * splits + split]
+    acc = [Access("x_ptr", _rows(x, x.ints("s", 3)) + ((cols, x.i("sc")),)),
+           Access("out_ptr", ((rows, splits), (splits, 1)), write=True)]
+    if x.c["COMBINE"] in ("welford", "argmax", "argmin"):
+        acc.append(Access("out2_ptr", ((rows, splits), (splits, 1)), write=True))
+    grid = (_cdiv(rows, x.c["BLOCK_R"]), _cdiv(cols, split_cols))
+    return Footprint(acc, grid, {"rows x splits": max(rows, 0) * splits, "cols": cols})
+
+
+def _softmax(x: LaunchArgs) -> Footprint:
+    cols = x.i("cols")
+    acc = [Access("x_ptr", _rows(x, x.ints("xs", 3)) + ((cols, x.i("xsc")),)),
+           Access("out_ptr", _rows(x, x.ints("os", 3)) + ((cols, x.i("osc")),), write=True)]
+    return Footprint(acc, (_cdiv(x.i("rows"), x.c["BLOCK_R"]),), {"rows": x.i("rows"), "cols": cols})
+
+
+def _norm(x: LaunchArgs) -> Footprint:
+    footprint = _softmax(x)
+    rows, cols = x.i("rows"), x.i("cols")
+    for param, flag in (("w_ptr", "HAS_W"), ("b_ptr", "HAS_B")):
+        if x.c[flag]:
+            footprint.accesses.append(Access(param, ((cols, 1),)))
+    if x.c["STATS"]:
+        footprint.accesses += [Access("mean_ptr", ((rows, 1),), write=True),
+                               Access("rstd_ptr", ((rows, 1),), write=True)]
+    return footprint
+
+
+def _rotary(x: LaunchArgs) -> Footprint:
+    rows, half = x.i("rows"), x.i("half")
+    r = _unravel(rows, x.d("n1", "n2", "n3"))
+    acc = [Access(param, _walk(r, x.ints(prefix, 4)) + ((2 * half, x.i(f"{prefix}d")),), write=param == "out_ptr")
+           for param, prefix in (("x_ptr", "xs"), ("cos_ptr", "cs"), ("sin_ptr", "ss"), ("out_ptr", "os"))]
+    grid = (_cdiv(rows, x.c["BLOCK_R"]), _cdiv(half, x.c["BLOCK_H"]))
+    return Footprint(acc, grid, {"rows x half": max(rows, 0) * max(half, 0)})
+
+
+def _indexed(x: LaunchArgs, base: str, direct: str, write: bool) -> list[Access]:
+    """The gather/scatter address ``sum_j o_j S_j + sum_k idx_k[o . T_k] U_k`` (``index.indexed_offsets``):
+    the pointer it addresses (masked to indices in [0, size_k)) and the index tensors it reads."""
+    n = x.i("n")
+    idx = _unravel(n, x.d("d1", "d2", "d3", "d4"))
+    used = range(x.c["NUM_INDICES"])
+    terms = _walk(idx, x.ints(direct, 5)) + tuple((x.i(f"size{k}"), x.i(f"u{k}")) for k in used)
+    return [Access(base, terms, write=write)] + [Access(f"idx{k}_ptr", _walk(idx, x.ints(f"t{k}", 5))) for k in used]
+
+
+def _gather(x: LaunchArgs) -> Footprint:
+    n = x.i("n")
+    acc = [Access("out_ptr", ((n, 1),), write=True)] + _indexed(x, "src_ptr", "ss", write=False)
+    return Footprint(acc, (_cdiv(n, x.c["BLOCK"]),), {"n": n})
+
+
+def _scatter(x: LaunchArgs) -> Footprint:
+    n = x.i("n")
+    acc = _indexed(x, "dst_ptr", "ds", write=True)
+    if not x.c["SRC_SCALAR"]:
+        acc.append(Access("src_ptr", _walk(_unravel(n, x.d("d1", "d2", "d3", "d4")), x.ints("vs", 5))))
+    return Footprint(acc, (_cdiv(n, x.c["BLOCK"]),), {"n": n})
+
+
+def _cumsum(x: LaunchArgs) -> Footprint:
+    rows, length = x.i("rows"), x.i("length")
+    r = _unravel(rows, x.d("r1", "r2", "r3"))
+    acc = [Access("x_ptr", _walk(r, x.ints("xs", 4)) + ((length, x.i("x_stride")),)),
+           Access("out_ptr", _walk(r, x.ints("os", 4)) + ((length, x.i("out_stride")),), write=True)]
+    return Footprint(acc, (_cdiv(rows, x.c["BLOCK_R"]),), {"rows": rows, "length": length})
+
+
+def _pool2d(x: LaunchArgs) -> Footprint:
+    total, H, W = x.i("total"), x.i("H"), x.i("W")
+    n, c, oh, ow = _unravel(total, x.d("C", "OH", "OW"))
+    # input rows and columns are masked to [0, H) and [0, W) (adaptive windows end at H and W too)
+    acc = [Access("x_ptr", ((n, x.i("xs_n")), (c, x.i("xs_c")), (H, x.i("xs_h")), (W, x.i("xs_w")))),
+           Access("out_ptr", _walk((n, c, oh, ow), (x.i("os_n"), x.i("os_c"), x.i("os_h"), x.i("os_w"))),
+                  write=True)]
+    if x.c["MODE"] == "max" and x.c["WRITE_INDICES"]:
+        acc.append(Access("idx_ptr", _walk((n, c, oh, ow), (x.i("is_n"), x.i("is_c"), x.i("is_h"), x.i("is_w"))),
+                          write=True))
+    return Footprint(acc, (_cdiv(total, x.c["BLOCK_M"]),), {"total": total, "window": x.c["KH"] * x.c["KW"]})
+
+
+def _batch_norm(x: LaunchArgs) -> Footprint:
+    numel = x.i("numel")
+    n, c, s = _unravel(numel, x.d("C", "S"))
+    acc = [Access("x_ptr", _walk((n, c, s), (x.i("xs_n"), x.i("xs_c"), x.i("xs_s")))),
+           Access("mean_ptr", ((c, 1),)), Access("var_ptr", ((c, 1),)),
+           Access("out_ptr", _walk((n, c, s), (x.i("os_n"), x.i("os_c"), x.i("os_s"))), write=True)]
+    for param, flag in (("weight_ptr", "HAS_WEIGHT"), ("bias_ptr", "HAS_BIAS")):
+        if x.c[flag]:
+            acc.append(Access(param, ((c, 1),)))
+    return Footprint(acc, (_cdiv(numel, x.c["BLOCK"]),), {"numel": numel})
+
+
+def _arange(x: LaunchArgs) -> Footprint:
+    n = x.i("n")
+    return Footprint([Access("out_ptr", ((n, 1),), write=True)], (_cdiv(n, x.c["BLOCK"]),), {"n": n})
+
+
+def _pad(x: LaunchArgs) -> Footprint:
+    # each input index is clamped (reflect, replicate) or masked (constant) into [0, n_k); the term
+    # (total, 0) reaches nothing itself but leaves no access when there are no elements
+    total = x.i("total")
+    x.d("d1", "d2", "d3", "d4")
+    acc = [Access("out_ptr", ((total, 1),), write=True),
+           Access("x_ptr", _walk(x.ints("n", 5), x.ints("s", 5)) + ((total, 0),))]
+    return Footprint(acc, (_cdiv(total, x.c["BLOCK"]),), {"total": total})
+
+
+# --- allowed constexprs -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Allowed:
+    test: Callable[[object], bool]
+    text: str
+
+
+def is_int(v) -> bool:
+    return type(v) is int
+
+
+FLAG = Allowed(lambda v: isinstance(v, bool), "True or False")
+NUMBER = Allowed(lambda v: type(v) in (int, float), "a number")
+
+
+def pow2(lo: int, hi: int) -> Allowed:
+    return Allowed(lambda v: is_int(v) and lo <= v <= hi and v & (v - 1) == 0, f"a power of two in [{lo}, {hi}]")
+
+
+def in_range(lo: int, hi: int) -> Allowed:
+    return Allowed(lambda v: is_int(v) and lo <= v <= hi, f"an integer in [{lo}, {hi}]")
+
+
+def one_of(*values) -> Allowed:
+    return Allowed(lambda v: type(v) in (int, str) and v in values, f"one of {', '.join(map(repr, values))}")
+
+
+# The ops the pointwise formula knows (``elementwise._formula``, read from its source so that the two
+# never drift apart); an unknown one would fail the kernel's compile.
+POINTWISE_OPS = one_of(*sorted(set(re.findall(r'OP == "(\w+)"', inspect.getsource(elementwise._formula.fn)))))
+OPTIONS = {"num_warps": pow2(1, 32), "num_stages": in_range(1, 8)}  # launch options the launchers use
+BLOCK = pow2(16, 8192)  # the 1-D kernels' block
+
+
+def _epilogue_constexprs() -> dict:
+    spec = {"EPILOGUE": in_range(0, 4), "ROUND_TO": one_of(*DTYPE_NAMES)}
+    for k in range(4):
+        spec.update({f"EOP{k}": POINTWISE_OPS, f"EARITY{k}": one_of(1, 2), f"ESWAP{k}": FLAG,
+                     f"EIS_SCALAR{k}": FLAG})
+    return spec
+
+
+def _chain_constexprs() -> dict:
+    spec = {"OP0": POINTWISE_OPS, "ARITY0": one_of(1, 2), "NOPS": in_range(1, 4),
+            "CT": one_of("f32", "i64", "i1"), "BLOCK": BLOCK}
+    for k in range(1, 4):
+        spec.update({f"OP{k}": POINTWISE_OPS, f"ARITY{k}": one_of(1, 2), f"SWAP{k}": FLAG})
+    spec.update({f"IS_SCALAR{k}": FLAG for k in range(5)})
+    return spec
+
+
+@dataclass(frozen=True)
+class KernelRule:
+    footprint: Callable[[LaunchArgs], Footprint]
+    constexprs: dict  # name -> Allowed, for every constexpr parameter of the kernel
+    tiles: tuple = ()  # groups of block constexprs whose product is one block's elements
+
+
+_GEMM = {"BLOCK_M": pow2(16, 256), "BLOCK_N": pow2(16, 256), "BLOCK_K": pow2(16, 256), "DOT_UPCAST": FLAG}
+_GEMM_TILES = (("BLOCK_M", "BLOCK_N"), ("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))
+_ROWS = {"BLOCK_R": pow2(1, 4096), "BLOCK_C": pow2(1, 8192)}
+
+RULES: dict[str, KernelRule] = {
+    "pointwise": KernelRule(_pointwise, {
+        "OP": POINTWISE_OPS, "ALPHA": NUMBER, "NARGS": in_range(1, 3), "A_SCALAR": FLAG, "B_SCALAR": FLAG,
+        "C_SCALAR": FLAG, "CT": one_of("f32", "i64", "i1"), "BLOCK": BLOCK}),
+    "pointwise_chain": KernelRule(_pointwise_chain, _chain_constexprs()),
+    "arange": KernelRule(_arange, {"IS_FLOAT": FLAG, "BLOCK": BLOCK}),
+    "pad": KernelRule(_pad, {"MODE": one_of("constant", "reflect", "replicate"), "BLOCK": BLOCK}),
+    "gather": KernelRule(_gather, {"NUM_INDICES": in_range(1, 3), "BLOCK": BLOCK}),
+    "cumsum": KernelRule(_cumsum, {"IS_FLOAT": FLAG, "BLOCK_R": pow2(1, 4096), "BLOCK_L": pow2(1, 4096)},
+                         (("BLOCK_R", "BLOCK_L"),)),
+    "scatter": KernelRule(_scatter, {"NUM_INDICES": in_range(1, 3), "ACCUMULATE": FLAG, "SRC_SCALAR": FLAG,
+                                     "BLOCK": BLOCK}),
+    "matmul": KernelRule(_matmul, {
+        **_GEMM, "HAS_BIAS": FLAG, "GROUP_M": in_range(1, 64), **_epilogue_constexprs(),
+        "PROLOGUE": one_of("", "rms", "layer"), "HAS_PW": FLAG, "HAS_PB": FLAG,
+        "GLU": one_of("", *sorted(GLU_ACTS)), "GLU_ROUND": one_of(*DTYPE_NAMES)}, _GEMM_TILES),
+    "conv2d": KernelRule(_conv2d, {**_GEMM, "KH": in_range(1, 4096), "KW": in_range(1, 4096), "HAS_BIAS": FLAG,
+                                   **_epilogue_constexprs()}, _GEMM_TILES),
+    "pool2d": KernelRule(_pool2d, {
+        "MODE": one_of("max", "avg", "adaptive_avg"), "KH": in_range(1, 4096), "KW": in_range(1, 4096),
+        "COUNT_INCLUDE_PAD": FLAG, "DIVISOR_OVERRIDE": FLAG, "WRITE_INDICES": FLAG,
+        "BLOCK_M": pow2(1, 4096), "BLOCK_K": pow2(1, 4096)}, (("BLOCK_M", "BLOCK_K"),)),
+    "batch_norm": KernelRule(_batch_norm, {"HAS_WEIGHT": FLAG, "HAS_BIAS": FLAG, "BLOCK": BLOCK}),
+    "attention": KernelRule(_attention, {
+        "E": in_range(0, 512), "EV": in_range(0, 512), "MASK": one_of("none", "bool", "float"), "CAUSAL": FLAG,
+        "BLOCK_M": pow2(16, 256), "BLOCK_N": pow2(16, 256), "BLOCK_D": pow2(16, 512), "BLOCK_DV": pow2(16, 512),
+        "DOT_UPCAST": FLAG}, (("BLOCK_M", "BLOCK_N"), ("BLOCK_M", "BLOCK_D"), ("BLOCK_M", "BLOCK_DV"),
+                              ("BLOCK_N", "BLOCK_D"), ("BLOCK_N", "BLOCK_DV"))),
+    "softmax": KernelRule(_softmax, {"LOG": FLAG, "ONE_PASS": FLAG, **_ROWS}, (("BLOCK_R", "BLOCK_C"),)),
+    "norm": KernelRule(_norm, {"RMS": FLAG, "HAS_W": FLAG, "HAS_B": FLAG, "STATS": FLAG, "ONE_PASS": FLAG,
+                               **_ROWS}, (("BLOCK_R", "BLOCK_C"),)),
+    "reduce": KernelRule(_reduce, {
+        "MAP": one_of("id", "sq", "abs"), "FINISH": one_of("none", "div", "sqrt"), "INT_ACC": FLAG,
+        "COMBINE": one_of("sum", "prod", "max", "min", "argmax", "argmin", "welford"), **_ROWS},
+        (("BLOCK_R", "BLOCK_C"),)),
+    "rotary": KernelRule(_rotary, {"BLOCK_R": pow2(1, 4096), "BLOCK_H": pow2(1, 4096)}, (("BLOCK_R", "BLOCK_H"),)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_parameters(kernel) -> tuple[list[str], dict[str, object]]:
+    """A kernel's runtime parameter names, and its constexpr parameters with their defaults
+    (``inspect.Parameter.empty`` where there is none)."""
+    params = inspect.signature(kernel.fn).parameters.values()
+    runtime = [p.name for p in params if not _is_constexpr(p)]
+    return runtime, {p.name: p.default for p in params if _is_constexpr(p)}

@@ -211,3 +211,13 @@ def test_a_damaged_dynamic_plan_is_refused_at_load():
     launch.args.pop()
     with pytest.raises(td.ProgramError, match="does not fit the kernel's parameters"):
         lowered.load().load_method("forward")
+
+
+def test_a_data_dependent_size_is_refused_by_name():
+    class Masked(torch.nn.Module):
+        def forward(self, x, mask):
+            return x[mask] * 2
+
+    ep = torch.export.export(Masked(), (torch.randn(5, 3), torch.tensor([True, False, True, True, False])))
+    with pytest.raises(td.LoweringError, match="size of 'index' .* depends on tensor data"):
+        td.lower(ep)

@@ -21,15 +21,8 @@ from tritondelegate.partitioner import op_name
 CI_SAMPLES = {torch.float32: 3, torch.float16: 2, torch.bfloat16: 2, "int": 1}
 CI_INFOS = 3  # OpInfos per registry op, the plainest first
 
-# Failures that are not the kernels', each with why; an entry that stops failing fails the test too.
-KNOWN = {
-    ("native_batch_norm", torch.float16): "torch's meta function gives _native_batch_norm_legit_functional's "
-    "new running statistics fp32 outputs, its CPU kernel returns fp16; the runtime's check of a host op's "
-    "output dtype refuses the copy",
-    ("_native_batch_norm_legit", torch.float16): "as native_batch_norm",
-    ("nn.functional.instance_norm", torch.float16): "as native_batch_norm",
-    ("nn.functional.batch_norm", torch.float16): "as native_batch_norm",
-}
+# Failures that are not the kernels', (OpInfo id, dtype) -> why; an entry that stops failing fails the test.
+KNOWN: dict = {}
 
 
 @pytest.fixture(scope="module")

@@ -161,6 +161,22 @@ def _decompose(name: str, ep, partitioner: Partitioner) -> torch.export.Exported
     return ep
 
 
+def _refuse_data_dependent(name: str, ep) -> None:
+    """A node whose result's size depends on tensor data (``x[mask]``, ``nonzero``: an unbacked
+    symbol) cannot get memory planned before the call: refused, naming the node."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in ep.graph_module.graph.nodes:
+        vals = node.meta.get("val")
+        for val in vals if isinstance(vals, (tuple, list)) else (vals,):
+            found = free_unbacked_symbols(val) if isinstance(val, torch.Tensor) else set()
+            if found:
+                raise LoweringError(
+                    f"method {name!r}: the size of {node.name!r} ({node.target}) depends on tensor data "
+                    f"({tuple(val.shape)}, {', '.join(sorted(map(str, found)))} known only when it runs); "
+                    "tritondelegate plans memory from input sizes before a call, so it cannot lower it")
+
+
 def _symbols(name: str, ep) -> tuple[list[Symbol], dict, object]:
     """The method's bounded dynamic dimensions, each bound to the first user input dimension that is
     exactly that symbol, ``{sympy symbol: (min, max)}``, and the fake mode of its dynamic inputs. A
@@ -187,6 +203,7 @@ def _symbols(name: str, ep) -> tuple[list[Symbol], dict, object]:
             if expr.is_Symbol and expr.name not in {s.name for s in symbols}:
                 lo, hi = ranges[expr]
                 symbols.append(Symbol(expr.name, lo, hi, position, dim))
+    _refuse_data_dependent(name, ep)
     unbound = sorted(str(s) for s in ranges if s.name not in {sym.name for sym in symbols})
     if unbound:
         raise LoweringError(

@@ -139,9 +139,10 @@ _SCALAR_DECODERS = {
 
 
 class _HostOp:
-    def __init__(self, instr):
+    def __init__(self, instr, values):
         self.op = resolve_op(instr.target)
         self.outputs = instr.outputs
+        self.dtypes = [_dtype(values[vid].dtype) if vid >= 0 else None for vid in instr.outputs]
         self.args, self.kwargs = [], {}
         for arg in instr.args:
             if arg.kind == ArgKind.TENSOR:
@@ -167,12 +168,11 @@ class _HostOp:
     def __call__(self, env):
         result = self.op(*[self._get(env, a) for a in self.args],
                          **{k: self._get(env, v) for k, v in self.kwargs.items()})
-        if len(self.outputs) == 1:
-            env[self.outputs[0]] = result
-        else:
-            for vid, r in zip(self.outputs, result):
-                if vid >= 0:
-                    env[vid] = r
+        results = [result] if len(self.outputs) == 1 else result
+        for vid, r, dtype in zip(self.outputs, results, self.dtypes):
+            if vid >= 0:  # an ATen kernel that disagrees with its own meta function (fp16 batch norm's
+                # running statistics): the program's declared dtype, what every later step expects
+                env[vid] = r.to(dtype) if dtype is not None and r.dtype != dtype else r
 
 
 class LoadedMethod:
@@ -223,7 +223,7 @@ class LoadedMethod:
         steps = []
         for instr in method.instructions:
             if instr.kind == InstrKind.HOST_OP:
-                steps.append((instr.kind, _HostOp(instr)))
+                steps.append((instr.kind, _HostOp(instr, method.values)))
             elif instr.kind == InstrKind.DELEGATE:
                 steps.append((instr.kind, self._delegate(method, instr, graphs)))
             else:

@@ -345,7 +345,9 @@ def plan_only(good: bytes, changed: bytes) -> bool:
         paths = _diff(root(good), root(changed))
     except Exception:  # noqa: BLE001 - a flatbuffer the object API cannot read: not a plan edit
         return False
-    cosmetic = [p for p in paths if len(p) == 5 and p[2] == "instructions" and p[4] == "name"]  # labels only
+    # Labels: instruction names, and value names (a constant's must match its constant's, checked at load,
+    # so a renamed constant never runs)
+    cosmetic = [p for p in paths if len(p) == 5 and p[2] in ("instructions", "values") and p[4] == "name"]
     edits = [p for p in paths if p not in cosmetic]
     return bool(edits) and all(
         "plan" in p and p.index("plan") + 1 < len(p) and p[p.index("plan") + 1] in ("launches", "tensors")

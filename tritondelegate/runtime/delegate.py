@@ -98,13 +98,6 @@ def _check_signature(kernel, launch) -> None:
         raise DelegateError(f"launch of {launch.kernel!r} has grid {launch.grid}")
 
 
-def check_plan(plan: DelegatePlan) -> None:
-    """Every launch of ``plan`` names a kernel this runtime has and fits its parameters. A runner
-    checks its own plan; a method with symbols checks its plans at load, before any size is run."""
-    for launch in plan.launches:
-        _check_signature(_kernel(launch.kernel), launch)
-
-
 class DelegateRunner:
     def __init__(self, plan: DelegatePlan, scratch: torch.Tensor | None, simulated: bool, null: bool = False,
                  direct: bool = False):

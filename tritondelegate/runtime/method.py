@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from ..program import ArgKind, InstrKind, Method, ProgramError, Role
 from ..symbolic import resolve
-from .delegate import DelegateRunner, _dtype, check_plan
+from .delegate import DelegateRunner, _dtype
 from .memory import ProgramMemory, allocate, parse_program_device
 from .sized import specialize
 from .verify import verify_launches, verify_method
@@ -202,8 +202,6 @@ class LoadedMethod:
         self._sizes: dict[tuple, _Sized] = {}  # symbol values -> what a call at that size runs
         if not method.symbols:
             self._sizes[()] = self._prepare(method)
-        for delegate in method.delegates if method.symbols else ():
-            check_plan(delegate.plan)  # sizes are prepared per call: refuse a damaged plan now
         self.stats.launches_per_call = sum(  # at the upper bounds; after a call, that call's
             len(method.delegates[i.delegate].plan.launches) for i in method.instructions if i.kind == InstrKind.DELEGATE)
         memory.add_method(self)

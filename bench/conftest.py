@@ -13,8 +13,6 @@ import os
 import shutil
 import tempfile
 
-import tritondelegate.kernels  # noqa: F401  (first: decides compiled vs interpreted Triton)
-
 import pytest
 
 from bench import generation, harness

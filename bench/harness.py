@@ -405,7 +405,7 @@ def _pointwise_add(x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
     builds (the launcher writes into a recorder instead of a launch plan)."""
     from tritondelegate.kernels.refs import TRef
     from tritondelegate.kernels.elementwise import launch_pointwise
-    from tritondelegate.kernels.registry import KERNELS
+    from tritondelegate.kernels.table import KERNELS
 
     class Recorder:
         def launch(self, kernel, grid, *args, **constexprs):

@@ -46,9 +46,10 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import tritondelegate as td  # noqa: E402
 from tritondelegate.binaries import concrete_methods, launch_request  # noqa: E402
+from tritondelegate.dtypes import dtype_name  # noqa: E402
 from tritondelegate.kernels.compile import decode_args, specialize, variant_key  # noqa: E402
 from harness import Fn  # noqa: E402  (tests/harness.py: a module around a lambda)
-from tritondelegate.kernels.registry import KERNELS  # noqa: E402
+from tritondelegate.kernels.table import KERNELS  # noqa: E402
 from tritondelegate.models import MLP, DecoderConfig, LlamaStyleDecoder, demo_decoder, rotate_half  # noqa: E402
 
 # Shared memory one block may use (opt-in maximum), by compute capability.
@@ -302,14 +303,14 @@ def cases() -> dict[str, callable]:
     of each kernel family (short and long rows, decode- and prefill-shaped GEMMs and attention)."""
     out = {}
     for dtype in FLOATS:
-        suffix = str(dtype).removeprefix("torch.")
+        suffix = dtype_name(dtype)
         out.update({f"{name}/{suffix}": make for name, make in _per_dtype(dtype).items()})
     out["reductions/int64"] = _int_reductions
     out["scatter/int64"] = _int_scatter
     out["decoder_matmul_attention/float16"] = lambda: _decoder(
         F16, 100, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=128, attention="matmul")
     for dtype in (F32, F16):  # bounded dynamic dims: each method compiled at sample sizes of its range
-        suffix = str(dtype).removeprefix("torch.")
+        suffix = dtype_name(dtype)
         out[f"dynamic_prefill/{suffix}"] = lambda d=dtype: _dynamic_prefill(d)
         out[f"dynamic_batch_mlp/{suffix}"] = lambda d=dtype: (
             MLP([784, 1024, 1000]).eval().to(d), (_randn(8, 784, dtype=d),), {"x": {0: torch.export.Dim("batch", max=64)}})

@@ -185,9 +185,10 @@ def _fields(raw: bytes) -> tuple[int, int, int, int]:
 
 def seal(flatbuffer: bytes, data: bytes, version: int) -> bytes:
     """A program file around ``flatbuffer`` and the data segment ``data``, with correct checksums."""
+    from tritondelegate.program import align_up
     from tritondelegate.serialize import header as hdr
 
-    data_off = hdr.align(hdr.FLATBUFFER_OFFSET + len(flatbuffer), hdr.DATA_SEGMENT_ALIGNMENT)
+    data_off = align_up(hdr.FLATBUFFER_OFFSET + len(flatbuffer), hdr.DATA_SEGMENT_ALIGNMENT)
     head = hdr.pack_header(version, len(flatbuffer), data_off, len(data), zlib.crc32(flatbuffer))
     return head + flatbuffer + bytes(data_off - len(head) - len(flatbuffer)) + data
 

@@ -24,7 +24,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-import tritondelegate.kernels  # noqa: E402,F401  (chooses the interpreter before any kernel is defined)
 import opinfo_cases as oc  # noqa: E402
 from tritondelegate.partitioner import op_name  # noqa: E402
 

@@ -1,9 +1,6 @@
 import os
 import sys
 
-# Kernels must know before any @triton.jit runs whether they are interpreted (no GPU here).
-import tritondelegate.kernels  # noqa: F401
-
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402

@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tritondelegate as td
+from tritondelegate.dtypes import dtype_name
 from tritondelegate.kernels import registry
 from tritondelegate.partitioner import op_name
 
@@ -51,7 +52,7 @@ class Sample:
         return self.status in ("mismatched", "raised")
 
     def __str__(self) -> str:
-        return f"{self.info} [{str(self.dtype).removeprefix('torch.')} #{self.index}] {self.status}: {self.detail}"
+        return f"{self.info} [{dtype_name(self.dtype)} #{self.index}] {self.status}: {self.detail}"
 
 
 # --- which OpInfos exercise which registry targets ------------------------------------------------

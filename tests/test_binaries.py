@@ -15,7 +15,7 @@ import torch
 import tritondelegate as td
 from tritondelegate import cli
 from tritondelegate.models import MLP
-from tritondelegate.plan import ArgKind
+from tritondelegate.plan import KernelArgKind
 from tritondelegate.runtime.binaries import usable
 from tritondelegate.serialize import load_program
 
@@ -40,10 +40,10 @@ def _variant(delegate, launch) -> tuple:
     addresses, integers equal to 1 or divisible by 16."""
     args = []
     for a in launch.args:
-        if a.kind == ArgKind.TENSOR:
+        if a.kind == KernelArgKind.TENSOR:
             desc = delegate.plan.tensors[a.value]
             args.append((desc.dtype, desc.byte_offset % 16 == 0))
-        elif a.kind == ArgKind.INT:
+        elif a.kind == KernelArgKind.INT:
             args.append(("int", a.value == 1, a.value % 16 == 0))
         else:
             args.append((type(a.value).__name__,))
@@ -117,7 +117,7 @@ WORKER = textwrap.dedent("""
     from triton.compiler import ASTSource, make_backend
     from tritondelegate.binaries import request_for
     from tritondelegate.kernels.compile import decode_args, specialize
-    from tritondelegate.kernels.registry import KERNELS
+    from tritondelegate.kernels.table import KERNELS
     from tritondelegate.runtime.binaries import install
     from tritondelegate.serialize import load_program
 

@@ -16,6 +16,17 @@ pytestmark = [
 STRICT = td.LowerConfig(
     propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True, error_on_per_call_copies=True)
 )
+# GPU clock cycles ``torch.cuda._sleep`` spins for: about 50 ms, far longer than the host needs to
+# enqueue a call or a copy. A stream kept busy this long shows what was queued behind what.
+CYCLES = 10**8
+
+
+def _delegate_calls(lowered, method: int = 0) -> int:
+    """Delegate instructions of a lowered method: each replays one graph per call once captured (every
+    tensor they touch lies in the arena or the program's segments)."""
+    from tritondelegate.program import InstrKind
+
+    return sum(i.kind == InstrKind.DELEGATE for i in lowered.program.methods[method].instructions)
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "decoder"])
@@ -40,7 +51,7 @@ def test_resident_constants_on_a_side_stream_twice(tmp_path, model_name):
     allocated = None
     for _ in range(2):
         out = method(*args, stream=stream)
-        torch.cuda.synchronize()
+        stream.synchronize()
         torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
         assert method.stats.call_h2d_bytes == input_bytes  # inputs only: no constant bytes per call
         if allocated is None:
@@ -65,23 +76,50 @@ def test_device_inputs_and_outputs_stay_on_the_device(tmp_path):
     assert out.device.type == "cuda"
     assert method.stats.call_h2d_bytes == 0 and method.stats.call_d2h_bytes == 0
     with torch.no_grad():
-        torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-4)
+        expected = model(x)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     with pytest.raises(td.InputError, match="must be on cuda:0"):
         method(x.cpu())
+    # On a side stream: the call is queued there, behind what the caller queued first, and waits for
+    # nothing. The current stream sleeps longer: a launch wrongly queued there would not have run when
+    # the side stream is done.
+    stream, current = torch.cuda.Stream(), torch.cuda.current_stream()
+    method(x, stream=stream)  # once before: the caching allocator then holds a block for its output there
+    torch.cuda.synchronize()
+    torch.cuda._sleep(4 * CYCLES)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(CYCLES)
+    out = method(x, stream=stream)
+    assert not stream.query()  # the call returned without waiting for its stream
+    stream.synchronize()
+    assert not current.query()
+    with torch.cuda.stream(stream):  # read on the side stream: only what ran there is done
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    torch.cuda.synchronize()
 
 
-def test_cuda_allocator_synchronize_waits_for_the_copy_stream():
+def test_cuda_allocator_copies_on_the_given_stream_and_synchronize_waits_for_it_only():
+    """The copy is queued on the given stream (behind a sleep there) without blocking; synchronize
+    waits for that stream while the current stream still sleeps; the data read back on that stream
+    is the copied data (a copy queued on the current stream would still be waiting)."""
     from tritondelegate.runtime.allocator import CudaAllocator
 
     allocator = CudaAllocator()
     buf = allocator.allocate(64 << 20, 0, 256)
     assert buf.data_ptr() % 256 == 0
     src = torch.randn(16 << 20).pin_memory()
-    stream = torch.cuda.Stream()
+    stream, current = torch.cuda.Stream(), torch.cuda.current_stream()
+    torch.cuda._sleep(4 * CYCLES)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(CYCLES)
     allocator.copy_from_host(buf.view(torch.float32), src, stream)
+    assert not stream.query()  # queued behind the sleep, not waited for
     allocator.synchronize(0, stream)
-    assert stream.query()
-    torch.testing.assert_close(buf.view(torch.float32).cpu(), src)
+    assert not current.query()  # waited for the copy stream, not the whole device
+    with torch.cuda.stream(stream):
+        copied = buf.view(torch.float32).cpu()
+    torch.testing.assert_close(copied, src)
+    torch.cuda.synchronize()
 
 
 def test_cuda_graph_replay_matches_eager_on_a_side_stream(tmp_path):
@@ -89,13 +127,16 @@ def test_cuda_graph_replay_matches_eager_on_a_side_stream(tmp_path):
     lowered = td.lower(torch.export.export(model, args), config=STRICT)
     stream = torch.cuda.Stream()
     method = lowered.load(devices="cuda").load_method(stream=stream, graphs=True)
+    delegates = _delegate_calls(lowered)
+    assert delegates >= 1
     with torch.no_grad():
         expected = model(*args)
         for i in range(4):
             out = method(*args, stream=stream)
-            torch.cuda.synchronize()
+            stream.synchronize()
             torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
-    assert method.stats.graph_replays_per_call >= 1
+            # Run plain on the first call, recorded on the second, every delegate replayed from the third.
+            assert method.stats.graph_replays_per_call == (delegates if i >= 2 else 0)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -129,7 +170,7 @@ def test_direct_launches_replace_the_jit_after_the_first_call():
         expected = model(*args)
         for _ in range(3):
             torch.testing.assert_close(method(*args), expected, atol=1e-3, rtol=1e-3)
-    runners = [step.runner for kind, step in method._steps if hasattr(step, "runner")]
+    runners = [step.runner for kind, step in method._sizes[()].steps if hasattr(step, "runner")]
     assert runners and all(r._direct for r in runners)  # every launch prebound to its compiled kernel
 
 
@@ -167,14 +208,18 @@ def test_dynamic_prompt_length_on_the_gpu_with_graphs(tmp_path):
     model, _ = demo_decoder(seed=0, max_seq_len=64)
     ep = torch.export.export(model, (torch.randint(0, 256, (1, 16)),),
                              dynamic_shapes={"input_ids": {1: Dim("seq", max=48)}})
-    td.lower(ep, config=td.LowerConfig(propagate_device=td.PropagateDeviceConfig(
-        skip_h2d_for_constants=True))).save(tmp_path / "dyn.tdp")
+    lowered = td.lower(ep, config=td.LowerConfig(propagate_device=td.PropagateDeviceConfig(
+        skip_h2d_for_constants=True)))
+    lowered.save(tmp_path / "dyn.tdp")
     program = td.load(tmp_path / "dyn.tdp", devices="cuda")
     method = program.load_method("forward", graphs=True)
+    delegates = _delegate_calls(lowered)
+    assert delegates >= 1
     before = program.memory()
-    for n in (1, 48, 17, 31, 17, 17):
+    for i, n in enumerate((1, 48, 17, 31, 17, 17)):
         ids = torch.randint(0, 256, (1, n))
         with torch.no_grad():
             torch.testing.assert_close(method(ids), model(ids), atol=1e-4, rtol=1e-4)
-    assert method.stats.graph_replays_per_call >= 1  # the third call at 17 replays its graphs
+        # Each size records its graphs on its second call; only the third call at 17 replays them.
+        assert method.stats.graph_replays_per_call == (delegates if i == 5 else 0)
     assert program.memory() == before

@@ -2,7 +2,7 @@
 
 import torch
 
-from tritondelegate.kernels.registry import KERNELS
+from tritondelegate.kernels.table import KERNELS
 from tritondelegate.runtime.direct import DirectLaunch, direct_launch
 
 

@@ -95,3 +95,14 @@ def test_clamp_integers_and_nan():
     x = torch.tensor([float("nan"), -2.0, 0.3, 5.0])
     results, _ = run_delegated(Fn(lambda x: x.clamp(-1, 1)), (x,))
     assert torch.isnan(results[0][0]) and results[0][1:].tolist() == [-1.0, 0.30000001192092896, 1.0]
+
+
+def test_clamp_one_bound_keeps_int64_extremes():
+    """An absent bound is no bound at all: int64 values beyond +-2**62 (once the stand-in for "none")
+    pass through a one-sided clamp unchanged."""
+    big = 2**63 - 1
+    i = torch.tensor([-big - 1, -big, -(2**62) - 1, -3, 0, 4, 5, 6, 2**62 + 1, big - 1, big])
+    fn = lambda i: (i.clamp(min=0), torch.clamp(i, max=5), i.clamp_min(-(2**62)), i.clamp_max(2**62))  # noqa: E731
+    results, _ = run_delegated(Fn(fn), (i,))
+    for got, want in zip(results, fn(i)):
+        assert got.dtype == torch.int64 and got.tolist() == want.tolist()

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from harness import FLOAT_DTYPES, Buffered, Fn, check_model, check_state_updates, run_delegated
+from tritondelegate.dtypes import dtype_name
 from tritondelegate.kernels import fusion, matmul
-from tritondelegate.kernels.refs import TRef
+from tritondelegate.kernels.refs import LaunchRecord, TRef
 from tritondelegate.kernels.elementwise import PointwiseOp
 from tritondelegate.plan import Arg, Launch
 
@@ -56,7 +57,7 @@ def check(model, args, dtype=torch.float32):
 # (M, K, N) of a linear: each of 1, 17, 33, 129 in every position
 SHAPES = [(1, 33, 129), (17, 129, 1), (33, 1, 17), (129, 17, 33)]
 shape_ids = pytest.mark.parametrize("mkn", SHAPES, ids=lambda s: "x".join(map(str, s)))
-dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_name)
 
 
 # --- what fuses -----------------------------------------------------------------------------------
@@ -248,29 +249,28 @@ def _mm_then(consumer_op, reads_written=frozenset()):
     c, t = ref(2, (1, 4, 4), (16, 4, 1), 2), ref(3, (4, 4), (4, 1), 2)  # the product, and as the node sees it
     r, u = ref(4, (4,), (1,), 3), ref(5, (4, 4), (4, 1), 4)
     op = matmul.MatmulOp(a, b, c, c, False, 1.0, 1.0, matmul.choose_config(1, 4, 4, 4, torch.float32))
-    launches = [Launch("matmul", (1, 1), [], op="mm"), Launch("scatter", (1,), [], op="put"),
-                Launch("pointwise", (1,), [], op=consumer_op)]
-    pointwise = {2: PointwiseOp(consumer_op, u, (t, r), 1, "f32")}
+    records = [LaunchRecord(Launch("matmul", (1, 1), [], op="mm"), op), LaunchRecord(Launch("scatter", (1,), [], op="put")),
+               LaunchRecord(Launch("pointwise", (1,), [], op=consumer_op), PointwiseOp(consumer_op, u, (t, r), 1, "f32"))]
     touched = [{0, 1, 2}, set(reads_written), {2, 3, 4}]
     writes = [{2}, set(reads_written), {4}]
-    return launches, pointwise, {0: op}, touched, writes
+    return records, touched, writes
 
 
 def test_pass_folds_the_consumer_into_the_matmul():
-    launches, pointwise, matmuls, touched, writes = _mm_then("mul")
-    result = fusion.fuse(launches, pointwise, matmuls, touched, writes, keep={0, 1, 3, 4})
+    records, touched, writes = _mm_then("mul")
+    result = fusion.fuse(records, touched, writes, keep={0, 1, 3, 4})
     assert result.changed
     assert [(launch.kernel, launch.op) for launch in result.launches] == [("scatter", "put"), ("matmul", "mm+mul")]
     # the product's buffer is kept (a delegate output): nothing fuses
-    result = fusion.fuse(launches, pointwise, matmuls, touched, writes, keep={0, 1, 2, 3, 4})
+    result = fusion.fuse(records, touched, writes, keep={0, 1, 2, 3, 4})
     assert not result.changed
     # without matmul records, only pointwise chains are fused
-    assert not fusion.fuse_pointwise_chains(launches, pointwise, touched, writes, keep={0, 1, 3, 4}).changed
+    assert not fusion.fuse_pointwise_chains(records, touched, writes, keep={0, 1, 3, 4}).changed
 
 
 def test_pass_does_not_move_the_matmul_across_a_write_of_its_operands():
-    launches, pointwise, matmuls, touched, writes = _mm_then("mul", reads_written={1})
-    assert not fusion.fuse(launches, pointwise, matmuls, touched, writes, keep={0, 1, 3, 4}).changed
+    records, touched, writes = _mm_then("mul", reads_written={1})
+    assert not fusion.fuse(records, touched, writes, keep={0, 1, 3, 4}).changed
 
 
 def test_epilogue_config_keeps_registers():

@@ -19,26 +19,28 @@ import torch
 import torch.utils._pytree as pytree
 from safetensors.torch import load_file, save_file
 
-from tritondelegate.plan import Arg, Base, DelegatePlan, Launch, TensorDesc
-from tritondelegate.plan import ArgKind as KArgKind
+from tritondelegate.dtypes import dtype_name, parse_dtype
+from tritondelegate.plan import Arg, Base, DelegatePlan, KernelArgKind, Launch, TensorDesc
 from tritondelegate.program import (
     FORMAT_VERSION,
     Segment,
     SegmentKind,
     Slot,
     Arena,
-    ArgKind,
     Constant,
     Delegate,
     HostArg,
+    HostArgKind,
     InstrKind,
     Instruction,
+    KernelBinary,
     Method,
     Program,
     ProgramError,
     Role,
     Symbol,
     TensorValue,
+    align_up,
 )
 from tritondelegate.serialize import header as hdr
 from tritondelegate.serialize import load_program, save_program, writer
@@ -47,17 +49,13 @@ from tritondelegate.serialize.validate import check_program
 from tritondelegate.symbolic import Expr, any_symbolic
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
 def _const(name: str, t: torch.Tensor, external: int = -1) -> Constant:
-    return Constant(name, _dtype_name(t), tuple(t.shape), t.numel() * t.element_size(), external=external)
+    return Constant(name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), external=external)
 
 
 def _value(name, t_or_spec, role, device="cpu", **kw) -> TensorValue:
     dtype, shape = t_or_spec
-    nbytes = math.prod(shape) * getattr(torch, dtype).itemsize
+    nbytes = math.prod(shape) * parse_dtype(dtype).itemsize
     return TensorValue(name, dtype, tuple(shape), device, role, nbytes, **kw)
 
 
@@ -77,13 +75,13 @@ def _plan() -> DelegatePlan:
         ],
         launches=[
             Launch("add_kernel", (2, 1, 1),
-                   [Arg(KArgKind.TENSOR, 0), Arg(KArgKind.TENSOR, 2), Arg(KArgKind.INT, -(2**40)),
-                    Arg(KArgKind.FLOAT, 0.25), Arg(KArgKind.BOOL, True), Arg(KArgKind.STR, "rn")],
-                   {"BLOCK": Arg(KArgKind.INT, 128), "SCALE": Arg(KArgKind.FLOAT, -1.5),
-                    "EVEN": Arg(KArgKind.BOOL, False), "MODE": Arg(KArgKind.STR, "ieee"),
-                    "EXTRA": Arg(KArgKind.TENSOR, 3)},
+                   [Arg(KernelArgKind.TENSOR, 0), Arg(KernelArgKind.TENSOR, 2), Arg(KernelArgKind.INT, -(2**40)),
+                    Arg(KernelArgKind.FLOAT, 0.25), Arg(KernelArgKind.BOOL, True), Arg(KernelArgKind.STR, "rn")],
+                   {"BLOCK": Arg(KernelArgKind.INT, 128), "SCALE": Arg(KernelArgKind.FLOAT, -1.5),
+                    "EVEN": Arg(KernelArgKind.BOOL, False), "MODE": Arg(KernelArgKind.STR, "ieee"),
+                    "EXTRA": Arg(KernelArgKind.TENSOR, 3)},
                    op="aten::add.Tensor", bytes_read=2**40, bytes_written=96, flops=12),
-            Launch("copy_kernel", (7,), [Arg(KArgKind.TENSOR, 1)], {}, op=""),
+            Launch("copy_kernel", (7,), [Arg(KernelArgKind.TENSOR, 1)], {}, op=""),
         ],
         scratch_bytes=512,
         input_nbytes=[48, 48],
@@ -93,21 +91,21 @@ def _plan() -> DelegatePlan:
 
 def _all_host_args() -> list[HostArg]:
     return [
-        HostArg(ArgKind.TENSOR, 0),
-        HostArg(ArgKind.NONE, None, "out"),
-        HostArg(ArgKind.INT, -(2**62), "dim"),
-        HostArg(ArgKind.FLOAT, float("-inf")),
-        HostArg(ArgKind.BOOL, True, "keepdim"),
-        HostArg(ArgKind.STR, "tanh", "approximate"),
-        HostArg(ArgKind.INT_LIST, [1, -1, 0]),
-        HostArg(ArgKind.INT_LIST, []),
-        HostArg(ArgKind.FLOAT_LIST, [0.5, 1e300]),
-        HostArg(ArgKind.TENSOR_LIST, [1, -1, 2]),
-        HostArg(ArgKind.DTYPE, "bfloat16", "dtype"),
-        HostArg(ArgKind.DEVICE, "cuda:1", "device"),
-        HostArg(ArgKind.MEMORY_FORMAT, "contiguous_format", "memory_format"),
-        HostArg(ArgKind.LAYOUT, "strided", "layout"),
-        HostArg(ArgKind.BOOL_LIST, [True, False, True]),
+        HostArg(HostArgKind.TENSOR, 0),
+        HostArg(HostArgKind.NONE, None, "out"),
+        HostArg(HostArgKind.INT, -(2**62), "dim"),
+        HostArg(HostArgKind.FLOAT, float("-inf")),
+        HostArg(HostArgKind.BOOL, True, "keepdim"),
+        HostArg(HostArgKind.STR, "tanh", "approximate"),
+        HostArg(HostArgKind.INT_LIST, [1, -1, 0]),
+        HostArg(HostArgKind.INT_LIST, []),
+        HostArg(HostArgKind.FLOAT_LIST, [0.5, 1e300]),
+        HostArg(HostArgKind.TENSOR_LIST, [1, -1, 2]),
+        HostArg(HostArgKind.DTYPE, "bfloat16", "dtype"),
+        HostArg(HostArgKind.DEVICE, "cuda:1", "device"),
+        HostArg(HostArgKind.MEMORY_FORMAT, "contiguous_format", "memory_format"),
+        HostArg(HostArgKind.LAYOUT, "strided", "layout"),
+        HostArg(HostArgKind.BOOL_LIST, [True, False, True]),
     ]
 
 
@@ -141,7 +139,7 @@ def _example() -> tuple[Program, list[torch.Tensor]]:
             _value("buf", ("int64", ()), Role.MUTABLE_BUFFER, constant=3, slot=1),
             _value("buf_new", ("int64", ()), Role.INTERMEDIATE),
             _value("ext.w", ("bfloat16", (2, 2)), Role.CONSTANT, constant=4),
-            _value("x_copy", ("float32", (4, 3)), Role.INTERMEDIATE, device="cuda:1"),
+            _value("x_copy", ("float32", (4, 3)), Role.INTERMEDIATE),
         ],
         inputs=[0],
         outputs=[5, 8],
@@ -152,7 +150,7 @@ def _example() -> tuple[Program, list[torch.Tensor]]:
             Instruction(InstrKind.COPY_D2H, [4], [5], name="d2h_y"),
             Instruction(InstrKind.HOST_OP, [0, 1, 2], [7], target="aten::add.Tensor", args=_all_host_args(),
                         name="add"),
-            Instruction(InstrKind.COPY_D2D, [3], [9], name="d2d"),
+            Instruction(InstrKind.COPY_D2H, [3], [9], name="d2h_x"),
         ],
         delegates=[Delegate("triton", "cuda:0", _plan(), scratch_arena=0, scratch_offset=1024,
                             stage_inputs=False)],
@@ -175,7 +173,7 @@ def _example() -> tuple[Program, list[torch.Tensor]]:
         outputs=[7],
         **_specs(0, 1),
         instructions=[Instruction(InstrKind.HOST_OP, [0, 1], [7], target="aten::mul.Tensor",
-                                  args=[HostArg(ArgKind.TENSOR, 0), HostArg(ArgKind.TENSOR, 1)])],
+                                  args=[HostArg(HostArgKind.TENSOR, 0), HostArg(HostArgKind.TENSOR, 1)])],
         delegates=[],
         arenas=[],
     )
@@ -201,17 +199,19 @@ def _dynamic_method() -> Method:
         TensorValue("z", "float32", (Expr("2*s0", 32), 3), "cpu", Role.INTERMEDIATE, 384),
         TensorValue("w", "float32", (S0, 4, Expr("max(s0, s1)", 16)), "cpu", Role.INTERMEDIATE, 16 * 4 * 16 * 4),
     ]
-    sym_args = [HostArg(ArgKind.TENSOR, 0), HostArg(ArgKind.SYM_INT_LIST, [S0, 4, Expr("max(s0, s1)", 16)]),
-                HostArg(ArgKind.SYM_INT, Expr("(s0 + 1)//2", 8), "dim"), HostArg(ArgKind.SYM_INT_LIST, [3, 4]),
-                HostArg(ArgKind.SYM_INT_LIST, [])]
+    sym_args = [HostArg(HostArgKind.TENSOR, 0), HostArg(HostArgKind.SYM_INT_LIST, [S0, 4, Expr("max(s0, s1)", 16)]),
+                HostArg(HostArgKind.SYM_INT, Expr("(s0 + 1)//2", 8), "dim"),
+                HostArg(HostArgKind.SYM_INT_LIST, [3, 4]),
+                HostArg(HostArgKind.SYM_INT_LIST, [])]
     plan = DelegatePlan(
         tensors=[TensorDesc(Base.INPUT, 0, 0, "float32", (S0, 3), (3, 1)),
                  TensorDesc(Base.OUTPUT, 0, Expr("12*s0", 192), "float32", (S0, 3), (3, 1)),
                  TensorDesc(Base.SCRATCH, 0, 0, "float32", (S1, S0), (Expr("s0", 16), 1))],
         launches=[Launch("add_kernel", (Expr("(s0 + 63)//64", 1), 1, 1),
-                         [Arg(KArgKind.TENSOR, 0), Arg(KArgKind.TENSOR, 1), Arg(KArgKind.INT, Expr("3*s0", 48)),
-                          Arg(KArgKind.INT, 5)],
-                         {"BLOCK": Arg(KArgKind.INT, 64), "N": Arg(KArgKind.INT, S0)}, op="aten::add.Tensor")],
+                         [Arg(KernelArgKind.TENSOR, 0), Arg(KernelArgKind.TENSOR, 1),
+                          Arg(KernelArgKind.INT, Expr("3*s0", 48)), Arg(KernelArgKind.INT, 5)],
+                         {"BLOCK": Arg(KernelArgKind.INT, 64), "N": Arg(KernelArgKind.INT, S0)},
+                         op="aten::add.Tensor")],
         scratch_bytes=512, input_nbytes=[192], output_nbytes=[384])
     return Method(
         name="dynamic", values=values, inputs=[0, 1], outputs=[4, 5], **_specs(2, 2),
@@ -272,12 +272,12 @@ def test_types_of_decoded_fields(tmp_path):
         assert type(m.values[0].shape) is tuple and type(m.values[0].role) is Role
         assert type(m.instructions[0].kind) is InstrKind
         args = m.instructions[3].args
-        assert [type(a.kind) for a in args] == [ArgKind] * len(args)
+        assert [type(a.kind) for a in args] == [HostArgKind] * len(args)
         assert [type(a.value) for a in args] == [type(a.value) for a in _all_host_args()]
         plan = m.delegates[0].plan
         assert type(plan.launches[0].grid) is tuple and type(plan.tensors[0].strides) is tuple
         assert list(plan.launches[0].constexprs) == ["BLOCK", "SCALE", "EVEN", "MODE", "EXTRA"]
-        assert type(plan.tensors[0].base) is Base and type(plan.launches[0].args[0].kind) is KArgKind
+        assert type(plan.tensors[0].base) is Base and type(plan.launches[0].args[0].kind) is KernelArgKind
 
 
 def test_symbolic_sizes_round_trip(tmp_path):
@@ -310,6 +310,56 @@ def test_concrete_sizes_store_no_expressions():
     assert (dynamic.values[5].shape, dynamic.values[5].shapeExprs) == ([16, 4, 16], ["s0", "", "max(s0, s1)"])
     assert (dynamic.instructions[3].args[2].ival, dynamic.instructions[3].args[2].sexpr) == (8, "(s0 + 1)//2")
     assert dynamic.instructions[3].args[3].slistExprs is None
+
+
+def test_converter_maps_every_schema_field_and_round_trips():
+    """Every field of every table is read and written: a dataclass field of the same name, the expression
+    texts of a size, the value of a union (Arg, HostArg) or one of the converter's special fields; and
+    the example program comes back equal through the object API, the flatbuffer and the reader."""
+    from tritondelegate.serialize import convert
+    from tritondelegate.serialize.generated import program_generated as fb
+
+    special = {"Launch": {"constexprs"}, "Method": {"mutatedBuffers", "symbols"}}
+    tables = {Program, Method, TensorValue, Instruction, HostArg, Delegate, Arena, Symbol, Constant, Segment, Slot,
+              KernelBinary, DelegatePlan, TensorDesc, Launch, Arg}
+    for cls in tables:
+        slots = [s for _, s in convert._fields(cls) if s is not None]
+        slots += [s for s in convert._union(cls).values() if s] if cls.__name__ in convert._UNIONS else []
+        covered = {a for s in slots for a in (s.attr, s.exprs) if a} | special.get(cls.__name__, set())
+        assert covered == set(vars(getattr(fb, cls.__name__ + "T")())), cls.__name__
+    program, _ = _example()
+    program.binaries = [KernelBinary("add_kernel", "sm_90", "3.4.0", "key", "add_kernel", "{}", 16, 7, 64)]
+    constants, _ = writer._layout(program)
+    program = dataclasses.replace(program, constants=constants)
+    assert convert.from_buffer(writer._finish(convert.to_object(program))) == program
+
+
+def test_tables_shared_many_times_over_are_an_error_not_a_hang():
+    """Flatbuffer offsets may point many vector entries at one table: 2000 methods that are one method
+    of 2000 values that are one value would be 4 million values; the reader's budget refuses them."""
+    import flatbuffers
+    from tritondelegate.serialize import convert
+    from tritondelegate.serialize.generated import program_generated as fb
+
+    def shared_vector(builder, offset, n):
+        builder.StartVector(4, n, 4)
+        for _ in range(n):
+            builder.PrependUOffsetTRelative(offset)
+        return builder.EndVector()
+
+    builder = flatbuffers.Builder(1024)
+    value = fb.TensorValueT(name="x", dtype="float32", shape=[1], device="cpu").Pack(builder)
+    values = shared_vector(builder, value, 2000)
+    fb.MethodStart(builder)
+    fb.MethodAddValues(builder, values)
+    methods = shared_vector(builder, fb.MethodEnd(builder), 2000)
+    fb.ProgramStart(builder)
+    fb.ProgramAddMethods(builder, methods)
+    builder.Finish(fb.ProgramEnd(builder), file_identifier=hdr.FILE_IDENTIFIER)
+    start = time.perf_counter()
+    with pytest.raises(ProgramError, match=r"the flatbuffer is corrupt: method \d+ values claims 2000 entries"):
+        convert.from_buffer(bytes(builder.Output()))
+    assert time.perf_counter() - start < 1
 
 
 def test_file_layout(tmp_path):
@@ -497,10 +547,10 @@ def test_writer_rejects_mismatched_data(tmp_path):
 def test_writer_rejects_bad_fields(tmp_path):
     program, data = _example()
     program.methods[0].values[0].arena_offset = 2**64
-    with pytest.raises(ValueError, match=r"method 'forward' value 0 \('x'\) arena_offset: .* is outside"):
+    with pytest.raises(ValueError, match=r"method 0 \('forward'\) value 0 \('x'\) arena_offset: .* is outside"):
         save_program(program, data, tmp_path / "a.tdp")
     program, data = _example()
-    program.methods[1].instructions[0].args[0] = HostArg(ArgKind.INT_LIST, 3)
+    program.methods[1].instructions[0].args[0] = HostArg(HostArgKind.INT_LIST, 3)
     with pytest.raises(TypeError, match="expected a list"):
         save_program(program, data, tmp_path / "a.tdp")
     program, data = _example()
@@ -642,7 +692,7 @@ def _write_raw(path: Path, program: Program, data: list[torch.Tensor], edit=None
     if edit:
         edit(t)
     fb_bytes = writer._finish(t)
-    data_off = hdr.align(64 + len(fb_bytes), hdr.DATA_SEGMENT_ALIGNMENT)
+    data_off = align_up(64 + len(fb_bytes), hdr.DATA_SEGMENT_ALIGNMENT)
     segment = bytearray(data_size)
     for c, d in zip(constants, data):
         if c.external < 0:
@@ -676,9 +726,9 @@ def _set(path: str, value):
 BAD_FLATBUFFERS = [
     ("methods.0.values.0.role", 9, r"method 0 value 0 has Role value 9; valid: 0 \(INPUT\)"),
     ("methods.0.instructions.0.kind", 5, "InstrKind value 5"),
-    ("methods.0.instructions.3.args.1.kind", 99, "ArgKind value 99"),
+    ("methods.0.instructions.3.args.1.kind", 99, "HostArgKind value 99"),
     ("methods.0.delegates.0.plan.tensors.0.base", 3, "Base value 3"),
-    ("methods.0.delegates.0.plan.launches.0.args.2.kind", 7, "ArgKind value 7"),
+    ("methods.0.delegates.0.plan.launches.0.args.2.kind", 7, "KernelArgKind value 7"),
     ("methods.0.outputs.1", 10, r"method 'forward' output 1 refers to value 10, but there are 10"),
     ("methods.0.inputs.0", -1, "input 0 refers to value -1"),
     ("methods.0.instructions.1.inputs.0", 100, r"instruction 1 \('delegate_0'\) input 0 refers to value 100"),
@@ -740,7 +790,10 @@ BAD_FLATBUFFERS = [
     ("methods.0.arenas.0.nbytes", 4096, "arena 0 has 4096 bytes; what lies in it needs 1536"),
     ("segments.0.nbytes", 1024, "segment 0 has 1024 bytes; its slots need 256"),
     ("methods.0.instructions.1.inputs", [3], "passes 1 inputs and 1 outputs to delegate 0, whose plan takes 2 and 1"),
-    ("methods.0.instructions.4.kind", 2, r"a COPY_H2D copy from float32\[4, 3\] on cuda:0 to float32\[4, 3\] on cuda:1"),
+    ("methods.0.instructions.4.kind", 2, r"a COPY_H2D copy from float32\[4, 3\] on cuda:0 to float32\[4, 3\] on cpu"),
+    # 4, a device-to-device copy never emitted, is no instruction kind: refused, naming the instruction
+    ("methods.0.instructions.4.kind", 4, r"method 0 instruction 4 has InstrKind value 4; valid: 0 \(HOST_OP\), "
+                                         r"1 \(DELEGATE\), 2 \(COPY_H2D\), 3 \(COPY_D2H\)$"),
     ("methods.0.instructions.3.args.11.sval", "gpu:0", "unknown device 'gpu:0'"),
     ("methods.0.instructions.0.outputs", [1], r"writes value 1 \('layer.w'\), a constant"),
     ("methods.0.instructions.1.inputs.0", 5, r"reads value 5 \('y'\) before anything writes it"),
@@ -903,10 +956,11 @@ def test_vector_length_beyond_the_buffer_is_an_error_not_a_hang(tmp_path):
 
 
 def test_reader_imports_only_the_format():
-    allowed = {"__future__", "json", "keyword", "math", "mmap", "os", "re", "struct", "zlib", "enum", "torch",
-               "torch.utils._pytree", "safetensors", "xxhash", "..plan", "..program", "..symbolic", ".._device",
-               ".header", ".generated", ".validate", ".consistency"}
-    for name in ("reader.py", "header.py", "validate.py", "consistency.py"):
+    allowed = {"__future__", "dataclasses", "functools", "json", "keyword", "math", "mmap", "operator", "os", "re",
+               "struct", "typing", "zlib", "enum", "torch", "torch.utils._pytree", "safetensors", "xxhash", "flatbuffers",
+               "..dtypes", "..plan", "..program", "..symbolic", ".._device", ".header", ".generated", ".validate",
+               ".consistency", ".convert"}
+    for name in ("reader.py", "convert.py", "header.py", "validate.py", "consistency.py"):
         tree = ast.parse((Path(__file__).parent.parent / "tritondelegate" / "serialize" / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):

@@ -18,6 +18,7 @@ import tritondelegate.passes.fuse as fuse_module
 from harness import assert_close, check_dynamic
 from test_resnet_block import TinyResNet
 from tritondelegate.decompose import decompose
+from tritondelegate.dtypes import dtype_name
 from tritondelegate.passes.fold_constants import fold_constants
 from tritondelegate.passes.fuse_batchnorm import fuse_batchnorm
 
@@ -162,7 +163,7 @@ def test_conv_bn_relu(folding, dtype):
     assert "batch_norm" not in kernels and kernels.count("conv2d") == 1
     # Only the folded weight and bias are stored (no bn parameters or running statistics).
     assert sorted(tuple(c.shape) for c in lowered.program.constants) == [(6,), (6, 3, 3, 3)]
-    assert {c.dtype for c in lowered.program.constants} == {str(dtype).removeprefix("torch.")}
+    assert {c.dtype for c in lowered.program.constants} == {dtype_name(dtype)}
     _check(lowered, model, x, dtype)
 
 

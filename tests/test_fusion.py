@@ -10,7 +10,7 @@ import torch
 import tritondelegate as td
 from harness import FLOAT_DTYPES, Buffered, Fn, check_model, check_state_updates
 from tritondelegate.kernels import fusion
-from tritondelegate.kernels.refs import TRef
+from tritondelegate.kernels.refs import LaunchRecord, TRef
 from tritondelegate.kernels.elementwise import PointwiseOp
 from tritondelegate.models import FeedForward, DecoderConfig, RMSNorm, demo_decoder
 from tritondelegate.plan import Launch
@@ -163,29 +163,30 @@ def _ref(index, dtype=torch.float32):
 def _exp_mm_neg(mm_writes):
     """exp(x) -> t; an opaque launch writing ``mm_writes``; neg(t) -> u."""
     x, t, m, u = (_ref(i) for i in range(4))
-    pointwise = {0: PointwiseOp("exp", t, (x,), 1, "f32"), 2: PointwiseOp("neg", u, (t,), 1, "f32")}
-    launches = [Launch("pointwise", (1,), [], op="exp"), Launch("matmul", (1,), [], op="mm"),
-                Launch("pointwise", (1,), [], op="neg")]
+    records = [LaunchRecord(Launch("pointwise", (1,), [], op="exp"), PointwiseOp("exp", t, (x,), 1, "f32")),
+               LaunchRecord(Launch("matmul", (1,), [], op="mm")),
+               LaunchRecord(Launch("pointwise", (1,), [], op="neg"), PointwiseOp("neg", u, (t,), 1, "f32"))]
     touched = [{0, 1}, {0, 2}, {1, 3}]
-    return launches, pointwise, touched, [{1}, mm_writes, {3}]
+    return records, touched, [{1}, mm_writes, {3}]
 
 
 def test_pass_fuses_and_says_so():
-    launches, pointwise, touched, writes = _exp_mm_neg({2})
-    result = fusion.fuse_pointwise_chains(launches, pointwise, touched, writes, keep={0})
+    records, touched, writes = _exp_mm_neg({2})
+    result = fusion.fuse_pointwise_chains(records, touched, writes, keep={0})
     assert result.changed
     assert [launch.kernel for launch in result.launches] == ["matmul", "pointwise_chain"]
     assert result.launches[1].op == "exp+neg"
+    assert result.records[0].launch is records[1].launch and result.records[1].op is None  # fused: fuses no more
     # a kept buffer (a delegate output) is never fused away
-    result = fusion.fuse_pointwise_chains(launches, pointwise, touched, writes, keep={0, 1})
-    assert not result.changed and result.launches is launches
+    result = fusion.fuse_pointwise_chains(records, touched, writes, keep={0, 1})
+    assert not result.changed and result.records is records
 
 
 def test_pass_does_not_move_a_read_across_a_write():
     # The opaque launch writes exp's input (an in-place update): exp may not move after it.
-    launches, pointwise, touched, writes = _exp_mm_neg({0, 2})
-    result = fusion.fuse_pointwise_chains(launches, pointwise, touched, writes, keep={0})
-    assert not result.changed and result.launches is launches
+    records, touched, writes = _exp_mm_neg({0, 2})
+    result = fusion.fuse_pointwise_chains(records, touched, writes, keep={0})
+    assert not result.changed and result.records is records
 
 
 # --- in-place updates (kernels/scatter.py): a read of the updated buffer never moves across the write
@@ -237,7 +238,7 @@ def test_demo_decoder_has_fewer_launches_and_matches_eager(monkeypatch):
     assert [launch.constexprs["GLU"].value for launch in glu] == ["silu"] * model.cfg.n_layers
     after = method.stats.launches_per_call
 
-    monkeypatch.setattr(fusion, "fuse", lambda launches, *_: fusion.FusionResult(launches, False))
+    monkeypatch.setattr(fusion, "fuse", lambda records, *_, **__: fusion.FusionResult(records, False))
     before = _lower(model, args).load(devices="simulated").load_method().stats.launches_per_call
     # per layer: prologues save 2 launches (the norms), epilogues 2 (the residual adds)
     assert after <= before - 4 * model.cfg.n_layers, (before, after)

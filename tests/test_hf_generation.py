@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tritondelegate as td
-from tritondelegate.memory.planner import align_up
+from tritondelegate.program import DEVICE_ALIGNMENT, align_up
 
 transformers = pytest.importorskip("transformers")
 executorch = pytest.importorskip("transformers.integrations.executorch")
@@ -88,8 +88,9 @@ def test_static_cache_generation_matches_eager(name, tmp_path):
 
     constants = {(s.constant, s.device) for s in program.program.slots if not s.state}
     memory = program.memory()["cuda:0"]
-    assert memory["constants"] == sum(align_up(program.program.constants[c].nbytes, 256) for c, _ in constants)
-    assert memory["constants"] < 1.01 * sum(p.nbytes for p in model.parameters()) + 256 * len(constants)
+    held = [align_up(program.program.constants[c].nbytes, DEVICE_ALIGNMENT) for c, _ in constants]
+    assert memory["constants"] == sum(held)
+    assert memory["constants"] < 1.01 * sum(p.nbytes for p in model.parameters()) + DEVICE_ALIGNMENT * len(constants)
 
     # reset_state(), then the same prompt gives the same logits; a second prompt continues like eager.
     program.reset_state()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import tritondelegate as td
 from harness import FLOAT_DTYPES, Fn, check_model
 from tritondelegate import decompose
-from tritondelegate.kernels import matmul
+from tritondelegate.kernels import matmul, target
 from tritondelegate.kernels.registry import OPS
 
 aten = torch.ops.aten
@@ -158,7 +158,29 @@ def test_launch_configuration():
             for block in (cfg.block_m, cfg.block_n, cfg.block_k):
                 assert block >= 16 and block & (block - 1) == 0
             stage = (cfg.block_m + cfg.block_n) * cfg.block_k * dtype.itemsize
-            assert 2 <= cfg.num_stages and stage * cfg.num_stages <= matmul.SMEM_BUDGET
+            assert 2 <= cfg.num_stages and stage * cfg.num_stages <= target.DEFAULT.pipeline_budget
+
+
+def test_launch_configuration_follows_the_target():
+    # A GPU with fewer SMs needs fewer tiles: a decode GEMM keeps wider tiles; less shared memory, fewer stages.
+    h100 = matmul.choose_config(1, 1, 4096, 4096, torch.float16)
+    small = target.Target("small", num_sms=16, shared_memory=64 * 1024)
+    with target.using(small):
+        few = matmul.choose_config(1, 1, 4096, 4096, torch.float16)
+        big = matmul.choose_config(1, 4096, 4096, 4096, torch.float16)
+    assert 4096 // few.block_n >= 16 and few.block_n > h100.block_n
+    assert big.num_stages == 2 < matmul.choose_config(1, 4096, 4096, 4096, torch.float16).num_stages
+    assert target.current() is target.DEFAULT  # the block restores it
+    # lower() takes the target from LowerConfig: the plan's tiles change, the results do not
+    model, x = torch.nn.Linear(64, 512, bias=False), torch.randn(1, 64)
+    blocks = {}
+    for name in ("h100", target.Target("four", num_sms=4, shared_memory=64 * 1024)):
+        lowered = td.lower(torch.export.export(model, (x,)), config=td.LowerConfig(target=name))
+        (launch,) = [launch for m in lowered.program.methods for d in m.delegates for launch in d.plan.launches]
+        blocks[str(name)] = launch.constexprs["BLOCK_N"].value
+    assert list(blocks.values()) == [32, 128]  # 16 tiles of 32 columns for 132 SMs; 4 of 128 for 4
+    with pytest.raises(ValueError, match="unknown target 'b200x'.*h100"):
+        td.LowerConfig(target="b200x")
 
 
 def test_plan_carries_launch_meta_and_no_upcast():

@@ -15,8 +15,8 @@ from harness import FLOAT_DTYPES, Fn, Logits, assert_close, check_dynamic, check
 from tritondelegate import models
 from tritondelegate.kernels import registry
 from tritondelegate.ops import rotary_reference
-from tritondelegate.program import ProgramError
-from tritondelegate.runtime.method import resolve_op
+from tritondelegate.errors import ProgramError
+from tritondelegate.runtime.host_ops import resolve_op
 
 CONFIG = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
 ROTARY = torch.ops.tritondelegate.rotary.default

@@ -13,6 +13,7 @@ import tritondelegate as td
 from tritondelegate.models import MLP
 from tritondelegate.runtime import SimulatedAllocator
 from tritondelegate.runtime.allocator import AllocatorError, SimulatedStream
+from tritondelegate.serialize import header as hdr
 
 RESIDENT = td.PropagateDeviceConfig(skip_h2d_for_constants=True)
 
@@ -187,33 +188,66 @@ def test_resident_weight_stored_once_across_methods(tmp_path):
 
 
 def test_damaged_program_files_fail_cleanly_or_run_correctly(tmp_path):
+    """What each kind of damage must do: a truncation, or flipped bits in the header or the flatbuffer
+    (both under a CRC-32, which catches every 1- to 3-bit error at this size), fail ``td.load``; flipped
+    bits in a constant's bytes fail when the constant is read (its checksum); flipped bits in padding,
+    which nothing reads, load and give the same outputs."""
     model, args = _mlp()
     path = tmp_path / "good.tdp"
     _lower(model, args).save(path)
     good = path.read_bytes()
+    _, _, _, _, fb_size, data_off, _, _, _, _ = hdr.HEADER.unpack(good[: hdr.HEADER.size])
+    structure = hdr.FLATBUFFER_OFFSET + fb_size  # header and flatbuffer: [0, structure)
+    constants = td.load(path, devices="simulated").program.constants
+    spans = [(data_off + c.data_offset, data_off + c.data_offset + c.nbytes) for c in constants if c.nbytes]
+    padding = [p for p in range(structure, len(good)) if not any(a <= p < b for a, b in spans)]
     with torch.no_grad():
         expected = model(*args)
     rng = random.Random(0)
-    cases = [good[:n] for n in range(0, len(good), max(1, len(good) // 60))]
-    for _ in range(120):
+
+    def flipped(positions) -> bytes:
         data = bytearray(good)
-        for _ in range(rng.randint(1, 4)):
-            pos = rng.randrange(0, min(len(good), 64 + (len(good) // 3)))  # header and flatbuffer
+        for pos in positions:
             data[pos] ^= 1 << rng.randrange(8)
-        cases.append(bytes(data))
-    outcomes = {"error": 0, "ran": 0}
-    for i, data in enumerate(cases):
-        bad = tmp_path / f"bad{i}.tdp"
+        return bytes(data)
+
+    def run(data: bytes, name: str):
+        bad = tmp_path / name
         bad.write_bytes(data)
-        try:
-            method = td.load(bad, devices="simulated").load_method()
-            out = method(*args)
-        except td.ProgramError:
-            outcomes["error"] += 1
-            continue
+        return td.load(bad, devices="simulated").load_method()(*args)
+
+    for n in range(0, len(good), max(1, len(good) // 40)):
+        with pytest.raises(td.ProgramError):
+            run(good[:n], f"cut{n}.tdp")
+    for i in range(60):
+        positions = rng.sample(range(structure), rng.randint(1, 3))
+        with pytest.raises(td.ProgramError, match="checksum mismatch|header"):
+            run(flipped(positions), f"structure{i}.tdp")
+    for i, (a, b) in enumerate(spans):
+        with pytest.raises(td.ProgramError, match=rf"constant {i} .* do not match the checksum"):
+            run(flipped(rng.sample(range(a, b), rng.randint(1, 3))), f"constant{i}.tdp")
+    assert padding  # the zeros after the flatbuffer, up to the page-aligned data segment
+    for i in range(20):
+        out = run(flipped(rng.sample(padding, rng.randint(1, 3))), f"padding{i}.tdp")
         torch.testing.assert_close(out, expected)
-        outcomes["ran"] += 1
-    assert outcomes["error"] > 0
+
+
+def test_close_gives_the_memory_back_and_refuses_calls(saved):
+    model, args, path = saved
+    allocator = SimulatedAllocator()
+    with td.load(path, devices={"cuda": allocator}) as program:
+        method = program.load_method("forward")
+        with torch.no_grad():
+            torch.testing.assert_close(method(*args), model(*args))
+        assert allocator.live_bytes > 0 and program.memory()["cuda:0"]["total"] > 0
+    assert program.closed and allocator.live_bytes == 0 and program.memory() == {}
+    with pytest.raises(RuntimeError, match="method 'forward': its program was closed"):
+        method(*args)
+    with pytest.raises(RuntimeError, match="program was closed"):
+        program.load_method("forward")
+    with pytest.raises(RuntimeError, match="program was closed"):
+        program.reset_state()
+    program.close()  # again: nothing left to free
 
 
 @pytest.mark.parametrize("alloc_input,alloc_output", [(False, True), (True, False), (False, False)])

@@ -17,10 +17,10 @@ import torch.utils._pytree as pytree
 from safetensors.torch import load_file, save_file
 
 import tritondelegate as td
-from tritondelegate.plan import Arg, ArgKind as KArgKind
-from tritondelegate.program import (Arena, ArgKind, Constant, HostArg, InstrKind, Instruction, Method, Program,
+from tritondelegate.plan import Arg, KernelArgKind
+from tritondelegate.program import (Arena, Constant, HostArg, HostArgKind, InstrKind, Instruction, Method, Program,
                                     ProgramError, Role, TensorValue)
-from tritondelegate.runtime.method import resolve_op
+from tritondelegate.runtime.host_ops import resolve_op
 from tritondelegate.serialize import header as hdr
 from tritondelegate.serialize import load_program, save_program
 
@@ -97,13 +97,13 @@ def _input_shape(program: Program, shape: tuple) -> None:
 
 def _tensor_arg_to_int(program: Program) -> None:
     launch = program.methods[0].delegates[0].plan.launches[0]
-    k = next(k for k, a in enumerate(launch.args) if a.kind == KArgKind.TENSOR)
-    launch.args[k] = Arg(KArgKind.INT, 0)
+    k = next(k for k, a in enumerate(launch.args) if a.kind == KernelArgKind.TENSOR)
+    launch.args[k] = Arg(KernelArgKind.INT, 0)
 
 
 def _constexpr(program: Program, kernel: str, name: str, value) -> None:
     launch = next(l for l in program.methods[0].delegates[0].plan.launches if l.kernel == kernel)
-    launch.constexprs[name] = Arg(KArgKind.INT, value)
+    launch.constexprs[name] = Arg(KernelArgKind.INT, value)
 
 
 CRAFTED = [
@@ -248,7 +248,7 @@ def _host_program(target: str, args: list[HostArg], shape=(N,), arena: bool = Fa
     return Program([method], [Constant("w", "float32", (N,), 4 * N)]), [torch.randn(N)]
 
 
-MUL = [HostArg(ArgKind.TENSOR, 0), HostArg(ArgKind.TENSOR, 1)]
+MUL = [HostArg(HostArgKind.TENSOR, 0), HostArg(HostArgKind.TENSOR, 1)]
 
 
 def test_hand_made_program_runs(tmp_path):
@@ -259,10 +259,10 @@ def test_hand_made_program_runs(tmp_path):
 
 
 @pytest.mark.parametrize("target, args, match", [
-    ("aten::from_file", [HostArg(ArgKind.STR, "/etc/passwd")], "not allowed in a program: it takes a file name"),
-    ("aten::from_file.out", [HostArg(ArgKind.STR, "/etc/passwd"), HostArg(ArgKind.TENSOR, 1, "out")],
+    ("aten::from_file", [HostArg(HostArgKind.STR, "/etc/passwd")], "not allowed in a program: it takes a file name"),
+    ("aten::from_file.out", [HostArg(HostArgKind.STR, "/etc/passwd"), HostArg(HostArgKind.TENSOR, 1, "out")],
      "takes a file name"),
-    ("aten::_print", [HostArg(ArgKind.STR, "hello")], "returns nothing and writes no tensor"),
+    ("aten::_print", [HostArg(HostArgKind.STR, "hello")], "returns nothing and writes no tensor"),
     ("aten::__dict__.clear", [], "not an operator this PyTorch knows"),
     ("aten::add.__class__", MUL, "not an operator this PyTorch knows"),
     ("aten::save", MUL, "not an operator this PyTorch knows"),  # a TorchScript builtin, not an ATen op

@@ -10,8 +10,9 @@ import torch
 from harness import (FLOAT_DTYPES, Buffered, Fn, check_model, check_state_updates, export_decomposed,
                      run_delegated)
 from tritondelegate.backend import build_plan
+from tritondelegate.dtypes import parse_dtype
 from tritondelegate.kernels import registry
-from tritondelegate.plan import ArgKind, Base
+from tritondelegate.plan import Base, KernelArgKind
 
 aten = torch.ops.aten
 # Each supported data dtype once, each index dtype twice.
@@ -184,12 +185,12 @@ def test_refusals_have_reasons():
 def _copies_out(plan, input_position):
     """Launches that copy the whole of delegate input ``input_position`` into an output buffer."""
     def whole(d):
-        nbytes = math.prod(d.shape) * getattr(torch, d.dtype).itemsize
+        nbytes = math.prod(d.shape) * parse_dtype(d.dtype).itemsize
         return d.base == Base.INPUT and d.index == input_position and nbytes == plan.input_nbytes[input_position]
 
     found = []
     for launch in plan.launches:
-        descs = [plan.tensors[a.value] for a in launch.args if a.kind == ArgKind.TENSOR]
+        descs = [plan.tensors[a.value] for a in launch.args if a.kind == KernelArgKind.TENSOR]
         op = launch.constexprs["OP"].value if launch.kernel == "pointwise" else None
         if op == "copy" and descs[0].base == Base.OUTPUT and whole(descs[1]):
             found.append(launch)

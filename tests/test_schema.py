@@ -43,10 +43,10 @@ def test_generated_code_is_up_to_date(tmp_path):
 
 ENUMS = [
     (program.Role, fb.Role),
-    (program.ArgKind, fb.HostArgKind),
+    (program.HostArgKind, fb.HostArgKind),
     (program.InstrKind, fb.InstrKind),
     (plan.Base, fb.Base),
-    (plan.ArgKind, fb.KernelArgKind),
+    (plan.KernelArgKind, fb.KernelArgKind),
 ]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tritondelegate as td
-from tritondelegate.memory.planner import align_up
+from tritondelegate.program import DEVICE_ALIGNMENT, align_up
 from tritondelegate.runtime import SimulatedAllocator
 
 RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
@@ -102,8 +102,8 @@ def test_memory_holds_each_constant_once_per_program():
     step = program.load_method("step")
     read = program.load_method("read")
     memory = program.memory()["cuda:0"]
-    assert memory["constants"] == align_up(acc.w.nbytes, 256)  # read by both methods, held once
-    assert memory["state"] == align_up(acc.total.nbytes, 256)
+    assert memory["constants"] == align_up(acc.w.nbytes, DEVICE_ALIGNMENT)  # read by both methods, held once
+    assert memory["state"] == align_up(acc.total.nbytes, DEVICE_ALIGNMENT)
     arenas = sum(a.nbytes for m in lowered.program.methods for a in m.arenas)
     assert memory["arenas"] == arenas
     assert memory["total"] == memory["constants"] + memory["state"] + arenas

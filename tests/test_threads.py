@@ -12,8 +12,8 @@ import torch
 import torch.utils._pytree as pytree
 
 import tritondelegate as td
-from tritondelegate.program import (Arena, Constant, HostArg, ArgKind, InstrKind, Instruction, Method, Program, Role,
-                                    Segment, SegmentKind, Slot, TensorValue)
+from tritondelegate.program import (Arena, Constant, HostArg, HostArgKind, InstrKind, Instruction, Method, Program,
+                                    Role, Segment, SegmentKind, Slot, TensorValue)
 from tritondelegate.serialize import save_program
 
 N = 64  # elements of every tensor of the hand-made program
@@ -45,7 +45,7 @@ def _method(name: str, target: str) -> Method:
                     Instruction(InstrKind.COPY_H2D, [0], [1], name="h2d"),
                     Instruction(InstrKind.COPY_D2H, [1], [3], name="d2h"),
                     Instruction(InstrKind.HOST_OP, [3, 5], [4], target=target, name="op",
-                                args=[HostArg(ArgKind.TENSOR, 3), HostArg(ArgKind.TENSOR, 5)])]
+                                args=[HostArg(HostArgKind.TENSOR, 3), HostArg(HostArgKind.TENSOR, 5)])]
     return Method(name, values, [0], [4, 6], dump(((0,), {})), dump((0, 0)), instructions, [],
                   [Arena("cuda:0", 4 * N, 256, 4 * N)], mutated_buffers=[(2, 1)])
 

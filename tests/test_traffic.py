@@ -13,7 +13,7 @@ import torch
 import tritondelegate as td
 from harness import Fn
 from tritondelegate import cli
-from tritondelegate.kernels.registry import KERNELS
+from tritondelegate.kernels.table import KERNELS
 from tritondelegate.kernels.traffic import TRAFFIC, _buffer_bytes, kernel_params, method_traffic
 from tritondelegate.models import demo_decoder, export_prefill_decode, kv_cache_decoder
 from tritondelegate.plan import Base, TensorDesc

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch.export import Dim
 
 import tritondelegate as td
-from tritondelegate.kernels.registry import KERNELS
-from tritondelegate.plan import Arg, ArgKind, Base
+from tritondelegate.kernels.table import KERNELS
+from tritondelegate.plan import Arg, KernelArgKind, Base
 from tritondelegate.program import InstrKind
 from tritondelegate.runtime.loader import InMemorySource, LoadedProgram
 from tritondelegate.runtime.footprints import RULES, _unravel, kernel_parameters
@@ -111,7 +111,7 @@ def _matmul(program):
 
 def _set_int(name, value):
     def edit(launch):
-        launch.args[_arg(launch, name)] = Arg(ArgKind.INT, value)
+        launch.args[_arg(launch, name)] = Arg(KernelArgKind.INT, value)
     return edit
 
 
@@ -128,11 +128,11 @@ def _set_constexpr(name, value):
 
 
 def _pointer_to_int(launch):
-    launch.args[_arg(launch, "a_ptr")] = Arg(ArgKind.INT, 0)
+    launch.args[_arg(launch, "a_ptr")] = Arg(KernelArgKind.INT, 0)
 
 
 def _float_size(launch):
-    launch.args[_arg(launch, "M")] = Arg(ArgKind.FLOAT, 4.0)
+    launch.args[_arg(launch, "M")] = Arg(KernelArgKind.FLOAT, 4.0)
 
 
 def _rename(launch):
@@ -204,7 +204,7 @@ def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):
         program = copy.deepcopy(lowered.program)
         damaged = program.methods[0].delegates[d].plan.launches[k]
         size = _arg(damaged, SIZES[launch.kernel])
-        damaged.args[size] = Arg(ArgKind.INT, damaged.args[size].value * 10**6)
+        damaged.args[size] = Arg(KernelArgKind.INT, damaged.args[size].value * 10**6)
         _refused(lowered, program, where)
 
 
@@ -328,7 +328,7 @@ def test_dynamic_plan_damaged_at_its_bound_is_refused_at_load(dynamic):
     _, lowered = dynamic
     program = copy.deepcopy(lowered.program)
     launch, position, m = _dynamic_m(program)
-    launch.args[position] = Arg(ArgKind.INT, Expr(f"{m.text} + 1", m.bound + 1))
+    launch.args[position] = Arg(KernelArgKind.INT, Expr(f"{m.text} + 1", m.bound + 1))
     _refused(lowered, program, r"launch 0 \('matmul'.* argument 'a_ptr' reaches elements \[0, 79\] .* spans 72")
 
 
@@ -338,7 +338,7 @@ def test_dynamic_plan_damaged_below_its_bound_is_refused_at_that_size(dynamic):
     model, lowered = dynamic
     program = copy.deepcopy(lowered.program)
     launch, position, m = _dynamic_m(program)
-    launch.args[position] = Arg(ArgKind.INT, Expr(f"max({m.text}, {m.bound})", m.bound))
+    launch.args[position] = Arg(KernelArgKind.INT, Expr(f"max({m.text}, {m.bound})", m.bound))
     method = _load(lowered, program)
     x = torch.randn(9, 8)
     with torch.no_grad():
@@ -353,7 +353,7 @@ def test_a_damaged_file_is_refused_when_its_method_loads(zoo, tmp_path):
     lowered.save(tmp_path / "zoo.tdp")
     program = td.load(tmp_path / "zoo.tdp", devices="simulated")
     _, k, launch = _matmul(program.program)
-    launch.args[_arg(launch, "stride_am")] = Arg(ArgKind.INT, 100000)
+    launch.args[_arg(launch, "stride_am")] = Arg(KernelArgKind.INT, 100000)
     with pytest.raises(td.ProgramError, match=rf"launch {k} \('matmul'.*argument 'a_ptr' reaches"):
         program.load_method("forward")
 

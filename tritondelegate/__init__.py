@@ -11,9 +11,7 @@ The lowering side (``lower``, the partitioners, the passes) is imported on first
 that only runs programs (``td.load``) never loads it.
 """
 
-from importlib import import_module
-
-from . import kernels as _kernels  # noqa: F401  (decides compiled vs interpreted Triton first)
+from .lazy import lazy_exports
 
 _EXPORTS = {
     # lowering side
@@ -22,24 +20,14 @@ _EXPORTS = {
     "PerCallCopyWarning": "config", "PerCallCopyError": "config",
     "Partitioner": "partitioner", "PartitionResult": "partitioner",
     "DelegationSpec": "partitioner", "TritonPartitioner": "partitioner",
-    "LoweringError": "emit",
+    "LoweringError": "errors",
     # runtime side
     "load": "runtime", "DeviceAllocator": "runtime", "InputError": "runtime",
     "register_allocator": "runtime",
-    "ProgramError": "program",
+    "ProgramError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tritondelegate' has no attribute {name!r}")
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

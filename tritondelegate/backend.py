@@ -1,7 +1,7 @@
 """The Triton delegate backend: a delegate subgraph -> a launch plan (see ``plan.py``).
 
 Nodes are lowered in order through the kernel registry; ``getitem`` picks an element of a
-multi-output node. The builder packs temporaries into the delegate's scratch block; the traffic model
+multi-output node. Fusion (``kernels/fusion.py``) then rewrites the recorded launches. The builder packs temporaries into the delegate's scratch block; the traffic model
 (``kernels/traffic.py``) then records each launch's bytes and FLOPs.
 """
 
@@ -11,9 +11,9 @@ import operator
 
 import torch.fx
 
-from .kernels import registry, traffic
+from .errors import LoweringError
+from .kernels import fusion, registry, traffic
 from .kernels.builder import LaunchBuilder
-from .kernels.refs import LoweringError
 from .plan import DelegatePlan
 
 BACKEND_ID = "TritonBackend"
@@ -50,7 +50,9 @@ def build_plan(
         except Exception as exc:
             raise LoweringError(f"lowering node {node.name!r} ({node.target}) failed: {exc}") from exc
     b.current = None
-    # The traffic model of every launch, whatever the builder fused (kernels/traffic.py).
+    # Passes over the launch records: norms into matmul prologues, pointwise chains, matmul epilogues.
+    b.records = fusion.fuse(b.records, *b.effects(), view=b.view).records
+    # The traffic model of every launch, whatever was fused (kernels/traffic.py).
     return traffic.annotate(b.finish(aliases))
 
 

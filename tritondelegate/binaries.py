@@ -23,9 +23,9 @@ import sys
 import zlib
 from dataclasses import dataclass
 
-from .emit import LoweringError
-from .plan import ArgKind, Base
-from .program import KernelBinary, Program
+from .errors import LoweringError
+from .plan import KernelArgKind, Base
+from .program import DEVICE_ALIGNMENT, KernelBinary, Program
 
 ARCHS = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90, "sm_100": 100}
 
@@ -49,12 +49,12 @@ def check_archs(archs) -> tuple[str, ...]:
 def launch_request(delegate, launch) -> dict:
     args = []
     for a in launch.args:
-        if a.kind != ArgKind.TENSOR:
+        if a.kind != KernelArgKind.TENSOR:
             args.append(a.value)
             continue
         desc = delegate.plan.tensors[a.value]
         offset = desc.byte_offset + (delegate.scratch_offset if desc.base == Base.SCRATCH else 0)
-        args.append({"tensor": desc.dtype, "offset": offset % 256})
+        args.append({"tensor": desc.dtype, "offset": offset % DEVICE_ALIGNMENT})  # every base is this aligned
     return {"kernel": launch.kernel, "args": args, "constexprs": {k: v.value for k, v in launch.constexprs.items()}}
 
 

@@ -229,7 +229,7 @@ def _print_generation(result: dict) -> None:
 
 def _inspect(args) -> int:
     from tritondelegate.inspection import describe, format_description
-    from tritondelegate.program import ProgramError
+    from tritondelegate.errors import ProgramError
     from tritondelegate.serialize.reader import load_program
 
     try:

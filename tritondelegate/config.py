@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
+from .kernels.target import Target
+from .kernels.target import resolve as resolve_target
+
 Flag = "bool | dict[str, bool]"
 
 
@@ -83,6 +86,9 @@ class LowerConfig:
     * ``kernel_archs``: GPU archs (``"sm_80"``, ``"sm_86"``, ``"sm_89"``, ``"sm_90"``, ``"sm_100"``) to
       compile every kernel variant for at lower time, on this machine, GPU or not; the binaries go in
       the program file and a GPU with the same Triton runs them without compiling (default: none).
+    * ``target``: the GPU whose SM count and shared memory choose tile sizes and pipeline depths
+      (``kernels/target.py``): a ``Target``, a name (``"h100"``, ``"a100"``, ``"l4"``, ...), or None
+      for this machine's GPU (H100 when it has none).
     """
 
     propagate_device: PropagateDeviceConfig | dict[str, PropagateDeviceConfig] = field(
@@ -94,6 +100,11 @@ class LowerConfig:
     alloc_graph_output: bool = True
     fold_constants: bool = True
     kernel_archs: tuple[str, ...] = ()
+    target: Target | str | None = None
+
+    def __post_init__(self):
+        if self.target is not None:
+            resolve_target(self.target)  # an unknown name fails here, naming the known ones
 
     def device_config(self, method: str) -> PropagateDeviceConfig:
         pd = self.propagate_device

@@ -19,15 +19,16 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from .backend import build_plan
+from .dtypes import dtype_name
+from .errors import LoweringError
 from .kernels import sizes
 from .kernels.sizes import is_size_node
-from .kernels.refs import dtype_name
 from .kernels.registry import lookup
 from .partitioner import PartitionResult, op_name
-from .runtime.method import RETURN_TYPES
+from .runtime.inputs import RETURN_TYPES
 from .symbolic import Expr
 from .program import (
-    ArgKind,
+    HostArgKind,
     Constant,
     Delegate,
     HostArg,
@@ -37,10 +38,6 @@ from .program import (
     Role,
     TensorValue,
 )
-
-
-class LoweringError(ValueError):
-    """The program cannot be lowered as asked (names the node or tag)."""
 
 
 @dataclass
@@ -163,7 +160,7 @@ def emit_method(name: str, ep: torch.export.ExportedProgram, result: PartitionRe
 def _serializable(spec: pytree.TreeSpec) -> pytree.TreeSpec:
     """``spec`` with every named tuple as a plain tuple, which pytree can serialize: a
     ``torch.return_types`` one (``torch.max(x, 1)``) keeps its class name as the tuple's context, and
-    the runtime rebuilds it (``runtime.method.output_structure``); a user's named tuple is returned
+    the runtime rebuilds it (``runtime.inputs.output_structure``); a user's named tuple is returned
     as a tuple."""
     if spec.is_leaf():
         return spec
@@ -272,8 +269,8 @@ class _Emitter:
             self.env[node] = vid
             out_list = [vid]
         args = [self.encode(a) for a in node.args] + [self.encode(v, k) for k, v in node.kwargs.items()]
-        reads = sorted({a.value for a in args if a.kind == ArgKind.TENSOR}
-                       | {v for a in args if a.kind == ArgKind.TENSOR_LIST for v in a.value if v >= 0})
+        reads = sorted({a.value for a in args if a.kind == HostArgKind.TENSOR}
+                       | {v for a in args if a.kind == HostArgKind.TENSOR_LIST for v in a.value if v >= 0})
         self.instructions.append(Instruction(
             InstrKind.HOST_OP, inputs=reads, outputs=out_list, target=node.target.name(), args=args, name=node.name,
         ))
@@ -304,7 +301,7 @@ class _Emitter:
                 return self._encode_size(vid.expr, kwname)
             if not isinstance(vid, int):
                 raise LoweringError(f"argument {arg.name!r} is not a single tensor")
-            return HostArg(ArgKind.TENSOR, vid, kwname)
+            return HostArg(HostArgKind.TENSOR, vid, kwname)
         if isinstance(arg, (list, tuple)):
             return self._encode_list(list(arg), kwname)
         for kinds, kind, convert in _SCALAR_ENCODINGS:
@@ -314,35 +311,35 @@ class _Emitter:
 
     def _encode_size(self, expr, kwname: str) -> HostArg:
         value = sizes.to_plan(expr)
-        return HostArg(ArgKind.INT if isinstance(value, int) else ArgKind.SYM_INT, value, kwname)
+        return HostArg(HostArgKind.INT if isinstance(value, int) else HostArgKind.SYM_INT, value, kwname)
 
     def _encode_list(self, items: list, kwname: str) -> HostArg:
         if any(isinstance(a, torch.fx.Node) and isinstance(self.env[a], _Size) for a in items):
             values = [sizes.to_plan(self.env[a].expr) if isinstance(a, torch.fx.Node) else a for a in items]
             if not all(isinstance(v, (int, Expr)) for v in values):
                 raise LoweringError(f"cannot encode argument {items!r} of a host op")
-            return HostArg(ArgKind.SYM_INT_LIST, values, kwname)
+            return HostArg(HostArgKind.SYM_INT_LIST, values, kwname)
         if any(isinstance(a, torch.fx.Node) for a in items):
-            return HostArg(ArgKind.TENSOR_LIST, [-1 if a is None else self.encode(a).value for a in items], kwname)
+            return HostArg(HostArgKind.TENSOR_LIST, [-1 if a is None else self.encode(a).value for a in items], kwname)
         if all(isinstance(a, bool) for a in items) and items:
-            return HostArg(ArgKind.BOOL_LIST, items, kwname)
+            return HostArg(HostArgKind.BOOL_LIST, items, kwname)
         if all(isinstance(a, int) and not isinstance(a, bool) for a in items):
-            return HostArg(ArgKind.INT_LIST, items, kwname)
+            return HostArg(HostArgKind.INT_LIST, items, kwname)
         if all(isinstance(a, (int, float)) for a in items):
-            return HostArg(ArgKind.FLOAT_LIST, [float(a) for a in items], kwname)
+            return HostArg(HostArgKind.FLOAT_LIST, [float(a) for a in items], kwname)
         raise LoweringError(f"cannot encode argument {items!r} of a host op")
 
 
 _STRIP = lambda v: str(v).removeprefix("torch.")  # noqa: E731
 # (python types, kind, how the value is stored), in order: bool before int, None first.
 _SCALAR_ENCODINGS = (
-    (type(None), ArgKind.NONE, lambda v: None),
-    (bool, ArgKind.BOOL, bool),
-    (int, ArgKind.INT, int),
-    (float, ArgKind.FLOAT, float),
-    (str, ArgKind.STR, str),
-    (torch.dtype, ArgKind.DTYPE, dtype_name),
-    (torch.device, ArgKind.DEVICE, str),
-    (torch.memory_format, ArgKind.MEMORY_FORMAT, _STRIP),
-    (torch.layout, ArgKind.LAYOUT, _STRIP),
+    (type(None), HostArgKind.NONE, lambda v: None),
+    (bool, HostArgKind.BOOL, bool),
+    (int, HostArgKind.INT, int),
+    (float, HostArgKind.FLOAT, float),
+    (str, HostArgKind.STR, str),
+    (torch.dtype, HostArgKind.DTYPE, dtype_name),
+    (torch.device, HostArgKind.DEVICE, str),
+    (torch.memory_format, HostArgKind.MEMORY_FORMAT, _STRIP),
+    (torch.layout, HostArgKind.LAYOUT, _STRIP),
 )

@@ -12,8 +12,12 @@ from . import progress as progress_module
 from .binaries import check_archs, compile_binaries
 from .config import LowerConfig
 from .decompose import decompose
-from .emit import ConstantTable, LoweringError, NodeInfo, emit_method
+from .emit import ConstantTable, NodeInfo, emit_method
+from .errors import LoweringError
 from .kernels.sizes import is_size_node, symbol_ranges
+from .kernels.target import DEFAULT as DEFAULT_TARGET
+from .kernels.target import resolve as resolve_target
+from .kernels.target import using as using_target
 from .memory.method_plan import plan_method
 from .memory.segments import plan_slots
 from .partitioner import Partitioner, TritonPartitioner
@@ -47,6 +51,7 @@ class LoweredProgram:
         self.binary_data = binary_data or []  # the bytes of program.binaries
         self.reports = reports
         self.state = state or {}  # FQN -> where the state buffer lives and why
+        self.target = DEFAULT_TARGET  # the GPU whose SMs and shared memory chose the launch configurations
 
     @property
     def method_names(self) -> list[str]:
@@ -105,8 +110,12 @@ def lower(
     config = LowerConfig() if config is None else config
     check_archs(config.kernel_archs)
     steps = 3 * len(programs) + 1 + bool(config.kernel_archs)  # per method: decompose, partition, lower
-    with progress_module.bar("lowering", steps, progress, unit="step", delay=progress_module.LOWER_DELAY_S) as bar:
-        return _lower(programs, partitioner, config, bar)
+    gpu = resolve_target(config.target)
+    with progress_module.bar("lowering", steps, progress, unit="step", delay=progress_module.LOWER_DELAY_S) as bar, \
+            using_target(gpu):
+        lowered = _lower(programs, partitioner, config, bar)
+    lowered.target = gpu
+    return lowered
 
 
 def _lower(programs: dict, partitioner: Partitioner, config: LowerConfig, bar) -> LoweredProgram:

@@ -34,7 +34,9 @@ class TensorDesc:
     strides: tuple  # ints or Exprs, in elements
 
 
-class ArgKind(IntEnum):
+class KernelArgKind(IntEnum):
+    """What a kernel launch's argument (:class:`Arg`) holds (``program.HostArgKind`` is a host op's)."""
+
     TENSOR = 0
     INT = 1
     FLOAT = 2
@@ -44,19 +46,19 @@ class ArgKind(IntEnum):
 
 @dataclass
 class Arg:
-    kind: ArgKind
+    kind: KernelArgKind
     value: object  # tensor index for TENSOR, else the scalar
 
     @staticmethod
     def of(value) -> "Arg":
         if isinstance(value, bool):
-            return Arg(ArgKind.BOOL, value)
+            return Arg(KernelArgKind.BOOL, value)
         if isinstance(value, (int, Expr)):
-            return Arg(ArgKind.INT, value)
+            return Arg(KernelArgKind.INT, value)
         if isinstance(value, float):
-            return Arg(ArgKind.FLOAT, value)
+            return Arg(KernelArgKind.FLOAT, value)
         if isinstance(value, str):
-            return Arg(ArgKind.STR, value)
+            return Arg(KernelArgKind.STR, value)
         raise TypeError(f"cannot pass {type(value).__name__} {value!r} to a kernel")
 
 

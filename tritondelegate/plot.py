@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from .plan import ArgKind, Base
+from .plan import Base, KernelArgKind
 from .program import InstrKind, Program, Role, value_lifetimes
 from .symbolic import bound
 
@@ -63,12 +63,12 @@ def _value_kind(method, vid: int, copied_from: dict[int, int]) -> str:
 
 def _hull(desc) -> tuple[int, int] | None:
     """The bytes ``[first, last + 1)`` a plan tensor spans (at the symbols' bounds); None when empty."""
-    import torch
+    from .dtypes import parse_dtype
 
     shape, strides, offset = bound(tuple(desc.shape)), bound(tuple(desc.strides)), bound(desc.byte_offset)
     if math.prod(shape) == 0:
         return None
-    itemsize = getattr(torch, desc.dtype).itemsize
+    itemsize = parse_dtype(desc.dtype).itemsize
     low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)  # in elements, from the view's start
     high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0) + 1
     return offset + low * itemsize, offset + high * itemsize
@@ -82,7 +82,7 @@ def _temporaries(method, instr, x0: int, panel: str, arena: int) -> list[dict]:
     launches: dict[int, list[int]] = {}  # scratch view -> [first, last] launch that uses it
     for j, launch in enumerate(plan.launches):
         for arg in launch.args:
-            if arg.kind == ArgKind.TENSOR and plan.tensors[arg.value].base == Base.SCRATCH:
+            if arg.kind == KernelArgKind.TENSOR and plan.tensors[arg.value].base == Base.SCRATCH:
                 launches.setdefault(arg.value, [j, j])[1] = j
     uses: dict[tuple[int, int], list[list[int]]] = {}  # bytes -> launch ranges, merged where they meet
     for t, (first, last) in sorted(launches.items(), key=lambda item: item[1]):
@@ -137,7 +137,7 @@ def _instruction_label(method, instr) -> str:
         return f"{instr.name} ({n} launch{'' if n == 1 else 'es'})"
     if instr.kind == InstrKind.HOST_OP:
         return f"host {instr.target.split('::')[-1]}"
-    what = {InstrKind.COPY_H2D: "h2d", InstrKind.COPY_D2H: "d2h", InstrKind.COPY_D2D: "d2d"}[instr.kind]
+    what = {InstrKind.COPY_H2D: "h2d", InstrKind.COPY_D2H: "d2h"}[instr.kind]
     return f"{what} {method.values[instr.inputs[0]].name}"
 
 
@@ -151,7 +151,7 @@ def arena_rectangles(program: Program) -> list[dict]:
         starts = _steps(m)
         first, last = value_lifetimes(m)
         copied_from = {ins.outputs[0]: ins.inputs[0] for ins in m.instructions
-                       if ins.kind in (InstrKind.COPY_H2D, InstrKind.COPY_D2H, InstrKind.COPY_D2D)}
+                       if ins.kind in (InstrKind.COPY_H2D, InstrKind.COPY_D2H)}
         panel = {i: f"{m.name} arena {a.device}" for i, a in enumerate(m.arenas)}
         for vid, v in enumerate(m.values):
             if v.arena < 0 or vid not in first:
@@ -208,7 +208,7 @@ def _bytes_in(y: float, unit: tuple[int, str]) -> str:
 def _spaced(ticks: list[tuple[float, str]], gap: float) -> list[tuple[float, str]]:
     """The tick labels that fit: delegates' first, then host ops', then copies', none closer than ``gap``."""
     order = sorted(range(len(ticks)), key=lambda i: (not ticks[i][1].endswith(("launch)", "launches)")),
-                                                     ticks[i][1][:3] in ("h2d", "d2h", "d2d"), i))
+                                                     ticks[i][1][:3] in ("h2d", "d2h"), i))
     kept: list[int] = []
     for i in order:
         if all(abs(ticks[i][0] - ticks[k][0]) >= gap for k in kept):

@@ -16,10 +16,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from .errors import ProgramError  # noqa: F401  (part of the program's interface)
 from .plan import DelegatePlan
 
 FORMAT_VERSION = 2  # 2: program-level slots and segments (shared constants and state)
+
+# Where device memory starts: every arena, segment, delegate scratch block and device allocation, and
+# every value planned in one. cudaMalloc's own guarantee; a multiple of every itemsize and of the 16
+# bytes Triton specializes pointer arguments on, so a plan's byte offsets modulo this decide both.
+DEVICE_ALIGNMENT = 256
+
+
+def align_up(n: int, alignment: int) -> int:
+    """``n`` rounded up to a multiple of ``alignment``."""
+    return (n + alignment - 1) // alignment * alignment
 
 
 class Role(IntEnum):
@@ -44,7 +53,9 @@ class TensorValue:
     slot: int = -1  # index into Program.slots: resident constants and state; -1: none
 
 
-class ArgKind(IntEnum):
+class HostArgKind(IntEnum):
+    """What a host op's argument (:class:`HostArg`) holds (``plan.KernelArgKind`` is a kernel's)."""
+
     NONE = 0
     TENSOR = 1
     INT = 2
@@ -65,7 +76,7 @@ class ArgKind(IntEnum):
 
 @dataclass
 class HostArg:
-    kind: ArgKind
+    kind: HostArgKind
     value: object = None  # value id for TENSOR; list of ids for TENSOR_LIST; else the literal
     name: str = ""  # keyword name; "" for positional
 
@@ -75,7 +86,7 @@ class InstrKind(IntEnum):
     DELEGATE = 1  # a delegate call: Method.delegates[delegate]
     COPY_H2D = 2  # inputs[0] (host) -> outputs[0] (device)
     COPY_D2H = 3  # inputs[0] (device) -> outputs[0] (host)
-    COPY_D2D = 4  # inputs[0] (device a) -> outputs[0] (device b)
+    # 4 is reserved (a device-to-device copy the lowering never emitted); a file that holds it is refused.
 
 
 @dataclass

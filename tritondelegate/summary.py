@@ -68,6 +68,9 @@ def format_summary(lowered, verbose: bool = False) -> str:
     if program["state"] or program["segments"]:
         lines.append("")
         lines.extend(_program_lines(program, verbose))
+    target = getattr(lowered, "target", None)
+    if target is not None:
+        lines += ["", f"launch configurations chosen for {target.describe()}"]
     if not verbose and (any(_shortened(f) for f in facts.values()) or len(program["state"]) > LIMIT + 1):
         lines.append("")
         lines.append("(summary(verbose=True) lists every item)")

@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import elementwise as ew
-from .refs import TRef
+from .refs import FLOAT_DTYPES, TRef, broadcast_strides, node_value
 from .sizes import next_power_of_2
 
 aten = torch.ops.aten
@@ -208,7 +207,7 @@ def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None,
     if mask is None:
         mask_arg, smask, kind = q4, (0, 0, 0, 0), "none"
     else:
-        mask_arg, smask = mask, ew.broadcast_strides(mask, (batch, heads, lq, lk))
+        mask_arg, smask = mask, broadcast_strides(mask, (batch, heads, lq, lk))
         kind = "bool" if mask.dtype == torch.bool else "float"
     block_m, block_n, num_warps, num_stages = block_sizes(lq, lk, max(e, ev), q.dtype, mask is not None)
     b.launch(
@@ -235,20 +234,16 @@ def _params(node) -> dict:
     return params
 
 
-def _val(arg):
-    return arg.meta.get("val") if hasattr(arg, "meta") else None
-
-
 def supported(node) -> str | None:
     """None when the kernel computes this sdpa node exactly as eager does, else the reason."""
     p = _params(node)
-    q, k, v = (_val(p[n]) for n in ("query", "key", "value"))
+    q, k, v = (node_value(p[n]) for n in ("query", "key", "value"))
     out = node.meta.get("val")
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v, out)):
         return "query, key, value and the result must be tensors"
-    if q.dtype not in ew.FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return (f"query/key/value dtypes {q.dtype}/{k.dtype}/{v.dtype}: all three must be one of "
-                f"{', '.join(map(str, ew.FLOAT_DTYPES))}")
+                f"{', '.join(map(str, FLOAT_DTYPES))}")
     if p["dropout_p"] != 0:
         return (f"dropout_p={p['dropout_p']} is not supported (the kernel is inference-only); "
                 "export the model in eval mode or pass dropout_p=0")
@@ -277,10 +272,10 @@ def supported(node) -> str | None:
         return f"batch * heads = {batch * hq} is more than the {MAX_GRID_Y} the launch grid allows"
     mask = p["attn_mask"]
     if mask is not None:
-        m = _val(mask)
+        m = node_value(mask)
         if not isinstance(m, torch.Tensor):
             return "attn_mask must be a tensor"
-        if m.dtype != torch.bool and m.dtype not in ew.FLOAT_DTYPES:
+        if m.dtype != torch.bool and m.dtype not in FLOAT_DTYPES:
             return f"attn_mask dtype {m.dtype}: it must be bool (True = attend) or a float dtype (added)"
         target = tuple(out.shape[:-1]) + (k.shape[-2],)
         if m.ndim > len(target) or any(a not in (1, t) for a, t in zip(reversed(m.shape), reversed(target))):

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import elementwise as ew
+from .refs import collapse, node_value
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK = 1024
@@ -51,10 +51,10 @@ def batch_norm_kernel(
 def _as_ncs(b, ref):
     """``ref`` (N, C, *spatial) as (N, C, S) strides, copying only when the spatial dims do not merge."""
     spatial = ref.shape[2:]
-    sizes, (strides,) = ew.collapse(spatial, [ref.strides[2:]])
+    sizes, (strides,) = collapse(spatial, [ref.strides[2:]])
     if len(sizes) > 1:
         ref = b.contiguous(ref)
-        sizes, (strides,) = ew.collapse(spatial, [ref.strides[2:]])
+        sizes, (strides,) = collapse(spatial, [ref.strides[2:]])
     s_stride = strides[0] if sizes else 1
     return ref, (ref.strides[0], ref.strides[1], s_stride)
 
@@ -81,7 +81,7 @@ def launch_batch_norm(b, out, x, weight, bias, mean, var, eps: float) -> None:
 # --- support check and lowering -------------------------------------------------------------------
 def supported(node) -> str | None:
     """(input, weight?, bias?, running_mean, running_var, momentum, eps)"""
-    x = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+    x = node_value(node.args[0])
     if not isinstance(x, torch.Tensor):
         return "input is not a tensor"
     if x.dim() < 2:
@@ -89,7 +89,7 @@ def supported(node) -> str | None:
     for name, arg in zip(("input", "weight", "bias", "running_mean", "running_var"), node.args[:5]):
         if arg is None and name in ("weight", "bias"):
             continue
-        val = arg.meta.get("val") if hasattr(arg, "meta") else None
+        val = node_value(arg)
         if not isinstance(val, torch.Tensor):
             return f"{name} is not a tensor"
         if val.dtype not in FLOAT_DTYPES:

@@ -7,9 +7,11 @@ launches with ``b.launch(kernel_name, grid, *args, **constexprs)``. View ops rec
 marked ``td_inplace``) writes into ``b.ref(self)``, says so with ``b.writes_in_place(ref)`` and binds
 the node to that ref.
 
-Every temporary lives in a logical buffer. At :meth:`LaunchBuilder.finish`, chains of pointwise
-launches are fused, also into the epilogue of a matmul whose result only they read (``fusion.py``),
-buffers that hold a delegate output become that output's slot, and the rest are packed into the
+The builder only records: each launch is a :class:`~.refs.LaunchRecord` that carries what it
+computes (``record.op``, set by the lowering that launched it), and :meth:`LaunchBuilder.effects` says
+which buffers each launch touches and may write. Passes over the records (``fusion.py``: pointwise
+chains, matmul prologues and epilogues) run between the lowering and :meth:`LaunchBuilder.finish`,
+which makes the buffers that hold a delegate output that output's slot and packs the rest into the
 delegate's scratch block with the same greedy planner the method uses, from lifetimes read off the
 final launch list. With ``finish(aliases={})``, an output that is a whole delegate input written in
 place gets no buffer of its own: it is recorded as an alias of that input.
@@ -24,12 +26,14 @@ import torch
 import torch.fx
 
 from ..memory.planner import Interval, greedy_by_size
-from ..plan import Arg, ArgKind, Base, DelegatePlan, Launch, TensorDesc
-from . import elementwise, fusion, sizes
-from .refs import LoweringError, TRef, contiguous_strides, dtype_name, new_launch
+from ..plan import Arg, Base, DelegatePlan, KernelArgKind, Launch, TensorDesc
+from ..program import DEVICE_ALIGNMENT
+from . import elementwise, sizes
+from ..dtypes import dtype_name
+from ..errors import LoweringError
+from .refs import LaunchRecord, TRef, contiguous_strides, new_launch
 from .sizes import to_plan, upper
 
-SCRATCH_ALIGNMENT = 256
 
 
 @dataclass
@@ -51,13 +55,7 @@ class LaunchBuilder:
     def __init__(self, inputs: list[torch.fx.Node], outputs: list[torch.fx.Node]):
         self._buffers: list[_Buffer] = []
         self._refs: list[TRef] = []
-        self._launches: list[Launch] = []
-        # launch position -> what that "pointwise" launch computes (elementwise.PointwiseOp), for fusion
-        self.pointwise: dict[int, object] = {}
-        # launch position -> what that "matmul" launch computes (matmul.MatmulOp), for epilogue fusion
-        self.matmul: dict[int, object] = {}
-        # launch position -> the norm that "norm" launch computes (norm.RowNorm), for prologue fusion
-        self.norms: dict[int, object] = {}
+        self.records: list[LaunchRecord] = []  # every launch so far, in order, with what it computes
         self._values: dict[torch.fx.Node, object] = {}
         self._outputs = outputs
         # node name -> buffers its launches write although it did not allocate them (writes_in_place)
@@ -157,14 +155,31 @@ class LaunchBuilder:
         return out
 
     # -- launches -----------------------------------------------------------------------------
-    def launch(self, kernel: str, grid, *args, **constexprs) -> int | None:
-        """Record a launch; returns its position, or None when the grid is empty (nothing to do)."""
+    def launch(self, kernel: str, grid, *args, **constexprs) -> LaunchRecord | None:
+        """Record a launch; returns its record (the lowering may set ``record.op`` to what it
+        computes, for fusion), or None when the grid is empty (nothing to do)."""
         grid = sizes.shape(grid)
         if any(sizes.is_static(g) and g <= 0 for g in grid):
             return None  # nothing to do: an empty tensor (a symbolic grid is checked per call)
-        self._launches.append(
-            new_launch(kernel, grid, args, constexprs, self.current.name if self.current is not None else ""))
-        return len(self._launches) - 1
+        op = self.current.name if self.current is not None else ""
+        self.records.append(LaunchRecord(new_launch(kernel, grid, args, constexprs, op)))
+        return self.records[-1]
+
+    def effects(self) -> tuple[list[set[int]], list[set[int]], set[int]]:
+        """``(touched, writes, keep)`` for passes over :attr:`records`: the buffers each launch
+        passes, those it may write (a pointwise launch its output; any other kernel the buffers its
+        own node allocated and those the node declared with :meth:`writes_in_place`), and the
+        buffers no pass may remove (delegate inputs and outputs, and what a delegate output views)."""
+        touched = [self._touched(r.launch) for r in self.records]
+        writes = [
+            {r.op.out.buffer} if r.launch.kernel == "pointwise" and r.op is not None
+            else {buf for buf in bufs if self._buffers[buf].owner == r.launch.op and r.launch.op}
+            | (self._in_place.get(r.launch.op, set()) & bufs)
+            for r, bufs in zip(self.records, touched)
+        ]
+        keep = {self.ref(node).buffer for node in self._outputs}
+        keep |= {i for i, buf in enumerate(self._buffers) if buf.base != Base.SCRATCH}
+        return touched, writes, keep
 
     # -- finishing ----------------------------------------------------------------------------
     def finish(self, aliases: dict[int, int] | None = None) -> DelegatePlan:
@@ -174,19 +189,19 @@ class LaunchBuilder:
         wrote in place (offset 0, contiguous, same numel and dtype) gets no output buffer and no copy:
         ``aliases[output_position] = input_position`` is recorded instead, and the remaining outputs
         are numbered consecutively in the plan. When None, every output gets its own buffer."""
-        self._fuse()
         self._place_outputs(aliases)
         self._lifetimes()
         scratch = [b for b in self._buffers if b.base == Base.SCRATCH and b.first >= 0]
         offsets, scratch_bytes = greedy_by_size(
-            [Interval(b.nbytes, b.first, b.last) for b in scratch], SCRATCH_ALIGNMENT
+            [Interval(b.nbytes, b.first, b.last) for b in scratch], DEVICE_ALIGNMENT
         )
         scratch_offset = {id(b): o for b, o in zip(scratch, offsets)}
         # Only the views some launch reads or writes go into the plan (fusion and aliasing leave others).
-        used = sorted({a.value for launch in self._launches for a in launch.args if a.kind == ArgKind.TENSOR})
+        launches = [r.launch for r in self.records]
+        used = sorted({a.value for launch in launches for a in launch.args if a.kind == KernelArgKind.TENSOR})
         renumber = {old: new for new, old in enumerate(used)}
-        for launch in self._launches:
-            launch.args = [Arg(ArgKind.TENSOR, renumber[a.value]) if a.kind == ArgKind.TENSOR else a
+        for launch in launches:
+            launch.args = [Arg(KernelArgKind.TENSOR, renumber[a.value]) if a.kind == KernelArgKind.TENSOR else a
                            for a in launch.args]
         descs = []
         for ref in (self._refs[i] for i in used):
@@ -203,7 +218,7 @@ class LaunchBuilder:
             )
         return DelegatePlan(
             tensors=descs,
-            launches=self._launches,
+            launches=launches,
             scratch_bytes=scratch_bytes,
             input_nbytes=[b.nbytes for b in self._buffers if b.base == Base.INPUT],
             output_nbytes=[b.nbytes for b in sorted(
@@ -265,34 +280,14 @@ class LaunchBuilder:
         return ref
 
     def _touched(self, launch: Launch) -> set[int]:
-        return {self._refs[a.value].buffer for a in launch.args if a.kind == ArgKind.TENSOR}
-
-    def _fuse(self) -> None:
-        """Merge chains of pointwise launches, and a chain that alone reads a matmul's result into that
-        matmul's epilogue (``fusion.py``). Buffers that hold a delegate output, or that a delegate
-        output views, are never fused away."""
-        touched = [self._touched(launch) for launch in self._launches]
-        # What each launch may write: a pointwise launch its output; any other kernel the buffers its
-        # own node allocated and those the node declared with writes_in_place.
-        writes = [
-            {self.pointwise[i].out.buffer} if i in self.pointwise
-            else {buf for buf in bufs if self._buffers[buf].owner == launch.op and launch.op}
-            | (self._in_place.get(launch.op, set()) & bufs)
-            for i, (launch, bufs) in enumerate(zip(self._launches, touched))
-        ]
-        keep = {self.ref(node).buffer for node in self._outputs}
-        keep |= {i for i, buf in enumerate(self._buffers) if buf.base != Base.SCRATCH}
-        result = fusion.fuse(self._launches, self.pointwise, self.matmul, touched, writes, keep, self.norms, self.view)
-        if result.changed:
-            self._launches = result.launches
-            self.pointwise, self.matmul, self.norms = {}, {}, {}  # positions moved; nothing after this fuses
+        return {self._refs[a.value].buffer for a in launch.args if a.kind == KernelArgKind.TENSOR}
 
     def _lifetimes(self) -> None:
         """First and last launch touching each buffer, from the final launch list."""
         for buf in self._buffers:
             buf.first = buf.last = -1
-        for position, launch in enumerate(self._launches):
-            for index in self._touched(launch):
+        for position, record in enumerate(self.records):
+            for index in self._touched(record.launch):
                 buf = self._buffers[index]
                 buf.first = position if buf.first < 0 else buf.first
                 buf.last = position

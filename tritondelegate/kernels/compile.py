@@ -42,14 +42,15 @@ def specialize(kernel, backend, args, constexprs):
 
 
 def _address(dtype_name: str, offset: int):
-    import torch
     from triton.runtime.jit import MockTensor
+
+    from ..dtypes import parse_dtype
 
     class Address(MockTensor):
         def data_ptr(self):
             return ALIGNED_BASE + offset
 
-    return Address(getattr(torch, dtype_name))
+    return Address(parse_dtype(dtype_name))
 
 
 def decode_args(args: list) -> list:
@@ -79,7 +80,7 @@ def compile_request(request: dict) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
-    from .registry import KERNELS
+    from .table import KERNELS
 
     variants, index, per_launch = [], {}, []
     for arch in request["archs"]:

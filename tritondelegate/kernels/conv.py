@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from .elementwise import MAX_CHAIN, _epilogue
-from .refs import TRef
+from ..dtypes import dtype_name
+from .refs import TRef, node_value
 from .sizes import next_power_of_2
 
 EPILOGUE_STEPS = MAX_CHAIN
@@ -125,7 +126,7 @@ def _block(size, lo: int, hi: int) -> int:
 
 @dataclass(frozen=True)
 class ConvOp:
-    """One ``conv2d`` launch; the builder keeps it (``LaunchBuilder.matmul``, with the matmuls) so that
+    """One ``conv2d`` launch; its launch record carries it (``LaunchRecord.op``, as a matmul's does) so that
     ``fusion.py`` can relaunch it with an epilogue (:meth:`epilogue_launch`)."""
 
     x: TRef
@@ -171,7 +172,7 @@ class ConvOp:
             for k, ((name, arity, swap), operand) in enumerate(padded):
                 constexprs.update({f"EOP{k}": name, f"EARITY{k}": arity, f"ESWAP{k}": swap,
                                    f"EIS_SCALAR{k}": operand is not None and not isinstance(operand, tuple)})
-            constexprs.update(EPILOGUE=len(steps), ROUND_TO=str(self.c.dtype).removeprefix("torch."))
+            constexprs.update(EPILOGUE=len(steps), ROUND_TO=dtype_name(self.c.dtype))
         return grid, args, constexprs
 
 
@@ -179,9 +180,9 @@ def launch_conv2d(b, out, x, weight, bias, stride, padding, dilation, groups: in
     """``out = conv2d(x, weight, bias)``; every operand a 4-D NCHW TRef (bias 1-D or None)."""
     op = ConvOp(x, weight, bias, out, tuple(stride), tuple(padding), tuple(dilation), groups)
     grid, args, constexprs = op.launch()
-    position = b.launch("conv2d", grid, *args, **constexprs)
-    if position is not None:
-        b.matmul[position] = op  # fusion may give it an epilogue
+    record = b.launch("conv2d", grid, *args, **constexprs)
+    if record is not None:
+        record.op = op  # fusion may give it an epilogue
 
 
 # --- support check and lowering -------------------------------------------------------------------
@@ -201,8 +202,7 @@ def supported(node) -> str | None:
     a = _args(node)
     if a.get("transposed"):
         return "transposed convolution is not supported"
-    x, weight, bias = (t.meta.get("val") if hasattr(t, "meta") else None
-                       for t in (a["input"], a["weight"], a.get("bias")))
+    x, weight, bias = (node_value(t) for t in (a["input"], a["weight"], a.get("bias")))
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return "input or weight is not a tensor"
     if weight.dim() != 4:

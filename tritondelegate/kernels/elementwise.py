@@ -26,9 +26,8 @@ import triton.language as tl
 
 from . import sizes as size_fns
 from .sizes import is_size_node
-from .refs import TRef
+from .refs import FLOAT_DTYPES, MAX_RANK, TRef, broadcast_strides, collapse
 
-MAX_RANK = 5
 BLOCK = 1024
 MAX_CHAIN = 4  # ops in one pointwise_chain launch; operand slots: 2 for the first op, 1 per further op
 
@@ -284,33 +283,6 @@ def pointwise_chain_kernel(
 
 
 # --- host launcher --------------------------------------------------------------------------------
-def broadcast_strides(ref: TRef, shape) -> tuple[int, ...]:
-    """``ref``'s strides seen through broadcasting to ``shape`` (0 on broadcast dims)."""
-    pad = len(shape) - ref.ndim
-    strides = []
-    for d, size in enumerate(shape):
-        if d < pad:
-            strides.append(0)
-        else:
-            own = ref.shape[d - pad]
-            strides.append(0 if own == 1 and size != 1 else ref.strides[d - pad])
-    return tuple(strides)
-
-
-def collapse(shape, stride_sets):
-    """Merge adjacent dims that every operand walks contiguously; drop size-1 dims."""
-    dims = [(size, [s[d] for s in stride_sets]) for d, size in enumerate(shape) if size != 1]
-    merged: list[tuple[int, list[int]]] = []
-    for size, strides in dims:
-        if merged:
-            psize, pstrides = merged[-1]
-            if all(ps == s * size for ps, s in zip(pstrides, strides)):
-                merged[-1] = (psize * size, strides)
-                continue
-        merged.append((size, strides))
-    return [m[0] for m in merged], [[m[1][k] for m in merged] for k in range(len(stride_sets))]
-
-
 def compute_type(dtypes) -> str:
     if any(d.is_floating_point for d in dtypes):
         return "f32"
@@ -321,7 +293,7 @@ def compute_type(dtypes) -> str:
 
 @dataclass(frozen=True)
 class PointwiseOp:
-    """What one ``pointwise`` launch computes, kept by the builder for ``fusion.py``."""
+    """What one ``pointwise`` launch computes (its ``LaunchRecord.op``), for ``fusion.py``."""
 
     op: str
     out: TRef
@@ -378,15 +350,15 @@ def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | No
     if walk is None:
         raise NotImplementedError(f"pointwise op over more than {MAX_RANK} non-mergeable dims")
     n, sizes, out_strides, ptrs, scalars, strides, flags = walk
-    position = b.launch(
+    record = b.launch(
         "pointwise", (triton.cdiv(n, BLOCK),),
         out, *ptrs, *scalars,
         n, *sizes, *out_strides, *strides,
         OP=op, ALPHA=alpha, NARGS=len(operands), A_SCALAR=flags[0], B_SCALAR=flags[1], C_SCALAR=flags[2],
         CT=compute, BLOCK=BLOCK,
     )
-    if position is not None and size_fns.is_static([o for o in operands if not isinstance(o, TRef)]):
-        b.pointwise[position] = PointwiseOp(op, out, tuple(operands), alpha, compute)
+    if record is not None and size_fns.is_static([o for o in operands if not isinstance(o, TRef)]):
+        record.op = PointwiseOp(op, out, tuple(operands), alpha, compute)
 
 
 def chain_launch(out: TRef, steps, slots, compute: str):
@@ -411,7 +383,6 @@ def chain_launch(out: TRef, steps, slots, compute: str):
 
 
 # --- support checks and lowerings -----------------------------------------------------------------
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPES = FLOAT_DTYPES + (torch.int64, torch.int32, torch.bool)
 
 

@@ -1,4 +1,5 @@
-"""Pointwise chain fusion: a pass over a delegate's launch list, run by ``LaunchBuilder.finish``.
+"""Pointwise chain fusion: a pass over a delegate's launch records (``refs.LaunchRecord``), run by
+``backend.build_plan`` between lowering the nodes and ``LaunchBuilder.finish``.
 
     P:  t = f(a, b)                      t a scratch buffer only P writes and only C reads
     C:  u = g(t, c)          ->    C':  u = g(f(a, b), c)      one launch at C's place, t never stored
@@ -79,7 +80,7 @@ from . import conv as cv
 from . import elementwise as ew
 from . import sizes as size_fns
 from . import matmul as mm
-from .refs import TRef, new_launch
+from .refs import LaunchRecord, TRef, broadcast_strides, new_launch
 
 # r may stand on either side of these: no SWAP flag, fewer kernel variants
 COMMUTATIVE = {"add", "mul", "eq", "ne", "logical_and", "logical_or", "bitwise_and", "bitwise_or"}
@@ -87,8 +88,12 @@ COMMUTATIVE = {"add", "mul", "eq", "ne", "logical_and", "logical_or", "bitwise_a
 
 @dataclass
 class FusionResult:
-    launches: list[Launch]
+    records: list[LaunchRecord]
     changed: bool
+
+    @property
+    def launches(self) -> list[Launch]:
+        return [r.launch for r in self.records]
 
 
 @dataclass
@@ -169,47 +174,51 @@ def _launch(chain: _Chain) -> Launch:
     return new_launch("pointwise_chain", grid, args, constexprs, "+".join(chain.names))
 
 
-def fuse(
-    launches: list[Launch], pointwise: dict, matmuls: dict, touched: list[set[int]], writes: list[set[int]],
-    keep: set[int],
-    norms: dict | None = None,
-    view=None,
-) -> FusionResult:
+def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[int]], keep: set[int],
+         view=None) -> FusionResult:
     """Merge rms and layer norms into the matmuls that read them, pointwise producers into their consumers,
     then chains into matmul epilogues.
 
-    ``pointwise`` maps a launch position to its ``elementwise.PointwiseOp``, ``matmuls`` to its
-    ``matmul.MatmulOp``, ``norms`` to its ``norm.RowNorm`` (``view``: the builder's ``view``, to
-    address a norm's input as its matmuls' A); ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may
-    write; buffers in ``keep`` (delegate inputs and outputs) are never fused away. Launches keep their
-    order; a fused chain, or a matmul with its epilogue, takes its last op's place.
+    ``records`` are a delegate's launches with what each computes (``LaunchRecord.op``: an
+    ``elementwise.PointwiseOp`` for a ``pointwise`` launch, a ``matmul.MatmulOp`` or ``conv.ConvOp``
+    for a ``matmul`` or ``conv2d`` launch, a ``norm.RowNorm`` for a ``norm`` launch; None: left
+    alone). ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may write
+    (``LaunchBuilder.effects``); buffers in ``keep`` (delegate inputs and outputs) are never fused
+    away; ``view`` is the builder's ``view``, to address a norm's input as its matmuls' A. Launches keep
+    their order; a fused chain, or a matmul with its epilogue, takes its last op's place. A record
+    made by fusion carries no op: nothing fuses twice.
     """
+    launches = [r.launch for r in records]
+    ops = {kind: {i: r.op for i, r in enumerate(records) if r.op is not None and r.launch.kernel in kernels}
+           for kind, kernels in (("pointwise", {"pointwise"}), ("matmul", {"matmul", "conv2d"}), ("norm", {"norm"}))}
     users: dict[int, set[int]] = defaultdict(set)
     for position, buffers in enumerate(touched):
         for buf in buffers:
             users[buf].add(position)
-    original, launches, matmuls = launches, list(launches), dict(matmuls)
-    prologued = _merge_prologues(launches, norms or {}, matmuls, writes, keep, users, view)
-    chains, merged_away = _merge_chains(launches, pointwise, [set(t) for t in touched], writes, keep, users)
+    matmuls = dict(ops["matmul"])
+    prologued = _merge_prologues(launches, ops["norm"], matmuls, writes, keep, users, view)
+    chains, merged_away = _merge_chains(launches, ops["pointwise"], [set(t) for t in touched], writes, keep, users)
     merged_away |= prologued
     epilogues = _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away)
     if not merged_away:
-        return FusionResult(original, False)
+        return FusionResult(records, False)
     fused = [
-        epilogues[i] if i in epilogues
-        else _launch(chains[i]) if i in chains and len(chains[i].names) > 1
-        else launch
-        for i, launch in enumerate(launches)
+        LaunchRecord(epilogues[i]) if i in epilogues
+        else LaunchRecord(_launch(chains[i])) if i in chains and len(chains[i].names) > 1
+        else record if launches[i] is record.launch
+        else LaunchRecord(launches[i])
+        for i, record in enumerate(records)
         if i not in merged_away
     ]
     return FusionResult(fused, True)
 
 
-def fuse_pointwise_chains(
-    launches: list[Launch], pointwise: dict, touched: list[set[int]], writes: list[set[int]], keep: set[int]
-) -> FusionResult:
-    """:func:`fuse` without matmul epilogues."""
-    return fuse(launches, pointwise, {}, touched, writes, keep)
+def fuse_pointwise_chains(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[int]],
+                          keep: set[int]) -> FusionResult:
+    """:func:`fuse` without matmul prologues and epilogues."""
+    pointwise = [r if r.launch.kernel == "pointwise" else LaunchRecord(r.launch) for r in records]
+    result = fuse(pointwise, touched, writes, keep)
+    return result if result.changed else FusionResult(records, False)
 
 
 def _merge_chains(launches, pointwise, touched, writes, keep, users) -> tuple[dict[int, _Chain], set[int]]:
@@ -322,7 +331,7 @@ def _conv_epilogue_launch(op, chain: _Chain, conv: Launch) -> Launch | None:
         return None
     (op0, arity0, _), rest = chain.steps[0], chain.steps[1:]
     steps = [(op0, arity0, k == 1 and op0 not in COMMUTATIVE)] + list(rest)
-    operands = [(slot, ew.broadcast_strides(slot, shape)) if isinstance(slot, TRef) else slot
+    operands = [(slot, broadcast_strides(slot, shape)) if isinstance(slot, TRef) else slot
                 for slot in [chain.slots[1 - k]] + chain.slots[2:]]
     grid, args, constexprs = op.launch(chain.out, steps, operands)
     return new_launch(conv.kernel, grid, args, constexprs, "+".join([conv.op] + chain.names))
@@ -352,7 +361,7 @@ def _epilogue_launch(op, chain: _Chain, matmul: Launch) -> Launch | None:
     operands = []
     for slot in [chain.slots[1 - k]] + chain.slots[2:]:
         if isinstance(slot, TRef):
-            strides = _product_strides(shape, ew.broadcast_strides(slot, shape), dims, t.shape)
+            strides = _product_strides(shape, broadcast_strides(slot, shape), dims, t.shape)
             if strides is None:
                 return None
             slot = (slot, strides)
@@ -370,7 +379,7 @@ def _product_order(view: TRef, shape, t: TRef) -> list[int] | None:
     exactly once."""
     if view.dtype != t.dtype or view.offset != t.offset:
         return None
-    strides = ew.broadcast_strides(view, shape)
+    strides = broadcast_strides(view, shape)
     # Ordered by the strides at the symbols' bounds; the check below holds symbolically or fails.
     dims = sorted((d for d, n in enumerate(shape) if n != 1), key=lambda d: -size_fns.upper(strides[d]))
     expected = 1

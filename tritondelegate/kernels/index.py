@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import elementwise as ew
-from .refs import TRef, contiguous_strides
+from .refs import TRef, broadcast_strides, collapse, contiguous_strides, node_value
 from .sizes import SymbolicShapeError, is_static, next_power_of_2
 
 MAX_RANK = 5
@@ -160,7 +160,7 @@ def launch_gather(b, out: TRef, src: TRef, direct, indices) -> None:
     if not 1 <= len(indices) <= MAX_INDICES:
         raise NotImplementedError(f"{len(indices)} index tensors (supported: 1 to {MAX_INDICES})")
     stride_sets = [contiguous_strides(out.shape), list(direct)] + [list(t) for _, t, _, _ in indices]
-    sizes, strides = ew.collapse(out.shape, stride_sets)
+    sizes, strides = collapse(out.shape, stride_sets)
     if len(sizes) > MAX_RANK:
         raise NotImplementedError(f"indexing over {len(sizes)} non-mergeable dims (at most {MAX_RANK})")
     pad = MAX_RANK - len(sizes)
@@ -180,7 +180,7 @@ def launch_gather(b, out: TRef, src: TRef, direct, indices) -> None:
 
 def launch_cumsum(b, out: TRef, x: TRef, dim: int) -> None:
     other = [d for d in range(x.ndim) if d != dim]
-    sizes, (x_strides, out_strides) = ew.collapse(
+    sizes, (x_strides, out_strides) = collapse(
         [x.shape[d] for d in other], [[x.strides[d] for d in other], [out.strides[d] for d in other]])
     if len(sizes) > 4:
         raise NotImplementedError(f"cumsum over rows of {len(sizes)} non-mergeable dims (at most 4)")
@@ -253,7 +253,7 @@ def index(b, node):
     direct = [src.strides[d] for d in before] + zeros_b + [src.strides[d] for d in after]
     pad_before, pad_after = [0] * len(before), [0] * len(after)
     indices = [
-        (r, pad_before + list(ew.broadcast_strides(r, bshape)) + pad_after, src.shape[d], src.strides[d])
+        (r, pad_before + list(broadcast_strides(r, bshape)) + pad_after, src.shape[d], src.strides[d])
         for r, d in zip(refs, dims)
     ]
     launch_gather(b, out, src, direct, indices)
@@ -274,17 +274,13 @@ def _dtype_reason(val, what: str, allowed) -> str | None:
     return None
 
 
-def _val(arg):
-    return getattr(arg, "meta", {}).get("val")
-
-
 def _supported_gather_op(node, src_arg, index_args) -> str | None:
     out = node.meta.get("val")
-    reason = _dtype_reason(out, "the result", ew.DTYPES) or _dtype_reason(_val(src_arg), "the source", ew.DTYPES)
+    reason = _dtype_reason(out, "the result", ew.DTYPES) or _dtype_reason(node_value(src_arg), "the source", ew.DTYPES)
     if reason:
         return reason
     for arg in index_args:
-        reason = _dtype_reason(_val(arg), "an index", INDEX_DTYPES)
+        reason = _dtype_reason(node_value(arg), "an index", INDEX_DTYPES)
         if reason:
             return reason
     if out.ndim > MAX_RANK:
@@ -293,14 +289,14 @@ def _supported_gather_op(node, src_arg, index_args) -> str | None:
 
 
 def supported_embedding(node) -> str | None:
-    weight = _val(node.args[0])
+    weight = node_value(node.args[0])
     if isinstance(weight, torch.Tensor) and weight.ndim != 2:
         return f"embedding weight has {weight.ndim} dims, expected 2"
     return _supported_gather_op(node, node.args[0], [node.args[1]])
 
 
 def supported_index_select(node) -> str | None:
-    idx = _val(node.args[2])
+    idx = node_value(node.args[2])
     if isinstance(idx, torch.Tensor) and idx.ndim > 1:
         return f"index_select index has {idx.ndim} dims, expected at most 1"
     return _supported_gather_op(node, node.args[0], [node.args[2]])
@@ -315,7 +311,7 @@ def supported_index(node) -> str | None:
     if not entries:
         return "index.Tensor without any index tensor"
     for e in entries:
-        val = _val(e)
+        val = node_value(e)
         if isinstance(val, torch.Tensor) and val.dtype in (torch.bool, torch.uint8):
             return "boolean mask indexing gives a data-dependent shape; only integer index tensors are supported"
     if len(entries) > MAX_INDICES:
@@ -324,7 +320,7 @@ def supported_index(node) -> str | None:
 
 
 def supported_cumsum(node) -> str | None:
-    out, x = node.meta.get("val"), _val(node.args[0])
+    out, x = node.meta.get("val"), node_value(node.args[0])
     reason = _dtype_reason(out, "the result", ew.DTYPES) or _dtype_reason(x, "the input", ew.DTYPES)
     if reason:
         return reason

@@ -14,7 +14,7 @@ import torch.fx
 
 from . import elementwise as ew
 from . import sizes
-from .refs import TRef
+from .refs import TRef, node_value
 
 aten = torch.ops.aten
 
@@ -114,7 +114,7 @@ def supported_cat(node) -> str | None:
     if reason:
         return reason
     for arg in node.args[0]:
-        if not isinstance(getattr(arg, "meta", {}).get("val"), torch.Tensor):
+        if not isinstance(node_value(arg), torch.Tensor):
             return "an operand of cat is not a tensor"
     return None
 

@@ -40,9 +40,11 @@ import triton
 import triton.language as tl
 
 from ..ops import GLU_ACTS
-from . import sizes
-from .elementwise import MAX_CHAIN, _epilogue, _formula, broadcast_strides, collapse
-from .refs import LoweringError, TRef, dtype_name
+from . import sizes, target
+from .elementwise import MAX_CHAIN, _epilogue, _formula
+from ..dtypes import dtype_name
+from ..errors import LoweringError
+from .refs import TRef, broadcast_strides, collapse, node_value
 
 # CUDA caps grid axis 1 (the batch axis here) at 65535 programs; larger batches launch in chunks.
 MAX_GRID_Y = 65535
@@ -205,10 +207,9 @@ def matmul_kernel(
 
 
 # --- host launcher --------------------------------------------------------------------------------
-# The configuration targets Hopper (H100/H200: 132 SMs, 227 KiB of shared memory per SM). It is chosen
-# when the plan is built, from the problem size alone; the interpreter ignores num_warps/num_stages.
-NUM_SMS = 132
-SMEM_BUDGET = 160 * 1024  # bytes of shared memory the software pipeline may use, leaving headroom
+# The configuration is chosen when the plan is built, from the problem size and the GPU the program is
+# lowered for (``target.py``: its SM count and shared memory; H100 by default); the interpreter ignores
+# num_warps/num_stages.
 MIN_BLOCK = 16  # tl.dot needs M, N, K >= 16 per tile
 
 
@@ -231,22 +232,24 @@ def choose_config(batch: int, M: int, N: int, K: int, dtype: torch.dtype) -> Con
 
     Large problems get 128x128 output tiles (the tensor cores' sweet spot on Hopper) with a K step
     of 32 (fp32) or 64 (fp16/bf16), i.e. 32 KiB of A and B per pipeline stage. Small dimensions get a
-    tile just big enough (16 minimum for ``tl.dot``). When that leaves fewer tiles than SMs, the larger
-    tile side is halved (not below 32) so the whole GPU has work: decode-shaped GEMMs (M = 1) then
-    spread over N.
+    tile just big enough (16 minimum for ``tl.dot``). When that leaves fewer tiles than the target
+    has SMs, the larger tile side is halved (not below 32) so the whole GPU has work: decode-shaped
+    GEMMs (M = 1) then spread over N. The pipeline holds 2 to 4 stages, as many as the target's
+    shared memory allows.
     """
+    gpu = target.current()
     itemsize = torch.empty((), dtype=dtype).element_size()
     batch, M, N, K = sizes.upper((batch, M, N, K))  # tuned for the largest size a dynamic dim takes
     block_m = _tile(M, 128)
     block_n = _tile(N, 128)
     block_k = _tile(K, 32 if itemsize >= 4 else 64)
-    while batch * triton.cdiv(M, block_m) * triton.cdiv(N, block_n) < NUM_SMS and max(block_m, block_n) > 32:
+    while batch * triton.cdiv(M, block_m) * triton.cdiv(N, block_n) < gpu.num_sms and max(block_m, block_n) > 32:
         if block_m >= block_n:
             block_m //= 2
         else:
             block_n //= 2
     stage_bytes = (block_m + block_n) * block_k * itemsize
-    num_stages = max(2, min(4, SMEM_BUDGET // stage_bytes))
+    num_stages = max(2, min(4, gpu.pipeline_budget // stage_bytes))
     num_warps = 8 if block_m * block_n >= 128 * 128 else 4
     return Config(block_m, block_n, block_k, group_m=8, num_warps=num_warps, num_stages=num_stages)
 
@@ -255,7 +258,7 @@ def choose_config(batch: int, M: int, N: int, K: int, dtype: torch.dtype) -> Con
 class MatmulOp:
     """One ``matmul`` launch: ``c = alpha * (a @ bmat) + beta * bias``, all views [Z, M, ...].
 
-    The builder keeps it (``LaunchBuilder.matmul``) for each matmul done in one launch, so that
+    Its launch record carries it (``LaunchRecord.op``) for each matmul done in one launch, so that
     ``fusion.py`` can relaunch it with an epilogue (:func:`epilogue_launch`)."""
 
     a: TRef
@@ -338,9 +341,9 @@ def launch_matmul(b, a: TRef, bmat: TRef, c: TRef, bias: TRef | None = None,
     for start, count in _batch_chunks(batch):
         views = [_batch_slice(b, t, start, count) for t in (a, bmat, c, x)]
         op = MatmulOp(*views, has_bias, float(alpha), float(beta), cfg, glu=glu)
-        position = b.launch("matmul", op.grid(), *op.args(), **op.constexprs())
-        if position is not None and count == batch:  # a product split over launches takes no epilogue
-            b.matmul[position] = op
+        record = b.launch("matmul", op.grid(), *op.args(), **op.constexprs())
+        if record is not None and count == batch:  # a product split over launches takes no epilogue
+            record.op = op
 
 
 def epilogue_config(cfg: Config, dtype: torch.dtype, tiles: int) -> Config:
@@ -378,7 +381,7 @@ def epilogue_launch(op: MatmulOp, out: TRef, out_strides, steps, operands) -> tu
     for k, ((name, arity, swap), operand) in enumerate(padded):
         constexprs.update({f"EOP{k}": name, f"EARITY{k}": arity, f"ESWAP{k}": swap,
                            f"EIS_SCALAR{k}": operand is not None and not isinstance(operand, tuple)})
-    constexprs.update(EPILOGUE=len(steps), ROUND_TO=str(op.c.dtype).removeprefix("torch."))
+    constexprs.update(EPILOGUE=len(steps), ROUND_TO=dtype_name(op.c.dtype))
     return op.grid(), op.args(out, out_strides, operands), constexprs
 
 
@@ -435,16 +438,12 @@ def _check(node, tensors) -> str | None:
     return None
 
 
-def _val(arg):
-    return arg.meta.get("val") if hasattr(arg, "meta") else arg
-
-
 def supported(node) -> str | None:
     """mm/bmm/addmm/baddbmm: None, or why the node is refused."""
     op = node.target.__name__.split(".")[0]
     ranks = _RANKS[op]
     names = ("input", "mat1", "mat2") if len(ranks) == 3 else ("mat1", "mat2")
-    tensors = [(n, _val(a)) for n, a in zip(names, node.args)]
+    tensors = [(n, node_value(a)) for n, a in zip(names, node.args)]
     reason = _check(node, tensors)
     if reason:
         return reason
@@ -460,7 +459,7 @@ def supported(node) -> str | None:
 def supported_linear(node) -> str | None:
     """linear(x [..., K], weight [N, K], bias [N] | None): None, or why the node is refused."""
     names = ("input", "weight", "bias")
-    tensors = [(n, _val(a)) for n, a in zip(names, node.args) if a is not None]
+    tensors = [(n, node_value(a)) for n, a in zip(names, node.args) if a is not None]
     reason = _check(node, tensors)
     if reason:
         return reason
@@ -532,7 +531,7 @@ def supported_glu(node) -> str | None:
         return reason
     if node.args[3] not in GLU_ACTS:
         return f"act {node.args[3]!r} is not one of {', '.join(sorted(GLU_ACTS))}"
-    rows = _val(node.args[1]).shape[0]
+    rows = node_value(node.args[1]).shape[0]
     if not isinstance(rows, int) or rows % 2:
         return f"the weight has {rows} rows; a gated linear unit needs an even, static count"
     return None

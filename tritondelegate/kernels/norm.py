@@ -20,8 +20,7 @@ import triton
 import triton.language as tl
 
 from . import rows as rw
-from .elementwise import FLOAT_DTYPES
-from .refs import TRef
+from .refs import FLOAT_DTYPES, TRef
 from .rows import row_offsets, row_welford
 from .sizes import upper
 
@@ -96,7 +95,7 @@ def norm_kernel(
 def launch_norm(b, x: TRef, normalized_ndim: int, weight: TRef | None, bias: TRef | None, eps: float,
                 out: TRef, mean: TRef | None = None, rstd: TRef | None = None, rms: bool = False) -> int | None:
     """Normalize ``x`` over its last ``normalized_ndim`` dims into ``out``; ``mean``/``rstd`` (one
-    per row, contiguous) are stored when given. Returns the launch's position (None: nothing to do)."""
+    per row, contiguous) are stored when given. Returns the launch's record (None: nothing to do)."""
     dims = list(range(x.ndim - normalized_ndim, x.ndim))
     x, plan = rw.lay_out(b, x, dims, [out.strides])
     if plan.cols == 0:
@@ -137,12 +136,12 @@ def _opt(b, arg):
     return b.ref(arg) if arg is not None else None
 
 
-def _record(b, position, kind: str, x, normalized_ndim: int, weight, bias, eps, out) -> None:
+def _record(record, kind: str, x, normalized_ndim: int, weight, bias, eps, out) -> None:
     """Keep a norm over the last dim with 1-D (contiguous) weight and bias for ``fusion.py``: a matmul
     that reads its result may take it as a prologue."""
-    if position is not None and normalized_ndim == 1 and all(
+    if record is not None and normalized_ndim == 1 and all(
             t is None or (t.ndim == 1 and t.is_contiguous()) for t in (weight, bias)):
-        b.norms[position] = RowNorm(kind, x, weight, bias, float(eps), out)
+        record.op = RowNorm(kind, x, weight, bias, float(eps), out)
 
 
 def _contiguous(b, t):
@@ -155,7 +154,7 @@ def layer_norm(b, node):
     weight = _contiguous(b, _opt(b, rw.node_arg(node, 2, "weight")))
     bias = _contiguous(b, _opt(b, rw.node_arg(node, 3, "bias")))
     eps = rw.node_arg(node, 4, "eps", 1e-5)
-    _record(b, launch_norm(b, x, ndim, weight, bias, eps, out), "layer", x, ndim, weight, bias, eps, out)
+    _record(launch_norm(b, x, ndim, weight, bias, eps, out), "layer", x, ndim, weight, bias, eps, out)
 
 
 def native_layer_norm(b, node):
@@ -166,9 +165,9 @@ def native_layer_norm(b, node):
     x, out, ndim, eps = b.ref(node.args[0]), b.out(node, 0), len(node.args[1]), node.args[4]
     mean, rstd = (b.out(node, 1), b.out(node, 2)) if stats else (None, None)
     weight, bias = (_contiguous(b, _opt(b, node.args[i])) for i in (2, 3))
-    position = launch_norm(b, x, ndim, weight, bias, eps, out, mean, rstd)
+    record = launch_norm(b, x, ndim, weight, bias, eps, out, mean, rstd)
     if not stats:
-        _record(b, position, "layer", x, ndim, weight, bias, eps, out)
+        _record(record, "layer", x, ndim, weight, bias, eps, out)
 
 
 def rms_norm(b, node):
@@ -178,7 +177,7 @@ def rms_norm(b, node):
     eps = torch.finfo(torch.float32).eps if eps is None else eps
     weight = _contiguous(b, _opt(b, rw.node_arg(node, 2, "weight")))
     x, out, ndim = b.ref(node.args[0]), b.out(node), len(node.args[1])
-    _record(b, launch_norm(b, x, ndim, weight, None, eps, out, rms=True), "rms", x, ndim, weight, None, eps, out)
+    _record(launch_norm(b, x, ndim, weight, None, eps, out, rms=True), "rms", x, ndim, weight, None, eps, out)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from . import elementwise as ew
-from .elementwise import MAX_RANK, unravel5
+from .elementwise import unravel5
+from .refs import MAX_RANK
 
 BLOCK = 1024
 MODES = {"constant_pad_nd": "constant", "reflection_pad1d": "reflect", "reflection_pad2d": "reflect",

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import sizes
+from .refs import node_value
 from .sizes import next_power_of_2, upper
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -159,7 +160,7 @@ def _nchw(b, ref):
 
 
 def supported(node) -> str | None:
-    x = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+    x = node_value(node.args[0])
     if not isinstance(x, torch.Tensor):
         return "input is not a tensor"
     if x.dim() not in (3, 4):

@@ -33,8 +33,7 @@ import triton.language as tl
 
 from . import rows as rw
 from . import sizes
-from .elementwise import FLOAT_DTYPES
-from .refs import TRef
+from .refs import FLOAT_DTYPES, TRef, node_value
 from .rows import row_offsets, row_welford
 from .sizes import upper
 
@@ -233,7 +232,7 @@ NORM_ORDS = {1: ("abs", "sum", "none"), 2: ("sq", "sum", "sqrt"),
 
 
 def _check(node, in_dtypes, out_dtypes) -> str | None:
-    x = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+    x = node_value(node.args[0])
     if not isinstance(x, torch.Tensor):
         return "operand is not a tensor"
     outs = node.meta.get("val")

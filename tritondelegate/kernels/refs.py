@@ -1,6 +1,8 @@
-"""What kernel lowerings share with the launch builder: :class:`TRef` (a strided view of a buffer),
-the lowering error, and plan launches built from lowering-time values. The builder (``builder.py``)
-and fusion (``fusion.py``) import the kernel families, which import only this, so nothing circles."""
+"""The leaf of the kernel package: what kernel lowerings, the launch builder and passes over launches
+share. :class:`TRef` (a strided view of a buffer), strides and their broadcasting and collapsing,
+dtype names, the lowering error, and launch records (a plan launch built from lowering-time values,
+with what it computes). Imports go one way: this <- the kernel families <- fusion <- the builder's
+user (``backend.py``); nothing circles."""
 
 from __future__ import annotations
 
@@ -9,17 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan import Arg, ArgKind, Launch
+from ..plan import Arg, KernelArgKind, Launch
 from . import sizes
 from .sizes import to_plan
 
 
-class LoweringError(RuntimeError):
-    """A node passed its support check but could not be lowered (names the node)."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_RANK = 5  # dims a strided kernel walks (pointwise, index, scatter, pad); collapse() merges the rest
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:
@@ -54,6 +52,16 @@ class TRef:
         return all(s == e for s, e, n in zip(self.strides, expected, self.shape) if n != 1)
 
 
+@dataclass
+class LaunchRecord:
+    """A recorded launch and what it computes, for passes over a delegate's launches (``fusion.py``):
+    an ``elementwise.PointwiseOp``, ``matmul.MatmulOp``, ``conv.ConvOp`` or ``norm.RowNorm``; None
+    when no pass may rewrite it. The plan keeps only the launch."""
+
+    launch: Launch
+    op: object = None
+
+
 def new_launch(kernel: str, grid, args, constexprs: dict, op: str) -> Launch:
     """A plan launch from lowering-time values: TRefs become tensor arguments, sizes that depend on
     the symbols become ``symbolic.Expr``s."""
@@ -64,7 +72,40 @@ def new_launch(kernel: str, grid, args, constexprs: dict, op: str) -> Launch:
 def plan_arg(value) -> Arg:
     """A launch argument as the plan stores it."""
     if isinstance(value, TRef):
-        return Arg(ArgKind.TENSOR, value.index)
+        return Arg(KernelArgKind.TENSOR, value.index)
     if not sizes.is_static(value):
-        return Arg(ArgKind.INT, to_plan(value))
+        return Arg(KernelArgKind.INT, to_plan(value))
     return Arg.of(value)
+
+
+def broadcast_strides(ref: TRef, shape) -> tuple[int, ...]:
+    """``ref``'s strides seen through broadcasting to ``shape`` (0 on broadcast dims)."""
+    pad = len(shape) - ref.ndim
+    strides = []
+    for d, size in enumerate(shape):
+        if d < pad:
+            strides.append(0)
+        else:
+            own = ref.shape[d - pad]
+            strides.append(0 if own == 1 and size != 1 else ref.strides[d - pad])
+    return tuple(strides)
+
+
+def collapse(shape, stride_sets):
+    """Merge adjacent dims that every operand walks contiguously; drop size-1 dims."""
+    dims = [(size, [s[d] for s in stride_sets]) for d, size in enumerate(shape) if size != 1]
+    merged: list[tuple[int, list[int]]] = []
+    for size, strides in dims:
+        if merged:
+            psize, pstrides = merged[-1]
+            if all(ps == s * size for ps, s in zip(pstrides, strides)):
+                merged[-1] = (psize * size, strides)
+                continue
+        merged.append((size, strides))
+    return [m[0] for m in merged], [[m[1][k] for m in merged] for k in range(len(stride_sets))]
+
+
+def node_value(arg):
+    """What an fx node argument holds at lowering time (its ``meta["val"]``: a FakeTensor, a SymInt, a
+    tuple of them), or None when ``arg`` is not a node (a literal such as a Python scalar or None)."""
+    return arg.meta.get("val") if hasattr(arg, "meta") else None

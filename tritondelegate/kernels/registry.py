@@ -1,9 +1,8 @@
-"""The one registry table: ATen overload -> how to check and lower it, and kernel name -> Triton kernel.
+"""The lowering side's table: ATen overload -> how to check and lower it.
 
 ``OPS`` is what the partitioner consults (``support(node)`` returns ``None`` or a refusal reason) and
-what the backend calls (``lower(builder, node)``). ``KERNELS`` is what the runtime launches; launch
-plans name kernels by these keys. Both tables are written out here on purpose: grep for an op, find
-its entry.
+what the backend calls (``lower(builder, node)``). The table is written out here on purpose: grep for
+an op, find its entry. The runtime's table of kernels by name is ``table.py``.
 """
 
 from __future__ import annotations
@@ -200,26 +199,6 @@ OPS: dict[object, OpSpec] = {
     td_ops.rotary: OpSpec(rot.rotary, rot.supported),  # rotary.py
     td_ops.glu_linear: OpSpec(mm.glu_linear, mm.supported_glu),  # matmul.py
 }
-
-KERNELS: dict[str, object] = {
-    "pointwise": ew.pointwise_kernel,
-    "pointwise_chain": ew.pointwise_chain_kernel,
-    "arange": creation.arange_kernel,
-    "pad": pad.pad_kernel,
-    "gather": idx.gather_kernel,
-    "cumsum": idx.cumsum_kernel,
-    "scatter": sc.scatter_kernel,
-    "matmul": mm.matmul_kernel,
-    "conv2d": conv.conv2d_kernel,
-    "pool2d": pool.pool2d_kernel,
-    "batch_norm": bn.batch_norm_kernel,
-    "attention": attn.attention_kernel,
-    "softmax": sm.softmax_kernel,
-    "norm": norm.norm_kernel,
-    "reduce": red.reduce_kernel,
-    "rotary": rot.rotary_kernel,
-}
-
 
 def lookup(target) -> OpSpec | None:
     return OPS.get(target)

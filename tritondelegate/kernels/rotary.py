@@ -10,7 +10,7 @@ that is, per position c < h of the last dim:
 
 x is a strided view of any rank up to MAX_RANK (a transposed projection reads in place), cos and sin
 broadcast to its shape with stride 0 (``[seq, D]`` or ``[b, 1, seq, D]`` against ``[b, heads, seq, D]``).
-The leading dims of all four tensors are collapsed together (``elementwise.collapse``) into at most
+The leading dims of all four tensors are collapsed together (``refs.collapse``) into at most
 four row dims; one program covers BLOCK_R rows by BLOCK_H positions of the half, loads each x element
 once and writes both halves. Math is fp32; the result is cast to the output's dtype.
 """
@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from . import sizes
-from .elementwise import FLOAT_DTYPES, broadcast_strides, collapse
-from .refs import LoweringError, TRef
+from ..errors import LoweringError
+from .refs import FLOAT_DTYPES, TRef, broadcast_strides, collapse, node_value
 from .rows import row_offsets
 from .sizes import next_power_of_2
 
@@ -105,7 +105,7 @@ def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef) -> None:
 
 # --- support check and lowering -------------------------------------------------------------------
 def supported(node) -> str | None:
-    vals = [a.meta.get("val") if hasattr(a, "meta") else None for a in node.args[:3]] + [node.meta.get("val")]
+    vals = [node_value(a) for a in node.args[:3]] + [node.meta.get("val")]
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return "operand or result is not a tensor"
     for v in vals:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .elementwise import collapse
-from .refs import LoweringError, TRef
+from ..errors import LoweringError
+from .refs import TRef, collapse
 from .sizes import next_power_of_2, upper
 
 MAX_ROW_DIMS = 3

@@ -31,14 +31,15 @@ import triton.language as tl
 
 from . import elementwise as ew
 from . import sizes as size_fns
-from .index import INDEX_DTYPES, MAX_INDICES, MAX_RANK, _dtype_reason, _val, broadcast_shape, indexed_offsets
+from .index import INDEX_DTYPES, MAX_INDICES, _dtype_reason, broadcast_shape, indexed_offsets
 from .layout import view_of
-from .refs import LoweringError, TRef
+from ..errors import LoweringError
+from .refs import FLOAT_DTYPES, MAX_RANK, TRef, broadcast_strides, collapse, node_value
 from .rows import node_arg
 
 aten = torch.ops.aten
 BLOCK = 1024
-ACCUMULATE_DTYPES = ew.FLOAT_DTYPES + (torch.int64, torch.int32)
+ACCUMULATE_DTYPES = FLOAT_DTYPES + (torch.int64, torch.int32)
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # accumulated in an fp32 copy
 
 
@@ -88,7 +89,7 @@ def launch_scatter(b, dst: TRef, src, shape, direct, values, indices, accumulate
     scalar = not isinstance(src, TRef)
     stride_sets = [list(direct), [0] * len(shape) if scalar else list(values)]
     stride_sets += [list(t) for _, t, _, _ in indices]
-    sizes, strides = ew.collapse(shape, stride_sets)
+    sizes, strides = collapse(shape, stride_sets)
     if len(sizes) > MAX_RANK:
         raise NotImplementedError(f"scatter over {len(sizes)} non-mergeable dims (at most {MAX_RANK})")
     pad = MAX_RANK - len(sizes)
@@ -183,7 +184,7 @@ def _advanced_layout(dst: TRef, refs, dims):
     direct = [dst.strides[d] for d in before] + [0] * len(bshape) + [dst.strides[d] for d in after]
     pad_before, pad_after = [0] * len(before), [0] * len(after)
     indices = [
-        (r, pad_before + list(ew.broadcast_strides(r, bshape)) + pad_after, dst.shape[d], dst.strides[d])
+        (r, pad_before + list(broadcast_strides(r, bshape)) + pad_after, dst.shape[d], dst.strides[d])
         for r, d in zip(refs, dims)
     ]
     return shape, direct, indices
@@ -196,7 +197,7 @@ def _value_strides(values: TRef, shape) -> tuple[int, ...]:
     if extra > 0:
         values = TRef(values.index, values.buffer, values.dtype, values.shape[extra:],
                       values.strides[extra:], values.offset)
-    return ew.broadcast_strides(values, shape)
+    return broadcast_strides(values, shape)
 
 
 def index_put(b, node):
@@ -288,17 +289,17 @@ def refused(b, node):
 
 # --- support checks -------------------------------------------------------------------------------
 def _common_reason(node, src_arg, index_args, accumulate: bool) -> str | None:
-    out, self_val = node.meta.get("val"), _val(node.args[0])
+    out, self_val = node.meta.get("val"), node_value(node.args[0])
     allowed = ACCUMULATE_DTYPES if accumulate else ew.DTYPES
     reason = _dtype_reason(out, "the result", allowed) or _dtype_reason(self_val, "self", allowed)
     if reason:
         return f"accumulating: {reason}" if accumulate else reason
     if src_arg is not None and hasattr(src_arg, "meta"):
-        reason = _dtype_reason(_val(src_arg), "the source", ew.DTYPES)
+        reason = _dtype_reason(node_value(src_arg), "the source", ew.DTYPES)
     elif src_arg is not None and not isinstance(src_arg, (int, float, bool)):
         reason = f"the source {src_arg!r} is neither a tensor nor a number"
     for arg in index_args:
-        reason = reason or _dtype_reason(_val(arg), "an index", INDEX_DTYPES)
+        reason = reason or _dtype_reason(node_value(arg), "an index", INDEX_DTYPES)
     if reason:
         return reason
     if out.ndim > MAX_RANK:
@@ -312,7 +313,7 @@ def supported_index_put(node) -> str | None:
     if not tensors:
         return "index_put without any index tensor"
     for e in tensors:
-        val = _val(e)
+        val = node_value(e)
         if isinstance(val, torch.Tensor) and val.dtype in (torch.bool, torch.uint8):
             return ("boolean mask indices select a data-dependent set of positions; only integer index "
                     "tensors are supported (use torch.where(mask, values, x) instead)")
@@ -322,9 +323,9 @@ def supported_index_put(node) -> str | None:
     reason = _common_reason(node, node.args[2], tensors, accumulate)
     if reason:
         return reason
-    self_val, values = _val(node.args[0]), _val(node.args[2])
+    self_val, values = node_value(node.args[0]), node_value(node.args[2])
     # sizes as ints or sympy expressions: comparing SymInts here would add guards to the program
-    shapes = [size_fns.shape(_val(e).shape) for e in tensors]
+    shapes = [size_fns.shape(node_value(e).shape) for e in tensors]
     try:
         bshape = broadcast_shape(shapes)
     except (RuntimeError, ValueError, size_fns.SymbolicShapeError):
@@ -339,7 +340,7 @@ def supported_index_put(node) -> str | None:
 
 
 def supported_index_copy(node) -> str | None:
-    self_val, idx, src = _val(node.args[0]), _val(node.args[2]), _val(node.args[3])
+    self_val, idx, src = node_value(node.args[0]), node_value(node.args[2]), node_value(node.args[3])
     reason = _common_reason(node, node.args[3], [node.args[2]], False)
     if reason:
         return reason
@@ -354,7 +355,7 @@ def _supported_scatter(node, accumulate: bool) -> str | None:
     reason = _common_reason(node, node.args[3], [node.args[2]], accumulate)
     if reason:
         return reason
-    self_val, idx, src = _val(node.args[0]), _val(node.args[2]), _val(node.args[3])
+    self_val, idx, src = node_value(node.args[0]), node_value(node.args[2]), node_value(node.args[3])
     if idx.ndim != self_val.ndim:
         return f"scatter index has {idx.ndim} dims, self {self_val.ndim}"
     if isinstance(src, torch.Tensor) and src.ndim != idx.ndim:
@@ -373,13 +374,13 @@ def supported_scatter_add(node) -> str | None:
 def supported_copy_into(node) -> str | None:
     """slice_scatter, select_scatter, copy: pointwise copies (elementwise dtypes and rank). Their
     dim, start, end and index may be size nodes (a dynamic slice)."""
-    for what, val in (("the result", node.meta.get("val")), ("self", _val(node.args[0])),
-                      ("the source", _val(node.args[1]))):
+    for what, val in (("the result", node.meta.get("val")), ("self", node_value(node.args[0])),
+                      ("the source", node_value(node.args[1]))):
         reason = _dtype_reason(val, what, ew.DTYPES)
         if reason:
             return reason
-    if node.meta["val"].ndim > ew.MAX_RANK:
-        return f"result has {node.meta['val'].ndim} dims (at most {ew.MAX_RANK})"
+    if node.meta["val"].ndim > MAX_RANK:
+        return f"result has {node.meta['val'].ndim} dims (at most {MAX_RANK})"
     return None
 
 

@@ -17,8 +17,7 @@ import triton
 import triton.language as tl
 
 from . import rows as rw
-from .elementwise import FLOAT_DTYPES
-from .refs import TRef
+from .refs import FLOAT_DTYPES, TRef
 from .rows import row_offsets
 from .sizes import upper
 

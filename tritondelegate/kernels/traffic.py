@@ -16,7 +16,7 @@ Reads and writes are counted apart: an in-place update reads and writes its byte
 modelled as if it read each byte once (ideal caches), and sector granularity is ignored.
 
 Which pointer parameters a kernel reads and writes, and when, is written out per kernel in the one
-table ``TRAFFIC``, next to its FLOP formula; every entry of ``registry.KERNELS`` needs one (a new or
+table ``TRAFFIC``, next to its FLOP formula; every entry of ``table.KERNELS`` needs one (a new or
 fused kernel only adds its row). Parameters are named as in the ``@triton.jit`` signature; launch
 arguments are matched to them by position, constexprs by name.
 
@@ -34,12 +34,12 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
-import torch
 
+from ..dtypes import parse_dtype
 from ..plan import Base, DelegatePlan, Launch, TensorDesc
 from ..program import InstrKind, Method, Role
 from ..symbolic import any_symbolic, bound
-from .registry import KERNELS
+from .table import KERNELS
 
 Args = dict  # parameter name -> value (an int tensor index for pointers), plus "grid"
 
@@ -350,10 +350,10 @@ MAX_RUNS = 1 << 20  # contiguous runs enumerated to merge overlapping views; bey
 
 
 def _itemsize(desc: TensorDesc) -> int:
-    dtype = getattr(torch, desc.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise TrafficError(f"unknown dtype {desc.dtype!r}")
-    return dtype.itemsize
+    try:
+        return parse_dtype(desc.dtype).itemsize
+    except ValueError as exc:
+        raise TrafficError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -458,7 +458,7 @@ def method_traffic(method: Method) -> dict:
     source: dict[int, int] = {}  # a copy's result -> what it copied
     producer: dict[int, int] = {}  # value -> the delegate instruction that wrote it
     for position, ins in enumerate(method.instructions):
-        if ins.kind in (InstrKind.COPY_H2D, InstrKind.COPY_D2H, InstrKind.COPY_D2D):
+        if ins.kind in (InstrKind.COPY_H2D, InstrKind.COPY_D2H):
             source[ins.outputs[0]] = ins.inputs[0]
         elif ins.kind == InstrKind.DELEGATE:
             for v in ins.outputs:

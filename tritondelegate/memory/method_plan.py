@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..program import Arena, InstrKind, Method, Role, value_lifetimes
+from ..program import DEVICE_ALIGNMENT, Arena, InstrKind, Method, Role, value_lifetimes
 from .planner import Interval, greedy_by_size, lower_bound
-
-DEVICE_ALIGNMENT = {"cuda": 256}
 
 
 @dataclass
@@ -56,7 +54,7 @@ def plan_method(method: Method, alloc_graph_input: bool = True, alloc_graph_outp
 
     method.arenas = []
     for device in sorted(slots):
-        alignment = DEVICE_ALIGNMENT.get(device.split(":")[0], 64)
+        alignment = DEVICE_ALIGNMENT
         intervals = [s.interval for s in slots[device]]
         offsets, total = greedy_by_size(intervals, alignment)
         index = len(method.arenas)

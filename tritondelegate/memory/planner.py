@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..program import align_up
+
 
 class PlanningError(RuntimeError):
     """An internal invariant of memory planning failed (a bug, not a user error)."""
@@ -19,10 +21,6 @@ class Interval:
     nbytes: int
     first: int
     last: int
-
-
-def align_up(n: int, alignment: int) -> int:
-    return (n + alignment - 1) // alignment * alignment
 
 
 def _overlap_in_time(a: Interval, b: Interval) -> bool:

@@ -7,9 +7,7 @@ a slot without a segment (one host tensor per loaded program).
 
 from __future__ import annotations
 
-from ..program import Program, Role, Segment, SegmentKind, Slot
-from .method_plan import DEVICE_ALIGNMENT
-from .planner import align_up
+from ..program import DEVICE_ALIGNMENT, Program, Role, Segment, SegmentKind, Slot, align_up
 
 
 def plan_slots(program: Program) -> None:
@@ -36,9 +34,8 @@ def plan_slots(program: Program) -> None:
             continue
         kind = SegmentKind.STATE if slot.state else SegmentKind.CONSTANTS
         if (slot.device, kind) not in segments:
-            alignment = DEVICE_ALIGNMENT.get(slot.device.split(":")[0], 64)
             segments[(slot.device, kind)] = len(program.segments)
-            program.segments.append(Segment(slot.device, kind, 0, alignment))
+            program.segments.append(Segment(slot.device, kind, 0, DEVICE_ALIGNMENT))
         slot.segment = segments[(slot.device, kind)]
         segment = program.segments[slot.segment]
         slot.offset = segment.nbytes

@@ -14,13 +14,15 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from .rewrite import tensor_val
+
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _shape(node) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    val = tensor_val(node)
+    return None if val is None else tuple(val.shape)
 
 
 def _repeated(node) -> tuple[torch.fx.Node, int, list[torch.fx.Node]] | None:

@@ -33,6 +33,7 @@ import numbers
 import torch
 import torch.fx
 
+from ..kernels.refs import node_value
 from .rewrite import is_call, take_provenance
 
 aten = torch.ops.aten
@@ -41,16 +42,12 @@ aten = torch.ops.aten
 _MANTISSA = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
 def _is_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _float_val(node) -> torch.Tensor | None:
-    val = _val(node)
+    val = node_value(node)
     return val if isinstance(val, torch.Tensor) and val.dtype in _MANTISSA else None
 
 
@@ -83,7 +80,7 @@ def _same_x(a, b) -> bool:
     if a is b:
         return True
     src_a, src_b = _cast_input(a), _cast_input(b)
-    return src_a is not None and src_a is src_b and _val(a).dtype == _val(b).dtype
+    return src_a is not None and src_a is src_b and node_value(a).dtype == node_value(b).dtype
 
 
 def _sole_user(node) -> torch.fx.Node | None:
@@ -181,7 +178,7 @@ def _extends(match: _Match, node, user, d: int) -> bool:
 
 def _fake_rms_norm(x, d, weight, eps):
     """The value of ``rms_norm(x, [d], weight, eps)`` computed on the inputs' fake tensors."""
-    vals = [_val(x)] + ([_val(weight)] if weight is not None else [])
+    vals = [node_value(x)] + ([node_value(weight)] if weight is not None else [])
     mode = torch._guards.detect_fake_mode(vals)
     if mode is None:
         return None
@@ -191,17 +188,17 @@ def _fake_rms_norm(x, d, weight, eps):
 
 def _plan(match: _Match):
     """(end index in chain, x', weight, value) for the longest chain that can be fused, or None."""
-    d = _val(match.xf).shape[-1]
+    d = node_value(match.xf).shape[-1]
     x_root = _cast_input(match.xf)
     for end in range(len(match.chain) - 1, -1, -1):
-        result = _val(match.chain[end]).dtype
+        result = node_value(match.chain[end]).dtype
         weight = match.weight if match.weight_at is not None and match.weight_at <= end else None
-        skipped = [_val(n).dtype for n in match.stats + match.chain[:end]]
+        skipped = [node_value(n).dtype for n in match.stats + match.chain[:end]]
         for x in ([x_root] if x_root is not None else []) + [match.xf]:
             xval = _float_val(x)
             if xval is None or xval.dtype != result:
                 continue
-            rounded = skipped + ([_val(match.xf).dtype] if x is not match.xf else [])
+            rounded = skipped + ([node_value(match.xf).dtype] if x is not match.xf else [])
             if any(_MANTISSA[dt] < _MANTISSA[result] for dt in rounded):
                 continue
             try:
@@ -228,7 +225,7 @@ def fuse_rms_norm(ep: torch.export.ExportedProgram, *_args) -> list[str]:
             continue
         end, x, weight, value = plan
         last = match.chain[end]
-        d = _val(match.xf).shape[-1]
+        d = node_value(match.xf).shape[-1]
         with graph.inserting_before(last):
             fused = graph.call_function(aten.rms_norm.default, (x, [d], weight, match.eps))
         fused.meta["val"] = value

@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from ..config import PerCallCopyError, PerCallCopyWarning, PropagateDeviceConfig
-from ..program import ArgKind, Instruction, InstrKind, Method, Role, TensorValue
+from ..program import HostArgKind, Instruction, InstrKind, Method, Role, TensorValue
 
 HOST = "cpu"
 
@@ -161,9 +161,9 @@ class PropagateDevicePass:
                 mapping = {v: on(v, HOST, f"read by host op {instr.name!r}") for v in instr.inputs}
                 instr.inputs = [mapping[v] for v in instr.inputs]
                 for arg in instr.args:
-                    if arg.kind == ArgKind.TENSOR:
+                    if arg.kind == HostArgKind.TENSOR:
                         arg.value = mapping[arg.value]
-                    elif arg.kind == ArgKind.TENSOR_LIST:
+                    elif arg.kind == HostArgKind.TENSOR_LIST:
                         arg.value = [mapping.get(v, v) for v in arg.value]
             out.append(instr)
         for i, vid in enumerate(method.outputs):

@@ -7,6 +7,7 @@ import torch
 import torch.fx
 
 from ..kernels import sizes
+from ..kernels.refs import node_value
 
 # The metadata a new node inherits (what stack traces and module paths point to).
 PROVENANCE = ("stack_trace", "nn_module_stack", "source_fn_stack")
@@ -19,7 +20,7 @@ def is_call(node, *targets) -> bool:
 
 def tensor_val(node) -> torch.Tensor | None:
     """``node``'s ``meta["val"]`` when it is a tensor (a FakeTensor), else None."""
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    val = node_value(node)
     return val if isinstance(val, torch.Tensor) else None
 
 

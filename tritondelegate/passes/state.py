@@ -22,7 +22,7 @@ import torch
 import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 
-from ..emit import LoweringError
+from ..errors import LoweringError
 from ..kernels.registry import lookup
 from ..partitioner import PartitionResult, op_name
 

@@ -3,7 +3,8 @@ registry with the lowering side, and imports nothing of torch.export or the pass
 
 from .allocator import CudaAllocator, DeviceAllocator, SimulatedAllocator, allocators_for, register_allocator
 from .loader import LoadedProgram, load
-from .method import InputError, LoadedMethod, MethodStats
+from .inputs import InputError
+from .method import LoadedMethod, MethodStats
 
 __all__ = [
     "CudaAllocator", "DeviceAllocator", "register_allocator", "SimulatedAllocator", "allocators_for",

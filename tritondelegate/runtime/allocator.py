@@ -34,6 +34,8 @@ class DeviceAllocator:
         raise NotImplementedError
 
     def free(self, buffer: torch.Tensor) -> None:
+        """Give back a buffer :meth:`allocate` returned (``LoadedProgram.close()``); nothing views it
+        afterwards."""
         raise NotImplementedError
 
     def copy_host_to_device(self, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:
@@ -82,7 +84,7 @@ class CudaAllocator(DeviceAllocator):
         return buffer
 
     def free(self, buffer):
-        del buffer
+        pass  # the caching allocator takes the block back when the last tensor viewing it is dropped
 
     def stream(self, device_index, stream=None):
         return stream if stream is not None else torch.cuda.current_stream(device_index)
@@ -114,14 +116,15 @@ class SimulatedStream:
 class SimulatedAllocator(DeviceAllocator):
     """The simulated device: host memory standing in for device memory, with counters.
 
-    It counts allocations, copies (bytes by direction) and synchronizations, and records the stream
-    each copy used, so tests can check what a real device would have been asked to do.
+    It counts allocations and frees, copies (bytes by direction) and synchronizations, and records the
+    stream each copy used, so tests can check what a real device would have been asked to do.
     """
 
     device_type: str = "cuda"
     simulated: bool = True
     allocations: int = 0
     allocated_bytes: int = 0
+    freed_bytes: int = 0
     copied_bytes: Counter = field(default_factory=Counter)  # "h2d", "d2h", "d2d", "load" -> bytes
     copies: int = 0
     synchronizations: int = 0
@@ -135,8 +138,13 @@ class SimulatedAllocator(DeviceAllocator):
         shift = (-raw.data_ptr()) % alignment
         return raw[shift : shift + nbytes]
 
+    @property
+    def live_bytes(self) -> int:
+        """Bytes allocated and not freed yet."""
+        return self.allocated_bytes - self.freed_bytes
+
     def free(self, buffer):
-        del buffer
+        self.freed_bytes += buffer.numel()
 
     def stream(self, device_index, stream=None):
         return stream if stream is not None else self.default_stream

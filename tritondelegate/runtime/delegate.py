@@ -14,12 +14,13 @@ import math
 import torch
 import triton.language as tl
 
-from ..kernels import interpreted, interpreter_library
-from ..kernels.registry import KERNELS
-from ..plan import ArgKind, Base, DelegatePlan, TensorDesc
-from ..program import ProgramError
+from ..dtypes import parse_dtype
+from ..kernels.table import KERNELS
+from ..plan import Base, DelegatePlan, KernelArgKind, TensorDesc
+from ..errors import ProgramError
 from ..symbolic import bound
 from .direct import LAUNCH_OPTIONS, direct_launch
+from .interpreter import interpreted_kernel, interpreter_library
 
 
 
@@ -28,19 +29,12 @@ class DelegateError(ProgramError):
     its memory, arguments that do not fit the kernel)."""
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise DelegateError(f"unknown dtype {name!r} in a launch plan")
-    return dtype
-
-
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
 def _view(base_bytes: torch.Tensor, desc: TensorDesc) -> torch.Tensor:
-    dtype = _dtype(desc.dtype)
+    dtype = parse_dtype(desc.dtype)
     itemsize = dtype.itemsize
     extent = 1 + sum((n - 1) * s for n, s in zip(desc.shape, desc.strides)) if math.prod(desc.shape) else 0
     end = desc.byte_offset + extent * itemsize
@@ -113,7 +107,7 @@ class DelegateRunner:
         self._kernels = [self._resolve(launch.kernel, simulated) for launch in plan.launches]
         for kernel, launch in zip(self._kernels, plan.launches):
             _check_signature(kernel, launch)
-        used = {a.value for launch in plan.launches for a in launch.args if a.kind == ArgKind.TENSOR}
+        used = {a.value for launch in plan.launches for a in launch.args if a.kind == KernelArgKind.TENSOR}
         self._views: list[torch.Tensor | None] = [
             _view(scratch, d) if d.base == Base.SCRATCH and i in used else None for i, d in enumerate(plan.tensors)
         ]
@@ -124,9 +118,9 @@ class DelegateRunner:
         self._records: list[tuple] = []
         self._uses: dict[int, list[tuple[list, int]]] = {}  # plan tensor -> (argument list, position)
         for kernel, launch in zip(self._kernels, plan.launches):
-            args = [a.value if a.kind != ArgKind.TENSOR else self._views[a.value] for a in launch.args]
+            args = [a.value if a.kind != KernelArgKind.TENSOR else self._views[a.value] for a in launch.args]
             for pos, a in enumerate(launch.args):
-                if a.kind == ArgKind.TENSOR:
+                if a.kind == KernelArgKind.TENSOR:
                     self._uses.setdefault(a.value, []).append((args, pos))
             constexprs = {} if null else {k: v.value for k, v in launch.constexprs.items()}
             if simulated and "DOT_UPCAST" in constexprs:
@@ -136,13 +130,9 @@ class DelegateRunner:
 
     @staticmethod
     def _resolve(name: str, simulated: bool):
+        """The kernel a launch names; on the simulated device, its interpreted twin (host memory)."""
         kernel = _kernel(name)
-        if simulated and not interpreted():
-            # A GPU machine asked for the simulated device: interpret this kernel on host memory.
-            from triton.runtime.interpreter import InterpretedFunction
-
-            kernel = InterpretedFunction(kernel.fn)
-        return kernel
+        return interpreted_kernel(kernel) if simulated else kernel
 
     @property
     def launches(self) -> int:

@@ -8,9 +8,10 @@ from contextlib import contextmanager
 import torch
 
 from .. import progress as _progress
-from ..program import Program, ProgramError
+from ..dtypes import parse_dtype
+from ..program import Program
+from ..errors import ProgramError
 from .allocator import allocators_for
-from .delegate import _dtype
 from .memory import ProgramMemory
 from .method import LoadedMethod
 
@@ -29,7 +30,7 @@ class InMemorySource:
     def constant_tensor(self, index: int) -> torch.Tensor:
         constant = self.program.constants[index]
         tensor = self._data[index]
-        if tensor.dtype != _dtype(constant.dtype) or tuple(tensor.shape) != tuple(constant.shape):
+        if tensor.dtype != parse_dtype(constant.dtype) or tuple(tensor.shape) != tuple(constant.shape):
             raise ProgramError(f"constant {constant.name!r} data does not match its declared dtype/shape")
         return tensor
 
@@ -82,6 +83,9 @@ class LoadedProgram:
     each resident constant (one device copy, whichever methods read it) and each state buffer (a
     buffer that some method mutates, e.g. a KV cache). Two loads of one file are independent. Calls
     on the methods of one load are serialized by a lock, since they share its state.
+
+    :meth:`close` (or leaving a ``with td.load(path) as program:`` block) gives the program's device
+    memory back to its allocators and unmaps its file; its methods then refuse calls.
     """
 
     def __init__(self, source, devices="auto", progress: bool | None = None):
@@ -106,6 +110,26 @@ class LoadedProgram:
     def reset_state(self, stream=None) -> None:
         """Every state buffer (e.g. a KV cache) back to its initial value from the file."""
         self._memory.reset_state(stream)
+
+    def close(self) -> None:
+        """Free what this load holds, through each device's allocator: the constants and state segments
+        and the arenas of its loaded methods; then unmap the program file. Tensors a call returned stay
+        valid. Calls, ``load_method`` and ``reset_state`` afterwards raise an error saying it is closed."""
+        with self._memory.lock:
+            self._memory.close()
+            close_source = getattr(self._source, "close", None)
+            if close_source is not None:
+                close_source()
+
+    @property
+    def closed(self) -> bool:
+        return self._memory.closed
+
+    def __enter__(self) -> "LoadedProgram":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _install_binaries(self, method) -> None:
         """Once per program and device: the kernel binaries for the device's arch into Triton's cache."""
@@ -180,6 +204,7 @@ class LoadedProgram:
         for method in self.program.methods:
             if method.name == name:
                 with self._memory.lock:
+                    self._memory.check_open(f"load_method({name!r})")
                     self._install_binaries(method)
                     with self._load_progress(method, progress):
                         return LoadedMethod(method, self._memory, stream, reuse_output_memory, graphs)

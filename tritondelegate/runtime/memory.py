@@ -4,7 +4,8 @@ segment; host state; and (for ``memory()``) the arenas of its loaded methods.
 Segments are allocated on first use, by the first method that runs on their device. A constant is
 copied into its slot the first time a method that reads it loads, so loading a second method copies
 no constant that is already there. State is filled from the file when its segment is allocated and
-then only changed by the methods (in place) or by :meth:`ProgramMemory.reset_state`.
+then only changed by the methods (in place) or by :meth:`ProgramMemory.reset_state`. :meth:`ProgramMemory.close`
+gives every segment and every loaded method's arenas back to their allocators.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import weakref
 import torch
 
 from .._device import parse_device
-from ..program import Program, ProgramError, SegmentKind
+from ..dtypes import parse_dtype
+from ..program import Program, SegmentKind
+from ..errors import ProgramError
 from .allocator import AllocatorError, DeviceAllocator
-from .delegate import _dtype
 
 
 def parse_program_device(device: str) -> tuple[str, int]:
@@ -48,6 +50,7 @@ class ProgramMemory:
         self._host_state: dict[int, torch.Tensor] = {}
         self._loaded: set[int] = set()  # constant slots already copied to their device
         self._methods: weakref.WeakSet = weakref.WeakSet()  # loaded methods, for their arenas
+        self.closed = False
 
     # -- devices --------------------------------------------------------------------------------
     def device(self, device: str, who: str = "this program") -> tuple[DeviceAllocator, int]:
@@ -73,7 +76,7 @@ class ProgramMemory:
         end = slot.offset + constant.nbytes
         if end > buffer.numel():
             raise ProgramError(f"slot {slot.name!r} [{slot.offset}, {end}) overruns its {buffer.numel()}-byte segment")
-        return buffer[slot.offset:end].view(_dtype(constant.dtype)).view(tuple(constant.shape))
+        return buffer[slot.offset:end].view(parse_dtype(constant.dtype)).view(tuple(constant.shape))
 
     def load(self, slots, stream=None) -> tuple[int, int]:
         """Copy the constants of ``slots`` not loaded yet into their device slots; synchronize once per
@@ -119,11 +122,36 @@ class ProgramMemory:
     # -- state ----------------------------------------------------------------------------------
     def reset_state(self, stream=None) -> None:
         with self.lock:
+            self.check_open("reset_state")
             for index, tensor in self._host_state.items():
                 tensor.copy_(self.source.constant_tensor(self.program.slots[index].constant))
             for segment, buffer in enumerate(self._segments):
                 if buffer is not None and self.program.segments[segment].kind == SegmentKind.STATE:
                     self._fill_state(segment, stream)
+
+    # -- release --------------------------------------------------------------------------------
+    def check_open(self, who: str) -> None:
+        """Refuse to run anything once the program is closed."""
+        if self.closed:
+            raise RuntimeError(f"{who}: its program was closed (LoadedProgram.close() gave its device memory "
+                               "back); load the program again to run it")
+
+    def close(self) -> None:
+        """Free the segments, the host state and the arenas of every method still loaded; idempotent."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            for method in list(self._methods):
+                method.release()
+            self._methods = weakref.WeakSet()
+            for index, buffer in enumerate(self._segments):
+                if buffer is not None:
+                    allocator, _ = self.device(self.program.segments[index].device)
+                    allocator.free(buffer)
+            self._segments = [None] * len(self._segments)
+            self._host_state.clear()
+            self._loaded.clear()
 
     # -- accounting -----------------------------------------------------------------------------
     def add_method(self, method) -> None:

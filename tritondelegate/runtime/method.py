@@ -1,55 +1,32 @@
-"""A loaded method: its arenas allocated and its resident constants loaded once (into the program's
-segments, shared with the program's other methods); calls run instructions.
+"""The method executor: a loaded method's arenas, allocated once (its resident constants live in the
+program's segments, shared with the program's other methods), and its calls.
 
-Calls run host ops through ATen on the CPU, copies through the device allocator, and delegates as
-Triton launches on views of the arena, all on the caller's stream. A call allocates no device memory
-for planned values and synchronizes only where the host must read device data.
+A call checks its inputs (``inputs.py``), then runs the method's steps in order: host ops through ATen
+on the CPU (``host_ops.py``), copies through the device allocator, and delegates as Triton launches on
+views of the arena (staged through host copies, or replayed from a captured graph), all on the
+caller's stream; then writes state back and makes the outputs the caller's. A call allocates no
+device memory for planned values and synchronizes only where the host must read device data.
 """
 
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
 
-from ..program import ArgKind, InstrKind, Method, ProgramError, Role
-from ..symbolic import resolve
-from .delegate import DelegateRunner, _dtype
-from .memory import ProgramMemory, allocate, parse_program_device
+from ..dtypes import parse_dtype
+from ..program import DEVICE_ALIGNMENT, InstrKind, Method, ProgramError, Role
+from .delegate import DelegateRunner
+from .host_ops import HostOp
+from .inputs import InputChecker, output_structure
+from .memory import ProgramMemory, allocate
 from .sized import specialize
 from .verify import verify_launches, verify_method
 
 # A method with dynamic dimensions captures CUDA graphs (``graphs=True``) for the first this many
 # distinct sizes it is called with; calls at other sizes run plain (prebound, direct) launches.
 MAX_GRAPH_SIZES = 8
-
-
-RETURN_TYPES = "torch.return_types."  # a tuple node with this context prefix: a torch named tuple (emit.py)
-
-
-def output_structure(text: str, name: str) -> pytree.TreeSpec:
-    """The method's output pytree spec. A tuple node whose context names a ``torch.return_types``
-    class (what ``torch.max(x, 1)`` returns, which pytree cannot serialize) becomes that class again."""
-    def rebuild(spec):
-        if spec.is_leaf():
-            return spec
-        children = [rebuild(c) for c in spec.children()]
-        context = spec.context
-        if spec.type is tuple and isinstance(context, str):
-            cls = getattr(torch.return_types, context.removeprefix(RETURN_TYPES), None)
-            if not context.startswith(RETURN_TYPES) or cls not in torch.return_types.all_return_types:
-                raise ProgramError(f"method {name!r}: output structure names an unknown type {context!r}")
-            return pytree.TreeSpec(cls, None, children)
-        return pytree.TreeSpec(spec.type, context, children)
-
-    return rebuild(pytree.treespec_loads(text))
-
-
-class InputError(ValueError):
-    """A call's inputs do not match the method (names the input)."""
 
 
 @dataclass
@@ -68,117 +45,12 @@ class MethodStats:
     synchronizations_per_call: int = 0
     graph_replays_per_call: int = 0  # delegates replayed from a captured graph (graphs=True)
 
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-def resolve_op(target: str):
-    """``"aten::add.Tensor"`` -> ``torch.ops.aten.add.Tensor``; ``"tritondelegate::rotary"`` -> the op
-    ``tritondelegate/ops.py`` defines (a fused op left on the host, run by its reference implementation)."""
-    namespace, _, rest = target.partition("::")
-    if namespace == "tritondelegate":
-        from .. import ops
-
-        op = ops.OPS.get(target.removesuffix(".default"))
-        if op is None:
-            raise ProgramError(f"host op {target!r} is not an operator tritondelegate/ops.py defines")
-        return op
-    if namespace != "aten":  # programs only hold ATen and tritondelegate host ops; refuse anything else
-        raise ProgramError(f"host op {target!r} is not an ATen operator")
-    name, _, overload = rest.partition(".")
-    overload = overload or "default"
-    # Only a name the dispatcher registers is looked up: no attribute of anything else is ever reached.
-    registered = f"aten::{name}" + ("" if overload == "default" else f".{overload}")
-    if not (_IDENTIFIER.fullmatch(name) and _IDENTIFIER.fullmatch(overload)) or registered not in _dispatcher_ops():
-        raise ProgramError(f"host op {target!r} is not an operator this PyTorch knows")
-    op = getattr(getattr(torch.ops.aten, name, None), overload, None)
-    if not isinstance(op, torch._ops.OpOverload):
-        raise ProgramError(f"host op {target!r} is not an operator this PyTorch knows")
-    refusal = _refusal(op)
-    if refusal:
-        raise ProgramError(f"host op {target!r} is not allowed in a program: {refusal}")
-    return op
-
-
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_FILE_ARGUMENT = re.compile(r"file|path|dir")  # a str argument with such a name names a file
-
-
-@functools.lru_cache(maxsize=None)
-def _dispatcher_ops() -> frozenset:
-    return frozenset(torch._C._dispatch_get_all_op_names())
-
-
-def _refusal(op: torch._ops.OpOverload) -> str | None:
-    """Why an ATen op may not run from a program file, read from its schema: it takes a file name
-    (``from_file``), or it returns nothing and writes none of its arguments, so it exists for an effect
-    outside its tensors (printing, process-wide settings)."""
-    schema = op._schema
-    for arg in schema.arguments:
-        if "str" in str(arg.type) and _FILE_ARGUMENT.search(arg.name):
-            return f"it takes a file name (argument {arg.name!r})"
-    if not schema.returns and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-        return "it returns nothing and writes no tensor: it acts on the process, not on tensors"
-    return None
-
-
-_SCALAR_DECODERS = {
-    ArgKind.NONE: lambda v: None,
-    ArgKind.INT: int,
-    ArgKind.FLOAT: float,
-    ArgKind.BOOL: bool,
-    ArgKind.STR: str,
-    ArgKind.INT_LIST: list,
-    ArgKind.FLOAT_LIST: list,
-    ArgKind.BOOL_LIST: list,
-    ArgKind.DTYPE: _dtype,
-    ArgKind.DEVICE: torch.device,
-    ArgKind.MEMORY_FORMAT: lambda v: getattr(torch, v),
-    ArgKind.LAYOUT: lambda v: getattr(torch, v),
-}
-
-
-class _HostOp:
-    def __init__(self, instr, values):
-        self.op = resolve_op(instr.target)
-        self.outputs = instr.outputs
-        self.dtypes = [_dtype(values[vid].dtype) if vid >= 0 else None for vid in instr.outputs]
-        self.args, self.kwargs = [], {}
-        for arg in instr.args:
-            if arg.kind == ArgKind.TENSOR:
-                value = ("t", arg.value)
-            elif arg.kind == ArgKind.TENSOR_LIST:
-                value = ("l", list(arg.value))
-            else:
-                value = ("c", _SCALAR_DECODERS[arg.kind](arg.value))
-            if arg.name:
-                self.kwargs[arg.name] = value
-            else:
-                self.args.append(value)
-
-    @staticmethod
-    def _get(env, value):
-        kind, v = value
-        if kind == "t":
-            return env[v]
-        if kind == "l":
-            return [None if i < 0 else env[i] for i in v]
-        return v
-
-    def __call__(self, env):
-        result = self.op(*[self._get(env, a) for a in self.args],
-                         **{k: self._get(env, v) for k, v in self.kwargs.items()})
-        results = [result] if len(self.outputs) == 1 else result
-        for vid, r, dtype in zip(self.outputs, results, self.dtypes):
-            if vid >= 0:  # an ATen kernel that disagrees with its own meta function (fp16 batch norm's
-                # running statistics): the program's declared dtype, what every later step expects
-                env[vid] = r.to(dtype) if dtype is not None and r.dtype != dtype else r
-
 
 class LoadedMethod:
     """Call it like the exported model: ``outputs = method(*args, stream=None)``.
 
-    Calls on methods of one loaded program are serialized (they share its state)."""
+    Calls on methods of one loaded program are serialized (they share its state). The memory it holds
+    (arenas, staging buffers) is released when its program is closed (``LoadedProgram.close()``)."""
 
     def __init__(self, method: Method, memory: ProgramMemory, stream=None,
                  reuse_output_memory: bool = False, graphs: bool = False, direct_launches: bool = True):
@@ -190,11 +62,12 @@ class LoadedMethod:
         self.reuse_output_memory = reuse_output_memory
         self._memory = memory
         verify_method(memory.program, method)  # the file is untrusted: its plans, before anything runs
-        self._in_spec = pytree.treespec_loads(method.input_spec)
         self._out_spec = output_structure(method.output_spec, method.name)
         devices = {v.device for v in method.values} | {d.device for d in method.delegates} | {a.device for a in method.arenas}
         self._allocators = {d: memory.device(d, f"method {method.name!r}") for d in sorted(devices - {"cpu"})}
+        self._inputs = InputChecker(method, self._allocators)
         self._device_bytes: dict[str, int] = {}
+        self._held: list[tuple[str, torch.Tensor]] = []  # (device, buffer) of every buffer allocated at load
         # Arenas and scratch are planned for the symbols' upper bounds: every size runs in them.
         self._arenas = [self._alloc(a.device, a.nbytes, a.alignment) for a in method.arenas]
         resident = [v.slot for v in method.values if v.slot >= 0 and v.resident]
@@ -221,10 +94,10 @@ class LoadedMethod:
         steps = []
         for instr in method.instructions:
             if instr.kind == InstrKind.HOST_OP:
-                steps.append((instr.kind, _HostOp(instr, method.values)))
+                steps.append((instr.kind, HostOp(instr, method.values)))
             elif instr.kind == InstrKind.DELEGATE:
                 steps.append((instr.kind, self._delegate(method, instr, graphs)))
-            else:
+            else:  # a copy: (source, destination)
                 steps.append((instr.kind, (instr.inputs[0], instr.outputs[0])))
         launches = sum(len(method.delegates[i.delegate].plan.launches)
                        for i in method.instructions if i.kind == InstrKind.DELEGATE)
@@ -243,24 +116,37 @@ class LoadedMethod:
         """Device memory this method holds itself (arenas, staging buffers), by device."""
         return dict(self._device_bytes)
 
+    def release(self) -> None:
+        """Give every buffer allocated at load back to its allocator (``LoadedProgram.close()`` calls
+        this, holding the program's lock); the method runs no more calls."""
+        for device, buffer in self._held:
+            self._allocators[device][0].free(buffer)
+        self._held.clear()
+        self._arenas.clear()
+        self._sizes.clear()  # the steps and environments that view the buffers
+        self._device_bytes.clear()
+
     # -- load helpers ---------------------------------------------------------------------------
-    def _alloc(self, device: str, nbytes: int, alignment: int = 256) -> torch.Tensor:
+    def _alloc(self, device: str, nbytes: int, alignment: int = DEVICE_ALIGNMENT) -> torch.Tensor:
+        """A buffer the method holds for its life (released by :meth:`release`)."""
         allocator, index = self._allocators[device]
+        buffer = allocate(allocator, nbytes, index, alignment, f"method {self.name!r}")
         self._device_bytes[device] = self._device_bytes.get(device, 0) + nbytes
-        return allocate(allocator, nbytes, index, alignment, f"method {self.name!r}")
+        self._held.append((device, buffer))
+        return buffer
 
     def _arena_view(self, arena: int, offset: int, value) -> torch.Tensor:
         buffer = self._arenas[arena]
         if offset + value.nbytes > buffer.numel():
             raise ProgramError(f"value {value.name!r} at arena offset {offset} overruns its {buffer.numel()}-byte arena")
-        return buffer[offset : offset + value.nbytes].view(_dtype(value.dtype)).view(value.shape)
+        return buffer[offset : offset + value.nbytes].view(parse_dtype(value.dtype)).view(value.shape)
 
     def _delegate(self, method: Method, instr, graphs: bool) -> "_DelegateStep":
         delegate = method.delegates[instr.delegate]
         allocator, index = self._allocators[delegate.device]
         step = _DelegateStep(instr.inputs, instr.outputs, allocator, index)
         if delegate.stage_inputs:
-            scratch = self._alloc(delegate.device, delegate.plan.scratch_bytes, 256)
+            scratch = self._alloc(delegate.device, delegate.plan.scratch_bytes)
             step.staging_in = [self._device_tensor(method.values[v], delegate.device) for v in instr.inputs]
             step.staging_out = [self._device_tensor(method.values[v], delegate.device) for v in instr.outputs]
         else:
@@ -280,66 +166,20 @@ class LoadedMethod:
 
     def _device_tensor(self, value, device: str | None = None) -> torch.Tensor:
         buffer = self._alloc(device or value.device, value.nbytes)
-        return buffer.view(_dtype(value.dtype)).view(value.shape)
+        return buffer.view(parse_dtype(value.dtype)).view(value.shape)
+
+    def _call_tensor(self, value) -> torch.Tensor:
+        """Fresh device memory for one call's unplanned value (``alloc_graph_input/output=False``): the
+        call's, or the caller's once returned; the method does not hold it."""
+        allocator, index = self._allocators[value.device]
+        buffer = allocate(allocator, value.nbytes, index, DEVICE_ALIGNMENT, f"method {self.name!r}")
+        return buffer.view(parse_dtype(value.dtype)).view(value.shape)
 
     # -- calls ----------------------------------------------------------------------------------
-    def _check_inputs(self, args, kwargs) -> tuple[list, tuple]:
-        """The call's input tensors, checked, and the values of the method's symbols."""
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self._in_spec:
-            raise InputError(
-                f"method {self.name!r} takes {len(self.method.inputs)} tensor input(s) structured as the "
-                f"exported example inputs; got {len(flat)} leaf value(s) with another structure"
-            )
-        for i, t in enumerate(flat):
-            if not isinstance(t, torch.Tensor):
-                raise InputError(f"{self._where(i)} must be a tensor, got {type(t).__name__}")
-        key = self._bind_symbols(flat)
-        env = {s.name: v for s, v in zip(self.method.symbols, key)}
-        for i, (vid, t) in enumerate(zip(self.method.inputs, flat)):
-            value = self.method.values[vid]
-            where = self._where(i)
-            shape = resolve(tuple(value.shape), env) if env else tuple(value.shape)
-            if tuple(t.shape) != shape:
-                raise InputError(f"{where} must have shape {list(shape)}{self._shape_note(value)}, got {list(t.shape)}")
-            if t.dtype != _dtype(value.dtype):
-                raise InputError(f"{where} must have dtype {value.dtype}, got {str(t.dtype).removeprefix('torch.')}")
-            if value.device == "cpu" or self._allocators[value.device][0].host_memory:
-                if t.device.type != "cpu":
-                    raise InputError(f"{where} must be a CPU tensor, got one on {t.device}")
-            else:
-                kind, index = parse_program_device(value.device)
-                if t.device != torch.device(kind, index):
-                    raise InputError(f"{where} must be on {value.device} (skip_h2d_for_method_inputs), got {t.device}")
-            if value.device != "cpu" and not t.is_contiguous():
-                raise InputError(f"{where} is read in place on {value.device} and must be contiguous")
-        return flat, key
-
-    def _where(self, i: int) -> str:
-        return f"input {i} ({self.method.values[self.method.inputs[i]].name!r}) of method {self.name!r}"
-
-    def _shape_note(self, value) -> str:
-        dims = [str(d) for d in value.shape if not isinstance(d, int)]
-        return f" (dims {', '.join(dims)} from the dynamic dimensions)" if dims else ""
-
-    def _bind_symbols(self, flat: list) -> tuple:
-        """Each symbol's value from the input dimension it is bound to, checked against its range."""
-        key = []
-        for symbol in self.method.symbols:
-            t = flat[symbol.input]
-            where = f"{self._where(symbol.input)} dimension {symbol.dim}"
-            if t.dim() <= symbol.dim:
-                raise InputError(f"{where} is dynamic, but the input has only {t.dim()} dimension(s)")
-            n = int(t.shape[symbol.dim])
-            if not symbol.min <= n <= symbol.max:
-                raise InputError(f"{where} is {n}, outside its range {symbol.min}..{symbol.max} "
-                                 f"(the bound it was exported and planned with)")
-            key.append(n)
-        return tuple(key)
-
     def __call__(self, *args, stream=None, **kwargs):
-        inputs, key = self._check_inputs(args, kwargs)
+        inputs, key = self._inputs.check(args, kwargs)
         with self._memory.lock:  # one call at a time per loaded program: its state is shared
+            self._memory.check_open(f"method {self.name!r}")
             try:
                 sized = self._sized(key)
             except _PASS_THROUGH:
@@ -360,7 +200,7 @@ class LoadedMethod:
                     elif kind == InstrKind.DELEGATE:
                         for vid in step.outputs:
                             if env[vid] is None and step.staging_out is None:  # alloc_graph_output=False
-                                env[vid] = self._device_tensor(values[vid])
+                                env[vid] = self._call_tensor(values[vid])
                         step(env, stream, counts)
                     else:
                         self._copy(values, kind, step, env, stream, counts, pending)
@@ -391,13 +231,13 @@ class LoadedMethod:
         if kind == InstrKind.COPY_H2D:
             allocator, index = self._allocators[value.device]
             if env[dst] is None:  # not planned (alloc_graph_input=False): fresh memory
-                env[dst] = self._device_tensor(value)
+                env[dst] = self._call_tensor(value)
             allocator.copy_host_to_device(env[dst], env[src].contiguous(), allocator.stream(index, stream))
             counts.h2d += value.nbytes
-        else:
+        else:  # COPY_D2H
             device = values[src].device
             allocator, index = self._allocators[device]
-            env[dst] = torch.empty(value.shape, dtype=_dtype(value.dtype), pin_memory=False)
+            env[dst] = torch.empty(value.shape, dtype=parse_dtype(value.dtype), pin_memory=False)
             allocator.copy_device_to_host(env[dst], env[src], allocator.stream(index, stream))
             pending.add(device)
             counts.d2h += value.nbytes

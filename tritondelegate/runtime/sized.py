@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ..plan import Arg, ArgKind as KernelArgKind, DelegatePlan, TensorDesc
-from ..program import ArgKind, HostArg, Instruction, Method, TensorValue
+from ..dtypes import parse_dtype
+from ..plan import Arg, DelegatePlan, KernelArgKind, TensorDesc
+from ..program import HostArg, HostArgKind, Instruction, Method, TensorValue
 from ..symbolic import any_symbolic, resolve
-from .delegate import _dtype
 
 
 def specialize(method: Method, env: dict[str, int]) -> Method:
@@ -34,15 +34,16 @@ def _value(value: TensorValue, env) -> TensorValue:
     if not any_symbolic(value.shape):
         return value
     shape = resolve(tuple(value.shape), env)
-    return replace(value, shape=shape, nbytes=math.prod(shape) * _dtype(value.dtype).itemsize)
+    return replace(value, shape=shape, nbytes=math.prod(shape) * parse_dtype(value.dtype).itemsize)
 
 
 def _instruction(instr: Instruction, env) -> Instruction:
-    if not any(a.kind in (ArgKind.SYM_INT, ArgKind.SYM_INT_LIST) for a in instr.args):
+    if not any(a.kind in (HostArgKind.SYM_INT, HostArgKind.SYM_INT_LIST) for a in instr.args):
         return instr
     args = [
-        HostArg(ArgKind.INT if a.kind == ArgKind.SYM_INT else ArgKind.INT_LIST, resolve(a.value, env), a.name)
-        if a.kind in (ArgKind.SYM_INT, ArgKind.SYM_INT_LIST) else a
+        HostArg(HostArgKind.INT if a.kind == HostArgKind.SYM_INT else HostArgKind.INT_LIST, resolve(a.value, env),
+                a.name)
+        if a.kind in (HostArgKind.SYM_INT, HostArgKind.SYM_INT_LIST) else a
         for a in instr.args
     ]
     return replace(instr, args=args)

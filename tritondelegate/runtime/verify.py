@@ -45,11 +45,12 @@ import math
 from bisect import bisect_left, insort
 from dataclasses import dataclass
 
-from ..kernels.registry import KERNELS
-from ..plan import ArgKind, Base, Launch, TensorDesc
-from ..program import InstrKind, Method, Program, ProgramError, Role
+from ..dtypes import parse_dtype
+from ..kernels.table import KERNELS
+from ..plan import Base, KernelArgKind, Launch, TensorDesc
+from ..program import InstrKind, Method, Program, ProgramError, Role, align_up
 from ..symbolic import bound
-from .delegate import DelegateError, _dtype
+from .delegate import DelegateError
 from .footprints import OPTIONS, RULES, Footprint, KernelRule, LaunchArgs, is_int, kernel_parameters
 from .sized import specialize
 
@@ -136,13 +137,13 @@ def _arguments(where: str, launch: Launch, runtime: list[str], ntensors: int) ->
     ints, tensors = {}, {}
     for name, arg in zip(runtime, launch.args):
         kind, value, pointer = arg.kind, arg.value, name.endswith("_ptr")
-        if kind == ArgKind.INT and not pointer and type(value) is int and -INT64 <= value < INT64:
+        if kind == KernelArgKind.INT and not pointer and type(value) is int and -INT64 <= value < INT64:
             ints[name] = value
-        elif kind == ArgKind.TENSOR and pointer and type(value) is int and 0 <= value < ntensors:
+        elif kind == KernelArgKind.TENSOR and pointer and type(value) is int and 0 <= value < ntensors:
             tensors[name] = value
-        elif not (kind == ArgKind.FLOAT and type(value) in (int, float) or kind == ArgKind.BOOL
+        elif not (kind == KernelArgKind.FLOAT and type(value) in (int, float) or kind == KernelArgKind.BOOL
                   and isinstance(value, bool)) or pointer:
-            if pointer != (kind == ArgKind.TENSOR):
+            if pointer != (kind == KernelArgKind.TENSOR):
                 raise DelegateError(f"{where}: argument {name!r} is passed as {kind.name}; the kernel takes "
                                     f"{'a tensor' if pointer else 'a scalar'} there")
             raise DelegateError(f"{where}: argument {name!r} ({kind.name.lower()}) has the value {value!r}, "
@@ -157,7 +158,7 @@ def _constexprs(where: str, launch: Launch, rule: KernelRule, defaults: dict) ->
         allowed = OPTIONS.get(name) or rule.constexprs.get(name)
         if allowed is None or (name not in OPTIONS and name not in defaults):
             raise DelegateError(f"{where}: {name!r} is not a constexpr or launch option of the kernel")
-        if arg.kind == ArgKind.TENSOR or not allowed.test(arg.value):
+        if arg.kind == KernelArgKind.TENSOR or not allowed.test(arg.value):
             raise DelegateError(f"{where}: constexpr {name}={arg.value!r} is not allowed (must be {allowed.text})")
         values[name] = arg.value
     for name, default in defaults.items():
@@ -238,8 +239,8 @@ def verify_memory(program: Program, method: Method) -> None:
 
 def _itemsize(dtype: str, what: str) -> int:
     try:
-        return _dtype(dtype).itemsize
-    except DelegateError:
+        return parse_dtype(dtype).itemsize
+    except ValueError:
         raise DelegateError(f"{what} has unknown dtype {dtype!r}") from None
 
 
@@ -300,10 +301,9 @@ def _check_instruction(method: Method, instr, what: str) -> None:
         if vid >= 0 and values[vid].role != Role.INTERMEDIATE:
             raise ProgramError(f"{what} writes value {vid} ({values[vid].name!r}), {_ROLES[values[vid].role]}: "
                                "only intermediates are written")
-    if instr.kind in (InstrKind.COPY_H2D, InstrKind.COPY_D2H, InstrKind.COPY_D2D):
+    if instr.kind in (InstrKind.COPY_H2D, InstrKind.COPY_D2H):
         src, dst = values[instr.inputs[0]], values[instr.outputs[0]]
-        host = {InstrKind.COPY_H2D: (True, False), InstrKind.COPY_D2H: (False, True),
-                InstrKind.COPY_D2D: (False, False)}[instr.kind]
+        host = {InstrKind.COPY_H2D: (True, False), InstrKind.COPY_D2H: (False, True)}[instr.kind]
         if (src.device == "cpu", dst.device == "cpu") != host or (src.dtype, tuple(src.shape)) != (
                 dst.dtype, tuple(dst.shape)):
             raise ProgramError(f"{what}: a {instr.kind.name} copy from {src.name!r} ({src.device}, "
@@ -351,7 +351,7 @@ def _check_lifetimes(method: Method, where: str) -> None:
             raise ProgramError(f"{where} arena {arena}: {clash[0]} and {clash[1]} are live together and share bytes")
     for arena, a in enumerate(method.arenas):
         used = max((off + max(n, 1) for _, _, off, n, _ in blocks.get(arena, ())), default=0)
-        if a.nbytes > -(-used // a.alignment) * a.alignment:
+        if a.nbytes > align_up(used, a.alignment):
             raise ProgramError(f"{where} arena {arena} has {a.nbytes} bytes, more than the {used} its values use")
 
 

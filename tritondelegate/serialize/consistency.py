@@ -12,7 +12,7 @@ import math
 import torch.utils._pytree as pytree
 
 from .._device import parse_device
-from ..program import ArgKind, InstrKind, Method, Role
+from ..program import HostArgKind, InstrKind, Method, Role, align_up
 from ..symbolic import bound
 
 # The largest alignment an arena or segment may ask for (a device needs at most a page): a file must not
@@ -38,7 +38,7 @@ def check_alignment(alignment: int, what: str, fail) -> None:
 def aligned_end(ends, alignment: int) -> int:
     """The most bytes a region needs for its users' ``ends`` (each user takes at least one byte)."""
     end = max(ends, default=0)
-    return (end + alignment - 1) // alignment * alignment
+    return align_up(end, alignment)
 
 
 class MethodConsistency:
@@ -115,9 +115,9 @@ class MethodConsistency:
             what = f"{self.where} instruction {j} ({ins.name!r})"
             reads = list(ins.inputs)
             for a in ins.args:
-                if a.kind == ArgKind.TENSOR:
+                if a.kind == HostArgKind.TENSOR:
                     reads.append(a.value)
-                elif a.kind == ArgKind.TENSOR_LIST:
+                elif a.kind == HostArgKind.TENSOR_LIST:
                     reads += [v for v in a.value if v >= 0]
             for vid in reads:
                 if vid not in ready:
@@ -142,7 +142,7 @@ class MethodConsistency:
 
     def copy(self, ins, what: str) -> None:
         src, dst = self.m.values[ins.inputs[0]], self.m.values[ins.outputs[0]]
-        host = {InstrKind.COPY_H2D: (True, False), InstrKind.COPY_D2H: (False, True), InstrKind.COPY_D2D: (False, False)}
+        host = {InstrKind.COPY_H2D: (True, False), InstrKind.COPY_D2H: (False, True)}
         if ((src.device == "cpu", dst.device == "cpu") != host[ins.kind]
                 or (src.dtype, tuple(src.shape)) != (dst.dtype, tuple(dst.shape))):
             self.fail(f"{what}: a {ins.kind.name} copy from {src.dtype}{list(src.shape)} on {src.device} to "

@@ -48,10 +48,6 @@ CONSTANT_ALIGNMENT = 64
 FILE_IDENTIFIER = b"TDP1"  # program.fbs file_identifier: bytes 4..8 of the flatbuffer
 
 
-def align(n: int, alignment: int) -> int:
-    return (n + alignment - 1) // alignment * alignment
-
-
 def pack_header(version: int, fb_size: int, data_off: int, data_size: int, fb_crc: int) -> bytes:
     fields = HEADER.pack(MAGIC, version, HEADER.size, FLATBUFFER_OFFSET, fb_size, data_off, data_size,
                          data_off + data_size, fb_crc, 0)

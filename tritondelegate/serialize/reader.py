@@ -8,7 +8,8 @@ program dataclasses, the generated flatbuffers code, torch, mmap and safetensors
 Everything read from a file is checked before use; a bad file raises :class:`ProgramError` naming
 the file and what is wrong. Checked at :func:`load_program`: the magic, the version, the header and
 flatbuffer checksums, every offset and size of the header against the file's size, the flatbuffer's
-identifier and structure (an accessor that fails, a vector longer than the buffer), enum values; then,
+identifier and structure (an accessor that fails, a vector longer than the buffer), enum values, as
+``convert.py`` decodes it into the program dataclasses; then,
 in ``validate.py``: dtype names, every index (value ids, constant, arena, delegate, external file,
 plan tensor and delegate input/output indices), and that in-file constants lie inside the data
 segment, aligned for their dtype, with ``nbytes`` matching dtype and shape; symbolic sizes: each
@@ -34,37 +35,16 @@ from __future__ import annotations
 import mmap
 import os
 import zlib
-from enum import IntEnum
 
 import torch
 from safetensors import safe_open
 
-from ..plan import Arg, Base, DelegatePlan, Launch, TensorDesc
-from ..plan import ArgKind as KernelArgKind
-from ..program import (
-    FORMAT_VERSION,
-    Arena,
-    ArgKind,
-    Constant,
-    Delegate,
-    HostArg,
-    InstrKind,
-    Instruction,
-    KernelBinary,
-    Method,
-    Program,
-    ProgramError,
-    Role,
-    Segment,
-    SegmentKind,
-    Slot,
-    Symbol,
-    TensorValue,
-)
-from ..symbolic import from_text
+from ..dtypes import dtype_name, parse_dtype
+from ..program import FORMAT_VERSION, Constant, Program, ProgramError
 from . import header as hdr
+from .convert import from_buffer
 from .generated import program_generated as fb
-from .validate import DTYPES, check_program
+from .validate import check_program
 
 SUPPORTED_VERSIONS = (FORMAT_VERSION,)
 
@@ -152,7 +132,7 @@ class ProgramFile:
         c = self._constant(index)
         if c.external >= 0:
             return self._external_tensor(index, data_files)
-        dtype = DTYPES[c.dtype]
+        dtype = parse_dtype(c.dtype)
         if c.nbytes == 0:
             return torch.empty(c.shape, dtype=dtype)
         try:
@@ -223,8 +203,8 @@ class ProgramFile:
             t = handle.get_tensor(c.name)
         except Exception as e:  # safetensors reports its errors as a bare Exception subclass
             raise ProgramError(f"{what}: cannot read {key}: {e}") from e
-        if t.dtype != DTYPES[c.dtype] or tuple(t.shape) != c.shape:
-            raise ProgramError(f"{what}: {key} is {str(t.dtype).removeprefix('torch.')}{list(t.shape)}, "
+        if t.dtype != parse_dtype(c.dtype) or tuple(t.shape) != c.shape:
+            raise ProgramError(f"{what}: {key} is {dtype_name(t.dtype)}{list(t.shape)}, "
                                f"but the program expects {c.dtype}{list(c.shape)}")
         if t.numel() * t.element_size() != c.nbytes:  # implied by the above; cheap to be sure
             raise ProgramError(f"{what}: {key} has {t.numel() * t.element_size()} bytes, the program "
@@ -298,255 +278,10 @@ def _parse(mm: mmap.mmap, path: str) -> tuple[Program, int, int]:
     if fb_size < 8 or not fb.Program.ProgramBufferHasIdentifier(buf, 0):
         raise bad(f"the flatbuffer at {fb_off} does not carry the identifier {hdr.FILE_IDENTIFIER!r}")
     try:
-        program = _Decoder(buf, path).program()
-    except ProgramError:
-        raise
+        program = from_buffer(buf)
+    except ProgramError as e:
+        raise bad(str(e)) from None
     except Exception as e:  # the generated accessors fail in many ways on a malformed buffer
         raise bad(f"the flatbuffer at {fb_off} does not parse ({type(e).__name__}: {e})") from e
     check_program(program, path, version, data_off, data_size)
     return program, data_off, data_size
-
-
-class _Decoder:
-    """Flatbuffer accessors -> program dataclasses.
-
-    The generated Python code does not verify buffers, so this bounds the work: every element of a
-    vector of tables or strings costs at least one byte of the buffer, and the total count may not
-    exceed the buffer's size (a corrupt length cannot make the loader loop for long). Scalar vectors
-    are read through numpy, which checks their extent exactly.
-    """
-
-    def __init__(self, buf: bytes, path: str):
-        self.path = path
-        self.budget = len(buf)
-        self.buf = buf
-        self.names: frozenset[str] = frozenset()  # the symbols of the method being decoded
-
-    def entries(self, n: int, what: str) -> range:
-        self.budget -= n
-        if self.budget < 0:
-            raise ProgramError(f"{self.path}: the flatbuffer is corrupt: {what} claims {n} entries, more "
-                               "than it can hold")
-        return range(n)
-
-    def enum(self, cls: type[IntEnum], value: int, what: str):
-        try:
-            return cls(value)
-        except ValueError:
-            valid = ", ".join(f"{m.value} ({m.name})" for m in cls)
-            raise ProgramError(f"{self.path}: {what} has {cls.__name__} value {value}; valid: {valid}") from None
-
-    @staticmethod
-    def text(b) -> str:
-        return b.decode("utf-8") if b else ""
-
-    @staticmethod
-    def nums(array) -> list:
-        return [] if isinstance(array, int) else array.tolist()  # the accessor returns 0 when absent
-
-    def size(self, bound: int, text, where: str):
-        """A size that may be symbolic: ``bound`` when ``text`` is empty, else its checked ``Expr``."""
-        text = self.text(text)
-        if not text:
-            return bound
-        try:
-            value = from_text(text, bound, self.names)
-        except ProgramError as e:
-            raise ProgramError(f"{self.path}: {where}: {e}") from None
-        if isinstance(value, int) and value != bound:
-            raise ProgramError(f"{self.path}: {where}: the literal size {text!r} differs from its bound {bound}")
-        return value
-
-    def sizes(self, bounds: list, n_exprs: int, expr, where: str) -> list:
-        """Sizes that may be symbolic: ``bounds``, with the texts ``expr(i)`` (none: all concrete)."""
-        if n_exprs == 0:
-            return bounds
-        if n_exprs != len(bounds):
-            raise ProgramError(f"{self.path}: {where} has {n_exprs} size expressions for {len(bounds)} sizes")
-        return [self.size(b, expr(i), f"{where}[{i}]") for i, b in zip(self.entries(n_exprs, where), bounds)]
-
-    def program(self) -> Program:
-        p = fb.Program.GetRootAs(self.buf, 0)
-        return Program(
-            methods=[self.method(p.Methods(i), i) for i in self.entries(p.MethodsLength(), "methods")],
-            constants=[self.constant(p.Constants(i), i) for i in self.entries(p.ConstantsLength(), "constants")],
-            external_files=[self.text(p.ExternalFiles(i))
-                            for i in self.entries(p.ExternalFilesLength(), "external_files")],
-            version=p.Version(),
-            segments=[self.segment(p.Segments(i), i) for i in self.entries(p.SegmentsLength(), "segments")],
-            slots=[self.slot(p.Slots(i)) for i in self.entries(p.SlotsLength(), "slots")],
-            binaries=[self.binary(p.Binaries(i)) for i in self.entries(p.BinariesLength(), "binaries")],
-        )
-
-    def binary(self, b) -> KernelBinary:
-        t = self.text
-        return KernelBinary(kernel=t(b.Kernel()), arch=t(b.Arch()), triton_version=t(b.TritonVersion()),
-                            cache_key=t(b.CacheKey()), name=t(b.Name()), metadata=t(b.Metadata()),
-                            nbytes=b.Nbytes(), checksum=b.Checksum(), data_offset=b.DataOffset())
-
-    def segment(self, s, i: int) -> Segment:
-        kind = self.enum(SegmentKind, s.Kind(), f"segment {i}")
-        return Segment(self.text(s.Device()), kind, s.Nbytes(), s.Alignment())
-
-    def slot(self, s) -> Slot:
-        return Slot(self.text(s.Name()), s.Constant(), self.text(s.Device()), s.State(), s.Segment(), s.Offset())
-
-    def constant(self, c, i: int) -> Constant:
-        return Constant(self.text(c.Name()), self.text(c.Dtype()), tuple(self.nums(c.ShapeAsNumpy())),
-                        c.Nbytes(), c.DataOffset(), c.External(), c.Checksum())
-
-    def method(self, m, i: int) -> Method:
-        where = f"method {i}"
-        symbols = [self.symbol(m.Symbols(j)) for j in self.entries(m.SymbolsLength(), f"{where} symbols")]
-        self.names = frozenset(s.name for s in symbols)
-        return Method(
-            name=self.text(m.Name()),
-            values=[self.value(m.Values(j), f"{where} value {j}")
-                    for j in self.entries(m.ValuesLength(), f"{where} values")],
-            inputs=self.nums(m.InputsAsNumpy()),
-            outputs=self.nums(m.OutputsAsNumpy()),
-            input_spec=self.text(m.InputSpec()),
-            output_spec=self.text(m.OutputSpec()),
-            instructions=[self.instruction(m.Instructions(j), f"{where} instruction {j}")
-                          for j in self.entries(m.InstructionsLength(), f"{where} instructions")],
-            delegates=[self.delegate(m.Delegates(j), f"{where} delegate {j}")
-                       for j in self.entries(m.DelegatesLength(), f"{where} delegates")],
-            arenas=[self.arena(m.Arenas(j)) for j in self.entries(m.ArenasLength(), f"{where} arenas")],
-            mutated_buffers=[(b.Buffer(), b.Value()) for b in
-                             (m.MutatedBuffers(j)
-                              for j in self.entries(m.MutatedBuffersLength(), f"{where} mutated_buffers"))],
-            symbols=symbols,
-        )
-
-    def symbol(self, s) -> Symbol:
-        return Symbol(self.text(s.Name()), s.Min(), s.Max(), s.Input(), s.Dim())
-
-    def value(self, v, where: str) -> TensorValue:
-        return TensorValue(
-            name=self.text(v.Name()),
-            dtype=self.text(v.Dtype()),
-            shape=tuple(self.sizes(self.nums(v.ShapeAsNumpy()), v.ShapeExprsLength(), v.ShapeExprs,
-                                   f"{where} shape")),
-            device=self.text(v.Device()),
-            role=self.enum(Role, v.Role(), where),
-            nbytes=v.Nbytes(),
-            constant=v.Constant(),
-            arena=v.Arena(),
-            arena_offset=v.ArenaOffset(),
-            resident=v.Resident(),
-            slot=v.Slot(),
-        )
-
-    def instruction(self, ins, where: str) -> Instruction:
-        return Instruction(
-            kind=self.enum(InstrKind, ins.Kind(), where),
-            inputs=self.nums(ins.InputsAsNumpy()),
-            outputs=self.nums(ins.OutputsAsNumpy()),
-            target=self.text(ins.Target()),
-            args=[self.host_arg(ins.Args(k), f"{where} arg {k}")
-                  for k in self.entries(ins.ArgsLength(), f"{where} args")],
-            delegate=ins.Delegate(),
-            name=self.text(ins.Name()),
-        )
-
-    def host_arg(self, a, where: str) -> HostArg:
-        kind = self.enum(ArgKind, a.Kind(), where)
-        if kind == ArgKind.NONE:
-            value = None
-        elif kind in (ArgKind.TENSOR, ArgKind.INT):
-            value = a.Ival()
-        elif kind == ArgKind.FLOAT:
-            value = a.Fval()
-        elif kind == ArgKind.BOOL:
-            value = a.Bval()
-        elif kind in (ArgKind.STR, ArgKind.DTYPE, ArgKind.DEVICE, ArgKind.MEMORY_FORMAT, ArgKind.LAYOUT):
-            value = self.text(a.Sval())
-        elif kind == ArgKind.INT_LIST:
-            value = self.nums(a.IlistAsNumpy())
-        elif kind == ArgKind.FLOAT_LIST:
-            value = self.nums(a.FlistAsNumpy())
-        elif kind == ArgKind.BOOL_LIST:
-            value = self.nums(a.BlistAsNumpy())
-        elif kind == ArgKind.TENSOR_LIST:
-            value = self.nums(a.TlistAsNumpy())
-        elif kind == ArgKind.SYM_INT:
-            value = self.size(a.Ival(), a.Sexpr(), where)
-        elif kind == ArgKind.SYM_INT_LIST:
-            value = self.sizes(self.nums(a.IlistAsNumpy()), a.SlistExprsLength(), a.SlistExprs, where)
-        else:  # a new ArgKind member without a case here
-            raise RuntimeError(f"internal error: no decoding for {kind!r}")
-        return HostArg(kind, value, self.text(a.Name()))
-
-    def delegate(self, d, where: str) -> Delegate:
-        p = d.Plan()
-        if p is None:
-            raise ProgramError(f"{self.path}: {where} has no launch plan")
-        return Delegate(
-            backend_id=self.text(d.BackendId()),
-            device=self.text(d.Device()),
-            plan=self.plan(p, where),
-            scratch_arena=d.ScratchArena(),
-            scratch_offset=d.ScratchOffset(),
-            stage_inputs=d.StageInputs(),
-        )
-
-    def arena(self, a) -> Arena:
-        return Arena(self.text(a.Device()), a.Nbytes(), a.Alignment(), a.LowerBound())
-
-    def plan(self, p, where: str) -> DelegatePlan:
-        return DelegatePlan(
-            tensors=[self.tensor_desc(p.Tensors(k), f"{where} tensor {k}")
-                     for k in self.entries(p.TensorsLength(), f"{where} tensors")],
-            launches=[self.launch(p.Launches(k), f"{where} launch {k}")
-                      for k in self.entries(p.LaunchesLength(), f"{where} launches")],
-            scratch_bytes=p.ScratchBytes(),
-            input_nbytes=self.nums(p.InputNbytesAsNumpy()),
-            output_nbytes=self.nums(p.OutputNbytesAsNumpy()),
-        )
-
-    def tensor_desc(self, t, where: str) -> TensorDesc:
-        return TensorDesc(
-            base=self.enum(Base, t.Base(), where),
-            index=t.Index(),
-            byte_offset=self.size(t.ByteOffset(), t.ByteOffsetExpr(), f"{where} byte_offset"),
-            dtype=self.text(t.Dtype()),
-            shape=tuple(self.sizes(self.nums(t.ShapeAsNumpy()), t.ShapeExprsLength(), t.ShapeExprs,
-                                   f"{where} shape")),
-            strides=tuple(self.sizes(self.nums(t.StridesAsNumpy()), t.StridesExprsLength(), t.StridesExprs,
-                                     f"{where} strides")),
-        )
-
-    def launch(self, launch, where: str) -> Launch:
-        constexprs = {}
-        for k in self.entries(launch.ConstexprsLength(), f"{where} constexprs"):
-            entry = launch.Constexprs(k)
-            arg = entry.Arg()
-            if arg is None:
-                raise ProgramError(f"{self.path}: {where} constexpr {k} has no value")
-            constexprs[self.text(entry.Name())] = self.kernel_arg(arg, f"{where} constexpr {k}")
-        return Launch(
-            kernel=self.text(launch.Kernel()),
-            grid=tuple(self.sizes(self.nums(launch.GridAsNumpy()), launch.GridExprsLength(), launch.GridExprs,
-                                  f"{where} grid")),
-            args=[self.kernel_arg(launch.Args(k), f"{where} arg {k}")
-                  for k in self.entries(launch.ArgsLength(), f"{where} args")],
-            constexprs=constexprs,
-            op=self.text(launch.Op()),
-            bytes_read=launch.BytesRead(),
-            bytes_written=launch.BytesWritten(),
-            flops=launch.Flops(),
-        )
-
-    def kernel_arg(self, a, where: str) -> Arg:
-        kind = self.enum(KernelArgKind, a.Kind(), where)
-        if kind == KernelArgKind.TENSOR:
-            return Arg(kind, a.Ival())
-        if kind == KernelArgKind.INT:
-            return Arg(kind, self.size(a.Ival(), a.Iexpr(), where))
-        if kind == KernelArgKind.FLOAT:
-            return Arg(kind, a.Fval())
-        if kind == KernelArgKind.BOOL:
-            return Arg(kind, a.Bval())
-        if kind == KernelArgKind.STR:
-            return Arg(kind, self.text(a.Sval()))
-        raise RuntimeError(f"internal error: no decoding for {kind!r}")

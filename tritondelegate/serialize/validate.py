@@ -12,16 +12,11 @@ import re
 
 import torch
 
-from ..plan import ArgKind as KernelArgKind
-from ..plan import Base, DelegatePlan
-from ..program import ArgKind, Constant, InstrKind, Instruction, Method, Program, ProgramError, Role, SegmentKind
+from ..dtypes import DTYPES
+from ..plan import Base, DelegatePlan, KernelArgKind
+from ..program import Constant, HostArgKind, InstrKind, Instruction, Method, Program, ProgramError, Role, SegmentKind
 from ..symbolic import Expr, bound
 from .consistency import MethodConsistency, aligned_end, check_alignment, check_device
-
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
-
 
 def external_name_problem(name: str) -> str | None:
     """What is wrong with ``name`` as the name of an external data file, or None. A name is a path
@@ -238,29 +233,29 @@ class _Checker:
         for k, vid in enumerate(ins.outputs):
             self.index(vid, nv, f"{what} output {k}", "value")
         self.index(ins.delegate, nd, what, "delegate", optional=ins.kind != InstrKind.DELEGATE)
-        if ins.kind in (InstrKind.COPY_H2D, InstrKind.COPY_D2H, InstrKind.COPY_D2D) and (
+        if ins.kind in (InstrKind.COPY_H2D, InstrKind.COPY_D2H) and (
             len(ins.inputs) != 1 or len(ins.outputs) != 1
         ):
             self.fail(f"{what}: a copy reads {len(ins.inputs)} values and writes {len(ins.outputs)}; "
                       "expected 1 and 1")
         for k, a in enumerate(ins.args):
             w = f"{what} arg {k}"
-            if a.kind == ArgKind.TENSOR:
+            if a.kind == HostArgKind.TENSOR:
                 self.index(a.value, nv, w, "value")
-            elif a.kind == ArgKind.TENSOR_LIST:
+            elif a.kind == HostArgKind.TENSOR_LIST:
                 for e, vid in enumerate(a.value):
                     self.index(vid, nv, f"{w}[{e}]", "value", optional=True)
-            elif a.kind == ArgKind.DTYPE:
+            elif a.kind == HostArgKind.DTYPE:
                 self.dtype(a.value, w)
-            elif a.kind == ArgKind.DEVICE:
+            elif a.kind == HostArgKind.DEVICE:
                 try:
                     torch.device(a.value)
                 except (RuntimeError, TypeError):
                     self.fail(f"{w} has unknown device {a.value!r}")
-            elif a.kind == ArgKind.MEMORY_FORMAT and not isinstance(getattr(torch, a.value, None),
+            elif a.kind == HostArgKind.MEMORY_FORMAT and not isinstance(getattr(torch, a.value, None),
                                                                     torch.memory_format):
                 self.fail(f"{w} has unknown memory format {a.value!r}")
-            elif a.kind == ArgKind.LAYOUT and not isinstance(getattr(torch, a.value, None), torch.layout):
+            elif a.kind == HostArgKind.LAYOUT and not isinstance(getattr(torch, a.value, None), torch.layout):
                 self.fail(f"{w} has unknown layout {a.value!r}")
 
     def plan(self, plan: DelegatePlan, where: str) -> None:
@@ -337,7 +332,7 @@ def _method_sizes(m: Method, where: str):
         yield f"{where} value {j} shape", v.shape
     for j, ins in enumerate(m.instructions):
         for k, a in enumerate(ins.args):
-            if a.kind in (ArgKind.SYM_INT, ArgKind.SYM_INT_LIST):
+            if a.kind in (HostArgKind.SYM_INT, HostArgKind.SYM_INT_LIST):
                 yield f"{where} instruction {j} arg {k}", a.value
     for j, d in enumerate(m.delegates):
         w = f"{where} delegate {j}"

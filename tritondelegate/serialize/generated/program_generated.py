@@ -37,7 +37,6 @@ class InstrKind(object):
     DELEGATE = 1
     COPY_H2D = 2
     COPY_D2H = 3
-    COPY_D2D = 4
 
 
 class SegmentKind(object):

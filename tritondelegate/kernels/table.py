@@ -1,0 +1,29 @@
+"""The runtime's table: kernel name -> Triton kernel. Launch plans name kernels by these keys; the
+runtime imports this and nothing of the lowering side (``registry.py`` is the lowering side's table of
+ATen ops). Each kernel's footprint rule (``runtime/footprints.py``) and traffic row
+(``kernels/traffic.py``) are checked against this table by the tests.
+"""
+
+from __future__ import annotations
+
+from . import attention, batchnorm, conv, creation, elementwise, index, matmul, norm, pad, pool, reduce, rotary
+from . import scatter, softmax
+
+KERNELS: dict[str, object] = {
+    "pointwise": elementwise.pointwise_kernel,
+    "pointwise_chain": elementwise.pointwise_chain_kernel,
+    "arange": creation.arange_kernel,
+    "pad": pad.pad_kernel,
+    "gather": index.gather_kernel,
+    "cumsum": index.cumsum_kernel,
+    "scatter": scatter.scatter_kernel,
+    "matmul": matmul.matmul_kernel,
+    "conv2d": conv.conv2d_kernel,
+    "pool2d": pool.pool2d_kernel,
+    "batch_norm": batchnorm.batch_norm_kernel,
+    "attention": attention.attention_kernel,
+    "softmax": softmax.softmax_kernel,
+    "norm": norm.norm_kernel,
+    "reduce": reduce.reduce_kernel,
+    "rotary": rotary.rotary_kernel,
+}

@@ -1,0 +1,130 @@
+"""The simulated device's interpreter: this package's Triton kernels run on host memory under the
+Triton interpreter, chosen per program (the device a program is loaded on), never process-wide.
+
+Importing ``tritondelegate`` leaves ``TRITON_INTERPRET`` alone, so every ``@triton.jit`` function (the
+user's and this package's) stays as Triton made it. A delegate on the simulated device launches
+:func:`interpreted_kernel` twins of its kernels inside :func:`interpreter_library`. A user who sets
+``TRITON_INTERPRET=1`` gets interpreted kernels everywhere, as Triton defines it; they run as they are.
+"""
+
+import contextlib
+import functools
+import importlib
+import operator
+import os
+import sys
+import threading
+
+
+def interpreted() -> bool:
+    """Whether Triton itself interprets every ``@jit`` function (``TRITON_INTERPRET`` set)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def interpreted_kernel(kernel):
+    """``kernel`` (a ``@triton.jit`` function) as the simulated device launches it: an interpreted twin
+    (Triton's ``InterpretedFunction`` over the same Python function), or itself when Triton already
+    interprets everything."""
+    _fix_interpreter_index_once()
+    if interpreted():
+        return kernel
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(kernel.fn)
+
+
+_LIBRARY_SWAPS: list | None = None
+# Interpreted launches patch module-level state (Triton's interpreter patches triton.language for the
+# duration of a launch; interpreter_library swaps its helpers), so they run one at a time per process.
+_INTERPRETER_LOCK = threading.RLock()
+
+
+def _library_swaps() -> list:
+    """(owner, name, compiled, interpreted) for each ``@jit`` function defined in compiled mode that an
+    interpreted kernel may call: Triton's own helpers (``tl.zeros``, ``tl.sum`` and its combine
+    function, ...) and this package's kernel helpers (``elementwise._formula``, ...)."""
+    global _LIBRARY_SWAPS
+    if _LIBRARY_SWAPS is None:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        try:  # the interpreter's type mangling imports gluon lazily, which expects compiled helpers
+            importlib.import_module("triton.experimental.gluon")
+        except ImportError:
+            pass
+        # Triton's own helpers, and the kernels and helpers of this package (all imported by now:
+        # kernels/table.py imports every kernel family).
+        owners = [m for name, m in list(sys.modules.items())
+                  if m and name.startswith(("triton.language", "tritondelegate.kernels"))]
+        _LIBRARY_SWAPS = [
+            (owner, name, value, InterpretedFunction(value.fn))
+            for owner in [*owners, tl.core.tensor]
+            for name, value in list(vars(owner).items())
+            if isinstance(value, JITFunction)
+        ]
+    return _LIBRARY_SWAPS
+
+
+@contextlib.contextmanager
+def interpreter_library():
+    """Triton's library helpers as the interpreter needs them, for the duration of a block.
+
+    Triton picks compiled or interpreted when a function is decorated, and unless the user set
+    ``TRITON_INTERPRET=1`` every ``@jit`` function is compiled-mode: a device function called from an
+    interpreted kernel refuses to run. Interpreted launches run inside this block, which swaps in
+    interpreted twins and puts the originals back after, so nobody else's kernels change.
+    The block holds a process-wide lock: interpreted launches from several threads take turns.
+    """
+    with _INTERPRETER_LOCK:
+        swaps = _library_swaps()
+        for owner, name, _, interpreted_fn in swaps:
+            setattr(owner, name, interpreted_fn)
+        try:
+            yield
+        finally:
+            for owner, name, compiled, _ in swaps:
+                setattr(owner, name, compiled)
+
+
+def _fix_interpreter_index() -> bool:
+    """Backport triton-lang/triton#9172 to interpreters that lack it (triton 3.6).
+
+    The interpreter holds every scalar as a 1-element array and turns it into a Python int (a
+    ``range`` bound, an index) with ``int(array)``, which NumPy >= 2.4 refuses for arrays of rank > 0:
+    any loop over a runtime bound (``range(0, K, BLOCK_K)``) fails with "only 0-dimensional arrays can
+    be converted to Python scalars". Upstream squeezes the array first; this installs the same
+    ``__index__``. Only interpreted runs see it: compiled kernels never touch the interpreter.
+    Returns whether the fix was needed.
+    """
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+
+        original = interp._patch_lang_tensor
+        probe_scope = interp._LangPatchScope()
+        original(tl.tensor, probe_scope)
+        try:
+            operator.index(tl.tensor(interp.TensorHandle(np.array([1], np.int32), tl.int32), tl.int32))
+            return False
+        except TypeError:
+            pass
+        finally:
+            probe_scope.restore()
+    except (ImportError, AttributeError, TypeError):  # another interpreter layout: leave it alone
+        return False
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        # The scope restores in reverse order, so this override is undone before the original's.
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interp._patch_lang_tensor = patch_lang_tensor
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _fix_interpreter_index_once() -> bool:
+    return _fix_interpreter_index()

@@ -21,27 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from tritondelegate.dtypes import dtype_name, parse_dtype
 from tritondelegate.plan import Arg, Base, DelegatePlan, KernelArgKind, Launch, TensorDesc
-from tritondelegate.program import (
-    FORMAT_VERSION,
-    Segment,
-    SegmentKind,
-    Slot,
-    Arena,
-    Constant,
-    Delegate,
-    HostArg,
-    HostArgKind,
-    InstrKind,
-    Instruction,
-    KernelBinary,
-    Method,
-    Program,
-    ProgramError,
-    Role,
-    Symbol,
-    TensorValue,
-    align_up,
-)
+from tritondelegate.program import (FORMAT_VERSION, Segment, SegmentKind, Slot, Arena, Constant, Delegate,
+                                    HostArg, HostArgKind, InstrKind, Instruction, KernelBinary, Method,
+                                    Program, Role, Symbol, TensorValue, align_up)
+from tritondelegate.errors import ProgramError
 from tritondelegate.serialize import header as hdr
 from tritondelegate.serialize import load_program, save_program, writer
 from tritondelegate.serialize.reader import ProgramFile
@@ -957,10 +940,10 @@ def test_vector_length_beyond_the_buffer_is_an_error_not_a_hang(tmp_path):
 
 def test_reader_imports_only_the_format():
     allowed = {"__future__", "dataclasses", "functools", "json", "keyword", "math", "mmap", "operator", "os", "re",
-               "struct", "typing", "zlib", "enum", "torch", "torch.utils._pytree", "safetensors", "xxhash", "flatbuffers",
-               "..dtypes", "..plan", "..program", "..symbolic", ".._device", ".header", ".generated", ".validate",
-               ".consistency", ".convert"}
-    for name in ("reader.py", "convert.py", "header.py", "validate.py", "consistency.py"):
+               "struct", "typing", "zlib", "enum", "hmac", "torch", "torch.utils._pytree", "safetensors", "xxhash", "flatbuffers",
+               "..dtypes", "..errors", "..plan", "..program", "..symbolic", ".._device", ".header", ".generated", ".validate",
+               ".consistency", ".convert", ".signing"}
+    for name in ("reader.py", "convert.py", "header.py", "validate.py", "consistency.py", "signing.py"):
         tree = ast.parse((Path(__file__).parent.parent / "tritondelegate" / "serialize" / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):

@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 
 import tritondelegate as td
 from tritondelegate.plan import Arg, KernelArgKind
-from tritondelegate.program import (Arena, Constant, HostArg, HostArgKind, InstrKind, Instruction, Method, Program,
-                                    ProgramError, Role, TensorValue)
+from tritondelegate.program import (Arena, Constant, HostArg, HostArgKind, InstrKind, Instruction, Method,
+                                    Program, Role, TensorValue)
+from tritondelegate.errors import ProgramError
 from tritondelegate.runtime.host_ops import resolve_op
 from tritondelegate.serialize import header as hdr
 from tritondelegate.serialize import load_program, save_program

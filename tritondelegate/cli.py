@@ -233,7 +233,11 @@ def _inspect(args) -> int:
     from tritondelegate.serialize.reader import load_program
 
     try:
-        with load_program(args.program) as f:
+        key = None
+        if args.key_file:
+            with open(args.key_file, "rb") as kf:
+                key = kf.read()
+        with load_program(args.program, key=key) as f:
             facts = describe(f.program)
             program = f.program
     except (ProgramError, OSError) as exc:
@@ -281,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     insp = sub.add_parser("inspect", help="what a program file holds: methods, delegates, constants, state, memory")
     insp.add_argument("program", help="a program file written by LoweredProgram.save")
     insp.add_argument("--json", action="store_true", help="print one JSON object")
+    insp.add_argument("--key-file", metavar="FILE",
+                      help="the secret a signed program was saved with (LoweredProgram.save(path, key=...))")
     insp.add_argument("--plot", metavar="FILE.png",
                       help="also draw each arena and segment (values by lifetime and offset) into a PNG "
                            "(needs matplotlib: pip install 'tritondelegate[plot]')")

@@ -57,8 +57,12 @@ class LoweredProgram:
     def method_names(self) -> list[str]:
         return [m.name for m in self.program.methods]
 
-    def save(self, path: str | os.PathLike) -> list[str]:
-        """Write the program file (and the external weights file, if any). Returns the paths written."""
+    def save(self, path: str | os.PathLike, key: bytes | None = None) -> list[str]:
+        """Write the program file (and the external weights file, if any). Returns the paths written.
+
+        ``key`` (16 or more secret bytes) signs the program: ``td.load(path, key=key)`` then refuses any
+        file that was changed after this save (its structure, constants or kernel binaries), and a
+        loader without the key refuses it too."""
         from .serialize.writer import save_program
 
         path = os.fspath(path)
@@ -66,7 +70,7 @@ class LoweredProgram:
             # Recorded by name, next to the program file: "model.tdp" -> "model.weights.safetensors".
             stem = os.path.splitext(os.path.basename(path))[0]
             self.program.external_files = [f"{stem}.weights.safetensors"]
-        return save_program(self.program, self.constant_data, path, binary_data=self.binary_data)
+        return save_program(self.program, self.constant_data, path, binary_data=self.binary_data, key=key)
 
     def load(self, devices="auto", progress: bool | None = None):
         """Run without a file: the same runtime, with constants read from memory (``progress``: as

@@ -13,7 +13,8 @@ import re
 import torch
 
 from ..dtypes import parse_dtype
-from ..program import HostArgKind, ProgramError
+from ..program import HostArgKind
+from ..errors import ProgramError
 
 
 def resolve_op(target: str):

@@ -38,10 +38,10 @@ class InMemorySource:
 class FileSource:
     """Constants as zero-copy views of the mapped program file or its external weights file."""
 
-    def __init__(self, path: str, data_files: dict[str, str] | None):
+    def __init__(self, path: str, data_files: dict[str, str] | None, key: bytes | None = None):
         from ..serialize.reader import load_program
 
-        self._file = load_program(path)
+        self._file = load_program(path, key=key)
         self.program = self._file.program
         self._data_files = data_files
 
@@ -212,7 +212,7 @@ class LoadedProgram:
 
 
 def load(path: str | os.PathLike, *, data_files: dict[str, str] | None = None, devices="auto",
-         progress: bool | None = None) -> LoadedProgram:
+         progress: bool | None = None, key: bytes | None = None) -> LoadedProgram:
     """Open a program file written by ``LoweredProgram.save``.
 
     ``data_files`` maps an external weights file name recorded in the program to its path (default:
@@ -221,10 +221,12 @@ def load(path: str | os.PathLike, *, data_files: dict[str, str] | None = None, d
     launches counted but not done: the runtime's own host cost), or a dict of device type -> DeviceAllocator.
     ``progress``: the default of ``load_method(progress=...)``: True shows a bar on stderr while
     constants load, False never; None (auto) when stderr is a terminal and the load is large.
+    ``key``: the secret bytes a signed program was saved with (``LoweredProgram.save(path, key=...)``);
+    a signed program loads only with it, unchanged, and an unsigned one is refused when a key is given.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ProgramError(f"program file {path!r} does not exist")
     if not os.path.isfile(path):
         raise ProgramError(f"program path {path!r} is not a file")
-    return LoadedProgram(FileSource(path, data_files), devices=devices, progress=progress)
+    return LoadedProgram(FileSource(path, data_files, key), devices=devices, progress=progress)

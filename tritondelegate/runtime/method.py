@@ -16,7 +16,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..dtypes import parse_dtype
-from ..program import DEVICE_ALIGNMENT, InstrKind, Method, ProgramError, Role
+from ..program import DEVICE_ALIGNMENT, InstrKind, Method, Role
+from ..errors import ProgramError
 from .delegate import DelegateRunner
 from .host_ops import HostOp
 from .inputs import InputChecker, output_structure

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from ..dtypes import parse_dtype
 from ..kernels.table import KERNELS
 from ..plan import Base, KernelArgKind, Launch, TensorDesc
-from ..program import InstrKind, Method, Program, ProgramError, Role, align_up
+from ..program import InstrKind, Method, Program, Role, align_up
+from ..errors import ProgramError
 from ..symbolic import bound
 from .delegate import DelegateError
 from .footprints import OPTIONS, RULES, Footprint, KernelRule, LaunchArgs, is_int, kernel_parameters

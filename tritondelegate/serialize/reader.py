@@ -40,8 +40,10 @@ import torch
 from safetensors import safe_open
 
 from ..dtypes import dtype_name, parse_dtype
-from ..program import FORMAT_VERSION, Constant, Program, ProgramError
+from ..program import FORMAT_VERSION, Constant, Program
+from ..errors import ProgramError
 from . import header as hdr
+from . import signing
 from .convert import from_buffer
 from .generated import program_generated as fb
 from .validate import check_program
@@ -49,12 +51,14 @@ from .validate import check_program
 SUPPORTED_VERSIONS = (FORMAT_VERSION,)
 
 
-def load_program(path, data_files: dict[str, str] | None = None) -> "ProgramFile":
+def load_program(path, data_files: dict[str, str] | None = None, key: bytes | None = None) -> "ProgramFile":
     """Maps and checks the program file at ``path``; raises :class:`ProgramError` if it is bad (and
     ``OSError`` if it cannot be opened).
 
     ``data_files`` maps external file names recorded in the program to paths (default for each: the
     recorded name, relative to the program file's directory); ``constant_*`` calls can override it.
+    ``key``: the secret a signed file was saved with (``signing.py``); a signed file needs it, an
+    unsigned file is refused with one.
     """
     path = os.fspath(path)
     with open(path, "rb") as f:
@@ -64,11 +68,11 @@ def load_program(path, data_files: dict[str, str] | None = None) -> "ProgramFile
                                "header of a program file")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     try:
-        program, data_off, data_size = _parse(mm, path)
+        program, data_off, data_size, signature = _parse(mm, path, key)
     except BaseException:
         mm.close()
         raise
-    file = ProgramFile(path, program, mm, data_off, data_size, data_files)
+    file = ProgramFile(path, program, mm, data_off, data_size, data_files, signature)
     try:
         file.check_binaries()
     except BaseException:
@@ -85,8 +89,9 @@ class ProgramFile:
     """
 
     def __init__(self, path: str, program: Program, mm: mmap.mmap, data_off: int, data_size: int,
-                 data_files: dict[str, str] | None):
+                 data_files: dict[str, str] | None, signature: signing.Signature | None = None):
         self.path = path
+        self.signature = signature  # a signed file's key: its constants' checksums are keyed
         self.program = program
         self._mm: mmap.mmap | None = mm
         self._mv: memoryview | None = memoryview(mm)
@@ -112,6 +117,8 @@ class ProgramFile:
             if zlib.crc32(self.binary_bytes(i)) != b.checksum:
                 raise ProgramError(f"{self.path}: kernel binary {i} ({b.kernel!r}, {b.arch}): its bytes do not "
                                    "match their checksum (the file is damaged)")
+        if self.signature is not None:
+            self.signature.check_binaries(self.path, [self.binary_bytes(i) for i in range(len(self.program.binaries))])
 
     # -- constants --------------------------------------------------------------------------------
 
@@ -215,9 +222,13 @@ class ProgramFile:
     def _check_sum(self, index: int, key, data: torch.Tensor, where: str) -> None:
         """The first time a constant is read (from one file): its bytes against its checksum."""
         c = self.program.constants[index]
-        if c.checksum is None or key in self._checked:
+        if key in self._checked:
             return
-        if hdr.checksum(data) != c.checksum:
+        if self.signature is not None:  # keyed: a signed file records one for every constant
+            if c.checksum is None or signing.digest(data, self.signature.key) != c.checksum:
+                raise ProgramError(f"{self.path}: constant {index} ({c.name!r}): its bytes in {where} do not "
+                                   "match the program's signature")
+        elif c.checksum is not None and hdr.checksum(data) != c.checksum:
             raise ProgramError(f"{self.path}: constant {index} ({c.name!r}): its bytes in {where} do not match "
                                "the checksum the program records for them (damaged, or not this program's data)")
         self._checked.add(key)
@@ -242,7 +253,7 @@ class ProgramFile:
 # The header and the flatbuffer.
 
 
-def _parse(mm: mmap.mmap, path: str) -> tuple[Program, int, int]:
+def _parse(mm: mmap.mmap, path: str, key=None) -> tuple[Program, int, int, "signing.Signature | None"]:
     size = len(mm)
 
     def bad(what: str) -> ProgramError:
@@ -260,6 +271,9 @@ def _parse(mm: mmap.mmap, path: str) -> tuple[Program, int, int]:
         raise bad(f"header size {header_size}, expected {hdr.HEADER.size} for version {version}")
     if zlib.crc32(head[:-4]) != head_crc:
         raise bad("header checksum mismatch: the header (bytes [0, 64)) is corrupt")
+    trailer = None
+    if size == file_size + signing.TRAILER.size and signing.is_trailer(mm[file_size:]):
+        trailer, size = mm[file_size:], file_size  # a signed file: the trailer follows the recorded end
     if file_size != size:
         if size < file_size:
             raise bad(f"truncated: the header records {file_size} bytes, the file has {size}")
@@ -275,6 +289,7 @@ def _parse(mm: mmap.mmap, path: str) -> tuple[Program, int, int]:
     buf = bytes(mm[fb_off : fb_off + fb_size])
     if zlib.crc32(buf) != fb_crc:
         raise bad(f"flatbuffer checksum mismatch: bytes [{fb_off}, {fb_off + fb_size}) are corrupt")
+    signature = signing.verify(path, trailer, head, buf, key)
     if fb_size < 8 or not fb.Program.ProgramBufferHasIdentifier(buf, 0):
         raise bad(f"the flatbuffer at {fb_off} does not carry the identifier {hdr.FILE_IDENTIFIER!r}")
     try:
@@ -284,4 +299,4 @@ def _parse(mm: mmap.mmap, path: str) -> tuple[Program, int, int]:
     except Exception as e:  # the generated accessors fail in many ways on a malformed buffer
         raise bad(f"the flatbuffer at {fb_off} does not parse ({type(e).__name__}: {e})") from e
     check_program(program, path, version, data_off, data_size)
-    return program, data_off, data_size
+    return program, data_off, data_size, signature

@@ -14,7 +14,8 @@ import torch
 
 from ..dtypes import DTYPES
 from ..plan import Base, DelegatePlan, KernelArgKind
-from ..program import Constant, HostArgKind, InstrKind, Instruction, Method, Program, ProgramError, Role, SegmentKind
+from ..program import Constant, HostArgKind, InstrKind, Instruction, Method, Program, Role, SegmentKind
+from ..errors import ProgramError
 from ..symbolic import Expr, bound
 from .consistency import MethodConsistency, aligned_end, check_alignment, check_device
 

@@ -19,13 +19,14 @@ from safetensors.torch import save_file
 from ..dtypes import dtype_name
 from ..program import FORMAT_VERSION, Constant, Program, align_up
 from . import header as hdr
+from . import signing
 from .convert import to_object
 from .generated import program_generated as fb
 from .validate import external_name_problem
 
 
 def save_program(program: Program, constant_data: Sequence[torch.Tensor], path,
-                 binary_data: Sequence[bytes] = ()) -> list[str]:
+                 binary_data: Sequence[bytes] = (), key: bytes | None = None) -> list[str]:
     """Writes ``program`` to ``path`` and its external constants next to it; returns the files written.
 
     ``constant_data[i]`` holds the bytes of ``program.constants[i]`` (any device; its dtype and shape
@@ -37,8 +38,10 @@ def save_program(program: Program, constant_data: Sequence[torch.Tensor], path,
     ``binary_data[i]`` holds the bytes of ``program.binaries[i]`` (kernel binaries), stored after the
     constants in the data segment.
     The program file is written to a temporary name and renamed, so a failed save leaves no
-    half-written program behind.
+    half-written program behind. ``key`` (16 or more secret bytes) signs the file (``signing.py``): it
+    then loads only with that key, and every checksum in it is keyed.
     """
+    key = None if key is None else signing.check_key(key)
     path = os.fspath(path)
     if program.version != FORMAT_VERSION:
         raise ValueError(f"program version {program.version} cannot be written; this writer writes "
@@ -53,24 +56,31 @@ def save_program(program: Program, constant_data: Sequence[torch.Tensor], path,
     constants, data_size = _layout(program)
     binaries, data_size = _layout_binaries(program, binary_data, data_size)
     host = [_host_bytes(c, t, i) for i, (c, t) in enumerate(zip(program.constants, constant_data))]
-    constants = [dataclasses.replace(c, checksum=hdr.checksum(data if c.external < 0 else _resolved(data)))
-                 for c, data in zip(constants, host)]
+    sums = [_checksum(data if c.external < 0 else _resolved(data), key) for c, data in zip(constants, host)]
+    constants = [dataclasses.replace(c, checksum=s) for c, s in zip(constants, sums)]
     fb_bytes = _finish(_program_t(program, constants, binaries))
+    signature = None if key is None else (key, binary_data)
     _write_file(path, fb_bytes, data_size, [(c, data) for c, data in zip(constants, host) if c.external < 0]
-                + list(zip(binaries, binary_data)))
+                + list(zip(binaries, binary_data)), signature)
     for file_index, file_path in enumerate(external_paths):
         _write_external(file_path, [(c, t) for c, t in zip(constants, constant_data) if c.external == file_index])
     return [path, *external_paths]
 
 
-def _write_file(path: str, fb_bytes: bytes, data_size: int, blobs: list) -> None:
-    """The header, the flatbuffer, and the data segment with ``blobs`` ((constant or binary, its bytes))
-    at their offsets; written to a temporary name and renamed, so a failure leaves no half-written file."""
+def _checksum(data: torch.Tensor, key: bytes | None) -> int:
+    return hdr.checksum(data) if key is None else signing.digest(data, key)
+
+
+def _write_file(path: str, fb_bytes: bytes, data_size: int, blobs: list, signature=None) -> None:
+    """The header, the flatbuffer, the data segment with ``blobs`` ((constant or binary, its bytes)) at
+    their offsets, and with a ``signature`` (the key, the kernel binaries' bytes) the signature trailer;
+    written to a temporary name and renamed, so a failure leaves no half-written file."""
     data_off = align_up(hdr.FLATBUFFER_OFFSET + len(fb_bytes), hdr.DATA_SEGMENT_ALIGNMENT)
+    header = hdr.pack_header(FORMAT_VERSION, len(fb_bytes), data_off, data_size, zlib.crc32(fb_bytes))
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(hdr.pack_header(FORMAT_VERSION, len(fb_bytes), data_off, data_size, zlib.crc32(fb_bytes)))
+            f.write(header)
             f.write(fb_bytes)
             for item, data in blobs:
                 if item.nbytes:
@@ -79,6 +89,8 @@ def _write_file(path: str, fb_bytes: bytes, data_size: int, blobs: list) -> None
             f.write(bytes(max(0, data_off + data_size - f.tell())))  # alignment of a trailing empty constant
             if f.tell() != data_off + data_size:
                 raise RuntimeError(f"internal error: wrote {f.tell()} bytes, laid out {data_off + data_size}")
+            if signature is not None:
+                f.write(signing.pack_trailer(header, fb_bytes, signature[1], signature[0]))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -14,6 +14,11 @@ loader's structural checks and the runtime see the damage). Prints one row per p
     python scripts/fuzz_campaign.py -n 200 --programs resident --kinds resealed
     python scripts/fuzz_campaign.py --in-process    # no watchdog: one process runs everything
     python scripts/fuzz_campaign.py --programs resident --show resealed:5   # what mutant 5 changed
+    python scripts/fuzz_campaign.py --signed        # the programs signed (LoweredProgram.save(key=...))
+
+With ``--signed`` each program is saved with a secret key and loaded with it; a re-sealed mutant keeps
+the good file's signature trailer (all that someone without the key can do), so only the signature
+tells it from the real program: every mutant must then be a ProgramError or identical.
 
 Each mutant runs in a worker process watched by this one: a worker that dies is a crash, one silent for
 ``--timeout`` seconds a hang; the worker is restarted after the mutant. ``--in-process`` runs all
@@ -40,6 +45,7 @@ from pathlib import Path
 PROGRAMS = ("resident", "two_methods", "external")
 KINDS = ("raw", "resealed")
 OUTCOMES = ("crash", "hang", "non-ProgramError", "different", "ProgramError", "different-plan", "identical")
+KEY = b"fuzz campaign signing key"
 BAD = OUTCOMES[:4]
 # "different-plan": a re-sealed mutant that changed only a delegate's launch plan (kernel arguments,
 # constexprs, grids, launches, tensor views) and that the load-time verifier (runtime/verify.py) let
@@ -65,8 +71,9 @@ def _models():
     return Tiny, Accumulate, Read
 
 
-def build(name: str, folder: Path) -> Path:
-    """Lowers program ``name`` into ``folder`` (program.tdp, its weights file, calls.pt); returns folder."""
+def build(name: str, folder: Path, signed: bool = False) -> Path:
+    """Lowers program ``name`` into ``folder`` (program.tdp, its weights file, calls.pt, and with
+    ``signed`` the key it was signed with); returns folder."""
     import torch
 
     import tritondelegate as td
@@ -88,7 +95,10 @@ def build(name: str, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        td.lower(eps, config=config).save(folder / "program.tdp")
+        key = KEY if signed else None
+        td.lower(eps, config=config).save(folder / "program.tdp", key=key)
+    if signed:
+        (folder / "key").write_bytes(KEY)
     torch.save(calls, folder / "calls.pt")
     return folder
 
@@ -107,7 +117,8 @@ def run_program(folder: Path, names: list[str] | None = None):
     import tritondelegate as td
 
     calls = torch.load(folder / "calls.pt", weights_only=True)
-    program = td.load(folder / "program.tdp", devices="simulated")
+    key = (folder / "key").read_bytes() if (folder / "key").exists() else None
+    program = td.load(folder / "program.tdp", devices="simulated", key=key)
     position = {name: k for k, name in enumerate(names or program.method_names)}
     methods = [program.load_method(name) for name in program.method_names]
     if len(methods) != len(position):
@@ -183,14 +194,15 @@ def _fields(raw: bytes) -> tuple[int, int, int, int]:
     return fields[3], fields[4], fields[5], fields[6]
 
 
-def seal(flatbuffer: bytes, data: bytes, version: int) -> bytes:
-    """A program file around ``flatbuffer`` and the data segment ``data``, with correct checksums."""
+def seal(flatbuffer: bytes, data: bytes, version: int, trailer: bytes = b"") -> bytes:
+    """A program file around ``flatbuffer`` and the data segment ``data``, with correct checksums (and
+    a signed file's ``trailer`` after it)."""
     from tritondelegate.program import align_up
     from tritondelegate.serialize import header as hdr
 
     data_off = align_up(hdr.FLATBUFFER_OFFSET + len(flatbuffer), hdr.DATA_SEGMENT_ALIGNMENT)
     head = hdr.pack_header(version, len(flatbuffer), data_off, len(data), zlib.crc32(flatbuffer))
-    return head + flatbuffer + bytes(data_off - len(head) - len(flatbuffer)) + data
+    return head + flatbuffer + bytes(data_off - len(head) - len(flatbuffer)) + data + trailer
 
 
 def _flip(buf: bytearray, lo: int, hi: int, rng: random.Random) -> None:
@@ -289,10 +301,11 @@ def resealed_mutant(files: dict[str, bytes], rng: random.Random) -> dict[str, by
     raw = files["program.tdp"]
     fb_off, fb_size, data_off, data_size = _fields(raw)
     flat, data = bytearray(raw[fb_off: fb_off + fb_size]), raw[data_off: data_off + data_size]
+    trailer = raw[data_off + data_size:]  # a signed file's signature: kept, as it was
     if rng.random() < 0.4:
         for _ in range(rng.randint(1, 3)):
             (_word if rng.random() < 0.4 else _flip)(flat, 0, len(flat), rng)
-        return {**files, "program.tdp": seal(bytes(flat), data, FORMAT_VERSION)}
+        return {**files, "program.tdp": seal(bytes(flat), data, FORMAT_VERSION, trailer)}
     for _ in range(20):  # a mutation that packs (a value out of its field's range does not)
         root = fb.ProgramT.InitFromPackedBuf(bytes(flat), 0)
         strings = sorted({_get(o, k) for o, k in _leaves(root) if not isinstance(k, tuple)
@@ -300,7 +313,7 @@ def resealed_mutant(files: dict[str, bytes], rng: random.Random) -> dict[str, by
         for _ in range(rng.randint(1, 2)):
             _mutate_field(root, rng, strings)
         try:
-            return {**files, "program.tdp": seal(_finish(root), data, FORMAT_VERSION)}
+            return {**files, "program.tdp": seal(_finish(root), data, FORMAT_VERSION, trailer)}
         except (struct.error, TypeError, ValueError, OverflowError):
             continue
     return files
@@ -422,6 +435,7 @@ def main(argv=None) -> int:
     parser.add_argument("--in-process", action="store_true", help="no worker processes, no watchdog")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--show", metavar="KIND:INDEX", help="print how one mutant of the first program differs")
+    parser.add_argument("--signed", action="store_true", help="sign the programs and load them with the key")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="fuzz-programs-") as tmp:
@@ -430,7 +444,7 @@ def main(argv=None) -> int:
             show(build(args.programs.split(",")[0], Path(tmp) / "p"), kind, args.seed, int(index))
             return 0
         for name in args.programs.split(","):
-            folder = build(name, Path(tmp) / name)
+            folder = build(name, Path(tmp) / name, args.signed)
             for kind in args.kinds.split(","):
                 counts, cases = {}, {}
                 start = time.perf_counter()

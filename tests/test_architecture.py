@@ -5,6 +5,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -114,3 +115,28 @@ def test_running_a_program_loads_no_lowering_module_and_leaves_triton_alone(tmp_
     # The simulated device interprets its own kernels: Triton's mode is untouched for everyone else.
     assert facts["interpret_env"] is None
     assert facts["users_kernel"] == "JITFunction"
+
+
+def test_the_readme_layout_table_matches_the_tree():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    table = readme[readme.index("## Layout"):readme.index("## Benchmarks")]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
+    named = set()
+    for path_cell, what in rows:
+        paths = [p.strip("` ") for p in path_cell.split(",")]
+        folder = paths[0].rpartition("/")[0]
+        for p in paths:
+            full = p if "/" in p else f"{folder}/{p}"
+            assert (PACKAGE.parent / full).exists(), f"the layout table names {full}, which does not exist"
+            named.add(full.rstrip("/"))
+        for module in re.findall(r"`(\w+\.py)`", what):  # modules a folder's row names
+            full = f"{paths[0].rstrip('/')}/{module}"
+            assert (PACKAGE.parent / full).exists(), f"the layout table names {full}, which does not exist"
+            named.add(full)
+    # every module of the package is in a row: by name, or by its folder's row
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        if "generated" in rel or path.name == "__init__.py" and rel != "tritondelegate/__init__.py":
+            continue
+        assert rel in named or rel.rpartition("/")[0] in named - {"tritondelegate"}, \
+            f"{rel} is in no row of the README's layout table"

@@ -55,6 +55,7 @@ def _pow(a, b):
 
 @triton.jit
 def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
+    """One pointwise op on a (and b, c): the ops of one operand here, the rest in _binary_formula."""
     if OP == "copy":
         r = a
     elif OP == "neg":
@@ -89,7 +90,15 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = tl.sin(a)
     elif OP == "logical_not":
         r = a == 0
-    elif OP == "add":  # a + alpha * b
+    else:
+        r = _binary_formula(a, b, c, OP, ALPHA)
+    return r
+
+
+@triton.jit
+def _binary_formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
+    """:func:`_formula` of the ops of two or three operands."""
+    if OP == "add":  # a + alpha * b
         if ALPHA == 1:
             r = a + b
         else:

@@ -277,8 +277,11 @@ def _dtype_reason(val, what: str, allowed) -> str | None:
 def _supported_gather_op(node, src_arg, index_args) -> str | None:
     out = node.meta.get("val")
     reason = _dtype_reason(out, "the result", ew.DTYPES) or _dtype_reason(node_value(src_arg), "the source", ew.DTYPES)
-    if reason:
-        return reason
+    return reason or index_reason(index_args, out)
+
+
+def index_reason(index_args, out) -> str | None:
+    """Why the indices or the result of an indexing op (gather or scatter) cannot be lowered, or None."""
     for arg in index_args:
         reason = _dtype_reason(node_value(arg), "an index", INDEX_DTYPES)
         if reason:

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import elementwise as ew
 from . import sizes as size_fns
-from .index import INDEX_DTYPES, MAX_INDICES, _dtype_reason, broadcast_shape, indexed_offsets
+from .index import MAX_INDICES, _dtype_reason, broadcast_shape, index_reason, indexed_offsets
 from .layout import view_of
 from ..errors import LoweringError
 from .refs import FLOAT_DTYPES, MAX_RANK, TRef, broadcast_strides, collapse, node_value
@@ -298,13 +298,7 @@ def _common_reason(node, src_arg, index_args, accumulate: bool) -> str | None:
         reason = _dtype_reason(node_value(src_arg), "the source", ew.DTYPES)
     elif src_arg is not None and not isinstance(src_arg, (int, float, bool)):
         reason = f"the source {src_arg!r} is neither a tensor nor a number"
-    for arg in index_args:
-        reason = reason or _dtype_reason(node_value(arg), "an index", INDEX_DTYPES)
-    if reason:
-        return reason
-    if out.ndim > MAX_RANK:
-        return f"result has {out.ndim} dims (at most {MAX_RANK})"
-    return None
+    return reason or index_reason(index_args, out)
 
 
 def supported_index_put(node) -> str | None:

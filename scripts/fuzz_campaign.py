@@ -107,6 +107,11 @@ def build(name: str, folder: Path, signed: bool = False) -> Path:
 # Running a (mutated) program
 
 
+def _key(folder: Path) -> bytes | None:
+    """The key a signed program was saved with (``build(signed=True)``), None for an unsigned one."""
+    return (folder / "key").read_bytes() if (folder / "key").exists() else None
+
+
 def run_program(folder: Path, names: list[str] | None = None):
     """Loads ``folder/program.tdp``, loads every method, makes the recorded calls: their outputs. A call
     names its method by its position in ``names`` (the good program's methods), so a mutant that only
@@ -117,8 +122,7 @@ def run_program(folder: Path, names: list[str] | None = None):
     import tritondelegate as td
 
     calls = torch.load(folder / "calls.pt", weights_only=True)
-    key = (folder / "key").read_bytes() if (folder / "key").exists() else None
-    program = td.load(folder / "program.tdp", devices="simulated", key=key)
+    program = td.load(folder / "program.tdp", devices="simulated", key=_key(folder))
     position = {name: k for k, name in enumerate(names or program.method_names)}
     methods = [program.load_method(name) for name in program.method_names]
     if len(methods) != len(position):
@@ -175,11 +179,12 @@ def show(folder: Path, kind: str, seed: int, index: int) -> None:
     for name, content in mutant(_files(folder), kind, seed, index).items():
         (scratch / name).write_bytes(content)
     try:
-        with load_program(folder / "program.tdp") as good, load_program(scratch / "program.tdp") as bad:
+        with load_program(folder / "program.tdp", key=_key(folder)) as good, \
+                load_program(scratch / "program.tdp", key=_key(folder)) as bad:
             print("\n".join(diff(good.program, bad.program, "program")) or "the same program")
     except Exception as e:  # noqa: BLE001
         print(f"the mutant does not load: {type(e).__name__}: {e}")
-    names = td.load(folder / "program.tdp", devices="null").method_names
+    names = td.load(folder / "program.tdp", devices="null", key=_key(folder)).method_names
     print(outcome(scratch, run_program(folder), names))
     shutil.rmtree(scratch, ignore_errors=True)
 
@@ -375,7 +380,7 @@ def work(folder: Path, kind: str, seed: int, start: int, count: int, report) -> 
 
     good = _files(folder)
     reference = run_program(folder)
-    names = td.load(folder / "program.tdp", devices="null").method_names
+    names = td.load(folder / "program.tdp", devices="null", key=_key(folder)).method_names
     scratch = Path(tempfile.mkdtemp(prefix="fuzz-"))
     try:
         shutil.copy(folder / "calls.pt", scratch / "calls.pt")

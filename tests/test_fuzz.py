@@ -27,3 +27,14 @@ def test_resealed_mutants_fail_cleanly_or_run_the_same():
     assert row["ProgramError"] > 100 and row["identical"] > 10  # both outcomes occur: the mutants are varied
     assert {k: row[k] for k in ("non-ProgramError", "different")} == {"non-ProgramError": 0, "different": 0}, \
         row["cases"]
+
+
+def test_signed_resealed_mutants_are_all_refused():
+    # A re-sealed mutant keeps the good file's signature: only the signature tells it from the real
+    # program, so none may run (identical mutants are the ones whose bytes did not change).
+    cmd = [sys.executable, str(SCRIPT), "-n", "60", "--programs", "resident", "--kinds", "resealed",
+           "--seed", "2", "--in-process", "--json", "--signed"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert result.stdout.strip(), f"the fuzz run died (exit code {result.returncode}): {result.stderr[-3000:]}"
+    (row,) = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["ProgramError"] + row["identical"] == 60 and row["ProgramError"] > 40, row

@@ -291,10 +291,15 @@ def _per_dtype(d) -> dict[str, callable]:
         "layer_norm_mlp_prefill": lambda: _layer_norm_mlp(d, 200),
         "layer_norm_mlp_decode": lambda: _layer_norm_mlp(d, 1),
         # written out, fused by passes/fuse_rotary.py: q [1, 8, 64, 128] and k as a projection's transpose
+        # (2 heads), paired into one launch
         "rotary": lambda: (Fn(lambda q, k, c, s: (q * c + rotate_half(q) * s,
                                                   k.transpose(1, 2) * c + rotate_half(k.transpose(1, 2)) * s)),
                            (_randn(1, 8, 64, 128, dtype=d), _randn(1, 64, 2, 128, dtype=d),
                             _randn(64, 128, dtype=d), _randn(64, 128, dtype=d))),
+        # a lone rotary (no pair): one decode token against [b, 1, 1, D] tables
+        "rotary_lone": lambda: (Fn(lambda x, c, s: x * c + rotate_half(x) * s),
+                                (_randn(4, 8, 1, 128, dtype=d), _randn(4, 1, 1, 128, dtype=d),
+                                 _randn(4, 1, 1, 128, dtype=d))),
     }
 
 

@@ -380,3 +380,46 @@ def test_overlap_sweep_agrees_with_every_pair():
         pairs = any(a[0] <= b[1] and b[0] <= a[1] and a[3] and b[3] and a[2] < b[2] + b[3] and b[2] < a[2] + a[3]
                     for a, b in itertools.combinations(items, 2))
         assert (_first_overlap(items) is not None) == pairs, items
+
+
+# -- a rotary pair (q and k over the same cos and sin) -----------------------------------------------
+def _rotate_half(x):
+    return torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+
+
+class RotaryPair(torch.nn.Module):
+    """q [1, 4, 5, 8] and k [1, 5, 2, 8] read transposed (fewer heads, other strides), one launch."""
+
+    def forward(self, q, k, cos, sin):
+        k = k.transpose(1, 2)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+ROTARY_DAMAGE = [
+    ("k rows x 10**6", lambda rows: _set_int("krows", rows * 10**6), r"rows x half is \d+, more than"),
+    ("k row stride", lambda rows: _set_int("kxs3", 100000), r"argument 'kx_ptr' reaches"),
+    ("k's cos row stride", lambda rows: _set_int("kcs3", 100000), r"argument 'cos_ptr' reaches"),
+    ("k's output stride", lambda rows: _set_int("kos3", 100000), r"argument 'kout_ptr' reaches"),
+    ("not a pair, the pair's grid", lambda rows: _set_constexpr("PAIR", False), "grid axis 0 has"),
+]
+
+
+def test_a_rotary_pair_loads_and_its_damage_is_refused():
+    torch.manual_seed(0)
+    args = (torch.randn(1, 4, 5, 8), torch.randn(1, 5, 2, 8), torch.randn(5, 8), torch.randn(5, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", td.PerCallCopyWarning)
+        lowered = td.lower(torch.export.export(RotaryPair(), args), config=RESIDENT)
+    ((d, k, launch),) = [x for x in _launches(lowered.program) if x[2].kernel == "rotary"]
+    assert launch.constexprs["PAIR"].value is True
+    for got, want in zip(_load(lowered)(*args), RotaryPair()(*args)):
+        torch.testing.assert_close(got, want)
+    rows = launch.args[_arg(launch, "krows")].value
+    where = rf"delegate {d} \('triton_0'\) launch {k} \('rotary'"
+    for _, damage, match in ROTARY_DAMAGE:
+        program = copy.deepcopy(lowered.program)
+        damage(rows)(program.methods[0].delegates[d].plan.launches[k])
+        _refused(lowered, program, rf"{where}.*{match}")
+    program = copy.deepcopy(lowered.program)
+    program.methods[0].delegates[d].plan.launches[k].grid = (launch.grid[0] + 1, *launch.grid[1:])
+    _refused(lowered, program, rf"{where}.*grid axis 0 has {launch.grid[0] + 1} programs")

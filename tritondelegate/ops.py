@@ -4,6 +4,9 @@ place of a written-out pattern, so one kernel runs them.
     tritondelegate::rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor
         x * cos + rotate_half(x) * sin,   rotate_half(x) = cat((-x[..., h:], x[..., :h]), dim=-1), h = D / 2
 
+    tritondelegate::rotary_pair(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)
+        (rotary(q, cos, sin), rotary(k, cos, sin)): a layer's query and key rotated in one launch
+
     tritondelegate::glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor
         y = linear(x, weight, bias);  act(y[..., 0::2]) * y[..., 1::2]
         (a gated MLP's gate and up projections as one GEMM: their weight rows interleaved, gate first;
@@ -25,6 +28,7 @@ NAMESPACE = "tritondelegate"
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 _lib.define("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor")
+_lib.define("rotary_pair(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
 
 # The activations of a gated linear unit, by the name the pointwise kernels give them.
@@ -60,6 +64,16 @@ def _rotary_fake(x, cos, sin):
     return rotary_reference(x, cos, sin)
 
 
+@torch.library.impl(_lib, "rotary_pair", "CompositeExplicitAutograd")
+def _rotary_pair(q, k, cos, sin):
+    return _rotary(q, cos, sin), _rotary(k, cos, sin)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::rotary_pair")
+def _rotary_pair_fake(q, k, cos, sin):
+    return rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)
+
+
 def glu_linear_reference(x, weight, bias, act: str) -> torch.Tensor:
     """``act(gate) * up`` with gate and up the even and odd output features of one linear: the values
     (and dtype rounding) of ``act(linear(x, w_gate)) * linear(x, w_up)``."""
@@ -89,8 +103,10 @@ def _glu_linear_fake(x, weight, bias, act):
 # The ops this module defines, by the name a program file stores for a host op (``OpOverload.name()``).
 OPS: dict[str, torch._ops.OpOverload] = {
     "tritondelegate::rotary": torch.ops.tritondelegate.rotary.default,
+    "tritondelegate::rotary_pair": torch.ops.tritondelegate.rotary_pair.default,
     "tritondelegate::glu_linear": torch.ops.tritondelegate.glu_linear.default,
 }
 
 rotary = torch.ops.tritondelegate.rotary.default
+rotary_pair = torch.ops.tritondelegate.rotary_pair.default
 glu_linear = torch.ops.tritondelegate.glu_linear.default

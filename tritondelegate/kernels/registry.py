@@ -197,6 +197,7 @@ OPS: dict[object, OpSpec] = {
     aten.linalg_vector_norm.default: OpSpec(red.vector_norm, red.supported_norm),
     # tritondelegate:: ops (ops.py), put in place of written-out patterns by passes/fuse.py
     td_ops.rotary: OpSpec(rot.rotary, rot.supported),  # rotary.py
+    td_ops.rotary_pair: OpSpec(rot.rotary_pair, rot.supported_pair),  # rotary.py
     td_ops.glu_linear: OpSpec(mm.glu_linear, mm.supported_glu),  # matmul.py
 }
 

@@ -13,6 +13,11 @@ broadcast to its shape with stride 0 (``[seq, D]`` or ``[b, 1, seq, D]`` against
 The leading dims of all four tensors are collapsed together (``refs.collapse``) into at most
 four row dims; one program covers BLOCK_R rows by BLOCK_H positions of the half, loads each x element
 once and writes both halves. Math is fp32; the result is cast to the output's dtype.
+
+``tritondelegate::rotary_pair(q, k, cos, sin)`` (a layer's query and key over the same tables, paired
+by ``passes/fuse_rotary.py``) is the same kernel with ``PAIR``: the row blocks of q, then those of k,
+along grid axis 0, each program rotating a block of one of them. k has its own rows and strides (under
+grouped-query attention fewer heads than q) and sees cos and sin through its own broadcast strides.
 """
 
 from __future__ import annotations
@@ -42,8 +47,8 @@ def _row4(r, n1, n2, n3, s0, s1, s2, s3):
 
 
 @triton.jit
-def rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr,
+def _rotate(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, block,
     rows, half, n1, n2, n3,
     xs0, xs1, xs2, xs3, xsd,
     cs0, cs1, cs2, cs3, csd,
@@ -51,7 +56,8 @@ def rotary_kernel(
     os0, os1, os2, os3, osd,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """Row block ``block`` (and column block ``program_id(1)``) of one tensor's rotation."""
+    r = block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (r < rows)[:, None] & (c < half)[None, :]
     lo = c[None, :]
@@ -73,39 +79,103 @@ def rotary_kernel(
     tl.store(o_row + hi * osd, y2.to(ty), mask=mask)
 
 
+@triton.jit
+def rotary_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, kx_ptr, kout_ptr,
+    rows, half, n1, n2, n3,
+    xs0, xs1, xs2, xs3, xsd,
+    cs0, cs1, cs2, cs3, csd,
+    ss0, ss1, ss2, ss3, ssd,
+    os0, os1, os2, os3, osd,
+    krows, k1, k2, k3,
+    kxs0, kxs1, kxs2, kxs3, kxsd,
+    kcs0, kcs1, kcs2, kcs3,
+    kss0, kss1, kss2, kss3,
+    kos0, kos1, kos2, kos3, kosd,
+    PAIR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """One tensor x, or (PAIR) two tensors x and kx over the same cos and sin: axis 0 of the grid is
+    x's row blocks, then kx's. kx has its own rows (its own head count) and strides; its cos and sin
+    strides are theirs broadcast to kx's shape, over the same last dim (csd, ssd)."""
+    pid = tl.program_id(0)
+    if PAIR:
+        x_blocks = tl.cdiv(rows, BLOCK_R)
+        if pid < x_blocks:
+            _rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, pid, rows, half, n1, n2, n3,
+                    xs0, xs1, xs2, xs3, xsd, cs0, cs1, cs2, cs3, csd, ss0, ss1, ss2, ss3, ssd,
+                    os0, os1, os2, os3, osd, BLOCK_R, BLOCK_H)
+        else:
+            _rotate(kx_ptr, cos_ptr, sin_ptr, kout_ptr, pid - x_blocks, krows, half, k1, k2, k3,
+                    kxs0, kxs1, kxs2, kxs3, kxsd, kcs0, kcs1, kcs2, kcs3, csd, kss0, kss1, kss2, kss3, ssd,
+                    kos0, kos1, kos2, kos3, kosd, BLOCK_R, BLOCK_H)
+    else:
+        _rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, pid, rows, half, n1, n2, n3,
+                xs0, xs1, xs2, xs3, xsd, cs0, cs1, cs2, cs3, csd, ss0, ss1, ss2, ss3, ssd,
+                os0, os1, os2, os3, osd, BLOCK_R, BLOCK_H)
+
+
 # --- host launcher --------------------------------------------------------------------------------
-def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef) -> None:
-    """``out = x * cos + rotate_half(x) * sin``; ``out`` has ``x``'s shape, cos and sin broadcast to it."""
+def _rows(name: str, x: TRef, cos: TRef, sin: TRef, out: TRef):
+    """(rows, [n1, n2, n3], strides of out, x, cos, sin): the leading dims of the four collapsed
+    together into ROW_DIMS row dims; each stride set ends with the last dim's stride."""
     shape = out.shape
     if tuple(x.shape) != tuple(shape):
-        raise LoweringError(f"rotary: x {x.shape} does not have the result's shape {shape}")
+        raise LoweringError(f"{name}: x {x.shape} does not have the result's shape {shape}")
     if not shape or not sizes.is_static(shape[-1]) or shape[-1] % 2:
-        raise LoweringError(f"rotary: the last dim of {shape} is not a static even size")
-    half = shape[-1] // 2
+        raise LoweringError(f"{name}: the last dim of {shape} is not a static even size")
     stride_sets = [out.strides, broadcast_strides(x, shape), broadcast_strides(cos, shape),
                    broadcast_strides(sin, shape)]
     lead, lead_strides = collapse(shape[:-1], [s[:-1] for s in stride_sets])
     if len(lead) > ROW_DIMS:
-        raise LoweringError(f"rotary: {len(lead)} row dims after merging (at most {ROW_DIMS})")
+        raise LoweringError(f"{name}: {len(lead)} row dims after merging (at most {ROW_DIMS})")
     pad = ROW_DIMS - len(lead)
     lead = [1] * pad + list(lead)
     lead_strides = [[0] * pad + list(s) for s in lead_strides]
     rows = lead[0] * lead[1] * lead[2] * lead[3]
-    (os_, xs, cs, ss) = (tuple(ls) + (s[-1],) for ls, s in zip(lead_strides, stride_sets))
+    return rows, lead[1:], [tuple(ls) + (s[-1],) for ls, s in zip(lead_strides, stride_sets)]
+
+
+def _blocks(half: int, *rows) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_H): a column block over the half, rows to fill a TILE (at the rows' bounds)."""
     block_h = min(next_power_of_2(half), MAX_BLOCK_H)
-    block_r = max(1, min(next_power_of_2(rows), TILE // block_h))
+    block_r = max(1, min(max(next_power_of_2(r) for r in rows), TILE // block_h))
+    return block_r, block_h
+
+
+def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef) -> None:
+    """``out = x * cos + rotate_half(x) * sin``; ``out`` has ``x``'s shape, cos and sin broadcast to it."""
+    rows, inner, (os_, xs, cs, ss) = _rows("rotary", x, cos, sin, out)
+    half = out.shape[-1] // 2
+    block_r, block_h = _blocks(half, rows)
     b.launch(
         "rotary", (triton.cdiv(rows, block_r), triton.cdiv(half, block_h)),
-        x, cos, sin, out,
-        rows, half, lead[1], lead[2], lead[3],
-        *xs, *cs, *ss, *os_,
-        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
+        x, cos, sin, out, x, out,
+        rows, half, *inner, *xs, *cs, *ss, *os_,
+        0, 1, 1, 1, *[0] * 18,  # no second tensor
+        PAIR=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
+    )
+
+
+def launch_rotary_pair(b, q: TRef, k: TRef, cos: TRef, sin: TRef, q_out: TRef, k_out: TRef) -> None:
+    """``q_out`` and ``k_out``: q and k rotated by the same cos and sin, in one launch."""
+    if q.shape[-1] != k.shape[-1]:
+        raise LoweringError(f"rotary_pair: q {q.shape} and k {k.shape} differ in their last dim")
+    rows, inner, (os_, xs, cs, ss) = _rows("rotary_pair", q, cos, sin, q_out)
+    krows, kinner, (kos, kxs, kcs, kss) = _rows("rotary_pair", k, cos, sin, k_out)
+    half = q_out.shape[-1] // 2
+    block_r, block_h = _blocks(half, rows, krows)
+    b.launch(
+        "rotary", (triton.cdiv(rows, block_r) + triton.cdiv(krows, block_r), triton.cdiv(half, block_h)),
+        q, cos, sin, q_out, k, k_out,
+        rows, half, *inner, *xs, *cs, *ss, *os_,
+        krows, *kinner, *kxs, *kcs[:-1], *kss[:-1], *kos,
+        PAIR=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
     )
 
 
 # --- support check and lowering -------------------------------------------------------------------
-def supported(node) -> str | None:
-    vals = [node_value(a) for a in node.args[:3]] + [node.meta.get("val")]
+def _refusal(vals) -> str | None:
+    """Why the kernel cannot rotate x by cos and sin into out (``vals``: their fake tensors), or None."""
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return "operand or result is not a tensor"
     for v in vals:
@@ -124,7 +194,31 @@ def supported(node) -> str | None:
     return None
 
 
+def supported(node) -> str | None:
+    return _refusal([node_value(a) for a in node.args[:3]] + [node.meta.get("val")])
+
+
+def supported_pair(node) -> str | None:
+    q, k, cos, sin = (node_value(a) for a in node.args[:4])
+    outs = node.meta.get("val")
+    if not isinstance(outs, (tuple, list)) or len(outs) != 2:
+        return "the result is not a pair of tensors"
+    for name, x, out in (("q", q, outs[0]), ("k", k, outs[1])):
+        reason = _refusal([x, cos, sin, out])
+        if reason is not None:
+            return f"{name}: {reason}"
+    if sizes.size(q.shape[-1]) != sizes.size(k.shape[-1]):
+        return f"q and k differ in their last dim ({q.shape[-1]} and {k.shape[-1]})"
+    return None
+
+
 def rotary(b, node):
     """tritondelegate::rotary(x, cos, sin)"""
     x, cos, sin = (b.ref(a) for a in node.args[:3])
     launch_rotary(b, x, cos, sin, b.out(node))
+
+
+def rotary_pair(b, node):
+    """tritondelegate::rotary_pair(q, k, cos, sin) -> (q rotated, k rotated)"""
+    q, k, cos, sin = (b.ref(a) for a in node.args[:4])
+    launch_rotary_pair(b, q, k, cos, sin, b.out(node, 0), b.out(node, 1))

@@ -255,11 +255,12 @@ TRAFFIC: dict[str, KernelTraffic] = {
         writes=(Access("out_ptr"), Access("out2_ptr", lambda a: a["COMBINE"] in ("welford", "argmax", "argmin"))),
         flops=_reduce_flops,
     ),
-    # out = x * cos + rotate_half(x) * sin: two multiplies and an add per output element (rows x 2 half)
+    # out = x * cos + rotate_half(x) * sin: two multiplies and an add per output element (rows x 2 half);
+    # with PAIR also kout from kx (krows rows) over the same cos and sin
     "rotary": KernelTraffic(
-        reads=(Access("x_ptr"), Access("cos_ptr"), Access("sin_ptr")),
-        writes=(Access("out_ptr"),),
-        flops=lambda a: 3 * a["rows"] * 2 * a["half"],
+        reads=(Access("x_ptr"), Access("cos_ptr"), Access("sin_ptr"), Access("kx_ptr", _flag("PAIR"))),
+        writes=(Access("out_ptr"), Access("kout_ptr", _flag("PAIR"))),
+        flops=lambda a: 3 * (a["rows"] + (a["krows"] if a["PAIR"] else 0)) * 2 * a["half"],
     ),
 }
 

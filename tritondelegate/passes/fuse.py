@@ -6,7 +6,8 @@ constant folding and partitioning:
 * ``fuse_gelu``: a tanh GELU written out (GPT-2's ``0.5 * x * (1 + tanh(...))``) becomes one
   ``aten.gelu(approximate="tanh")``, which runs in the epilogue of the matmul before it;
 * ``fuse_rotary``: a rotary embedding written out (``x * cos + rotate_half(x) * sin``) becomes one
-  ``tritondelegate::rotary`` op (one launch instead of four per tensor);
+  ``tritondelegate::rotary`` op (one launch instead of four per tensor), and two that share their cos
+  and sin tables (q and k) one ``tritondelegate::rotary_pair`` (one launch for both);
 * ``fuse_glu``: a gated MLP's ``act(linear(x, Wg)) * linear(x, Wu)`` becomes one
   ``tritondelegate::glu_linear`` over the two weights interleaved (one GEMM, the gating in its epilogue);
 * ``fuse_projections``: linears that read the same input (Q/K/V; gate/up) become one linear over

@@ -18,10 +18,18 @@ multiplied and the x that is rotated may be two equal views (a transpose written
 rewritten only when its intermediates have no other users (a ``cat`` the graph also returns stays).
 The new node takes the add's metadata (its ``val`` is exactly what the op's fake implementation
 computes), so symbolic shapes (a dynamic sequence length) carry over unchanged.
+
+Then a layer's query and key, rotated by the same cos and sin, become one
+``tritondelegate::rotary_pair(q, k, cos, sin)`` (one launch instead of two) and a ``getitem`` of each
+result: two rotary nodes pair when their cos and sin are the same nodes (or equal views), their last
+dims are equal, neither reads the other's result, and one place in the graph order can hold the pair
+(after both inputs, before every user of either result). Nodes pair greedily in graph order, each with
+the first later one that fits.
 """
 
 from __future__ import annotations
 
+import operator
 import sys
 
 import torch
@@ -30,7 +38,8 @@ from torch.export.graph_signature import TensorArgument
 
 from ..kernels.rows import node_arg
 from ..ops import rotary as rotary_op
-from .rewrite import is_call, same_shape, tensor_val
+from ..ops import rotary_pair as rotary_pair_op
+from .rewrite import is_call, new_node, same_shape, tensor_val
 
 aten = torch.ops.aten
 
@@ -156,9 +165,14 @@ def _only_inside(intermediates: list[torch.fx.Node], add: torch.fx.Node) -> bool
     return all(len(n.users) == 1 and next(iter(n.users)) in inside for n in intermediates)
 
 
-def fuse_rotary(ep: torch.export.ExportedProgram, *args) -> list[str]:
-    """Rewrite every rotary embedding of ``ep``'s graph into one ``tritondelegate::rotary`` node.
-    Returns one description per rewrite (the caller recompiles the graph module)."""
+def _retarget_outputs(ep: torch.export.ExportedProgram, old: torch.fx.Node, new: torch.fx.Node) -> None:
+    """A returned result keeps its signature entry when ``new`` takes ``old``'s place."""
+    for spec in ep.graph_signature.output_specs:
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name == old.name:
+            spec.arg = TensorArgument(name=new.name)
+
+
+def _rewrite_singles(ep: torch.export.ExportedProgram) -> list[str]:
     graph = ep.graph_module.graph
     done = []
     for add in list(graph.nodes):
@@ -174,9 +188,7 @@ def fuse_rotary(ep: torch.export.ExportedProgram, *args) -> list[str]:
             node = graph.call_function(rotary_op, (x, cos, sin))
         node.meta.update(add.meta)  # val: exactly the pattern's result (shape, dtype, strides)
         add.replace_all_uses_with(node)
-        for spec in ep.graph_signature.output_specs:  # a returned result keeps its signature entry
-            if isinstance(spec.arg, TensorArgument) and spec.arg.name == add.name:
-                spec.arg = TensorArgument(name=node.name)
+        _retarget_outputs(ep, add, node)
         for dead in [add, *intermediates]:  # users first
             graph.erase_node(dead)
         if source is not x:
@@ -184,3 +196,88 @@ def fuse_rotary(ep: torch.export.ExportedProgram, *args) -> list[str]:
                 graph.erase_node(dead)
         done.append(f"rotary embedding of {x.name} -> {node.name} (tritondelegate::rotary, 7 nodes -> 1)")
     return done
+
+
+# --- pairs ----------------------------------------------------------------------------------------
+def _reads(node: torch.fx.Node, on: torch.fx.Node, order: dict) -> bool:
+    """Whether ``node`` reads ``on``'s result, directly or through other nodes (``on`` comes first)."""
+    stack, seen = [node], {node}
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg is on:
+                return True
+            if order[arg] > order[on] and arg not in seen:
+                seen.add(arg)
+                stack.append(arg)
+    return False
+
+
+def _place(a: torch.fx.Node, b: torch.fx.Node, order: dict) -> torch.fx.Node | None:
+    """The node to insert a's and b's pair before (a comes first): a, when b's inputs all come before
+    it; b, when every user of a comes after b; None when neither holds."""
+    if all(order[arg] < order[a] for arg in b.all_input_nodes):
+        return a
+    if all(order[user] > order[b] for user in a.users):
+        return b
+    return None
+
+
+def _shares_tables(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether rotary nodes ``a`` and ``b`` read the same cos and sin over equal (static) last dims."""
+    (qa, ca, sa), (qb, cb, sb) = a.args[:3], b.args[:3]
+    va, vb = tensor_val(qa), tensor_val(qb)
+    if va is None or vb is None or va.dim() == 0 or vb.dim() == 0 or not (_same(ca, cb) and _same(sa, sb)):
+        return False
+    return isinstance(va.shape[-1], int) and va.shape[-1] == vb.shape[-1]
+
+
+def _pair(ep: torch.export.ExportedProgram, a: torch.fx.Node, b: torch.fx.Node, before: torch.fx.Node) -> str:
+    graph = ep.graph_module.graph
+    q, cos, sin = a.args[:3]
+    k, b_tables = b.args[0], b.args[1:3]
+    vals = (a.meta["val"], b.meta["val"])  # exactly what rotary_pair's fake implementation computes
+    with graph.inserting_before(before):
+        pair = new_node(graph, rotary_pair_op, (q, k, cos, sin), vals, a.meta)
+        outs = [new_node(graph, operator.getitem, (pair, i), vals[i], old.meta) for i, old in enumerate((a, b))]
+    for old, new in zip((a, b), outs):
+        old.replace_all_uses_with(new)
+        _retarget_outputs(ep, old, new)
+        graph.erase_node(old)
+    for view in b_tables:  # b's cos and sin, when equal views of a's of their own
+        if view is not cos and view is not sin:
+            for dead in _dead_views(view):
+                graph.erase_node(dead)
+    return f"rotary pair: {a.name} and {b.name} -> {pair.name} (tritondelegate::rotary_pair, 2 launches -> 1)"
+
+
+def pair_rotaries(ep: torch.export.ExportedProgram) -> list[str]:
+    """Pair the ``tritondelegate::rotary`` nodes of ``ep``'s graph that share cos and sin into
+    ``tritondelegate::rotary_pair`` nodes. Returns one description per pair. Each node looks for a
+    partner among the later ones up to the first that shares its tables and reads its result (the next
+    layer's, in a decoder): the search stays linear in the layers."""
+    graph = ep.graph_module.graph
+    rotaries = [n for n in graph.nodes if is_call(n, rotary_op)]
+    paired: set[torch.fx.Node] = set()
+    done = []
+    for i, a in enumerate(rotaries):
+        if a in paired:
+            continue
+        order = {n: j for j, n in enumerate(graph.nodes)}
+        for b in rotaries[i + 1:]:
+            if b in paired or not _shares_tables(a, b):
+                continue
+            if _reads(b, a, order):
+                break
+            at = _place(a, b, order)
+            if at is not None:
+                done.append(_pair(ep, a, b, at))
+                paired.add(b)
+                break
+    return done
+
+
+def fuse_rotary(ep: torch.export.ExportedProgram, *args) -> list[str]:
+    """Rewrite every rotary embedding of ``ep``'s graph into one ``tritondelegate::rotary`` node, then
+    pair those that share cos and sin (:func:`pair_rotaries`). Returns one description per rewrite
+    (the caller recompiles the graph module)."""
+    return _rewrite_singles(ep) + pair_rotaries(ep)

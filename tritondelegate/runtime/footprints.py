@@ -221,13 +221,25 @@ def _norm(x: LaunchArgs) -> Footprint:
     return footprint
 
 
+# Per tensor of a rotary launch: its rows, row dims, and (pointer, row strides' prefix, last dim's
+# stride, written) per pointer. kx (with PAIR) reads cos and sin through its own row strides.
+_ROTARY = (("rows", ("n1", "n2", "n3"), (("x_ptr", "xs", "xsd", False), ("cos_ptr", "cs", "csd", False),
+                                         ("sin_ptr", "ss", "ssd", False), ("out_ptr", "os", "osd", True))),
+           ("krows", ("k1", "k2", "k3"), (("kx_ptr", "kxs", "kxsd", False), ("cos_ptr", "kcs", "csd", False),
+                                          ("sin_ptr", "kss", "ssd", False), ("kout_ptr", "kos", "kosd", True))))
+
+
 def _rotary(x: LaunchArgs) -> Footprint:
-    rows, half = x.i("rows"), x.i("half")
-    r = _unravel(rows, x.d("n1", "n2", "n3"))
-    acc = [Access(param, _walk(r, x.ints(prefix, 4)) + ((2 * half, x.i(f"{prefix}d")),), write=param == "out_ptr")
-           for param, prefix in (("x_ptr", "xs"), ("cos_ptr", "cs"), ("sin_ptr", "ss"), ("out_ptr", "os"))]
-    grid = (_cdiv(rows, x.c["BLOCK_R"]), _cdiv(half, x.c["BLOCK_H"]))
-    return Footprint(acc, grid, {"rows x half": max(rows, 0) * max(half, 0)})
+    half = x.i("half")
+    acc, programs, points = [], 0, 0
+    for rows_name, dims, pointers in _ROTARY[:2 if x.c["PAIR"] else 1]:  # x's row blocks, then kx's
+        rows = x.i(rows_name)
+        r = _unravel(rows, x.d(*dims))
+        acc += [Access(param, _walk(r, x.ints(prefix, 4)) + ((2 * half, x.i(last)),), write=write)
+                for param, prefix, last, write in pointers]
+        programs += _cdiv(rows, x.c["BLOCK_R"])
+        points += max(rows, 0) * max(half, 0)
+    return Footprint(acc, (programs, _cdiv(half, x.c["BLOCK_H"])), {"rows x half": points})
 
 
 def _indexed(x: LaunchArgs, base: str, direct: str, write: bool) -> list[Access]:
@@ -329,9 +341,10 @@ def one_of(*values) -> Allowed:
     return Allowed(lambda v: type(v) in (int, str) and v in values, f"one of {', '.join(map(repr, values))}")
 
 
-# The ops the pointwise formula knows (``elementwise._formula``, read from its source so that the two
-# never drift apart); an unknown one would fail the kernel's compile.
-POINTWISE_OPS = one_of(*sorted(set(re.findall(r'OP == "(\w+)"', inspect.getsource(elementwise._formula.fn)))))
+# The ops the pointwise formula knows (``elementwise._formula`` and ``_binary_formula``, read from their
+# source so that the two never drift apart); an unknown one would fail the kernel's compile.
+POINTWISE_OPS = one_of(*sorted({op for f in (elementwise._formula, elementwise._binary_formula)
+                                for op in re.findall(r'OP == "(\w+)"', inspect.getsource(f.fn))}))
 OPTIONS = {"num_warps": pow2(1, 32), "num_stages": in_range(1, 8)}  # launch options the launchers use
 BLOCK = pow2(16, 8192)  # the 1-D kernels' block
 
@@ -399,7 +412,8 @@ RULES: dict[str, KernelRule] = {
         "MAP": one_of("id", "sq", "abs"), "FINISH": one_of("none", "div", "sqrt"), "INT_ACC": FLAG,
         "COMBINE": one_of("sum", "prod", "max", "min", "argmax", "argmin", "welford"), **_ROWS},
         (("BLOCK_R", "BLOCK_C"),)),
-    "rotary": KernelRule(_rotary, {"BLOCK_R": pow2(1, 4096), "BLOCK_H": pow2(1, 4096)}, (("BLOCK_R", "BLOCK_H"),)),
+    "rotary": KernelRule(_rotary, {"PAIR": FLAG, "BLOCK_R": pow2(1, 4096), "BLOCK_H": pow2(1, 4096)},
+                         (("BLOCK_R", "BLOCK_H"),)),
 }
 
 

@@ -423,3 +423,15 @@ def test_a_rotary_pair_loads_and_its_damage_is_refused():
     program = copy.deepcopy(lowered.program)
     program.methods[0].delegates[d].plan.launches[k].grid = (launch.grid[0] + 1, *launch.grid[1:])
     _refused(lowered, program, rf"{where}.*grid axis 0 has {launch.grid[0] + 1} programs")
+
+
+def test_the_pointwise_rule_knows_every_op_the_pointwise_kernels_compute():
+    # read from the formula's source: unary ops (in _formula) and the rest (in _binary_formula) alike
+    from tritondelegate.kernels import elementwise
+    from tritondelegate.runtime.footprints import POINTWISE_OPS
+
+    for op in ("copy", "exp", "gelu_tanh", "logical_not", "add", "mul", "pow", "maximum", "where", "clamp"):
+        assert POINTWISE_OPS.test(op), op
+    assert not POINTWISE_OPS.test("system") and not POINTWISE_OPS.test(3)
+    names = [f for f in dir(elementwise) if f.endswith("formula")]
+    assert sorted(names) == ["_binary_formula", "_formula"]  # a new formula function must join the rule

@@ -164,3 +164,16 @@ def test_a_trailer_that_is_not_a_signature_is_refused(lowered, tmp_path):
     with pytest.raises(ProgramError, match="80 unexpected bytes after the recorded end"):
         load_program(path)
     assert hdr.HEADER.size == 64  # the MAC covers the header: the layout it names is signed too
+
+
+def test_inspect_reads_a_signed_program_with_its_key_file(lowered, tmp_path, capsys):
+    from tritondelegate import cli
+
+    _, in_file, _ = lowered
+    path = tmp_path / "m.tdp"
+    in_file.save(path, key=KEY)
+    (tmp_path / "key").write_bytes(KEY)
+    assert cli.main(["inspect", str(path)]) == 2
+    assert "the program is signed" in capsys.readouterr().err
+    assert cli.main(["inspect", str(path), "--key-file", str(tmp_path / "key"), "--json"]) == 0
+    assert "methods" in capsys.readouterr().out

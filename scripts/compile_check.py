@@ -193,6 +193,20 @@ class KVCache(nn.Module):
         return self.k[:, :, :1] * 2
 
 
+class KVCachePair(KVCache):
+    """A layer's k and v cache writes at the same positions, paired into one launch (``PAIR``); v comes
+    in a projection's [b, s, h, d] layout."""
+
+    def __init__(self, dtype):
+        super().__init__(dtype)
+        self.register_buffer("v", torch.zeros(1, 8, 256, 64, dtype=dtype))
+
+    def forward(self, pos, k, v):
+        self.k[:, :, pos] = k
+        self.v[:, :, pos] = v.transpose(1, 2)
+        return self.k[:, :, :1] + self.v[:, :, :1]
+
+
 def _creation(dtype):
     fn = lambda x: (  # noqa: E731
         torch.arange(x.shape[-1]) + 1, torch.arange(0, 5, 0.25, dtype=dtype) * x[0, :20],
@@ -282,6 +296,8 @@ def _per_dtype(d) -> dict[str, callable]:
         "indexing": lambda: _indexing(d),
         "scatter": lambda: _scatter(d),
         "kv_cache_update": lambda: (KVCache(d), (torch.tensor([5]), _randn(1, 8, 1, 64, dtype=d))),
+        "kv_cache_pair": lambda: (KVCachePair(d), (torch.arange(5, 12), _randn(1, 8, 7, 64, dtype=d),
+                                                   _randn(1, 7, 8, 64, dtype=d))),
         "creation": lambda: _creation(d),
         "pointwise": lambda: _pointwise(d),
         "matmul": lambda: _matmuls(d),

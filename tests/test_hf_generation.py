@@ -44,6 +44,14 @@ def _export(model):
     }
 
 
+def _one_scatter_per_layer(program):
+    """Each layer's k and v cache writes run in one (PAIR) scatter launch, in every method."""
+    for method in program.program.methods:
+        scatters = [l for d in method.delegates for l in d.plan.launches if l.kernel == "scatter"]
+        assert len(scatters) == COMMON["num_hidden_layers"], method.name
+        assert all(l.constexprs["PAIR"].value for l in scatters), method.name
+
+
 def _greedy(prefill, decode, prompt, tokens):
     """Greedy generation; returns the tokens and every step's logits."""
     n = prompt.shape[1]
@@ -71,6 +79,7 @@ def test_static_cache_generation_matches_eager(name, tmp_path):
     lowered.save(tmp_path / "lm.tdp")
     program = td.load(tmp_path / "lm.tdp", devices="simulated")
     prefill, decode = program.load_method("prefill"), program.load_method("decode")
+    _one_scatter_per_layer(program)
     # Prefill loaded every weight already: decode loads only the constants it alone reads (folded ones).
     slots = lambda m: {v.slot for v in m.values if v.resident}  # noqa: E731
     prefill_slots, decode_slots = (slots(m) for m in program.program.methods)
@@ -121,6 +130,7 @@ def test_dynamic_prompt_length_shares_the_cache_with_decode(tmp_path):
     lowered.save(tmp_path / "lm.tdp")
     program = td.load(tmp_path / "lm.tdp", devices="simulated")
     prefill, decode = program.load_method("prefill"), program.load_method("decode")
+    _one_scatter_per_layer(program)
     torch.manual_seed(1)
     for length in (1, 16, 7, 11):  # 1, the bound, primes between
         prompt = torch.randint(0, COMMON["vocab_size"], (1, length))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from harness import (FLOAT_DTYPES, Buffered, Fn, check_model, check_state_updates, export_decomposed,
+from harness import (FLOAT_DTYPES, Buffered, Fn, check_dynamic, check_model, check_state_updates, export_decomposed,
                      run_delegated)
 from tritondelegate.backend import build_plan
 from tritondelegate.dtypes import parse_dtype
@@ -276,3 +276,68 @@ def test_untouched_passthrough_input_is_copied_not_aliased():
                       [n for n in graph.nodes if n.op == "placeholder"],
                       list(next(n for n in graph.nodes if n.op == "output").args[0]), aliases=aliases)
     assert aliases == {} and len(plan.output_nbytes) == 2 and _copies_out(plan, 0)
+
+
+# --- pairs: a layer's k and v cache writes in one launch (fusion.pair_scatters) --------------------
+class KVPair(torch.nn.Module):
+    """Two caches updated at the same positions: k from a [b, h, s, d] tensor, v from a [b, s, h, d]
+    one (a projection's layout), through ``index_put`` (``cache[:, :, pos] = x``) or ``index_copy_``.
+    ``between`` reads the k cache between the two writes; ``other`` writes v at other positions."""
+
+    def __init__(self, dtype, how="index_put", between=False, other=False):
+        super().__init__()
+        self.register_buffer("k", _data((1, 3, 17, 5), dtype))
+        self.register_buffer("v", _data((1, 3, 17, 5), dtype))
+        self.how, self.between, self.other = how, between, other
+
+    def forward(self, pos, k, v, pos2=None):
+        v, vpos = v.transpose(1, 2), pos2 if self.other else pos
+        if self.how == "index_put":
+            self.k[:, :, pos] = k
+            seen = self.k.sum(-1) if self.between else None
+            self.v[:, :, vpos] = v
+        else:
+            self.k.index_copy_(2, pos, k)
+            seen = self.k.sum(-1) if self.between else None
+            self.v.index_copy_(2, vpos, v)
+        out = self.k[:, :, :4] * 2 + self.v[:, :, :4]
+        return out if seen is None else (out, seen)
+
+
+def _pair_calls(dtype):
+    return [(torch.tensor(p), _data((1, 3, 2, 5), dtype), _data((1, 2, 3, 5), dtype), torch.tensor(q))
+            for p, q in (([0, 1], [5, 6]), ([2, 16], [3, 4]))]
+
+
+def _scatters(plan):
+    return [launch for launch in plan.launches if launch.kernel == "scatter"]
+
+
+@pytest.mark.parametrize("how", ["index_put", "index_copy"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_kv_pair_in_one_launch(dtype, how):
+    in_place = {aten.index_put.default, aten.index_copy.default}
+    run = check_state_updates(KVPair(dtype, how), _pair_calls(dtype), in_place=in_place, keep=KEEP, dtype=dtype)
+    _check_aliased(run)
+    (pair,) = _scatters(run.plan)
+    assert pair.constexprs["PAIR"].value and pair.grid[1] == 2 and "+" in pair.op
+
+
+@pytest.mark.parametrize("case", ["read_between", "other_positions"])
+def test_kv_writes_that_must_not_pair(case):
+    model = KVPair(torch.float32, between=case == "read_between", other=case == "other_positions")
+    run = check_state_updates(model, _pair_calls(torch.float32), in_place={aten.index_put.default})
+    scatters = _scatters(run.plan)
+    assert len(scatters) == 2 and not any(s.constexprs.get("PAIR") for s in scatters)
+
+
+def test_kv_pair_with_a_dynamic_prompt_length():
+    # Prompts of 1..9 positions through one program (a symbolic grid), the state carried call to call.
+    seq = torch.export.Dim("seq", min=1, max=9)
+    model = KVPair(torch.float32)
+    calls = [(torch.arange(n) + start, _data((1, 3, n, 5), torch.float32), _data((1, n, 3, 5), torch.float32))
+             for n, start in ((3, 0), (9, 3), (1, 16))]
+    lowered, _ = check_dynamic(model, calls, {"pos": {0: seq}, "k": {2: seq}, "v": {1: seq}})
+    (method,) = lowered.program.methods
+    (pair,) = _scatters(method.delegates[0].plan)
+    assert pair.constexprs["PAIR"].value and pair.grid[1] == 2

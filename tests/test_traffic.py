@@ -170,10 +170,10 @@ def test_kv_cache_decode_writes_only_the_new_entries():
     plan = decode.delegates[0].plan
     cfg = model.cfg
     row = cfg.n_kv_heads * (cfg.dim // cfg.n_heads) * F32  # one position of one cache
-    scatters = [l for l in plan.launches if l.kernel == "scatter"]
-    assert len(scatters) == 2 * cfg.n_layers and all(l.bytes_written == row for l in scatters)
+    scatters = [l for l in plan.launches if l.kernel == "scatter"]  # k and v paired: one per layer
+    assert len(scatters) == cfg.n_layers and all(l.bytes_written == 2 * row for l in scatters)
     t = method_traffic(decode)
-    assert t["lower_bound_written"] == len(scatters) * row + cfg.vocab_size * F32  # cache entries + logits
+    assert t["lower_bound_written"] == 2 * len(scatters) * row + cfg.vocab_size * F32  # cache entries + logits
     assert 1.0 <= t["ratio"] < 1.5  # decode reads its weights, little else
 
 

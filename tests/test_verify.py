@@ -435,3 +435,48 @@ def test_the_pointwise_rule_knows_every_op_the_pointwise_kernels_compute():
     assert not POINTWISE_OPS.test("system") and not POINTWISE_OPS.test(3)
     names = [f for f in dir(elementwise) if f.endswith("formula")]
     assert sorted(names) == ["_binary_formula", "_formula"]  # a new formula function must join the rule
+
+
+# -- a scatter pair (a layer's k and v cache writes in one launch) ---------------------------------------
+class KVWrites(torch.nn.Module):
+    """k and v caches written at the same positions, v from another layout: one PAIR scatter launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, 2, 16, 4))
+        self.register_buffer("v", torch.zeros(1, 2, 16, 4))
+
+    def forward(self, pos, k, v):
+        self.k[:, :, pos] = k
+        self.v[:, :, pos] = v.transpose(1, 2)
+        return self.k[:, :, :6] + self.v[:, :, :6]
+
+
+SCATTER_PAIR_DAMAGE = [
+    ("v's source stride", lambda ints: _set_int("ws3", 100000), r"argument 'src2_ptr' reaches"),
+    ("v's cache is a method input", lambda ints: _set_tensor("dst2_ptr", ints["src2_ptr"]),
+     r"argument 'dst2_ptr' (reaches|writes)"),
+    ("not a pair, the pair's grid", lambda ints: _set_constexpr("PAIR", False), "grid axis 1 has 2 programs"),
+    ("a third member", lambda ints: _set_grid(ints["grid"][0], 3), "grid axis 1 has 3 programs"),
+]
+
+
+def _set_tensor(name, index):
+    def edit(launch):
+        launch.args[_arg(launch, name)] = Arg(KernelArgKind.TENSOR, index)
+    return edit
+
+
+def test_a_scatter_pair_loads_and_its_damage_is_refused():
+    torch.manual_seed(0)
+    args = (torch.tensor([3, 7]), torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))
+    lowered = td.lower(torch.export.export(KVWrites(), args), config=RESIDENT)
+    ((d, k, launch),) = [x for x in _launches(lowered.program) if x[2].kernel == "scatter"]
+    assert launch.constexprs["PAIR"].value is True and launch.grid[1] == 2
+    torch.testing.assert_close(_load(lowered)(*args), KVWrites()(*args))
+    ints = {"grid": launch.grid, "src2_ptr": launch.args[_arg(launch, "src2_ptr")].value}
+    where = rf"delegate {d} \('triton_0'\) launch {k} \('scatter'"
+    for _, damage, match in SCATTER_PAIR_DAMAGE:
+        program = copy.deepcopy(lowered.program)
+        damage(ints)(program.methods[0].delegates[d].plan.launches[k])
+        _refused(lowered, program, rf"{where}.*{match}")

@@ -66,6 +66,12 @@ as it streams them.
 The chain starts from t rounded to its dtype (eager stores it so), then keeps fp32 as chains do.
 In ``silu(gate(x)) * up(x)`` the chain ``silu, mul`` reads gate's result first: gate's matmul moves
 after up's and reads up's result in its epilogue.
+
+First of all, scatter pairs (:func:`pair_scatters`): a layer's k and v cache writes, two scatter launches
+with the same grid, constexprs, indices and iteration that differ only in their destination, source
+and source strides, run as one ``PAIR`` launch (``scatter.pair_launch``; grid axis 1 picks the
+member) at the second's place, when neither touches what the other writes and no launch between
+them touches what the first writes or writes what it touches.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ from . import conv as cv
 from . import elementwise as ew
 from . import sizes as size_fns
 from . import matmul as mm
+from . import scatter as sc
 from .refs import LaunchRecord, TRef, broadcast_strides, new_launch
 
 # r may stand on either side of these: no SWAP flag, fewer kernel variants
@@ -176,18 +183,19 @@ def _launch(chain: _Chain) -> Launch:
 
 def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[int]], keep: set[int],
          view=None) -> FusionResult:
-    """Merge rms and layer norms into the matmuls that read them, pointwise producers into their consumers,
-    then chains into matmul epilogues.
+    """Pair scatters, merge rms and layer norms into the matmuls that read them, pointwise producers into
+    their consumers, then chains into matmul epilogues.
 
     ``records`` are a delegate's launches with what each computes (``LaunchRecord.op``: an
     ``elementwise.PointwiseOp`` for a ``pointwise`` launch, a ``matmul.MatmulOp`` or ``conv.ConvOp``
-    for a ``matmul`` or ``conv2d`` launch, a ``norm.RowNorm`` for a ``norm`` launch; None: left
-    alone). ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may write
+    for a ``matmul`` or ``conv2d`` launch, a ``norm.RowNorm`` for a ``norm`` launch, a
+    ``scatter.ScatterOp`` for a plain ``scatter`` launch; None: left alone). ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may write
     (``LaunchBuilder.effects``); buffers in ``keep`` (delegate inputs and outputs) are never fused
     away; ``view`` is the builder's ``view``, to address a norm's input as its matmuls' A. Launches keep
     their order; a fused chain, or a matmul with its epilogue, takes its last op's place. A record
     made by fusion carries no op: nothing fuses twice.
     """
+    records, touched, writes, paired = pair_scatters(records, touched, writes)
     launches = [r.launch for r in records]
     ops = {kind: {i: r.op for i, r in enumerate(records) if r.op is not None and r.launch.kernel in kernels}
            for kind, kernels in (("pointwise", {"pointwise"}), ("matmul", {"matmul", "conv2d"}), ("norm", {"norm"}))}
@@ -201,7 +209,7 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     merged_away |= prologued
     epilogues = _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away)
     if not merged_away:
-        return FusionResult(records, False)
+        return FusionResult(records, paired)
     fused = [
         LaunchRecord(epilogues[i]) if i in epilogues
         else LaunchRecord(_launch(chains[i])) if i in chains and len(chains[i].names) > 1
@@ -211,6 +219,35 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
         if i not in merged_away
     ]
     return FusionResult(fused, True)
+
+
+def pair_scatters(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[int]]
+                  ) -> tuple[list[LaunchRecord], list[set[int]], list[set[int]], bool]:
+    """Merge pairs of scatter launches into one PAIR launch (``scatter.pair_launch``: a layer's k and v
+    cache writes), at the second's place. A scatter pairs with the first later scatter that fits when
+    neither touches what the other writes and no launch between them touches what the first writes or
+    writes what it touches (its work moves to the second's place). Returns the records, their
+    ``touched`` and ``writes``, and whether any pair was merged."""
+    records, touched, writes = list(records), [set(t) for t in touched], [set(w) for w in writes]
+    gone: set[int] = set()
+    for a, first in enumerate(records):
+        if not isinstance(first.op, sc.ScatterOp) or a in gone:
+            continue
+        for c in range(a + 1, len(records)):
+            second = records[c]
+            if c not in gone and isinstance(second.op, sc.ScatterOp) and not (
+                    writes[a] & touched[c] or writes[c] & touched[a]):
+                launch = sc.pair_launch(first.launch, second.launch, first.op, second.op)
+                if launch is not None:
+                    records[c] = LaunchRecord(launch)
+                    touched[c] |= touched[a]
+                    writes[c] |= writes[a]
+                    gone.add(a)
+                    break
+            if writes[c] & touched[a] or touched[c] & writes[a]:
+                break  # the first's work may not move past this launch
+    keep = [i for i in range(len(records)) if i not in gone]
+    return [records[i] for i in keep], [touched[i] for i in keep], [writes[i] for i in keep], bool(gone)
 
 
 def fuse_pointwise_chains(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[int]],

@@ -11,7 +11,9 @@ iteration shape (up to ``MAX_RANK`` dims after merging contiguous ones):
 seen through broadcasting in iteration coordinates (strides ``T_k``) and its values select along the
 destination dim of stride ``U_k`` and size ``N_k``; negative indices wrap once (``i + N_k``). ``src``
 is a tensor seen through broadcasting (strides ``V``) or one scalar. An out-of-range index, an error in
-PyTorch, writes nothing here rather than memory outside the destination. Accumulation runs in fp32 or
+PyTorch, writes nothing here rather than memory outside the destination. With ``PAIR`` (two cache
+writes, k and v, paired by ``fusion.pair_scatters``) grid axis 1 has two programs: program 1 writes
+``dst2`` from ``src2`` (strides ``W``) at the same offsets and indices. Accumulation runs in fp32 or
 int64 atomics: fp16/bf16 destinations accumulate in an fp32 copy (bf16 atomics are also missing from
 the Triton interpreter).
 
@@ -23,7 +25,9 @@ afterwards) scatters into ``self``'s own memory instead and its result is ``self
 
 from __future__ import annotations
 
+import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -34,6 +38,7 @@ from . import sizes as size_fns
 from .index import MAX_INDICES, _dtype_reason, broadcast_shape, index_reason, indexed_offsets
 from .layout import view_of
 from ..errors import LoweringError
+from ..plan import Arg, Launch
 from .refs import FLOAT_DTYPES, MAX_RANK, TRef, broadcast_strides, collapse, node_value
 from .rows import node_arg
 
@@ -54,7 +59,9 @@ def scatter_kernel(
     t10, t11, t12, t13, t14,
     t20, t21, t22, t23, t24,
     size0, size1, size2, u0, u1, u2,
+    dst2_ptr, src2_ptr, ws0, ws1, ws2, ws3, ws4,
     NUM_INDICES: tl.constexpr, ACCUMULATE: tl.constexpr, SRC_SCALAR: tl.constexpr, BLOCK: tl.constexpr,
+    PAIR: tl.constexpr = False,
 ):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -64,6 +71,21 @@ def scatter_kernel(
         idx0_ptr, idx1_ptr, idx2_ptr, i0, i1, i2, i3, i4, ds0, ds1, ds2, ds3, ds4,
         t00, t01, t02, t03, t04, t10, t11, t12, t13, t14, t20, t21, t22, t23, t24,
         size0, size1, size2, u0, u1, u2, mask, NUM_INDICES)
+    if PAIR:  # grid axis 1 picks the pair member: program 1 writes dst2 from src2 (strides ws)
+        if tl.program_id(1) == 1:
+            _scatter_store(dst2_ptr, src2_ptr, value, dst_offs, valid, mask, i0, i1, i2, i3, i4,
+                           ws0, ws1, ws2, ws3, ws4, ACCUMULATE, SRC_SCALAR, BLOCK)
+        else:
+            _scatter_store(dst_ptr, src_ptr, value, dst_offs, valid, mask, i0, i1, i2, i3, i4,
+                           vs0, vs1, vs2, vs3, vs4, ACCUMULATE, SRC_SCALAR, BLOCK)
+    else:
+        _scatter_store(dst_ptr, src_ptr, value, dst_offs, valid, mask, i0, i1, i2, i3, i4,
+                       vs0, vs1, vs2, vs3, vs4, ACCUMULATE, SRC_SCALAR, BLOCK)
+
+
+@triton.jit
+def _scatter_store(dst_ptr, src_ptr, value, dst_offs, valid, mask, i0, i1, i2, i3, i4, vs0, vs1, vs2, vs3, vs4,
+                   ACCUMULATE: tl.constexpr, SRC_SCALAR: tl.constexpr, BLOCK: tl.constexpr):
     if SRC_SCALAR:
         v = tl.full([BLOCK], value, dtype=dst_ptr.dtype.element_ty)
     else:
@@ -100,13 +122,49 @@ def launch_scatter(b, dst: TRef, src, shape, direct, values, indices, accumulate
     index_strides = index_strides + [[0] * MAX_RANK] * (MAX_INDICES - len(indices))
     value = (float(src) if dst.dtype.is_floating_point else int(src)) if scalar else 0
     n = math.prod(shape)
-    b.launch(
+    source = dst if scalar else src
+    record = b.launch(
         "scatter", (triton.cdiv(n, BLOCK),),
-        dst, dst if scalar else src, *(p[0] for p in padded), value,
+        dst, source, *(p[0] for p in padded), value,
         n, *sizes[1:], *direct_strides, *value_strides, *(s for t in index_strides for s in t),
         *(p[2] for p in padded), *(p[3] for p in padded),
+        dst, source, *value_strides,  # the pair slots (PAIR=False): stand-ins, never read
         NUM_INDICES=len(indices), ACCUMULATE=accumulate, SRC_SCALAR=scalar, BLOCK=BLOCK,
     )
+    if record is not None and not scalar and not accumulate:
+        record.op = ScatterOp(dst, src)
+
+
+# --- pairs: two cache writes in one launch ---------------------------------------------------------
+@dataclass(frozen=True)
+class ScatterOp:
+    """What a plain scatter launch (a tensor source, no accumulation) writes and reads, for
+    ``fusion.pair_scatters``."""
+
+    dst: TRef
+    src: TRef
+
+
+_PARAMS = list(inspect.signature(scatter_kernel.fn).parameters)
+_PAIR_SLOTS = _PARAMS.index("dst2_ptr")  # the pair's slots close the runtime arguments
+_OWN = [_PARAMS.index(p) for p in ("dst_ptr", "src_ptr", "vs0", "vs1", "vs2", "vs3", "vs4")]  # a member's own
+
+
+def pair_launch(first: Launch, second: Launch, a: ScatterOp, c: ScatterOp) -> Launch | None:
+    """``first`` and ``second`` (scatters computing ``a`` and ``c``) as one PAIR launch (grid axis 1
+    picks the member), or None unless they walk the same iteration and indices into destinations
+    of one dtype from sources of one dtype: the same grid, constexprs and arguments but for their
+    own destination, source and source strides."""
+    if (first.kernel != "scatter" or second.kernel != "scatter" or tuple(first.grid) != tuple(second.grid)
+            or len(first.grid) != 1 or first.constexprs != second.constexprs
+            or first.constexprs.get("PAIR", Arg.of(False)).value
+            or a.dst.dtype != c.dst.dtype or a.src.dtype != c.src.dtype or a.dst.buffer == c.dst.buffer):
+        return None
+    if any(x != y for k, (x, y) in enumerate(zip(first.args[:_PAIR_SLOTS], second.args)) if k not in _OWN):
+        return None
+    own = [second.args[k] for k in _OWN]
+    return Launch("scatter", (first.grid[0], 2), first.args[:_PAIR_SLOTS] + own,
+                  {**first.constexprs, "PAIR": Arg.of(True)}, f"{first.op}+{second.op}")
 
 
 # --- destinations: functional or in place ---------------------------------------------------------

@@ -198,12 +198,15 @@ TRAFFIC: dict[str, KernelTraffic] = {
                             flops=lambda a: a["rows"] * a["length"]),
     # dst[direct(o) + index terms] = src[o] (+= atomically: ACCUMULATE reads dst too); a scalar source
     # passes dst as a stand-in
+    # with PAIR also dst2 from src2 at the same indices (grid axis 1)
     "scatter": KernelTraffic(
         reads=(Access("src_ptr", _not("SRC_SCALAR")), Access("idx0_ptr"),
                Access("idx1_ptr", _indices(2)), Access("idx2_ptr", _indices(3)),
-               Access("dst_ptr", _flag("ACCUMULATE"), at_most=_n)),
-        writes=(Access("dst_ptr", at_most=_n),),
-        flops=lambda a: a["n"] if a["ACCUMULATE"] else 0,
+               Access("dst_ptr", _flag("ACCUMULATE"), at_most=_n),
+               Access("src2_ptr", lambda a: a["PAIR"] and not a["SRC_SCALAR"]),
+               Access("dst2_ptr", lambda a: a["PAIR"] and a["ACCUMULATE"], at_most=_n)),
+        writes=(Access("dst_ptr", at_most=_n), Access("dst2_ptr", _flag("PAIR"), at_most=_n)),
+        flops=lambda a: a["n"] * (2 if a["PAIR"] else 1) if a["ACCUMULATE"] else 0,
     ),
     # C = alpha * A @ B + beta * X, then EPILOGUE fused pointwise steps, each reading e<k> when binary;
     # without a bias x_ptr is C, never read

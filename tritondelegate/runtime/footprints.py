@@ -259,11 +259,15 @@ def _gather(x: LaunchArgs) -> Footprint:
 
 
 def _scatter(x: LaunchArgs) -> Footprint:
+    """With PAIR, grid axis 1's program 1 writes dst2 from src2 (strides ws) at dst's offsets."""
     n = x.i("n")
-    acc = _indexed(x, "dst_ptr", "ds", write=True)
-    if not x.c["SRC_SCALAR"]:
-        acc.append(Access("src_ptr", _walk(_unravel(n, x.d("d1", "d2", "d3", "d4")), x.ints("vs", 5))))
-    return Footprint(acc, (_cdiv(n, x.c["BLOCK"]),), {"n": n})
+    pairs = (("dst_ptr", "src_ptr", "vs"), ("dst2_ptr", "src2_ptr", "ws"))[:2 if x.c["PAIR"] else 1]
+    acc = []
+    for dst, src, strides in pairs:
+        acc += _indexed(x, dst, "ds", write=True)
+        if not x.c["SRC_SCALAR"]:
+            acc.append(Access(src, _walk(_unravel(n, x.d("d1", "d2", "d3", "d4")), x.ints(strides, 5))))
+    return Footprint(acc, (_cdiv(n, x.c["BLOCK"]), len(pairs)), {"n": n * len(pairs)})
 
 
 def _cumsum(x: LaunchArgs) -> Footprint:
@@ -388,7 +392,7 @@ RULES: dict[str, KernelRule] = {
     "cumsum": KernelRule(_cumsum, {"IS_FLOAT": FLAG, "BLOCK_R": pow2(1, 4096), "BLOCK_L": pow2(1, 4096)},
                          (("BLOCK_R", "BLOCK_L"),)),
     "scatter": KernelRule(_scatter, {"NUM_INDICES": in_range(1, 3), "ACCUMULATE": FLAG, "SRC_SCALAR": FLAG,
-                                     "BLOCK": BLOCK}),
+                                     "BLOCK": BLOCK, "PAIR": FLAG}),
     "matmul": KernelRule(_matmul, {
         **_GEMM, "HAS_BIAS": FLAG, "GROUP_M": in_range(1, 64), **_epilogue_constexprs(),
         "PROLOGUE": one_of("", "rms", "layer"), "HAS_PW": FLAG, "HAS_PB": FLAG,

@@ -26,7 +26,7 @@ def interpreted_kernel(kernel):
     """``kernel`` (a ``@triton.jit`` function) as the simulated device launches it: an interpreted twin
     (Triton's ``InterpretedFunction`` over the same Python function), or itself when Triton already
     interprets everything."""
-    _fix_interpreter_index_once()
+    _fix_interpreter_index()
     if interpreted():
         return kernel
     from triton.runtime.interpreter import InterpretedFunction
@@ -88,6 +88,7 @@ def interpreter_library():
                 setattr(owner, name, compiled)
 
 
+@functools.cache  # once per process
 def _fix_interpreter_index() -> bool:
     """Backport triton-lang/triton#9172 to interpreters that lack it (triton 3.6).
 
@@ -124,7 +125,3 @@ def _fix_interpreter_index() -> bool:
     interp._patch_lang_tensor = patch_lang_tensor
     return True
 
-
-@functools.lru_cache(maxsize=None)
-def _fix_interpreter_index_once() -> bool:
-    return _fix_interpreter_index()

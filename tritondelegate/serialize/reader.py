@@ -113,12 +113,13 @@ class ProgramFile:
         return bytes(self._mv[start:start + b.nbytes])
 
     def check_binaries(self) -> None:
-        for i, b in enumerate(self.program.binaries):
-            if zlib.crc32(self.binary_bytes(i)) != b.checksum:
+        blobs = [self.binary_bytes(i) for i in range(len(self.program.binaries))]
+        for i, (b, blob) in enumerate(zip(self.program.binaries, blobs)):
+            if zlib.crc32(blob) != b.checksum:
                 raise ProgramError(f"{self.path}: kernel binary {i} ({b.kernel!r}, {b.arch}): its bytes do not "
                                    "match their checksum (the file is damaged)")
         if self.signature is not None:
-            self.signature.check_binaries(self.path, [self.binary_bytes(i) for i in range(len(self.program.binaries))])
+            self.signature.check_binaries(self.path, blobs)
 
     # -- constants --------------------------------------------------------------------------------
 

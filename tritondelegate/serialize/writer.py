@@ -59,9 +59,8 @@ def save_program(program: Program, constant_data: Sequence[torch.Tensor], path,
     sums = [_checksum(data if c.external < 0 else _resolved(data), key) for c, data in zip(constants, host)]
     constants = [dataclasses.replace(c, checksum=s) for c, s in zip(constants, sums)]
     fb_bytes = _finish(_program_t(program, constants, binaries))
-    signature = None if key is None else (key, binary_data)
     _write_file(path, fb_bytes, data_size, [(c, data) for c, data in zip(constants, host) if c.external < 0]
-                + list(zip(binaries, binary_data)), signature)
+                + list(zip(binaries, binary_data)), key, binary_data)
     for file_index, file_path in enumerate(external_paths):
         _write_external(file_path, [(c, t) for c, t in zip(constants, constant_data) if c.external == file_index])
     return [path, *external_paths]
@@ -71,9 +70,11 @@ def _checksum(data: torch.Tensor, key: bytes | None) -> int:
     return hdr.checksum(data) if key is None else signing.digest(data, key)
 
 
-def _write_file(path: str, fb_bytes: bytes, data_size: int, blobs: list, signature=None) -> None:
+def _write_file(path: str, fb_bytes: bytes, data_size: int, blobs: list, key: bytes | None = None,
+                binary_data: Sequence[bytes] = ()) -> None:
     """The header, the flatbuffer, the data segment with ``blobs`` ((constant or binary, its bytes)) at
-    their offsets, and with a ``signature`` (the key, the kernel binaries' bytes) the signature trailer;
+    their offsets, and with a ``key`` the signature trailer (over the header, the flatbuffer and
+    ``binary_data``, the kernel binaries' bytes);
     written to a temporary name and renamed, so a failure leaves no half-written file."""
     data_off = align_up(hdr.FLATBUFFER_OFFSET + len(fb_bytes), hdr.DATA_SEGMENT_ALIGNMENT)
     header = hdr.pack_header(FORMAT_VERSION, len(fb_bytes), data_off, data_size, zlib.crc32(fb_bytes))
@@ -89,8 +90,8 @@ def _write_file(path: str, fb_bytes: bytes, data_size: int, blobs: list, signatu
             f.write(bytes(max(0, data_off + data_size - f.tell())))  # alignment of a trailing empty constant
             if f.tell() != data_off + data_size:
                 raise RuntimeError(f"internal error: wrote {f.tell()} bytes, laid out {data_off + data_size}")
-            if signature is not None:
-                f.write(signing.pack_trailer(header, fb_bytes, signature[1], signature[0]))
+            if key is not None:
+                f.write(signing.pack_trailer(header, fb_bytes, binary_data, key))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -259,10 +259,10 @@ def pair_rotaries(ep: torch.export.ExportedProgram) -> list[str]:
     rotaries = [n for n in graph.nodes if is_call(n, rotary_op)]
     paired: set[torch.fx.Node] = set()
     done = []
+    order = {n: j for j, n in enumerate(graph.nodes)}
     for i, a in enumerate(rotaries):
         if a in paired:
             continue
-        order = {n: j for j, n in enumerate(graph.nodes)}
         for b in rotaries[i + 1:]:
             if b in paired or not _shares_tables(a, b):
                 continue
@@ -272,6 +272,7 @@ def pair_rotaries(ep: torch.export.ExportedProgram) -> list[str]:
             if at is not None:
                 done.append(_pair(ep, a, b, at))
                 paired.add(b)
+                order = {n: j for j, n in enumerate(graph.nodes)}  # the graph changed
                 break
     return done
 

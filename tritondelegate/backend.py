@@ -1,8 +1,9 @@
 """The Triton delegate backend: a delegate subgraph -> a launch plan (see ``plan.py``).
 
 Nodes are lowered in order through the kernel registry; ``getitem`` picks an element of a
-multi-output node. Fusion (``kernels/fusion.py``) then rewrites the recorded launches. The builder packs temporaries into the delegate's scratch block; the traffic model
-(``kernels/traffic.py``) then records each launch's bytes and FLOPs.
+multi-output node. Fusion (``kernels/fusion.py``) then rewrites the recorded launches, the builder
+packs temporaries into the delegate's scratch block, and the traffic model (``kernels/traffic.py``)
+records each launch's bytes and FLOPs.
 """
 
 from __future__ import annotations

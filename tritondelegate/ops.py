@@ -7,6 +7,13 @@ place of a written-out pattern, so one kernel runs them.
     tritondelegate::rotary_pair(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)
         (rotary(q, cos, sin), rotary(k, cos, sin)): a layer's query and key rotated in one launch
 
+    tritondelegate::rotary_angles(Tensor x, Tensor angles, float scale, ScalarType dtype) -> Tensor
+    tritondelegate::rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, ScalarType dtype)
+        -> (Tensor, Tensor)
+        the same with the tables computed from the half-width angles ``a`` [..., D / 2] (positions times
+        inverse frequencies): ``cos = (cos(cat(a, a, -1)) * scale).to(dtype)``, ``sin`` likewise, as a
+        model computes them per call from its input positions; the kernel computes them inline
+
     tritondelegate::glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor
         y = linear(x, weight, bias);  act(y[..., 0::2]) * y[..., 1::2]
         (a gated MLP's gate and up projections as one GEMM: their weight rows interleaved, gate first;
@@ -29,6 +36,8 @@ _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 _lib.define("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor")
 _lib.define("rotary_pair(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)")
+_lib.define("rotary_angles(Tensor x, Tensor angles, float scale, ScalarType dtype) -> Tensor")
+_lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, ScalarType dtype) -> (Tensor, Tensor)")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
 
 # The activations of a gated linear unit, by the name the pointwise kernels give them.
@@ -74,6 +83,33 @@ def _rotary_pair_fake(q, k, cos, sin):
     return rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)
 
 
+def rotary_tables(angles: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) as a model computes them from its half-width angles: ``emb = cat(angles, angles)``,
+    then ``(emb.cos() * scale).to(dtype)`` and ``(emb.sin() * scale).to(dtype)``."""
+    emb = torch.cat((angles, angles), dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+@torch.library.impl(_lib, "rotary_angles", "CompositeExplicitAutograd")
+def _rotary_angles(x, angles, scale, dtype):
+    return _rotary(x, *rotary_tables(angles, scale, dtype))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::rotary_angles")
+def _rotary_angles_fake(x, angles, scale, dtype):
+    return rotary_reference(x, *rotary_tables(angles, scale, dtype))
+
+
+@torch.library.impl(_lib, "rotary_pair_angles", "CompositeExplicitAutograd")
+def _rotary_pair_angles(q, k, angles, scale, dtype):
+    return _rotary_angles(q, angles, scale, dtype), _rotary_angles(k, angles, scale, dtype)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::rotary_pair_angles")
+def _rotary_pair_angles_fake(q, k, angles, scale, dtype):
+    return _rotary_angles_fake(q, angles, scale, dtype), _rotary_angles_fake(k, angles, scale, dtype)
+
+
 def glu_linear_reference(x, weight, bias, act: str) -> torch.Tensor:
     """``act(gate) * up`` with gate and up the even and odd output features of one linear: the values
     (and dtype rounding) of ``act(linear(x, w_gate)) * linear(x, w_up)``."""
@@ -104,9 +140,13 @@ def _glu_linear_fake(x, weight, bias, act):
 OPS: dict[str, torch._ops.OpOverload] = {
     "tritondelegate::rotary": torch.ops.tritondelegate.rotary.default,
     "tritondelegate::rotary_pair": torch.ops.tritondelegate.rotary_pair.default,
+    "tritondelegate::rotary_angles": torch.ops.tritondelegate.rotary_angles.default,
+    "tritondelegate::rotary_pair_angles": torch.ops.tritondelegate.rotary_pair_angles.default,
     "tritondelegate::glu_linear": torch.ops.tritondelegate.glu_linear.default,
 }
 
 rotary = torch.ops.tritondelegate.rotary.default
 rotary_pair = torch.ops.tritondelegate.rotary_pair.default
+rotary_angles = torch.ops.tritondelegate.rotary_angles.default
+rotary_pair_angles = torch.ops.tritondelegate.rotary_pair_angles.default
 glu_linear = torch.ops.tritondelegate.glu_linear.default

@@ -198,6 +198,8 @@ OPS: dict[object, OpSpec] = {
     # tritondelegate:: ops (ops.py), put in place of written-out patterns by passes/fuse.py
     td_ops.rotary: OpSpec(rot.rotary, rot.supported),  # rotary.py
     td_ops.rotary_pair: OpSpec(rot.rotary_pair, rot.supported_pair),  # rotary.py
+    td_ops.rotary_angles: OpSpec(rot.rotary_angles, rot.supported_angles),  # rotary.py
+    td_ops.rotary_pair_angles: OpSpec(rot.rotary_pair_angles, rot.supported_pair_angles),  # rotary.py
     td_ops.glu_linear: OpSpec(mm.glu_linear, mm.supported_glu),  # matmul.py
 }
 

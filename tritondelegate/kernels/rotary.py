@@ -14,8 +14,15 @@ The leading dims of all four tensors are collapsed together (``refs.collapse``) 
 four row dims; one program covers BLOCK_R rows by BLOCK_H positions of the half, loads each x element
 once and writes both halves. Math is fp32; the result is cast to the output's dtype.
 
+``tritondelegate::rotary_angles(x, angles, scale, dtype)`` (tables a model computes per call from its
+positions, rewritten by ``passes/rotary_tables.py``) is the same kernel with ``ANGLES``: the cos
+pointer is then the half-width angles ``a`` [..., D / 2] (broadcast to x's rows like a table), and
+each program computes ``cos(a) * scale`` and ``sin(a) * scale`` in fp32, rounded to the tables' dtype
+(``ROUND``) as eager stores them, for both halves (``cat((a, a))``: positions c and c + h share an
+angle). No table is ever stored.
+
 ``tritondelegate::rotary_pair(q, k, cos, sin)`` (a layer's query and key over the same tables, paired
-by ``passes/fuse_rotary.py``) is the same kernel with ``PAIR``: the row blocks of q, then those of k,
+by ``passes/fuse_rotary.py``; ``rotary_pair_angles`` likewise) is the same kernel with ``PAIR``: the row blocks of q, then those of k,
 along grid axis 0, each program rotating a block of one of them. k has its own rows and strides (under
 grouped-query attention fewer heads than q) and sees cos and sin through its own broadcast strides.
 """
@@ -27,6 +34,7 @@ import triton
 import triton.language as tl
 
 from . import sizes
+from ..dtypes import dtype_name
 from ..errors import LoweringError
 from .refs import FLOAT_DTYPES, TRef, broadcast_strides, collapse, node_value
 from .rows import row_offsets
@@ -47,14 +55,24 @@ def _row4(r, n1, n2, n3, s0, s1, s2, s3):
 
 
 @triton.jit
+def _round(v, ROUND: tl.constexpr):
+    """``v`` (fp32) rounded to a half-precision dtype and back, as eager stores a table of that dtype."""
+    if ROUND == "float16":
+        v = v.to(tl.float16).to(tl.float32)
+    elif ROUND == "bfloat16":
+        v = v.to(tl.bfloat16).to(tl.float32)
+    return v
+
+
+@triton.jit
 def _rotate(
     x_ptr, cos_ptr, sin_ptr, out_ptr, block,
     rows, half, n1, n2, n3,
     xs0, xs1, xs2, xs3, xsd,
     cs0, cs1, cs2, cs3, csd,
     ss0, ss1, ss2, ss3, ssd,
-    os0, os1, os2, os3, osd,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    os0, os1, os2, os3, osd, scale,
+    ANGLES: tl.constexpr, ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Row block ``block`` (and column block ``program_id(1)``) of one tensor's rotation."""
     r = block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -68,10 +86,17 @@ def _rotate(
     o_row = out_ptr + _row4(r, n1, n2, n3, os0, os1, os2, os3)[:, None]
     x1 = tl.load(x_row + lo * xsd, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + hi * xsd, mask=mask, other=0.0).to(tl.float32)
-    c1 = tl.load(c_row + lo * csd, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(c_row + hi * csd, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(s_row + lo * ssd, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(s_row + hi * ssd, mask=mask, other=0.0).to(tl.float32)
+    if ANGLES:  # cos_ptr: the angles; positions c and c + h share one
+        a = tl.load(c_row + lo * csd, mask=mask, other=0.0).to(tl.float32)
+        c1 = _round(tl.cos(a) * scale, ROUND)
+        s1 = _round(tl.sin(a) * scale, ROUND)
+        c2 = c1
+        s2 = s1
+    else:
+        c1 = tl.load(c_row + lo * csd, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(c_row + hi * csd, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(s_row + lo * ssd, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(s_row + hi * ssd, mask=mask, other=0.0).to(tl.float32)
     y1 = x1 * c1 + (-x2) * s1
     y2 = x2 * c2 + x1 * s2
     ty = out_ptr.dtype.element_ty
@@ -91,40 +116,44 @@ def rotary_kernel(
     kxs0, kxs1, kxs2, kxs3, kxsd,
     kcs0, kcs1, kcs2, kcs3,
     kss0, kss1, kss2, kss3,
-    kos0, kos1, kos2, kos3, kosd,
+    kos0, kos1, kos2, kos3, kosd, scale,
     PAIR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    ANGLES: tl.constexpr = False, ROUND: tl.constexpr = "",
 ):
     """One tensor x, or (PAIR) two tensors x and kx over the same cos and sin: axis 0 of the grid is
     x's row blocks, then kx's. kx has its own rows (its own head count) and strides; its cos and sin
-    strides are theirs broadcast to kx's shape, over the same last dim (csd, ssd)."""
+    strides are theirs broadcast to kx's shape, over the same last dim (csd, ssd). ``ANGLES``: cos_ptr
+    holds the angles, and the tables are computed (``scale``, rounded to ``ROUND``)."""
     pid = tl.program_id(0)
     if PAIR:
         x_blocks = tl.cdiv(rows, BLOCK_R)
         if pid < x_blocks:
             _rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, pid, rows, half, n1, n2, n3,
                     xs0, xs1, xs2, xs3, xsd, cs0, cs1, cs2, cs3, csd, ss0, ss1, ss2, ss3, ssd,
-                    os0, os1, os2, os3, osd, BLOCK_R, BLOCK_H)
+                    os0, os1, os2, os3, osd, scale, ANGLES, ROUND, BLOCK_R, BLOCK_H)
         else:
             _rotate(kx_ptr, cos_ptr, sin_ptr, kout_ptr, pid - x_blocks, krows, half, k1, k2, k3,
                     kxs0, kxs1, kxs2, kxs3, kxsd, kcs0, kcs1, kcs2, kcs3, csd, kss0, kss1, kss2, kss3, ssd,
-                    kos0, kos1, kos2, kos3, kosd, BLOCK_R, BLOCK_H)
+                    kos0, kos1, kos2, kos3, kosd, scale, ANGLES, ROUND, BLOCK_R, BLOCK_H)
     else:
         _rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, pid, rows, half, n1, n2, n3,
                 xs0, xs1, xs2, xs3, xsd, cs0, cs1, cs2, cs3, csd, ss0, ss1, ss2, ss3, ssd,
-                os0, os1, os2, os3, osd, BLOCK_R, BLOCK_H)
+                os0, os1, os2, os3, osd, scale, ANGLES, ROUND, BLOCK_R, BLOCK_H)
 
 
 # --- host launcher --------------------------------------------------------------------------------
-def _rows(name: str, x: TRef, cos: TRef, sin: TRef, out: TRef):
+def _rows(name: str, x: TRef, cos: TRef, sin: TRef, out: TRef, angles: bool = False):
     """(rows, [n1, n2, n3], strides of out, x, cos, sin): the leading dims of the four collapsed
-    together into ROW_DIMS row dims; each stride set ends with the last dim's stride."""
+    together into ROW_DIMS row dims; each stride set ends with the last dim's stride. ``angles``: cos
+    and sin are the half-width angles, broadcast to the result's shape with its last dim halved."""
     shape = out.shape
     if tuple(x.shape) != tuple(shape):
         raise LoweringError(f"{name}: x {x.shape} does not have the result's shape {shape}")
     if not shape or not sizes.is_static(shape[-1]) or shape[-1] % 2:
         raise LoweringError(f"{name}: the last dim of {shape} is not a static even size")
-    stride_sets = [out.strides, broadcast_strides(x, shape), broadcast_strides(cos, shape),
-                   broadcast_strides(sin, shape)]
+    table_shape = (*shape[:-1], shape[-1] // 2) if angles else shape
+    stride_sets = [out.strides, broadcast_strides(x, shape), broadcast_strides(cos, table_shape),
+                   broadcast_strides(sin, table_shape)]
     lead, lead_strides = collapse(shape[:-1], [s[:-1] for s in stride_sets])
     if len(lead) > ROW_DIMS:
         raise LoweringError(f"{name}: {len(lead)} row dims after merging (at most {ROW_DIMS})")
@@ -142,34 +171,47 @@ def _blocks(half: int, *rows) -> tuple[int, int]:
     return block_r, block_h
 
 
-def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef) -> None:
-    """``out = x * cos + rotate_half(x) * sin``; ``out`` has ``x``'s shape, cos and sin broadcast to it."""
-    rows, inner, (os_, xs, cs, ss) = _rows("rotary", x, cos, sin, out)
+def _tables(angles: tuple | None) -> tuple[float, dict]:
+    """(scale, constexprs) for tables given (None) or computed from angles (``(scale, dtype)``)."""
+    if angles is None:
+        return 1.0, {}
+    scale, dtype = angles
+    rounding = dtype_name(dtype) if dtype in (torch.float16, torch.bfloat16) else ""
+    return float(scale), {"ANGLES": True, "ROUND": rounding}
+
+
+def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef, angles: tuple | None = None) -> None:
+    """``out = x * cos + rotate_half(x) * sin``; ``out`` has ``x``'s shape, cos and sin broadcast to it.
+    ``angles=(scale, dtype)``: cos and sin are both the angles the kernel computes the tables from."""
+    rows, inner, (os_, xs, cs, ss) = _rows("rotary", x, cos, sin, out, angles is not None)
     half = out.shape[-1] // 2
     block_r, block_h = _blocks(half, rows)
+    scale, flags = _tables(angles)
     b.launch(
         "rotary", (triton.cdiv(rows, block_r), triton.cdiv(half, block_h)),
         x, cos, sin, out, x, out,
         rows, half, *inner, *xs, *cs, *ss, *os_,
-        0, 1, 1, 1, *[0] * 18,  # no second tensor
-        PAIR=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
+        0, 1, 1, 1, *[0] * 18, scale,  # no second tensor
+        PAIR=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4, **flags,
     )
 
 
-def launch_rotary_pair(b, q: TRef, k: TRef, cos: TRef, sin: TRef, q_out: TRef, k_out: TRef) -> None:
-    """``q_out`` and ``k_out``: q and k rotated by the same cos and sin, in one launch."""
+def launch_rotary_pair(b, q: TRef, k: TRef, cos: TRef, sin: TRef, q_out: TRef, k_out: TRef,
+                       angles: tuple | None = None) -> None:
+    """``q_out`` and ``k_out``: q and k rotated by the same cos and sin (or angles), in one launch."""
     if q.shape[-1] != k.shape[-1]:
         raise LoweringError(f"rotary_pair: q {q.shape} and k {k.shape} differ in their last dim")
-    rows, inner, (os_, xs, cs, ss) = _rows("rotary_pair", q, cos, sin, q_out)
-    krows, kinner, (kos, kxs, kcs, kss) = _rows("rotary_pair", k, cos, sin, k_out)
+    rows, inner, (os_, xs, cs, ss) = _rows("rotary_pair", q, cos, sin, q_out, angles is not None)
+    krows, kinner, (kos, kxs, kcs, kss) = _rows("rotary_pair", k, cos, sin, k_out, angles is not None)
     half = q_out.shape[-1] // 2
     block_r, block_h = _blocks(half, rows, krows)
+    scale, flags = _tables(angles)
     b.launch(
         "rotary", (triton.cdiv(rows, block_r) + triton.cdiv(krows, block_r), triton.cdiv(half, block_h)),
         q, cos, sin, q_out, k, k_out,
         rows, half, *inner, *xs, *cs, *ss, *os_,
-        krows, *kinner, *kxs, *kcs[:-1], *kss[:-1], *kos,
-        PAIR=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
+        krows, *kinner, *kxs, *kcs[:-1], *kss[:-1], *kos, scale,
+        PAIR=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4, **flags,
     )
 
 
@@ -212,6 +254,37 @@ def supported_pair(node) -> str | None:
     return None
 
 
+def _angles_refusal(x, angles, scale, dtype, out) -> str | None:
+    """Why the kernel cannot rotate x by tables computed from ``angles``, or None."""
+    if not isinstance(angles, torch.Tensor) or angles.dtype != torch.float32:
+        return "the angles are not a float32 tensor"
+    if dtype not in FLOAT_DTYPES or not isinstance(scale, (int, float)):
+        return f"table dtype {dtype} or scale {scale!r} is not supported"
+    if not isinstance(x, torch.Tensor) or angles.dim() > x.dim() or angles.dim() == 0:
+        return "the angles' rank is 0 or higher than x's"
+    d = sizes.size(x.shape[-1])
+    if not sizes.is_static(d) or sizes.size(angles.shape[-1]) != d // 2:
+        return f"the angles' last dim ({angles.shape[-1]}) is not half of x's ({x.shape[-1]})"
+    return _refusal([x, x, x, out])
+
+
+def supported_angles(node) -> str | None:
+    (x, angles), (scale, dtype) = (node_value(a) for a in node.args[:2]), node.args[2:4]
+    return _angles_refusal(x, angles, scale, dtype, node.meta.get("val"))
+
+
+def supported_pair_angles(node) -> str | None:
+    (q, k, angles), (scale, dtype) = (node_value(a) for a in node.args[:3]), node.args[3:5]
+    outs = node.meta.get("val")
+    if not isinstance(outs, (tuple, list)) or len(outs) != 2:
+        return "the result is not a pair of tensors"
+    for name, x, out in (("q", q, outs[0]), ("k", k, outs[1])):
+        reason = _angles_refusal(x, angles, scale, dtype, out)
+        if reason is not None:
+            return f"{name}: {reason}"
+    return None
+
+
 def rotary(b, node):
     """tritondelegate::rotary(x, cos, sin)"""
     x, cos, sin = (b.ref(a) for a in node.args[:3])
@@ -222,3 +295,15 @@ def rotary_pair(b, node):
     """tritondelegate::rotary_pair(q, k, cos, sin) -> (q rotated, k rotated)"""
     q, k, cos, sin = (b.ref(a) for a in node.args[:4])
     launch_rotary_pair(b, q, k, cos, sin, b.out(node, 0), b.out(node, 1))
+
+
+def rotary_angles(b, node):
+    """tritondelegate::rotary_angles(x, angles, scale, dtype)"""
+    x, angles = (b.ref(a) for a in node.args[:2])
+    launch_rotary(b, x, angles, angles, b.out(node), angles=tuple(node.args[2:4]))
+
+
+def rotary_pair_angles(b, node):
+    """tritondelegate::rotary_pair_angles(q, k, angles, scale, dtype) -> (q rotated, k rotated)"""
+    q, k, angles = (b.ref(a) for a in node.args[:3])
+    launch_rotary_pair(b, q, k, angles, angles, b.out(node, 0), b.out(node, 1), angles=tuple(node.args[3:5]))

@@ -259,11 +259,13 @@ TRAFFIC: dict[str, KernelTraffic] = {
         flops=_reduce_flops,
     ),
     # out = x * cos + rotate_half(x) * sin: two multiplies and an add per output element (rows x 2 half);
-    # with PAIR also kout from kx (krows rows) over the same cos and sin
+    # with PAIR also kout from kx (krows rows) over the same cos and sin; with ANGLES cos_ptr is the
+    # angles (sin_ptr the same tensor) and each half position also takes a cos, a sin and two scalings
     "rotary": KernelTraffic(
-        reads=(Access("x_ptr"), Access("cos_ptr"), Access("sin_ptr"), Access("kx_ptr", _flag("PAIR"))),
+        reads=(Access("x_ptr"), Access("cos_ptr"), Access("sin_ptr", lambda a: not a["ANGLES"]),
+               Access("kx_ptr", _flag("PAIR"))),
         writes=(Access("out_ptr"), Access("kout_ptr", _flag("PAIR"))),
-        flops=lambda a: 3 * (a["rows"] + (a["krows"] if a["PAIR"] else 0)) * 2 * a["half"],
+        flops=lambda a: (3 * 2 + (4 if a["ANGLES"] else 0)) * (a["rows"] + (a["krows"] if a["PAIR"] else 0)) * a["half"],
     ),
 }
 

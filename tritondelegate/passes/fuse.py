@@ -1,6 +1,7 @@
 """Graph rewrites that hand the kernels bigger pieces of work, run on the decomposed graph before
 constant folding and partitioning:
 
+* ``dedupe``: identity copies and repeated computations are removed first (``dedupe.py``);
 * ``fuse_rms_norm``: an RMSNorm written out (``pow``/``mean``/``rsqrt``/``mul``, as Llama, Qwen2,
   Mistral and Gemma write it) becomes one ``aten.rms_norm`` (one row kernel instead of three launches);
 * ``fuse_gelu``: a tanh GELU written out (GPT-2's ``0.5 * x * (1 + tanh(...))``) becomes one
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .dedupe import dedupe
 from .fuse_batchnorm import fuse_batchnorm
 from .fuse_gelu import fuse_gelu
 from .fuse_glu import fuse_glu
@@ -33,7 +35,7 @@ from .fuse_rotary import fuse_rotary
 def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool) -> list[str]:
     """All the rewrites, in order; ``fold``: constant folding will run (projections need it to store
     their concatenated weights once)."""
-    done = fuse_rms_norm(ep) + fuse_gelu(ep) + fuse_rotary(ep)
+    done = dedupe(ep) + fuse_rms_norm(ep) + fuse_gelu(ep) + fuse_rotary(ep, fold)
     if fold:  # both store new constants (concatenated or folded weights): folding computes them once
         done += fuse_glu(ep, state) + fuse_projections(ep, state) + fuse_batchnorm(ep, state)
     if done:

@@ -38,8 +38,14 @@ from torch.export.graph_signature import TensorArgument
 
 from ..kernels.rows import node_arg
 from ..ops import rotary as rotary_op
+from ..ops import rotary_angles as rotary_angles_op
 from ..ops import rotary_pair as rotary_pair_op
+from ..ops import rotary_pair_angles as rotary_pair_angles_op
 from .rewrite import is_call, new_node, same_shape, tensor_val
+from .rotary_tables import rotary_tables
+
+# A single rotary (tables given, or computed from angles: ``rotary_tables.py``) -> its paired form.
+PAIRS = {rotary_op: rotary_pair_op, rotary_angles_op: rotary_pair_angles_op}
 
 aten = torch.ops.aten
 
@@ -223,31 +229,33 @@ def _place(a: torch.fx.Node, b: torch.fx.Node, order: dict) -> torch.fx.Node | N
 
 
 def _shares_tables(a: torch.fx.Node, b: torch.fx.Node) -> bool:
-    """Whether rotary nodes ``a`` and ``b`` read the same cos and sin over equal (static) last dims."""
-    (qa, ca, sa), (qb, cb, sb) = a.args[:3], b.args[:3]
-    va, vb = tensor_val(qa), tensor_val(qb)
-    if va is None or vb is None or va.dim() == 0 or vb.dim() == 0 or not (_same(ca, cb) and _same(sa, sb)):
+    """Whether rotary nodes ``a`` and ``b`` are of one kind, read the same tables (cos and sin, or
+    angles, scale and dtype) and have equal (static) last dims."""
+    va, vb = tensor_val(a.args[0]), tensor_val(b.args[0])
+    if a.target is not b.target or va is None or vb is None or va.dim() == 0 or vb.dim() == 0:
+        return False
+    if not all(_same(x, y) if isinstance(x, torch.fx.Node) else x == y for x, y in zip(a.args[1:], b.args[1:])):
         return False
     return isinstance(va.shape[-1], int) and va.shape[-1] == vb.shape[-1]
 
 
 def _pair(ep: torch.export.ExportedProgram, a: torch.fx.Node, b: torch.fx.Node, before: torch.fx.Node) -> str:
     graph = ep.graph_module.graph
-    q, cos, sin = a.args[:3]
-    k, b_tables = b.args[0], b.args[1:3]
-    vals = (a.meta["val"], b.meta["val"])  # exactly what rotary_pair's fake implementation computes
+    q, tables = a.args[0], a.args[1:]
+    k, b_tables = b.args[0], b.args[1:]
+    vals = (a.meta["val"], b.meta["val"])  # exactly what the pair's fake implementation computes
     with graph.inserting_before(before):
-        pair = new_node(graph, rotary_pair_op, (q, k, cos, sin), vals, a.meta)
+        pair = new_node(graph, PAIRS[a.target], (q, k, *tables), vals, a.meta)
         outs = [new_node(graph, operator.getitem, (pair, i), vals[i], old.meta) for i, old in enumerate((a, b))]
     for old, new in zip((a, b), outs):
         old.replace_all_uses_with(new)
         _retarget_outputs(ep, old, new)
         graph.erase_node(old)
-    for view in b_tables:  # b's cos and sin, when equal views of a's of their own
-        if view is not cos and view is not sin:
+    for view in b_tables:  # b's tables, when equal views of a's of their own
+        if isinstance(view, torch.fx.Node) and view not in tables:
             for dead in _dead_views(view):
                 graph.erase_node(dead)
-    return f"rotary pair: {a.name} and {b.name} -> {pair.name} (tritondelegate::rotary_pair, 2 launches -> 1)"
+    return f"rotary pair: {a.name} and {b.name} -> {pair.name} ({PAIRS[a.target].name()}, 2 launches -> 1)"
 
 
 def pair_rotaries(ep: torch.export.ExportedProgram) -> list[str]:
@@ -256,7 +264,7 @@ def pair_rotaries(ep: torch.export.ExportedProgram) -> list[str]:
     partner among the later ones up to the first that shares its tables and reads its result (the next
     layer's, in a decoder): the search stays linear in the layers."""
     graph = ep.graph_module.graph
-    rotaries = [n for n in graph.nodes if is_call(n, rotary_op)]
+    rotaries = [n for n in graph.nodes if is_call(n, *PAIRS)]
     paired: set[torch.fx.Node] = set()
     done = []
     order = {n: j for j, n in enumerate(graph.nodes)}
@@ -277,8 +285,10 @@ def pair_rotaries(ep: torch.export.ExportedProgram) -> list[str]:
     return done
 
 
-def fuse_rotary(ep: torch.export.ExportedProgram, *args) -> list[str]:
-    """Rewrite every rotary embedding of ``ep``'s graph into one ``tritondelegate::rotary`` node, then
-    pair those that share cos and sin (:func:`pair_rotaries`). Returns one description per rewrite
+def fuse_rotary(ep: torch.export.ExportedProgram, fold: bool = True) -> list[str]:
+    """Rewrite every rotary embedding of ``ep``'s graph into one ``tritondelegate::rotary`` node, those
+    whose tables come from angles computed per call into ``tritondelegate::rotary_angles``
+    (``rotary_tables.py``; ``fold``: constant folding runs next), then pair those that share their
+    tables (:func:`pair_rotaries`). Returns one description per rewrite
     (the caller recompiles the graph module)."""
-    return _rewrite_singles(ep) + pair_rotaries(ep)
+    return _rewrite_singles(ep) + rotary_tables(ep, fold) + pair_rotaries(ep)

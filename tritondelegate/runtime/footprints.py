@@ -222,11 +222,16 @@ def _norm(x: LaunchArgs) -> Footprint:
 
 
 # Per tensor of a rotary launch: its rows, row dims, and (pointer, row strides' prefix, last dim's
-# stride, written) per pointer. kx (with PAIR) reads cos and sin through its own row strides.
+# stride, written) per pointer. kx (with PAIR) reads cos and sin through its own row strides. With
+# ANGLES, cos and sin are the angles: half a row each.
 _ROTARY = (("rows", ("n1", "n2", "n3"), (("x_ptr", "xs", "xsd", False), ("cos_ptr", "cs", "csd", False),
                                          ("sin_ptr", "ss", "ssd", False), ("out_ptr", "os", "osd", True))),
            ("krows", ("k1", "k2", "k3"), (("kx_ptr", "kxs", "kxsd", False), ("cos_ptr", "kcs", "csd", False),
                                           ("sin_ptr", "kss", "ssd", False), ("kout_ptr", "kos", "kosd", True))))
+
+
+def _rotary_width(x: LaunchArgs, param: str, half: int) -> int:
+    return half if x.c["ANGLES"] and param in ("cos_ptr", "sin_ptr") else 2 * half
 
 
 def _rotary(x: LaunchArgs) -> Footprint:
@@ -235,8 +240,8 @@ def _rotary(x: LaunchArgs) -> Footprint:
     for rows_name, dims, pointers in _ROTARY[:2 if x.c["PAIR"] else 1]:  # x's row blocks, then kx's
         rows = x.i(rows_name)
         r = _unravel(rows, x.d(*dims))
-        acc += [Access(param, _walk(r, x.ints(prefix, 4)) + ((2 * half, x.i(last)),), write=write)
-                for param, prefix, last, write in pointers]
+        acc += [Access(param, _walk(r, x.ints(prefix, 4)) + ((_rotary_width(x, param, half), x.i(last)),),
+                       write=write) for param, prefix, last, write in pointers]
         programs += _cdiv(rows, x.c["BLOCK_R"])
         points += max(rows, 0) * max(half, 0)
     return Footprint(acc, (programs, _cdiv(half, x.c["BLOCK_H"])), {"rows x half": points})
@@ -416,7 +421,8 @@ RULES: dict[str, KernelRule] = {
         "MAP": one_of("id", "sq", "abs"), "FINISH": one_of("none", "div", "sqrt"), "INT_ACC": FLAG,
         "COMBINE": one_of("sum", "prod", "max", "min", "argmax", "argmin", "welford"), **_ROWS},
         (("BLOCK_R", "BLOCK_C"),)),
-    "rotary": KernelRule(_rotary, {"PAIR": FLAG, "BLOCK_R": pow2(1, 4096), "BLOCK_H": pow2(1, 4096)},
+    "rotary": KernelRule(_rotary, {"PAIR": FLAG, "BLOCK_R": pow2(1, 4096), "BLOCK_H": pow2(1, 4096),
+                                   "ANGLES": FLAG, "ROUND": one_of("", "float16", "bfloat16")},
                          (("BLOCK_R", "BLOCK_H"),)),
 }
 

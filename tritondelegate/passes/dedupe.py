@@ -1,0 +1,83 @@
+"""Nodes that compute nothing new: identity copies and repeated computations, removed from the
+decomposed graph before the other rewrites (each would be a launch per call).
+
+* ``aten.copy(dst, src)`` in a functional graph is ``src`` cast and broadcast to ``dst``'s shape and
+  dtype; when ``src`` already has both, it is ``src`` itself. transformers' static cache writes its
+  position counter this way (``cumulative_length.copy_(cache_position[0])``), once per layer.
+* Common subexpressions: two calls of one op on the same arguments give the same value, so the second
+  is replaced by the first. transformers' static cache recomputes ``arange(T) + position`` for the
+  mask, the rotary positions and every layer's cache write; one decoder layer's key positions equal
+  the next one's. Nodes are visited in graph order, so a repeat of a repeat merges too.
+
+Only deterministic, side-effect-free calls merge (not ``is_impure``, not seeded random ops); size
+nodes and placeholders are left alone. A node the program returns or writes back to a buffer is
+kept: the signature names each output by its node, and two buffers written from one node would
+share one entry (transformers writes each layer's position counter so, from equal values). ``torch.fx``'s own ``CSEPass``
+rebuilds the graph module with new node names, which would detach an exported program's signature,
+hence this in-place pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch.export.graph_signature import TensorArgument
+
+from .rewrite import is_call, same_shape, tensor_val
+
+aten = torch.ops.aten
+
+
+def _replace(ep: torch.export.ExportedProgram, old: torch.fx.Node, new: torch.fx.Node) -> None:
+    old.replace_all_uses_with(new)
+    ep.graph_module.graph.erase_node(old)
+
+
+def _identity_copy(node: torch.fx.Node) -> torch.fx.Node | None:
+    """``src`` when ``node`` is ``aten.copy(dst, src)`` with src of dst's shape, dtype and device."""
+    if not is_call(node, aten.copy.default) or node.kwargs.get("non_blocking") or len(node.args) != 2:
+        return None
+    dst, src = (tensor_val(a) for a in node.args)
+    if dst is None or src is None or (dst.dtype, dst.device) != (src.dtype, src.device):
+        return None
+    return node.args[1] if same_shape(dst, src) else None
+
+
+def _mergeable(node: torch.fx.Node) -> bool:
+    """A deterministic, side-effect-free op call with a tensor value (size nodes stay apart)."""
+    if node.op != "call_function" or node.is_impure() or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return torch.Tag.nondeterministic_seeded not in node.target.tags and tensor_val(node) is not None
+
+
+def _key(node: torch.fx.Node) -> str:
+    """The call as text: the op and its arguments, node arguments by name (unique in a graph)."""
+    return repr((node.target, node.args, sorted(node.kwargs.items())))
+
+
+def dedupe(ep: torch.export.ExportedProgram) -> list[str]:
+    """Remove identity copies and repeated computations from ``ep``'s graph; one description per kind
+    of removal (the caller recompiles the graph module)."""
+    graph = ep.graph_module.graph
+    copies = 0
+    for node in list(graph.nodes):
+        src = _identity_copy(node)
+        if src is not None:
+            _replace(ep, node, src)
+            copies += 1
+    outputs = {spec.arg.name for spec in ep.graph_signature.output_specs if isinstance(spec.arg, TensorArgument)}
+    seen: dict[str, torch.fx.Node] = {}
+    repeats = 0
+    for node in list(graph.nodes):
+        if not _mergeable(node) or node.name in outputs:
+            continue
+        first = seen.setdefault(_key(node), node)
+        if first is not node:
+            _replace(ep, node, first)
+            repeats += 1
+    done = []
+    if copies:
+        done.append(f"identity copies removed: {copies}")
+    if repeats:
+        done.append(f"repeated computations merged: {repeats}")
+    return done

@@ -1,0 +1,196 @@
+"""Rotary tables computed per call become part of the rotary launch: ``tritondelegate::rotary(x, cos,
+sin)`` whose cos and sin a model builds from its input positions becomes
+``tritondelegate::rotary_angles(x, angles, scale, dtype)`` (``ops.py``), and the kernel computes the
+tables from the angles inline.
+
+A decoder with a KV cache takes its positions as an input, so its tables cannot be folded at lower
+time. Llama-style models (the demo's ``KVCacheDecoder``, transformers' rotary embedding) write
+
+    angles = positions.float()[..., None] * inv_freq      [..., D / 2]   (any computation)
+    emb    = cat((angles, angles), -1)                     [..., D]
+    cos    = (emb.cos() * scale).to(dtype)                 scale: transformers' attention_scaling
+    sin    = (emb.sin() * scale).to(dtype)
+
+and views of cos and sin (``unsqueeze(1)`` to broadcast over the heads). That is four to six launches
+per call (the cast and product fuse, the cat's two copies, the two tables), each on a few hundred
+bytes: on a decode step, pure launch latency. The rewrite keeps the angles' own computation (one
+launch per call, shared by every layer) and drops the cat, the tables and their launches: the rotary
+kernel reads one angle per position of the half and computes ``cos`` and ``sin`` in fp32, scales and
+rounds them to ``dtype`` as eager does, then rotates, so its result is eager's.
+
+A rotary node is rewritten when both tables are, from the top: views that leave the last dim alone
+(``unsqueeze``, ``view``/``reshape`` keeping the last size, ``expand``, ``alias``); at most one cast
+(``_to_copy`` to a dtype); multiplications by Python numbers (their product is the scale: equal for
+cos and sin); ``cos`` or ``sin`` of one ``cat((a, a), -1)`` of a float32 ``a``; and the two view
+chains are the same ops with the same arguments. The angles then take those views, with the last
+size halved. Tables that other nodes also read stay in the graph for them; once no node reads them,
+they are removed. Angles that depend on no method input nor state (a forward over a static length)
+are left to constant folding, which stores the tables themselves once (``fold=False``: rewritten too).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind
+
+from ..kernels.rows import node_arg
+from ..ops import rotary as rotary_op
+from ..ops import rotary_angles as rotary_angles_op
+from .rewrite import fake, is_call, new_node, tensor_val
+
+aten = torch.ops.aten
+
+# Views that keep the last dim (checked per call by ``_half_view``), replayed on the angles.
+_VIEWS = {aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+          aten.expand.default, aten.alias.default}
+_SCALES = {aten.mul.Tensor, aten.mul.Scalar}
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _half_view(node: torch.fx.Node, width: int):
+    """The arguments after the source for ``node`` replayed on the half-width angles, or None when the
+    view touches the last dim (of size ``width``)."""
+    rest = list(node.args[1:])
+    if node.target in (aten.unsqueeze.default, aten.alias.default):
+        out = tensor_val(node)
+        if node.target is aten.unsqueeze.default and rest[0] % out.dim() == out.dim() - 1:
+            return None  # the new dim would be last
+        return tuple(rest)
+    sizes = list(rest[0])
+    if not sizes or sizes[-1] not in (width, -1):
+        return None
+    return (sizes[:-1] + [width // 2 if sizes[-1] == width else -1],) + tuple(rest[1:])
+
+
+def _scale_operand(node: torch.fx.Node):
+    """(tensor operand, number) of ``tensor * number``, else None."""
+    if not is_call(node, *_SCALES) or node.kwargs:
+        return None
+    a, b = node.args[:2]
+    if isinstance(a, torch.fx.Node) and _is_number(b):
+        return a, float(b)
+    if isinstance(b, torch.fx.Node) and _is_number(a):
+        return b, float(a)
+    return None
+
+
+def _table(node):
+    """(views [node], cast dtype or None, scale, trig target, cat node) when ``node`` is a table as the
+    module docstring describes, else None."""
+    views, cast, scale = [], None, 1.0
+    while is_call(node, *_VIEWS):
+        views.append(node)
+        node = node.args[0]
+    if is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"} and len(node.args) == 1:
+        cast, node = node.kwargs.get("dtype"), node.args[0]
+    while (found := _scale_operand(node)) is not None:
+        node, factor = found
+        scale *= factor
+    if not is_call(node, aten.cos.default, aten.sin.default):
+        return None
+    cat, val = node.args[0], tensor_val(node)
+    if val is None or val.dtype != torch.float32 or not is_call(cat, aten.cat.default):
+        return None
+    return views[::-1], cast or val.dtype, scale, node.target, cat
+
+
+def _angles_of(cat: torch.fx.Node) -> torch.fx.Node | None:
+    """``a`` of ``cat((a, a), -1)`` with ``a`` float32 of a static last dim, else None."""
+    parts = cat.args[0]
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or parts[0] is not parts[1]:
+        return None
+    a, val = parts[0], tensor_val(parts[0])
+    dim = node_arg(cat, 1, "dim", 0)
+    if val is None or val.dtype != torch.float32 or val.dim() == 0 or not isinstance(val.shape[-1], int):
+        return None
+    return a if isinstance(dim, int) and dim % val.dim() == val.dim() - 1 else None
+
+
+def _same_views(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x.target == y.target and x.args[1:] == y.args[1:] for x, y in zip(a, b))
+
+
+def _match(node: torch.fx.Node):
+    """(angles, views, scale, dtype) when ``node`` is a rotary whose cos and sin come from angles."""
+    cos, sin = (_table(t) for t in node.args[1:3])
+    if cos is None or sin is None or (cos[3], sin[3]) != (aten.cos.default, aten.sin.default):
+        return None
+    (views, dtype, scale, _, cat), (sin_views, sin_dtype, sin_scale, _, sin_cat) = cos, sin
+    angles = _angles_of(cat)
+    if (angles is None or sin_cat is not cat and _angles_of(sin_cat) is not angles
+            or (dtype, scale) != (sin_dtype, sin_scale) or not _same_views(views, sin_views)):
+        return None
+    return angles, views, scale, dtype
+
+
+def _replay(graph: torch.fx.Graph, angles: torch.fx.Node, views: list, before: torch.fx.Node):
+    """``angles`` through ``views`` (with the last size halved), inserted before ``before``; None when
+    a view touches the last dim."""
+    width = tensor_val(angles).shape[-1] * 2
+    node = angles
+    for view in views:
+        rest = _half_view(view, width)
+        if rest is None:
+            return None
+        with graph.inserting_before(before):
+            vals = torch.fx.node.map_arg(rest, lambda n: n.meta["val"])
+            node = new_node(graph, view.target, (node, *rest), fake(view.target, tensor_val(node), *vals),
+                            view.meta)
+    return node
+
+
+def _erase_dead(graph: torch.fx.Graph, roots: list) -> None:
+    """Erase ``roots`` and what they read, as far as nothing else reads it (pure nodes only)."""
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node.op != "call_function" or node.users or node.graph is not graph or node.is_impure():
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        stack.extend(inputs)
+
+
+def _per_call(ep: torch.export.ExportedProgram, node: torch.fx.Node) -> bool:
+    """Whether ``node`` reads a method input or state (its value changes between calls)."""
+    varying = {spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT
+               or spec.target in ep.graph_signature.buffers_to_mutate.values()}
+    stack, seen = [node], {node}
+    while stack:
+        current = stack.pop()
+        if current.op == "placeholder" and current.name in varying:
+            return True
+        for arg in current.all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                stack.append(arg)
+    return False
+
+
+def rotary_tables(ep: torch.export.ExportedProgram, fold: bool = True) -> list[str]:
+    """Rewrite each ``tritondelegate::rotary`` of ``ep``'s graph whose tables come from angles into
+    ``tritondelegate::rotary_angles``; returns one description per rewrite. ``fold``: constant folding
+    runs next (input-independent angles are left to it)."""
+    graph = ep.graph_module.graph
+    done = []
+    for node in [n for n in graph.nodes if is_call(n, rotary_op)]:
+        found = _match(node)
+        if found is None or (fold and not _per_call(ep, found[0])):
+            continue
+        angles, views, scale, dtype = found
+        replayed = _replay(graph, angles, views, node)
+        if replayed is None:
+            continue
+        x, tables = node.args[0], node.args[1:3]
+        with graph.inserting_before(node):
+            new = new_node(graph, rotary_angles_op, (x, replayed, scale, dtype), node.meta["val"], node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        _erase_dead(graph, list(tables))
+        done.append(f"rotary tables of {x.name} computed in its kernel from {angles.name} -> {new.name} "
+                    f"(tritondelegate::rotary_angles)")
+    return done

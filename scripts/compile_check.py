@@ -312,11 +312,41 @@ def _per_dtype(d) -> dict[str, callable]:
                                                   k.transpose(1, 2) * c + rotate_half(k.transpose(1, 2)) * s)),
                            (_randn(1, 8, 64, 128, dtype=d), _randn(1, 64, 2, 128, dtype=d),
                             _randn(64, 128, dtype=d), _randn(64, 128, dtype=d))),
+        # q and k rotated by tables computed from input positions (a KV-cache step): passes/rotary_tables.py
+        "rotary_angles": lambda: _positions_rotary(d, 16),
+        "rotary_angles_decode": lambda: _positions_rotary(d, 1),
+        # a KV-cache step's mask from positions (passes/position_mask.py): decode over a 4096-key cache
+        # and a 300-token prefill over 1024 keys
+        "attn_positions_decode": lambda: _positions_sdpa(d, 1, 4096, 1000),
+        "attn_positions_prefill": lambda: _positions_sdpa(d, 300, 1024, 0),
         # a lone rotary (no pair): one decode token against [b, 1, 1, D] tables
         "rotary_lone": lambda: (Fn(lambda x, c, s: x * c + rotate_half(x) * s),
                                 (_randn(4, 8, 1, 128, dtype=d), _randn(4, 1, 1, 128, dtype=d),
                                  _randn(4, 1, 1, 128, dtype=d))),
     }
+
+
+def _positions_rotary(dtype, seq: int):
+    """Llama's q (32 heads) and k (8 heads) at ``seq`` positions, tables computed from the positions."""
+    def rotate(q, k, pos, inv_freq):
+        freqs = pos.float()[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    return Fn(rotate), (_randn(1, 32, seq, 128, dtype=dtype), _randn(1, 8, seq, 128, dtype=dtype),
+                        torch.arange(100, 100 + seq), _randn(64, dtype=F32))
+
+
+def _positions_sdpa(dtype, seq: int, keys: int, start: int):
+    """GQA attention (32 query heads, 8 key/value heads, head dim 128) of ``seq`` queries at positions
+    ``start..`` over a cache of ``keys`` keys, masked by position."""
+    def attend(q, k, v, pos):
+        mask = torch.arange(k.shape[-2])[None, :] <= pos[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return Fn(attend), (_randn(1, 32, seq, 128, dtype=dtype), _randn(1, 8, keys, 128, dtype=dtype),
+                        _randn(1, 8, keys, 128, dtype=dtype), torch.arange(start, start + seq))
 
 
 def cases() -> dict[str, callable]:

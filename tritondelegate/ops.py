@@ -14,6 +14,12 @@ place of a written-out pattern, so one kernel runs them.
         inverse frequencies): ``cos = (cos(cat(a, a, -1)) * scale).to(dtype)``, ``sin`` likewise, as a
         model computes them per call from its input positions; the kernel computes them inline
 
+    tritondelegate::sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale,
+                                   bool enable_gqa) -> Tensor
+        scaled_dot_product_attention(q, k, v, attn_mask=arange(Lk) <= positions): each query attends
+        to the keys at or before its position (``positions`` int, broadcasting to [..., Lq, 1]), the
+        mask a KV-cache decoder builds per call; the kernel compares indices instead of reading a mask
+
     tritondelegate::glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor
         y = linear(x, weight, bias);  act(y[..., 0::2]) * y[..., 1::2]
         (a gated MLP's gate and up projections as one GEMM: their weight rows interleaved, gate first;
@@ -38,6 +44,7 @@ _lib.define("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor")
 _lib.define("rotary_pair(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)")
 _lib.define("rotary_angles(Tensor x, Tensor angles, float scale, ScalarType dtype) -> Tensor")
 _lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, ScalarType dtype) -> (Tensor, Tensor)")
+_lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa) -> Tensor")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
 
 # The activations of a gated linear unit, by the name the pointwise kernels give them.
@@ -110,6 +117,23 @@ def _rotary_pair_angles_fake(q, k, angles, scale, dtype):
     return _rotary_angles_fake(q, angles, scale, dtype), _rotary_angles_fake(k, angles, scale, dtype)
 
 
+def positions_mask(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """``arange(length) <= positions``: True where a key (last dim) is at or before the query's position."""
+    return torch.arange(length, device=positions.device) <= positions
+
+
+@torch.library.impl(_lib, "sdpa_positions", "CompositeExplicitAutograd")
+def _sdpa_positions(q, k, v, positions, scale, enable_gqa):
+    mask = positions_mask(positions, k.shape[-2])
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                            enable_gqa=enable_gqa)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::sdpa_positions")
+def _sdpa_positions_fake(q, k, v, positions, scale, enable_gqa):
+    return _sdpa_positions(q, k, v, positions, scale, enable_gqa)
+
+
 def glu_linear_reference(x, weight, bias, act: str) -> torch.Tensor:
     """``act(gate) * up`` with gate and up the even and odd output features of one linear: the values
     (and dtype rounding) of ``act(linear(x, w_gate)) * linear(x, w_up)``."""
@@ -142,6 +166,7 @@ OPS: dict[str, torch._ops.OpOverload] = {
     "tritondelegate::rotary_pair": torch.ops.tritondelegate.rotary_pair.default,
     "tritondelegate::rotary_angles": torch.ops.tritondelegate.rotary_angles.default,
     "tritondelegate::rotary_pair_angles": torch.ops.tritondelegate.rotary_pair_angles.default,
+    "tritondelegate::sdpa_positions": torch.ops.tritondelegate.sdpa_positions.default,
     "tritondelegate::glu_linear": torch.ops.tritondelegate.glu_linear.default,
 }
 
@@ -149,4 +174,5 @@ rotary = torch.ops.tritondelegate.rotary.default
 rotary_pair = torch.ops.tritondelegate.rotary_pair.default
 rotary_angles = torch.ops.tritondelegate.rotary_angles.default
 rotary_pair_angles = torch.ops.tritondelegate.rotary_pair_angles.default
+sdpa_positions = torch.ops.tritondelegate.sdpa_positions.default
 glu_linear = torch.ops.tritondelegate.glu_linear.default

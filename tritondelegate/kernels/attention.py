@@ -4,6 +4,11 @@
     s[i, j] = scale * <q[b, h, i, :], k[b, hk, j, :]> + bias[b, h, i, j]
     bias = 0 where kept, -inf where a bool mask is False or (is_causal) j > i, else the float mask
 
+``tritondelegate::sdpa_positions`` (``passes/position_mask.py``: a mask ``arange(Lk) <= positions``
+that a KV-cache decoder builds per call) is the same kernel with ``MASK="positions"``: the mask pointer
+is then the queries' positions (one integer per row, [B, H, Lq] strides), key j is kept when j is at
+most the row's position, and key tiles past the block's last position are never read.
+
 The keys are walked in BLOCK_N tiles with an online softmax (running max ``m``, running sum ``l``,
 fp32 accumulator rescaled by exp(m_old - m_new)); scores live in the log2 domain (log2(e) folded into
 ``scale``) so every exponential is an ``exp2``. A row whose every key is masked out gives 0, as
@@ -70,7 +75,10 @@ def _attention_tiles(
         if MASK != "none":
             mask_ptrs = (mask_rows + start * smask_n) + offs_n0[None, :] * smask_n
             in_bounds = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
-            if MASK == "bool":
+            if MASK == "positions":  # key j kept when j <= the query's position (one per row)
+                qpos = tl.load(mask_rows, mask=offs_m[:, None] < Lq, other=-1)
+                qk = tl.where(offs_n[None, :] <= qpos, qk, float("-inf"))
+            elif MASK == "bool":
                 keep = tl.load(mask_ptrs, mask=in_bounds, other=0)
                 qk = tl.where(keep != 0, qk, float("-inf"))
             else:
@@ -133,6 +141,12 @@ def attention_kernel(
         # are skipped, tiles wholly below it need no mask.
         whole = tl.minimum(pid_m * BLOCK_M + 1, Lk) // BLOCK_N * BLOCK_N
         hi = tl.minimum((pid_m + 1) * BLOCK_M, Lk)
+    elif MASK == "positions":
+        # No query of the block sees a key past the block's last position: those tiles are skipped
+        # (a decode step over a long cache reads only the keys written so far).
+        last = tl.max(tl.load(mask_rows, mask=offs_m[:, None] < Lq, other=-1))
+        hi = tl.maximum(tl.minimum(last + 1, Lk), 0).to(tl.int32)
+        whole = hi // BLOCK_N * BLOCK_N
     else:
         whole = Lk // BLOCK_N * BLOCK_N
         hi = Lk
@@ -195,8 +209,10 @@ def block_sizes(lq: int, lk: int, head_dim: int, dtype: torch.dtype,
 
 
 def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None,
-                     is_causal: bool, scale: float) -> None:
-    """``out = sdpa(q, k, v, mask)``; q [.., Hq, Lq, E], k/v [.., Hkv, Lk, E/Ev], rank 2 to 4."""
+                     is_causal: bool, scale: float, positions: bool = False) -> None:
+    """``out = sdpa(q, k, v, mask)``; q [.., Hq, Lq, E], k/v [.., Hkv, Lk, E/Ev], rank 2 to 4.
+    ``positions``: ``mask`` is the queries' positions ([.., Lq, 1] integers), the mask
+    ``arange(Lk) <= positions``."""
     out4, q4, k4, v4 = (_as_4d(t, b) for t in (out, q, k, v))
     batch, heads, lq, ev = out4.shape
     lk, e = k4.shape[2], q4.shape[3]
@@ -206,10 +222,12 @@ def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None,
     group = heads // k4.shape[1]
     if mask is None:
         mask_arg, smask, kind = q4, (0, 0, 0, 0), "none"
+    elif positions:  # [.., Lq, 1] positions: one per row, stride 0 along the keys
+        mask_arg, smask, kind = mask, broadcast_strides(mask, (batch, heads, lq, 1))[:3] + (0,), "positions"
     else:
         mask_arg, smask = mask, broadcast_strides(mask, (batch, heads, lq, lk))
         kind = "bool" if mask.dtype == torch.bool else "float"
-    block_m, block_n, num_warps, num_stages = block_sizes(lq, lk, max(e, ev), q.dtype, mask is not None)
+    block_m, block_n, num_warps, num_stages = block_sizes(lq, lk, max(e, ev), q.dtype, kind in ("bool", "float"))
     b.launch(
         "attention", (triton.cdiv(lq, block_m), batch * heads),
         q4, k4, v4, mask_arg, out4,
@@ -227,7 +245,7 @@ _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
-def _params(node) -> dict:
+def sdpa_params(node) -> dict:
     params = dict(_DEFAULTS)
     params.update(zip(_PARAMS, node.args))
     params.update(node.kwargs)
@@ -236,7 +254,10 @@ def _params(node) -> dict:
 
 def supported(node) -> str | None:
     """None when the kernel computes this sdpa node exactly as eager does, else the reason."""
-    p = _params(node)
+    return _sdpa_refusal(sdpa_params(node), node)
+
+
+def _sdpa_refusal(p: dict, node) -> str | None:
     q, k, v = (node_value(p[n]) for n in ("query", "key", "value"))
     out = node.meta.get("val")
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v, out)):
@@ -311,9 +332,12 @@ def _seq_major(node) -> bool:
 
 
 def sdpa(b, node):
-    p = _params(node)
+    p = sdpa_params(node)
+    _launch_sdpa(b, node, p, b.ref(p["attn_mask"]) if p["attn_mask"] is not None else None)
+
+
+def _launch_sdpa(b, node, p: dict, mask: TRef | None, positions: bool = False) -> None:
     q, k, v = (b.ref(p[n]) for n in ("query", "key", "value"))
-    mask = b.ref(p["attn_mask"]) if p["attn_mask"] is not None else None
     scale = p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     val = node.meta["val"]
     if _seq_major(node):
@@ -322,4 +346,31 @@ def sdpa(b, node):
         b.bind(node, out)
     else:
         out = b.out(node)
-    launch_attention(b, out, q, k, v, mask, bool(p["is_causal"]), scale)
+    launch_attention(b, out, q, k, v, mask, bool(p["is_causal"]), scale, positions)
+
+
+# --- tritondelegate::sdpa_positions ----------------------------------------------------------------
+_POSITIONS_PARAMS = ("query", "key", "value", "positions", "scale", "enable_gqa")
+
+
+def _positions_params(node) -> dict:
+    return {**_DEFAULTS, **dict(zip(_POSITIONS_PARAMS, node.args)), **node.kwargs}
+
+
+def supported_positions(node) -> str | None:
+    """sdpa's support check, with the positions (integers broadcasting to [.., Lq, 1]) for the mask."""
+    p = _positions_params(node)
+    positions, q, out = node_value(p["positions"]), node_value(p["query"]), node.meta.get("val")
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int64, torch.int32):
+        return "positions must be an int64 or int32 tensor"
+    if not isinstance(out, torch.Tensor) or not isinstance(q, torch.Tensor):
+        return "query and the result must be tensors"
+    rows = tuple(out.shape[:-1]) + (1,)
+    if positions.ndim > len(rows) or any(a not in (1, t) for a, t in zip(reversed(positions.shape), reversed(rows))):
+        return f"positions {tuple(positions.shape)} do not broadcast to the queries {rows}"
+    return _sdpa_refusal(p, node)
+
+
+def sdpa_positions(b, node):
+    p = _positions_params(node)
+    _launch_sdpa(b, node, p, b.ref(p["positions"]), positions=True)

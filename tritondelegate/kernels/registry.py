@@ -168,6 +168,7 @@ OPS: dict[object, OpSpec] = {
     aten._native_batch_norm_legit_no_training.default: OpSpec(bn.batch_norm_no_training, bn.supported),
     # attention: attention.py
     aten.scaled_dot_product_attention.default: OpSpec(attn.sdpa, attn.supported),
+    td_ops.sdpa_positions: OpSpec(attn.sdpa_positions, attn.supported_positions),  # attention.py
     # softmax: softmax.py
     aten._softmax.default: OpSpec(sm.softmax(log=False), sm.supported),
     aten._log_softmax.default: OpSpec(sm.softmax(log=True), sm.supported),

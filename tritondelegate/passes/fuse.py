@@ -9,6 +9,8 @@ constant folding and partitioning:
 * ``fuse_rotary``: a rotary embedding written out (``x * cos + rotate_half(x) * sin``) becomes one
   ``tritondelegate::rotary`` op (one launch instead of four per tensor), and two that share their cos
   and sin tables (q and k) one ``tritondelegate::rotary_pair`` (one launch for both);
+* ``position_mask``: an attention mask built per call from positions (``arange(S) <= positions``, a
+  KV-cache decoder's) becomes ``tritondelegate::sdpa_positions``, whose kernel compares indices;
 * ``fuse_glu``: a gated MLP's ``act(linear(x, Wg)) * linear(x, Wu)`` becomes one
   ``tritondelegate::glu_linear`` over the two weights interleaved (one GEMM, the gating in its epilogue);
 * ``fuse_projections``: linears that read the same input (Q/K/V; gate/up) become one linear over
@@ -30,12 +32,13 @@ from .fuse_glu import fuse_glu
 from .fuse_projections import fuse_projections
 from .fuse_rms_norm import fuse_rms_norm
 from .fuse_rotary import fuse_rotary
+from .position_mask import position_mask
 
 
 def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool) -> list[str]:
     """All the rewrites, in order; ``fold``: constant folding will run (projections need it to store
     their concatenated weights once)."""
-    done = dedupe(ep) + fuse_rms_norm(ep) + fuse_gelu(ep) + fuse_rotary(ep, fold)
+    done = dedupe(ep) + fuse_rms_norm(ep) + fuse_gelu(ep) + fuse_rotary(ep, fold) + position_mask(ep)
     if fold:  # both store new constants (concatenated or folded weights): folding computes them once
         done += fuse_glu(ep, state) + fuse_projections(ep, state) + fuse_batchnorm(ep, state)
     if done:

@@ -410,7 +410,7 @@ RULES: dict[str, KernelRule] = {
         "BLOCK_M": pow2(1, 4096), "BLOCK_K": pow2(1, 4096)}, (("BLOCK_M", "BLOCK_K"),)),
     "batch_norm": KernelRule(_batch_norm, {"HAS_WEIGHT": FLAG, "HAS_BIAS": FLAG, "BLOCK": BLOCK}),
     "attention": KernelRule(_attention, {
-        "E": in_range(0, 512), "EV": in_range(0, 512), "MASK": one_of("none", "bool", "float"), "CAUSAL": FLAG,
+        "E": in_range(0, 512), "EV": in_range(0, 512), "MASK": one_of("none", "bool", "float", "positions"), "CAUSAL": FLAG,
         "BLOCK_M": pow2(16, 256), "BLOCK_N": pow2(16, 256), "BLOCK_D": pow2(16, 512), "BLOCK_DV": pow2(16, 512),
         "DOT_UPCAST": FLAG}, (("BLOCK_M", "BLOCK_N"), ("BLOCK_M", "BLOCK_D"), ("BLOCK_M", "BLOCK_DV"),
                               ("BLOCK_N", "BLOCK_D"), ("BLOCK_N", "BLOCK_DV"))),

@@ -1,7 +1,8 @@
 """Launches per call (per layer and outside the layers) and modelled traffic against its lower bound,
 for the models issue "fewer, fatter launches" tracks: the demo decoder, transformers' Llama and GPT-2
-(tiny configs, random weights) and the ResNet-style CNN of the tests. Needs no GPU: the figures come
-from the lowered plans (no kernel runs).
+(tiny configs, random weights) and the ResNet-style CNN of the tests; then a generation step with a
+KV cache, prefill and decode, for the demo's ``KVCacheDecoder`` and transformers' Llama through its
+static-cache export recipe. Needs no GPU: the figures come from the lowered plans (no kernel runs).
 
     python scripts/launch_traffic.py
 """
@@ -89,6 +90,43 @@ MODELS = {"demo decoder": _decoder, "HF Llama": lambda n, b, **w: _hf("llama", n
           "HF GPT-2": lambda n, b, **w: _hf("gpt2", n, b, **w), "ResNet": _resnet}
 
 
+def _kv_demo(layers: int) -> dict:
+    from tritondelegate.models import export_prefill_decode, kv_cache_decoder
+
+    return export_prefill_decode(kv_cache_decoder(n_layers=layers), 5)
+
+
+def _kv_hf_llama(layers: int) -> dict:
+    import transformers
+    from transformers.integrations.executorch import convert_and_export_with_cache
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
+    prompt = torch.tensor([[3, 17, 5, 9, 22]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {"prefill": convert_and_export_with_cache(model, prompt, torch.arange(5)),
+                "decode": convert_and_export_with_cache(model, torch.tensor([[4]]), torch.tensor([5]))}
+
+
+KV_MODELS = {"demo KVCacheDecoder": _kv_demo, "HF Llama, static cache": _kv_hf_llama}
+
+
+def _kv_steps() -> None:
+    print("KV-cache generation step (prompt 5 tokens):")
+    for name, make in KV_MODELS.items():
+        lowered = {n: td.lower(make(n), config=CONFIG) for n in (2, 4)}
+        for method in ("prefill", "decode"):
+            two, four = (sum(lowered[n].reports[method].launches.values()) for n in (2, 4))
+            per_layer = (four - two) / 2
+            print(f"  {name} {method}: {two} launches (2 layers), {per_layer:g} per layer + "
+                  f"{two - 2 * per_layer:g} outside")
+
+
 def main() -> int:
     for width, dims in WIDTHS.items():
         print(f"{width}: {dims}")
@@ -99,6 +137,7 @@ def main() -> int:
             ratios = [method_traffic(_lower(*make(2, b, **dims)).program.methods[0])["ratio"] for b in (1, 8)]
             print(f"  {name}: {two} launches (2 layers), {layers}; traffic / lower bound: "
                   f"{ratios[0]:.2f} at batch 1, {ratios[1]:.2f} at batch 8")
+    _kv_steps()
     return 0
 
 

@@ -14,18 +14,10 @@ import tritondelegate as td
 from harness import FLOAT_DTYPES, assert_close, check_dynamic
 from tritondelegate.kernels import registry
 from tritondelegate.models import export_prefill_decode, kv_cache_decoder
+from tritondelegate.ops import rotary_reference as written_out  # x * cos + rotate_half(x) * sin, written out
 
 CONFIG = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
 ANGLES_PAIR = torch.ops.tritondelegate.rotary_pair_angles.default
-
-
-def rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-def written_out(x, cos, sin):
-    return x * cos + rotate_half(x) * sin
 
 
 class PositionsRotary(torch.nn.Module):

@@ -149,14 +149,17 @@ def test_launch_configuration():
     big = matmul.choose_config(1, 4096, 4096, 4096, torch.bfloat16)
     assert (big.block_m, big.block_n, big.block_k, big.num_warps) == (128, 128, 64, 8)
     assert matmul.choose_config(1, 4096, 4096, 4096, torch.float32).block_k == 32
-    # decode shape: a 16-row tile, N split until the SMs have work
+    # decode shape: the GEMV variant (tests/test_gemv.py), one row per tile, two programs per SM
     decode = matmul.choose_config(1, 1, 4096, 4096, torch.float16)
-    assert decode.block_m == 16 and 4096 // decode.block_n >= 64
+    assert decode.gemv and decode.block_m == 1 and 4096 // decode.block_n >= 2 * 132
+    # past 8 rows: a 16-row tile, N split until the SMs have work
+    skinny = matmul.choose_config(1, 9, 4096, 4096, torch.float16)
+    assert not skinny.gemv and skinny.block_m == 16 and 4096 // skinny.block_n >= 64
     for batch, M, N, K in [(1, 1, 1, 1), (8, 17, 129, 33), (1, 4096, 1, 7), (64, 2048, 2048, 64)]:
         for dtype in FLOAT_DTYPES:
             cfg = matmul.choose_config(batch, M, N, K, dtype)
-            for block in (cfg.block_m, cfg.block_n, cfg.block_k):
-                assert block >= 16 and block & (block - 1) == 0
+            for block in (cfg.block_m, cfg.block_n, cfg.block_k):  # tl.dot's tiles are 16 or more
+                assert block >= (1 if cfg.gemv else 16) and block & (block - 1) == 0
             stage = (cfg.block_m + cfg.block_n) * cfg.block_k * dtype.itemsize
             assert 2 <= cfg.num_stages and stage * cfg.num_stages <= target.DEFAULT.pipeline_budget
 
@@ -178,7 +181,7 @@ def test_launch_configuration_follows_the_target():
         lowered = td.lower(torch.export.export(model, (x,)), config=td.LowerConfig(target=name))
         (launch,) = [launch for m in lowered.program.methods for d in m.delegates for launch in d.plan.launches]
         blocks[str(name)] = launch.constexprs["BLOCK_N"].value
-    assert list(blocks.values()) == [32, 128]  # 16 tiles of 32 columns for 132 SMs; 4 of 128 for 4
+    assert list(blocks.values()) == [8, 64]  # GEMV: 64 tiles of 8 columns (the least) for 132 SMs; 8 of 64 for 4
     with pytest.raises(ValueError, match="unknown target 'b200x'.*h100"):
         td.LowerConfig(target="b200x")
 

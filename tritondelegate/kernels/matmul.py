@@ -29,6 +29,22 @@ A gated linear unit (``GLU`` = an activation name; ``tritondelegate::glu_linear`
 interleave gate and up) pairs the tile's columns after the bias: with B's columns g0, u0, g1, u1, ...
 the tile becomes ``act(g) * u`` (g and u rounded to C's dtype first, as eager stores the two linears'
 results), half as wide, and C is [M, N / 2]; any epilogue then runs on that.
+
+Skinny products (``GEMV``; decode, where every projection of a batch-1 step has M = 1) take the same
+kernel with tl.dot replaced by a broadcast multiply and a sum over K on the CUDA cores, so a tile may
+be 1, 2, 4 or 8 rows (tl.dot's tensor-core tile is 16 rows: 15 of 16 would be padding at M = 1) and
+as few as 8 columns. ``choose_config`` picks it by shape when the plan is built (M <= 8 at its upper bound); the
+prologues, the bias, GLU and the epilogue run unchanged on the smaller tile. Each program then streams
+a [BLOCK_N, BLOCK_K] slab of the weight, rows of 256 (2-byte dtypes) or 128 (fp32) elements, 512 bytes,
+and reads the weight once in all; columns narrow to 8 until the grid has two programs per SM.
+
+There is no split-K. With 8 columns per program an N of 2 * SMs * 8 or more (2112 on an H100's 132
+SMs) already gives two programs per SM, and that covers the projections of a decode step (qkv, the
+gated MLP, the down projection of any model of hidden size >= 2k); a split-K reduction across programs
+needs either a second launch (the very cost decode suffers from) or zeroed semaphores and atomics in
+the plan. Left under-filled: N < 2112 at batch 1, e.g. N = 2048 gets 256 programs (1.9 per SM), N =
+1024 128 (4 of 132 SMs idle), N = 512 64; such products are small (N = 2048, K = 4096 in bf16: 16 MiB,
+5 us at full bandwidth).
 """
 
 from __future__ import annotations
@@ -150,7 +166,7 @@ def matmul_kernel(
     EIS_SCALAR0: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
     EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
     PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False, HAS_PB: tl.constexpr = False,
-    GLU: tl.constexpr = "", GLU_ROUND: tl.constexpr = "",
+    GLU: tl.constexpr = "", GLU_ROUND: tl.constexpr = "", GEMV: tl.constexpr = False,
 ):
     # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]   (X only when HAS_BIAS); then the epilogue, if any
     z = tl.program_id(1).to(tl.int64)
@@ -179,11 +195,14 @@ def matmul_kernel(
             a, sumsq = _rms_tile(a, sumsq, p_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW)
         elif PROLOGUE == "layer":
             a = _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW, HAS_PB)
-        if DOT_UPCAST:  # the interpreter's low-precision dot is wrong; the runtime sets this there
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        # "ieee" only affects fp32 operands (no TF32); fp16/bf16 ignore it.
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        if GEMV:  # a few rows: products on the CUDA cores, in fp32, summed over the K step
+            acc += tl.sum(a[:, :, None].to(tl.float32) * b[None, :, :].to(tl.float32), axis=1)
+        else:
+            if DOT_UPCAST:  # the interpreter's low-precision dot is wrong; the runtime sets this there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            # "ieee" only affects fp32 operands (no TF32); fp16/bf16 ignore it.
+            acc = tl.dot(a, b, acc, input_precision="ieee")
         a_ptrs += step_a
         b_ptrs += step_b
 
@@ -211,6 +230,11 @@ def matmul_kernel(
 # lowered for (``target.py``: its SM count and shared memory; H100 by default); the interpreter ignores
 # num_warps/num_stages.
 MIN_BLOCK = 16  # tl.dot needs M, N, K >= 16 per tile
+# GEMV: products of at most this many rows skip tl.dot (see choose_config); its tiles are at least
+# GEMV_MIN_N columns wide, and hold at most GEMV_PRODUCTS fp32 products per warp (64 per thread).
+GEMV_MAX_M = 8
+GEMV_MIN_N = 8
+GEMV_PRODUCTS = 64 * 32
 
 
 @dataclass(frozen=True)
@@ -221,6 +245,7 @@ class Config:
     group_m: int
     num_warps: int
     num_stages: int
+    gemv: bool = False  # the K step is a broadcast product summed on the CUDA cores, not tl.dot
 
 
 def _tile(size, cap: int) -> int:
@@ -234,12 +259,14 @@ def choose_config(batch: int, M: int, N: int, K: int, dtype: torch.dtype) -> Con
     of 32 (fp32) or 64 (fp16/bf16), i.e. 32 KiB of A and B per pipeline stage. Small dimensions get a
     tile just big enough (16 minimum for ``tl.dot``). When that leaves fewer tiles than the target
     has SMs, the larger tile side is halved (not below 32) so the whole GPU has work: decode-shaped
-    GEMMs (M = 1) then spread over N. The pipeline holds 2 to 4 stages, as many as the target's
-    shared memory allows.
+    GEMMs with M > 8 then spread over N. The pipeline holds 2 to 4 stages, as many as the target's
+    shared memory allows. M <= 8 takes the GEMV variant (:func:`_gemv_config`).
     """
     gpu = target.current()
     itemsize = torch.empty((), dtype=dtype).element_size()
     batch, M, N, K = sizes.upper((batch, M, N, K))  # tuned for the largest size a dynamic dim takes
+    if M <= GEMV_MAX_M:
+        return _gemv_config(batch, M, N, K, itemsize, gpu)
     block_m = _tile(M, 128)
     block_n = _tile(N, 128)
     block_k = _tile(K, 32 if itemsize >= 4 else 64)
@@ -252,6 +279,34 @@ def choose_config(batch: int, M: int, N: int, K: int, dtype: torch.dtype) -> Con
     num_stages = max(2, min(4, gpu.pipeline_budget // stage_bytes))
     num_warps = 8 if block_m * block_n >= 128 * 128 else 4
     return Config(block_m, block_n, block_k, group_m=8, num_warps=num_warps, num_stages=num_stages)
+
+
+def _gemv_config(batch: int, M: int, N: int, K: int, itemsize: int, gpu: target.Target) -> Config:
+    """The GEMV variant's tiles for M <= GEMV_MAX_M rows (upper bounds).
+
+    A tile has M's rows rounded up to a power of two (1 to 8), so none or few are padding. Its K step
+    reads 512 bytes of each weight row (256 elements of fp16/bf16, 128 of fp32): the weight streams
+    at full width, once. The program multiplies BLOCK_M x BLOCK_K x BLOCK_N products in registers, at
+    most 64 per thread over 8 warps (32 under fp32, whose B tile takes a register per element too); it
+    starts as wide in N as that allows and halves (to 8 columns, even for GLU's pairs) until the grid
+    has two programs per SM, enough in flight to keep HBM busy. 4 warps when half the registers do.
+
+    Why 8 rows: below 16, tl.dot's tile is mostly padding (half of it at 8 rows); a skinny product is
+    bound by the weight's bytes, and CUDA-core FMAs keep up with them while M is small (2M FLOP per
+    weight element: 8 FLOP per byte of bf16 at 8 rows, against an H100's 67 fp32 TFLOP/s over 3.35
+    TB/s, ~20); and the 64-products-per-thread bound still fits a full 512-byte K step at 8 columns
+    with 8 rows, not with 16 (which tl.dot's tile serves with no padding)."""
+    block_m = sizes.next_power_of_2(max(M, 1))
+    block_k = min(512 // itemsize, max(MIN_BLOCK, sizes.next_power_of_2(K)))  # 512 bytes of a row
+    # registers per program: the products, and under fp32 as many again for B's tile (at one row)
+    cost = block_m * block_k * (2 if itemsize >= 4 else 1)
+    block_n = max(GEMV_MIN_N, min(sizes.next_power_of_2(N), 128, GEMV_PRODUCTS * 8 // cost))
+    while batch * triton.cdiv(N, block_n) < 2 * gpu.num_sms and block_n > GEMV_MIN_N:
+        block_n //= 2
+    num_warps = 4 if cost * block_n <= GEMV_PRODUCTS * 4 else 8
+    stage_bytes = (block_m + block_n) * block_k * itemsize
+    num_stages = max(2, min(4, gpu.pipeline_budget // stage_bytes))
+    return Config(block_m, block_n, block_k, group_m=8, num_warps=num_warps, num_stages=num_stages, gemv=True)
 
 
 @dataclass(frozen=True)
@@ -322,6 +377,8 @@ class MatmulOp:
             PROLOGUE=self.prologue[0], HAS_PW=self.prologue[1] is not None, HAS_PB=self.prologue[2] is not None)
         if self.glu:
             prologue.update(GLU=self.glu, GLU_ROUND=dtype_name(self.c.dtype))
+        if cfg.gemv:  # only then, so that the plans and kernel variants of larger products stay as they were
+            prologue.update(GEMV=True)
         return dict(HAS_BIAS=self.has_bias, DOT_UPCAST=False,
                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **prologue)
@@ -353,7 +410,8 @@ def epilogue_config(cfg: Config, dtype: torch.dtype, tiles: int) -> Config:
     At 64 accumulator elements per thread (128x128 over 8 warps), fp16/bf16 launches have room for
     two such tiles; fp32 ones (IEEE fp32 dots run on the FMA units, ~250 registers already) for none.
     Otherwise the launch takes 8 warps and at most 32 elements per thread (128x64): with four operand
-    tiles and the bias, no spills on sm_90 (``scripts/compile_check.py``)."""
+    tiles and the bias, no spills on sm_90 (``scripts/compile_check.py``). GEMV tiles (1024 elements at
+    most) are far below either limit and pass unchanged."""
     limit = 64 if dtype.itemsize < 4 and tiles <= 2 else 32
     block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
     if block_m * block_n > limit * 32 * warps:

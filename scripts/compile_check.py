@@ -133,6 +133,16 @@ def _rows(dtype):
     return Fn(fn), (_randn(64, 768, dtype=dtype), _randn(5, 17, dtype=dtype), _randn(16, 8192, dtype=dtype))
 
 
+def _rows_fused(dtype):
+    """Norms and softmaxes with pointwise prologues and epilogues (kernels/fuse_rows.py), one and two passes."""
+    w = torch.randn(8192).to(dtype)
+    fn = lambda x, p, y, m, z: (  # noqa: E731
+        F.layer_norm(x + p, (768,)) * 2.0, torch.softmax(y * 0.125 + m, -1).float(),
+        F.rms_norm(z - 1.0, (8192,), w) * w, torch.log_softmax(x + 1.0, 0) * 3.0)
+    return Fn(fn), (_randn(64, 768, dtype=dtype), _randn(768, dtype=dtype), _randn(4, 8, 77, 77, dtype=dtype),
+                    _randn(77, 77, dtype=dtype), _randn(16, 8192, dtype=dtype))
+
+
 class _LayerNormMLP(nn.Module):
     """GPT-2's MLP half: layer_norm -> linear + tanh GELU -> linear + residual (norm as a prologue)."""
 
@@ -278,6 +288,11 @@ def _per_dtype(d) -> dict[str, callable]:
         "decoder_prefill_h64": lambda: _decoder(d, 384, n_heads=8, n_kv_heads=2, max_seq_len=512, **llama),
         "decoder_h128": lambda: _decoder(d, 200, n_heads=4, n_kv_heads=4, max_seq_len=256, **llama),
         "decoder_decode": lambda: _decoder(d, 1, n_heads=8, n_kv_heads=2, max_seq_len=64, **llama),
+        # a Llama-3-8B layer at decode (M = 1): the GEMV tiles of qkv (N 6144, rms prologue), o + residual,
+        # gate/up (GLU, N 2 x 14336, rms prologue) and down (K 14336) + residual
+        "decoder_decode_8b": lambda: _decoder(d, 1, dim=4096, n_layers=1, n_heads=32, n_kv_heads=8,
+                                              hidden_dim=14336, max_seq_len=64),
+        "decoder_8_tokens": lambda: _decoder(d, 8, n_heads=8, n_kv_heads=2, max_seq_len=64, **llama),  # GEMV, 8 rows
         "mlp": lambda: (MLP([784, 1024, 1000]).eval().to(d), (_randn(64, 784, dtype=d),)),
         "mlp_decode": lambda: (MLP([2048, 4096, 2048]).eval().to(d), (_randn(1, 2048, dtype=d),)),
         "resnet_tiny": lambda: _resnet(d),
@@ -293,6 +308,7 @@ def _per_dtype(d) -> dict[str, callable]:
         "reductions": lambda: _reductions(d),
         "softmax_norm": lambda: _rows(d),
         "softmax_vocab": lambda: _softmax_vocab(d),
+        "rows_fused": lambda: _rows_fused(d),
         "indexing": lambda: _indexing(d),
         "scatter": lambda: _scatter(d),
         "kv_cache_update": lambda: (KVCache(d), (torch.tensor([5]), _randn(1, 8, 1, 64, dtype=d))),
@@ -306,6 +322,7 @@ def _per_dtype(d) -> dict[str, callable]:
         "epilogue_decode": lambda: _epilogues(d, 1, 512),
         "layer_norm_mlp_prefill": lambda: _layer_norm_mlp(d, 200),
         "layer_norm_mlp_decode": lambda: _layer_norm_mlp(d, 1),
+        "layer_norm_mlp_3_rows": lambda: _layer_norm_mlp(d, 3),  # GEMV tiles of 4 rows
         # written out, fused by passes/fuse_rotary.py: q [1, 8, 64, 128] and k as a projection's transpose
         # (2 heads), paired into one launch
         "rotary": lambda: (Fn(lambda q, k, c, s: (q * c + rotate_half(q) * s,

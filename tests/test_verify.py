@@ -28,7 +28,8 @@ RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for
 
 class Zoo(torch.nn.Module):
     """One delegate over most kernel families: gather, norm, matmul, attention, softmax, cumsum, conv
-    with an epilogue, batch norm, pooling, padding, a pointwise chain, a reduction and a scatter."""
+    with an epilogue, batch norm, pooling, padding, a pointwise chain, a norm with a prologue, a reduction
+    and a scatter."""
 
     def __init__(self):
         super().__init__()
@@ -44,7 +45,7 @@ class Zoo(torch.nn.Module):
         y = F.max_pool2d(torch.relu(self.conv(img)), 2)
         p = F.layer_norm(torch.sigmoid(F.pad(self.bn(img), (1, 1))) * 3.0 + 1.0, (8,))
         z = torch.zeros(6, 8).index_copy(0, ids[:2], h[0, :2])
-        return s, torch.cumsum(ids, 0), y, p, s.amax(-1), z
+        return s, torch.cumsum(ids, 0), y, p, s.amax(-1) * 2.0 - 1.0, z  # p's chain is the norm's prologue
 
 
 def _zoo_args():

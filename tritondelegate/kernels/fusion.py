@@ -67,6 +67,9 @@ The chain starts from t rounded to its dtype (eager stores it so), then keeps fp
 In ``silu(gate(x)) * up(x)`` the chain ``silu, mul`` reads gate's result first: gate's matmul moves
 after up's and reads up's result in its epilogue.
 
+Last, row kernels with their neighbours (``fuse_rows.py``): a norm or softmax takes the chain that
+alone feeds it as a prologue and the chain that alone reads its result as an epilogue.
+
 First of all, scatter pairs (:func:`pair_scatters`): a layer's k and v cache writes, two scatter launches
 with the same grid, constexprs, indices and iteration that differ only in their destination, source
 and source strides, run as one ``PAIR`` launch (``scatter.pair_launch``; grid axis 1 picks the
@@ -84,6 +87,7 @@ import torch
 from ..plan import Launch
 from . import conv as cv
 from . import elementwise as ew
+from . import fuse_rows
 from . import sizes as size_fns
 from . import matmul as mm
 from . import scatter as sc
@@ -198,20 +202,25 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     records, touched, writes, paired = pair_scatters(records, touched, writes)
     launches = [r.launch for r in records]
     ops = {kind: {i: r.op for i, r in enumerate(records) if r.op is not None and r.launch.kernel in kernels}
-           for kind, kernels in (("pointwise", {"pointwise"}), ("matmul", {"matmul", "conv2d"}), ("norm", {"norm"}))}
+           for kind, kernels in (("pointwise", {"pointwise"}), ("matmul", {"matmul", "conv2d"}),
+                                 ("norm", {"norm"}), ("rows", {"norm", "softmax"}))}
     users: dict[int, set[int]] = defaultdict(set)
     for position, buffers in enumerate(touched):
         for buf in buffers:
             users[buf].add(position)
     matmuls = dict(ops["matmul"])
     prologued = _merge_prologues(launches, ops["norm"], matmuls, writes, keep, users, view)
-    chains, merged_away = _merge_chains(launches, ops["pointwise"], [set(t) for t in touched], writes, keep, users)
+    touched = [set(t) for t in touched]
+    chains, merged_away = _merge_chains(launches, ops["pointwise"], touched, writes, keep, users)
     merged_away |= prologued
     epilogues = _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away)
+    rows = fuse_rows.merge_rows(launches, ops["rows"], chains, touched, [set(w) for w in writes], keep, users,
+                                _unwritten, merged_away, set(epilogues))
     if not merged_away:
         return FusionResult(records, paired)
     fused = [
-        LaunchRecord(epilogues[i]) if i in epilogues
+        LaunchRecord(rows[i]) if i in rows
+        else LaunchRecord(epilogues[i]) if i in epilogues
         else LaunchRecord(_launch(chains[i])) if i in chains and len(chains[i].names) > 1
         else record if launches[i] is record.launch
         else LaunchRecord(launches[i])
@@ -297,7 +306,7 @@ def _merge_prologues(launches, norms, matmuls, writes, keep, users, view) -> set
     for n, norm in sorted(norms.items()):
         t, x = norm.out, norm.x
         readers = users[t.buffer] - {n}
-        if (t.buffer in keep or not readers
+        if (t.buffer in keep or not readers or not norm.matmul_prologue
                 or not all(isinstance(matmuls.get(r), mm.MatmulOp) and r > n for r in readers)
                 or not (x.is_contiguous() and t.is_contiguous() and x.numel == t.numel and x.dtype == t.dtype)):
             continue

@@ -8,6 +8,10 @@ One program normalizes BLOCK_R rows of the [rows, cols] view of ``rows.py``. A r
 BLOCK_C chunk is loaded once and normalized in registers; a longer row is read twice: once for its
 statistics (Welford chunks for layer_norm, a sum of squares for rms_norm), once to normalize. Math is
 fp32. ``native_layer_norm`` also stores mean and rstd (one per row) when its graph reads them.
+
+``fuse_rows.py`` may give a launch a pointwise prologue (x computed from a chain's operands on every
+read of x) and an epilogue (a chain run on y before the store), off by default (``rows.row_load``,
+``rows.row_store``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import triton.language as tl
 
 from . import rows as rw
 from .refs import FLOAT_DTYPES, TRef
-from .rows import row_offsets, row_welford
+from .rows import row_index, row_load, row_store, welford_chunk
 from .sizes import upper
 
 MAX_BLOCK_C = 4096
@@ -35,19 +39,42 @@ def norm_kernel(
     xs0, xs1, xs2, xsc,
     os0, os1, os2, osc,
     eps,
+    # a fused prologue's and epilogue's operands (rows.chain_args; stand-ins without one)
+    p0_ptr, p1_ptr, p2_ptr, p3_ptr, p0_scalar, p1_scalar, p2_scalar, p3_scalar,
+    p0s0, p0s1, p0s2, p0s3, p1s0, p1s1, p1s2, p1s3, p2s0, p2s1, p2s2, p2s3, p3s0, p3s1, p3s2, p3s3,
+    e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+    e0s0, e0s1, e0s2, e0s3, e1s0, e1s1, e1s2, e1s3, e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3,
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr,
     ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    PROLOGUE: tl.constexpr = 0, P_ROUND: tl.constexpr = "",
+    POP0: tl.constexpr = "copy", PARITY0: tl.constexpr = 1, PSWAP0: tl.constexpr = False, PIS_SCALAR0: tl.constexpr = False,
+    POP1: tl.constexpr = "copy", PARITY1: tl.constexpr = 1, PSWAP1: tl.constexpr = False, PIS_SCALAR1: tl.constexpr = False,
+    POP2: tl.constexpr = "copy", PARITY2: tl.constexpr = 1, PSWAP2: tl.constexpr = False, PIS_SCALAR2: tl.constexpr = False,
+    POP3: tl.constexpr = "copy", PARITY3: tl.constexpr = 1, PSWAP3: tl.constexpr = False, PIS_SCALAR3: tl.constexpr = False,
+    EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
+    EOP0: tl.constexpr = "copy", EARITY0: tl.constexpr = 1, ESWAP0: tl.constexpr = False, EIS_SCALAR0: tl.constexpr = False,
+    EOP1: tl.constexpr = "copy", EARITY1: tl.constexpr = 1, ESWAP1: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
+    EOP2: tl.constexpr = "copy", EARITY2: tl.constexpr = 1, ESWAP2: tl.constexpr = False, EIS_SCALAR2: tl.constexpr = False,
+    EOP3: tl.constexpr = "copy", EARITY3: tl.constexpr = 1, ESWAP3: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < rows
-    x_row = x_ptr + row_offsets(r, n1, n2, xs0, xs1, xs2)[:, None]
-    out_row = out_ptr + row_offsets(r, n1, n2, os0, os1, os2)[:, None]
+    ix = row_index(r, n1, n2)
+    xs, os = (xs0, xs1, xs2, xsc), (os0, os1, os2, osc)
+    pro = (p0_ptr, p1_ptr, p2_ptr, p3_ptr, p0_scalar, p1_scalar, p2_scalar, p3_scalar, p0s0, p0s1, p0s2, p0s3,
+           p1s0, p1s1, p1s2, p1s3, p2s0, p2s1, p2s2, p2s3, p3s0, p3s1, p3s2, p3s3)
+    epi = (e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar, e0s0, e0s1, e0s2, e0s3,
+           e1s0, e1s1, e1s2, e1s3, e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3)
+    PRO: tl.constexpr = (PROLOGUE, "", POP0, PARITY0, PSWAP0, PIS_SCALAR0, POP1, PARITY1, PSWAP1, PIS_SCALAR1,
+                         POP2, PARITY2, PSWAP2, PIS_SCALAR2, POP3, PARITY3, PSWAP3, PIS_SCALAR3)
+    EPI: tl.constexpr = (EPILOGUE, ROUND_TO, EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1, EIS_SCALAR1,
+                         EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
     cc = tl.arange(0, BLOCK_C)
     if ONE_PASS:
         cmask = cc < cols
         mask = rmask[:, None] & cmask[None, :]
         c64 = cc.to(tl.int64)
-        x = tl.load(x_row + c64[None, :] * xsc, mask=mask, other=0.0).to(tl.float32)
+        x = row_load(x_ptr, ix, c64[None, :], mask, xs, 0.0, pro, PRO, P_ROUND)
         if RMS:
             mean = tl.zeros([BLOCK_R], dtype=tl.float32)
             d = x
@@ -55,40 +82,45 @@ def norm_kernel(
             mean = tl.sum(x, axis=1) / cols
             d = tl.where(mask, x - mean[:, None], 0.0)
         rstd = tl.rsqrt(tl.sum(d * d, axis=1) / cols + eps)
-        y = d * rstd[:, None]
-        if HAS_W:
-            y = y * tl.load(w_ptr + c64, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        if HAS_B:
-            y = y + tl.load(b_ptr + c64, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_row + c64[None, :] * osc, y.to(out_ptr.dtype.element_ty), mask=mask)
+        y = _affine(d * rstd[:, None], w_ptr, b_ptr, c64, cmask, HAS_W, HAS_B)
+        row_store(out_ptr, ix, c64[None, :], mask, os, y, epi, EPI)
     else:
-        if RMS:
-            mean = tl.zeros([BLOCK_R], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-            for start in range(0, cols, BLOCK_C):
-                c = start + cc
-                mask = rmask[:, None] & (c < cols)[None, :]
-                x = tl.load(x_row + c.to(tl.int64)[None, :] * xsc, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.zeros([BLOCK_R], dtype=tl.float32)
+        m2 = tl.zeros([BLOCK_R], dtype=tl.float32)
+        n = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        for start in range(0, cols, BLOCK_C):  # statistics: a sum of squares, or Welford chunks
+            c = start + cc
+            mask = rmask[:, None] & (c < cols)[None, :]
+            x = row_load(x_ptr, ix, c.to(tl.int64)[None, :], mask, xs, 0.0, pro, PRO, P_ROUND)
+            if RMS:
                 acc += x * x
-            rstd = tl.rsqrt(tl.sum(acc, axis=1) / cols + eps)
-        else:
-            mean, m2 = row_welford(x_row, rmask, 0, cols, xsc, BLOCK_R, BLOCK_C)
-            rstd = tl.rsqrt(m2 / cols + eps)
+            else:
+                mean, m2, n = welford_chunk(mean, m2, n, x, mask, tl.minimum(cols - start, BLOCK_C).to(tl.float32))
+        if RMS:
+            m2 = tl.sum(acc, axis=1)
+        rstd = tl.rsqrt(m2 / cols + eps)
         for start in range(0, cols, BLOCK_C):
             c = start + cc
             cmask = c < cols
             mask = rmask[:, None] & cmask[None, :]
             c64 = c.to(tl.int64)
-            x = tl.load(x_row + c64[None, :] * xsc, mask=mask, other=0.0).to(tl.float32)
-            y = (x - mean[:, None]) * rstd[:, None]
-            if HAS_W:
-                y = y * tl.load(w_ptr + c64, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            if HAS_B:
-                y = y + tl.load(b_ptr + c64, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_row + c64[None, :] * osc, y.to(out_ptr.dtype.element_ty), mask=mask)
+            x = row_load(x_ptr, ix, c64[None, :], mask, xs, 0.0, pro, PRO, P_ROUND)
+            y = _affine((x - mean[:, None]) * rstd[:, None], w_ptr, b_ptr, c64, cmask, HAS_W, HAS_B)
+            row_store(out_ptr, ix, c64[None, :], mask, os, y, epi, EPI)
     if STATS:
         tl.store(mean_ptr + r, mean.to(mean_ptr.dtype.element_ty), mask=rmask)
         tl.store(rstd_ptr + r, rstd.to(rstd_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _affine(y, w_ptr, b_ptr, c64, cmask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """y * w + b over columns ``c64``, each factor when present."""
+    if HAS_W:
+        y = y * tl.load(w_ptr + c64, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(b_ptr + c64, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    return y
 
 
 # --- host launcher --------------------------------------------------------------------------------
@@ -112,6 +144,7 @@ def launch_norm(b, x: TRef, normalized_ndim: int, weight: TRef | None, bias: TRe
         "norm", (triton.cdiv(plan.rows, block_r),),
         x, w, bi, out, mean, rstd,
         plan.rows, plan.cols, plan.n1, plan.n2, *plan.args(0), *plan.args(1), float(eps),
+        *rw.chain_args((), x), *rw.chain_args((), out),
         RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, STATS=stats,
         ONE_PASS=upper(plan.cols) <= block_c, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=rw.num_warps(block_r, block_c),
@@ -136,12 +169,12 @@ def _opt(b, arg):
     return b.ref(arg) if arg is not None else None
 
 
-def _record(record, kind: str, x, normalized_ndim: int, weight, bias, eps, out) -> None:
-    """Keep a norm over the last dim with 1-D (contiguous) weight and bias for ``fusion.py``: a matmul
-    that reads its result may take it as a prologue."""
-    if record is not None and normalized_ndim == 1 and all(
-            t is None or (t.ndim == 1 and t.is_contiguous()) for t in (weight, bias)):
-        record.op = RowNorm(kind, x, weight, bias, float(eps), out)
+def _record(record, kind: str, x, normalized_ndim: int, weight, bias, eps, out, stats: bool = False) -> None:
+    """Keep what the launch computes for ``fusion.py``: a matmul that reads its result may take a norm
+    over the last dim without statistics as a prologue; pointwise neighbours may fuse into any
+    (``fuse_rows.py``)."""
+    if record is not None:
+        record.op = RowNorm(kind, x, weight, bias, float(eps), out, normalized_ndim, stats)
 
 
 def _contiguous(b, t):
@@ -166,8 +199,7 @@ def native_layer_norm(b, node):
     mean, rstd = (b.out(node, 1), b.out(node, 2)) if stats else (None, None)
     weight, bias = (_contiguous(b, _opt(b, node.args[i])) for i in (2, 3))
     record = launch_norm(b, x, ndim, weight, bias, eps, out, mean, rstd)
-    if not stats:
-        _record(record, "layer", x, ndim, weight, bias, eps, out)
+    _record(record, "layer", x, ndim, weight, bias, eps, out, stats)
 
 
 def rms_norm(b, node):
@@ -182,8 +214,8 @@ def rms_norm(b, node):
 
 @dataclass(frozen=True)
 class RowNorm:
-    """What a norm launch computes over the last dim (``kind`` "rms" or "layer"), for ``fusion.py``'s
-    matmul prologues."""
+    """What a norm launch computes (``kind`` "rms" or "layer") over the last ``ndim`` dims, storing
+    mean and rstd too when ``stats``, for ``fusion.py``."""
 
     kind: str
     x: TRef
@@ -191,3 +223,19 @@ class RowNorm:
     bias: TRef | None
     eps: float
     out: TRef
+    ndim: int = 1
+    stats: bool = False
+
+    @property
+    def matmul_prologue(self) -> bool:
+        """Whether a matmul may compute it as its prologue: over the last dim, without statistics."""
+        return self.ndim == 1 and not self.stats
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The normalized dims of x."""
+        return tuple(range(self.x.ndim - self.ndim, self.x.ndim))
+
+    @property
+    def reads(self) -> tuple[TRef, ...]:
+        return tuple(t for t in (self.x, self.weight, self.bias) if t is not None)

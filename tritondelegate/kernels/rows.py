@@ -10,6 +10,11 @@ are permuted so that the reduced dims come last.
 
 Every program owns a [BLOCK_R, BLOCK_C] tile: many short rows per program when rows are short,
 one long row looped over in BLOCK_C chunks when rows are long.
+
+A row kernel (norm.py, softmax.py) may run fused pointwise chains (``fuse_rows.py``): a prologue
+computes x from the chain's operands as it loads (:func:`row_load`, every time the row is read), an
+epilogue runs on y before the store (:func:`row_store`). Both are ``elementwise._epilogue`` on the tile,
+each operand addressed by its own [row dims, cols] strides in the rows walk (:func:`chain_args`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from ..dtypes import dtype_name
 from ..errors import LoweringError
+from .elementwise import _epilogue
 from .refs import TRef, collapse
 from .sizes import next_power_of_2, upper
 
@@ -40,10 +47,7 @@ def row_offsets(r, n1, n2, s0, s1, s2):
 def row_welford(x_row, rmask, c_begin, c_end, sc, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Mean and M2 (sum of squared deviations) of columns [c_begin, c_end) of each row, one pass.
 
-    Each BLOCK_C chunk's own mean and M2 are merged into the running ones (Chan et al.):
-        n = na + nb;  d = mean_b - mean_a;  mean = mean_a + d nb / n;  M2 = M2_a + M2_b + d^2 na nb / n
-    which stays accurate where the sum-of-squares formula cancels (a large mean, a small spread).
-    """
+    Each BLOCK_C chunk's own mean and M2 are merged into the running ones (:func:`welford_chunk`)."""
     mean = tl.zeros([BLOCK_R], dtype=tl.float32)
     m2 = tl.zeros([BLOCK_R], dtype=tl.float32)
     n = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -51,16 +55,68 @@ def row_welford(x_row, rmask, c_begin, c_end, sc, BLOCK_R: tl.constexpr, BLOCK_C
         c = start + tl.arange(0, BLOCK_C)
         mask = rmask[:, None] & (c < c_end)[None, :]
         x = tl.load(x_row + c.to(tl.int64)[None, :] * sc, mask=mask, other=0.0).to(tl.float32)
-        nb = tl.minimum(c_end - start, BLOCK_C).to(tl.float32)
-        mean_b = tl.sum(x, axis=1) / nb
-        d = tl.where(mask, x - mean_b[:, None], 0.0)
-        m2_b = tl.sum(d * d, axis=1)
-        total = n + nb
-        delta = mean_b - mean
-        mean = mean + delta * (nb / total)
-        m2 = m2 + m2_b + delta * delta * (n * (nb / total))
-        n = total
+        mean, m2, n = welford_chunk(mean, m2, n, x, mask, tl.minimum(c_end - start, BLOCK_C).to(tl.float32))
     return mean, m2
+
+
+@triton.jit
+def welford_chunk(mean, m2, n, x, mask, nb):
+    """The running (mean, M2, n) of each row merged with chunk ``x`` (0 where masked off) of ``nb``
+    columns (Chan et al.):
+        n = na + nb;  d = mean_b - mean_a;  mean = mean_a + d nb / n;  M2 = M2_a + M2_b + d^2 na nb / n
+    which stays accurate where the sum-of-squares formula cancels (a large mean, a small spread)."""
+    mean_b = tl.sum(x, axis=1) / nb
+    d = tl.where(mask, x - mean_b[:, None], 0.0)
+    m2_b = tl.sum(d * d, axis=1)
+    total = n + nb
+    delta = mean_b - mean
+    return mean + delta * (nb / total), m2 + m2_b + delta * delta * (n * (nb / total)), total
+
+
+@triton.jit
+def row_index(r, n1, n2):
+    """The coordinates (i0, i1, i2) of rows ``r`` in a [n0, n1, n2] grid of rows, each [BLOCK_R, 1]."""
+    i2 = r % n2
+    rest = r // n2
+    return (rest // n1)[:, None], (rest % n1)[:, None], i2[:, None]
+
+
+@triton.jit
+def _chain(r, mask, ix, c, ops, OPS: tl.constexpr):
+    """``elementwise._epilogue`` on the tile ``r``: ``ops`` are the steps' 4 pointers, 4 scalars and
+    4 x 4 [i0, i1, i2, column] strides, ``OPS`` (steps, rounding, then op, arity, swap, is-scalar per step)."""
+    return _epilogue(r, mask, ix[0], ix[1], ix[2], c, ops[0], ops[1], ops[2], ops[3], ops[4], ops[5], ops[6],
+                     ops[7], ops[8], ops[9], ops[10], ops[11], ops[12], ops[13], ops[14], ops[15], ops[16],
+                     ops[17], ops[18], ops[19], ops[20], ops[21], ops[22], ops[23], OPS[0], OPS[1], OPS[2],
+                     OPS[3], OPS[4], OPS[5], OPS[6], OPS[7], OPS[8], OPS[9], OPS[10], OPS[11], OPS[12],
+                     OPS[13], OPS[14], OPS[15], OPS[16], OPS[17])
+
+
+@triton.jit
+def row_load(x_ptr, ix, c, mask, xs, OTHER: tl.constexpr, pro, PRO: tl.constexpr, PRO_ROUND: tl.constexpr):
+    """The tile of x at rows ``ix`` and columns ``c`` ([1, BLOCK_C], int64) in fp32, OTHER where masked
+    off: loaded through strides ``xs``, or with a prologue (PRO[0] steps) computed from it and the
+    prologue's operands, then rounded to PRO_ROUND as eager stores x."""
+    x = tl.load(x_ptr + ix[0] * xs[0] + ix[1] * xs[1] + ix[2] * xs[2] + c * xs[3], mask=mask,
+                other=OTHER).to(tl.float32)
+    if PRO[0] > 0:
+        x = _chain(x, mask, ix, c, pro, PRO)
+        if PRO_ROUND == "float16":
+            x = x.to(tl.float16).to(tl.float32)
+        elif PRO_ROUND == "bfloat16":
+            x = x.to(tl.bfloat16).to(tl.float32)
+        x = tl.where(mask, x, OTHER)
+    return x
+
+
+@triton.jit
+def row_store(out_ptr, ix, c, mask, os, y, epi, EPI: tl.constexpr):
+    """Store the fp32 tile ``y`` through strides ``os`` in out's dtype, after an epilogue (EPI[0] steps,
+    starting from y rounded to EPI[1]) when there is one."""
+    if EPI[0] > 0:
+        y = _chain(y, mask, ix, c, epi, EPI)
+    tl.store(out_ptr + ix[0] * os[0] + ix[1] * os[1] + ix[2] * os[2] + c * os[3],
+             y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --- host side ------------------------------------------------------------------------------------
@@ -159,3 +215,40 @@ def node_arg(node, i: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+
+
+# --- fused chains: host side ----------------------------------------------------------------------
+CHAIN_STEPS = 4  # the steps of a fused prologue or epilogue (elementwise.MAX_CHAIN)
+# kernel parameter names per chain: (pointer prefix, steps constexpr, rounding constexpr, constexpr prefix)
+CHAIN_NAMES = {"prologue": ("p", "PROLOGUE", "P_ROUND", "P"), "epilogue": ("e", "EPILOGUE", "ROUND_TO", "E")}
+
+
+def chain_args(operands, stand_in: TRef) -> list:
+    """A row kernel's arguments for a chain whose steps read ``operands``: a pair (TRef, its strides
+    (s0, s1, s2, column) in the rows walk), a Python scalar, or None (a unary step, or no step):
+    4 pointers (``stand_in`` where no tensor is read), 4 scalars, 4 x 4 strides."""
+    ptrs, scalars, strides = [], [], []
+    for o in list(operands) + [None] * (CHAIN_STEPS - len(operands)):
+        if isinstance(o, tuple):
+            ptrs.append(o[0])
+            scalars.append(0.0)
+            strides.extend(o[1])
+        else:
+            ptrs.append(stand_in)
+            scalars.append(0.0 if o is None else float(o))
+            strides.extend((0, 0, 0, 0))
+    return ptrs + scalars + strides
+
+
+def chain_constexprs(kind: str, steps, operands, round_to) -> dict:
+    """The constexprs of a ``kind`` ("prologue" or "epilogue") chain of ``steps`` ((op, arity, swap))
+    reading ``operands`` (as in :func:`chain_args`); ``round_to`` is the dtype eager stores the
+    chain's input (epilogue) or result (prologue) in."""
+    _, count, rounding, p = CHAIN_NAMES[kind]
+    if not 1 <= len(steps) <= CHAIN_STEPS or len(operands) != len(steps):
+        raise LoweringError(f"a row kernel's {kind} has 1 to {CHAIN_STEPS} steps, one operand each")
+    constexprs = {count: len(steps), rounding: dtype_name(round_to)}
+    for k, ((op, arity, swap), o) in enumerate(zip(steps, operands)):
+        constexprs.update({f"{p}OP{k}": op, f"{p}ARITY{k}": arity, f"{p}SWAP{k}": swap,
+                           f"{p}IS_SCALAR{k}": o is not None and not isinstance(o, tuple)})
+    return constexprs

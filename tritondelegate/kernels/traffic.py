@@ -145,7 +145,26 @@ def _attention_flops(a: Args) -> int:
 def _norm_flops(a: Args) -> int:
     # layer_norm: sum, subtract, square, sum, scale; rms_norm: square, sum, scale; + weight, + bias
     per = (3 if a["RMS"] else 5) + bool(a["HAS_W"]) + bool(a["HAS_B"])
-    return a["rows"] * a["cols"] * per
+    return a["rows"] * a["cols"] * per + _row_chain_flops(a)
+
+
+def _row_chain_operand(p: str, k: int) -> Callable[[Args], bool]:
+    """Operand of step k of a row kernel's fused prologue (``p`` "P") or epilogue ("E"): read when the
+    step runs, is binary and its operand is not a scalar (rows.row_load, rows.row_store)."""
+    count = {"P": "PROLOGUE", "E": "EPILOGUE"}[p]
+    return lambda a: (a.get(count) or 0) > k and a.get(f"{p}ARITY{k}") == 2 and not a.get(f"{p}IS_SCALAR{k}")
+
+
+# a norm's or softmax's fused chains' operands; without a chain their pointers are x or out
+_ROW_CHAIN_READS = tuple(Access(f"{p.lower()}{k}_ptr", _row_chain_operand(p, k)) for p in "PE" for k in range(4))
+
+
+def _row_chain_flops(a: Args) -> int:
+    """A row kernel's fused steps per element: the prologue's once per read of x (twice when a row
+    takes two passes), the epilogue's once."""
+    pro = sum(_pointwise_op_flops(a[f"POP{k}"]) for k in range(a.get("PROLOGUE") or 0))
+    epi = sum(_pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0))
+    return a["rows"] * a["cols"] * (pro * (1 if a["ONE_PASS"] else 2) + epi)
 
 
 REDUCE_FLOPS = {"sum": 1, "prod": 1, "max": 1, "min": 1, "argmax": 2, "argmin": 2, "welford": 4}
@@ -244,11 +263,12 @@ TRAFFIC: dict[str, KernelTraffic] = {
         flops=_attention_flops,
     ),
     # max, subtract, exp, sum, divide (or subtract the log) per element
-    "softmax": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
-                             flops=lambda a: 5 * a["rows"] * a["cols"]),
+    "softmax": KernelTraffic(reads=(Access("x_ptr"), *_ROW_CHAIN_READS), writes=(Access("out_ptr"),),
+                             flops=lambda a: 5 * a["rows"] * a["cols"] + _row_chain_flops(a)),
     # absent weight/bias pass x, absent statistics pass out, as stand-ins
     "norm": KernelTraffic(
-        reads=(Access("x_ptr"), Access("w_ptr", _flag("HAS_W")), Access("b_ptr", _flag("HAS_B"))),
+        reads=(Access("x_ptr"), Access("w_ptr", _flag("HAS_W")), Access("b_ptr", _flag("HAS_B")),
+               *_ROW_CHAIN_READS),
         writes=(Access("out_ptr"), Access("mean_ptr", _flag("STATS")), Access("rstd_ptr", _flag("STATS"))),
         flops=_norm_flops,
     ),

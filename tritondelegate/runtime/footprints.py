@@ -206,6 +206,12 @@ def _softmax(x: LaunchArgs) -> Footprint:
     cols = x.i("cols")
     acc = [Access("x_ptr", _rows(x, x.ints("xs", 3)) + ((cols, x.i("xsc")),)),
            Access("out_ptr", _rows(x, x.ints("os", 3)) + ((cols, x.i("osc")),), write=True)]
+    # a fused prologue's and epilogue's operands (rows.row_load, rows.row_store): step k < PROLOGUE
+    # (EPILOGUE), binary, a tensor, walked by its own row strides and column stride like x
+    for p, count in (("p", "PROLOGUE"), ("e", "EPILOGUE")):
+        acc += [Access(f"{p}{k}_ptr", _rows(x, x.ints(f"{p}{k}s", 3)) + ((cols, x.i(f"{p}{k}s3")),))
+                for k in range(4) if k < x.c[count] and x.c[f"{p.upper()}ARITY{k}"] != 1
+                and not x.c[f"{p.upper()}IS_SCALAR{k}"]]
     return Footprint(acc, (_cdiv(x.i("rows"), x.c["BLOCK_R"]),), {"rows": x.i("rows"), "cols": cols})
 
 
@@ -358,12 +364,16 @@ OPTIONS = {"num_warps": pow2(1, 32), "num_stages": in_range(1, 8)}  # launch opt
 BLOCK = pow2(16, 8192)  # the 1-D kernels' block
 
 
-def _epilogue_constexprs() -> dict:
-    spec = {"EPILOGUE": in_range(0, 4), "ROUND_TO": one_of(*DTYPE_NAMES)}
+def _epilogue_constexprs(count: str = "EPILOGUE", rounding: str = "ROUND_TO", p: str = "E") -> dict:
+    spec = {count: in_range(0, 4), rounding: one_of(*DTYPE_NAMES)}
     for k in range(4):
-        spec.update({f"EOP{k}": POINTWISE_OPS, f"EARITY{k}": one_of(1, 2), f"ESWAP{k}": FLAG,
-                     f"EIS_SCALAR{k}": FLAG})
+        spec.update({f"{p}OP{k}": POINTWISE_OPS, f"{p}ARITY{k}": one_of(1, 2), f"{p}SWAP{k}": FLAG,
+                     f"{p}IS_SCALAR{k}": FLAG})
     return spec
+
+
+# a row kernel's fused prologue and epilogue (rows.CHAIN_NAMES)
+_ROW_CHAINS = {**_epilogue_constexprs("PROLOGUE", "P_ROUND", "P"), **_epilogue_constexprs()}
 
 
 def _chain_constexprs() -> dict:
@@ -401,7 +411,9 @@ RULES: dict[str, KernelRule] = {
     "matmul": KernelRule(_matmul, {
         **_GEMM, "HAS_BIAS": FLAG, "GROUP_M": in_range(1, 64), **_epilogue_constexprs(),
         "PROLOGUE": one_of("", "rms", "layer"), "HAS_PW": FLAG, "HAS_PB": FLAG,
-        "GLU": one_of("", *sorted(GLU_ACTS)), "GLU_ROUND": one_of(*DTYPE_NAMES)}, _GEMM_TILES),
+        "GLU": one_of("", *sorted(GLU_ACTS)), "GLU_ROUND": one_of(*DTYPE_NAMES),
+        # GEMV (no tl.dot) takes tiles of 1 to 8 rows and 8 columns; the accesses are the same
+        "GEMV": FLAG, "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256)}, _GEMM_TILES),
     "conv2d": KernelRule(_conv2d, {**_GEMM, "KH": in_range(1, 4096), "KW": in_range(1, 4096), "HAS_BIAS": FLAG,
                                    **_epilogue_constexprs()}, _GEMM_TILES),
     "pool2d": KernelRule(_pool2d, {
@@ -414,9 +426,9 @@ RULES: dict[str, KernelRule] = {
         "BLOCK_M": pow2(16, 256), "BLOCK_N": pow2(16, 256), "BLOCK_D": pow2(16, 512), "BLOCK_DV": pow2(16, 512),
         "DOT_UPCAST": FLAG}, (("BLOCK_M", "BLOCK_N"), ("BLOCK_M", "BLOCK_D"), ("BLOCK_M", "BLOCK_DV"),
                               ("BLOCK_N", "BLOCK_D"), ("BLOCK_N", "BLOCK_DV"))),
-    "softmax": KernelRule(_softmax, {"LOG": FLAG, "ONE_PASS": FLAG, **_ROWS}, (("BLOCK_R", "BLOCK_C"),)),
+    "softmax": KernelRule(_softmax, {"LOG": FLAG, "ONE_PASS": FLAG, **_ROWS, **_ROW_CHAINS}, (("BLOCK_R", "BLOCK_C"),)),
     "norm": KernelRule(_norm, {"RMS": FLAG, "HAS_W": FLAG, "HAS_B": FLAG, "STATS": FLAG, "ONE_PASS": FLAG,
-                               **_ROWS}, (("BLOCK_R", "BLOCK_C"),)),
+                               **_ROWS, **_ROW_CHAINS}, (("BLOCK_R", "BLOCK_C"),)),
     "reduce": KernelRule(_reduce, {
         "MAP": one_of("id", "sq", "abs"), "FINISH": one_of("none", "div", "sqrt"), "INT_ACC": FLAG,
         "COMBINE": one_of("sum", "prod", "max", "min", "argmax", "argmin", "welford"), **_ROWS},

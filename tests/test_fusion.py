@@ -131,6 +131,32 @@ def test_strided_producer_operands():
     assert chains(plan) == [["mul", "relu", "add"]]
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_a_consumer_reading_through_a_reshape(dtype):
+    # positions.float()[:, None] * inv_freq: the cast's result read as [T, 1] by the product; a sum
+    # read as [2, 2, 6] (its broadcast operand b viewed so too); a tanh of a difference read as [24]
+    pos, inv = torch.arange(7) * 3, torch.randn(5).to(dtype)
+    _, plan = check_model(Fn(lambda pos, inv: pos.to(inv.dtype)[:, None] * inv), (pos, inv), dtype=dtype)
+    assert chains(plan) == [["copy", "mul"]], chains(plan)
+    assert kernels(plan) == ["pointwise_chain"]
+    a, b, c, d = torch.randn(4, 6), torch.randn(6), torch.randn(2, 1, 6), torch.randn(4, 6)
+    _, plan = check_low(Fn(lambda a, b, c, d: ((a + b).view(2, 2, 6) * c, (a - d).tanh().reshape(24) * 2)),
+                        (a, b, c, d), dtype)
+    assert chains(plan) == [["add", "mul"], ["sub", "tanh", "mul"]]
+
+
+def test_a_reshape_an_operand_cannot_follow_is_not_fused():
+    # (a + bt) with bt a transpose, (a + w) with w broadcast over rows: viewed as [24] their walks
+    # have no strides; two launches each
+    a, b, w = torch.randn(4, 6), torch.randn(6, 4), torch.randn(6)
+    for fn in (lambda a, b, w: (a + b.t()).reshape(24) * 2, lambda a, b, w: (a + w).reshape(24) * 2):
+        _, plan = check_model(Fn(fn), (a, b, w))
+        assert kernels(plan) == ["pointwise", "pointwise"]
+    # a transposed read of the sum is no reshape either
+    _, plan = check_model(Fn(lambda a, b, w: (a + b.t()).t() * 2), (a, b, w))
+    assert len(plan.launches) == 2
+
+
 # --- what must not fuse: intermediates whose dtype changes the result -----------------------------
 def test_comparison_feeding_arithmetic_is_not_fused():
     x, y = torch.randn(17, 33), torch.randn(17, 33)

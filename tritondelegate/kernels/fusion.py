@@ -13,7 +13,9 @@ delegate input), so P is merged only when no launch between P and C may write on
 P merges into C when all of these hold:
   - both are ``pointwise`` launches of one or two operands (``where``, ``clamp`` and ops with
     ``alpha != 1`` are left alone) with the same compute type;
-  - C reads t through exactly the desc P wrote (no view), once. C may broadcast t (RMSNorm's
+  - C reads t once, through exactly the desc P wrote or through a reshape of it (t contiguous, the
+    view contiguous over the same elements: ``x.float()[:, None]``; P's operands are then viewed in
+    the reshape's shape, when PyTorch could view them so). C may broadcast t (RMSNorm's
     ``rsqrt`` is [..., 1], its consumer [..., D]): P's ops then run once per element of C's output
     instead of t's, a few ALU ops more per element in a memory-bound kernel, for a launch and a
     store and load of t fewer;
@@ -211,7 +213,7 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     matmuls = dict(ops["matmul"])
     prologued = _merge_prologues(launches, ops["norm"], matmuls, writes, keep, users, view)
     touched = [set(t) for t in touched]
-    chains, merged_away = _merge_chains(launches, ops["pointwise"], touched, writes, keep, users)
+    chains, merged_away = _merge_chains(launches, ops["pointwise"], touched, writes, keep, users, view)
     merged_away |= prologued
     epilogues = _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away)
     rows = fuse_rows.merge_rows(launches, ops["rows"], chains, touched, [set(w) for w in writes], keep, users,
@@ -267,9 +269,30 @@ def fuse_pointwise_chains(records: list[LaunchRecord], touched: list[set[int]], 
     return result if result.changed else FusionResult(records, False)
 
 
-def _merge_chains(launches, pointwise, touched, writes, keep, users) -> tuple[dict[int, _Chain], set[int]]:
+def _reshaped(chain: _Chain, operand: TRef, view) -> _Chain | None:
+    """``chain`` seen through ``operand``, a reshape of its contiguous result (``x.float()[:, None]``:
+    the same elements in the same order, another shape): its result and operands viewed in that shape,
+    or None when ``operand`` is no such view or an operand has no view of that shape."""
+    t = chain.out
+    if (view is None or operand.buffer != t.buffer or operand.offset != t.offset or operand.dtype != t.dtype
+            or not (t.is_contiguous() and operand.is_contiguous()) or operand.numel != t.numel):
+        return None
+    slots = []
+    for slot in chain.slots:
+        if isinstance(slot, TRef):
+            strides = _product_strides(t.shape, broadcast_strides(slot, t.shape), range(len(t.shape)), operand.shape)
+            if strides is None:
+                return None
+            slot = view(slot, operand.shape, strides, slot.offset)
+        slots.append(slot)
+    return replace(chain, out=operand, slots=slots)
+
+
+def _merge_chains(launches, pointwise, touched, writes, keep, users, view=None
+                  ) -> tuple[dict[int, _Chain], set[int]]:
     """(position -> the chain that launch computes, positions merged into a later chain); ``touched``
-    and ``users`` are updated as producers move to their consumers."""
+    and ``users`` are updated as producers move to their consumers. With the builder's ``view``, a
+    consumer may read the producer's result through a reshape (:func:`_reshaped`)."""
     chains = {pos: c for pos, spec in pointwise.items() if (c := _Chain.of(spec, launches[pos].op, pos))}
     producer = {chain.out.buffer: pos for pos, chain in chains.items()}
     merged_away: set[int] = set()
@@ -280,11 +303,10 @@ def _merge_chains(launches, pointwise, touched, writes, keep, users) -> tuple[di
             if p is None or p >= c or p in merged_away:
                 continue
             t = chains[p].out
-            if t.buffer in keep or users[t.buffer] != {p, c} or operand.index != t.index:
+            if t.buffer in keep or users[t.buffer] != {p, c} or not _unwritten(chains[p], c, writes):
                 continue
-            if not _unwritten(chains[p], c, writes):
-                continue
-            chain = _merge(chains[p], consumer, k, c, launches[c].op)
+            produced = chains[p] if operand.index == t.index else _reshaped(chains[p], operand, view)
+            chain = _merge(produced, consumer, k, c, launches[c].op) if produced is not None else None
             if chain is None:
                 continue
             chains[c] = chain

@@ -157,6 +157,30 @@ def test_a_reshape_an_operand_cannot_follow_is_not_fused():
     assert len(plan.launches) == 2
 
 
+def test_a_clone_of_a_temporary_is_the_temporary():
+    # (x * 2).clone() + 1: the clone launches nothing, and the chain fuses across it
+    x = torch.randn(5, 7)
+    _, plan = check_model(Fn(lambda x: (x * 2).clone() + 1), (x,))
+    assert chains(plan) == [["mul", "add"]] and len(plan.launches) == 1
+    # a clone of a delegate input, or of a transposed temporary, copies (here fused into its consumer)
+    _, plan = check_model(Fn(lambda x: (x.clone() * 3, (x * 2).t().clone() + 1)), (x,))
+    assert [launch.op for launch in plan.launches] == ["clone+mul", "mul_1", "clone_1+add"]
+
+
+def test_a_clone_of_state_keeps_the_value_before_its_update():
+    def fn(buf, x):
+        old = buf.clone()
+        buf.add_(x)
+        return old * 1
+
+    model = Buffered(fn, torch.randn(4, 6))
+    lowered = _lower(model, (torch.ones(4, 6),))
+    method = lowered.load().load_method("forward")
+    for step in range(3):
+        x = torch.full((4, 6), float(step + 1))
+        torch.testing.assert_close(method(x), model(x))
+
+
 # --- what must not fuse: intermediates whose dtype changes the result -----------------------------
 def test_comparison_feeding_arithmetic_is_not_fused():
     x, y = torch.randn(17, 33), torch.randn(17, 33)

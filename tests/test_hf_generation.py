@@ -22,7 +22,13 @@ MODELS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 12}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "eos_token_id": 1}),  # one gate_up linear
 }
+# Launches per prefill or decode call at 2 layers: 8 per layer (Q/K/V with its norm, q and k rotated
+# with their tables computed inline, the position counter, the k/v cache writes, attention with its mask
+# computed inline, the output projection with the residual, gate/up with SwiGLU, down with the
+# residual) and 4 outside (embedding, positions, rotary angles, LM head); Gemma scales its embedding.
+LAUNCHES = {"llama": 20, "qwen2": 20, "mistral": 20, "gemma": 21, "phi3": 20}
 CACHE = 32
 PROMPT = torch.tensor([[3, 17, 5, 9, 22]])
 TOKENS = 16
@@ -75,6 +81,7 @@ def test_static_cache_generation_matches_eager(name, tmp_path):
         assert nodes.delegated == nodes.total, nodes.host  # 100% of compute nodes
         assert len(lowered.reports[method].inplace) == 2 * COMMON["num_hidden_layers"]  # K and V per layer
         assert not lowered.reports[method].device.messages  # no per-call copy of weights or cache
+        assert sum(lowered.reports[method].launches.values()) == LAUNCHES[name]
     assert all(s.device == "cuda:0" for s in lowered.state.values())
     lowered.save(tmp_path / "lm.tdp")
     program = td.load(tmp_path / "lm.tdp", devices="simulated")

@@ -106,6 +106,11 @@ class LaunchBuilder:
     def alias(self, node: torch.fx.Node, ref: TRef) -> None:
         self.bind(node, ref)
 
+    def is_scratch(self, ref: TRef) -> bool:
+        """Whether ``ref`` views a temporary of this delegate (not an input: only inputs are ever
+        written in place, by :meth:`writes_in_place`)."""
+        return self._buffers[ref.buffer].base == Base.SCRATCH
+
     def writes_in_place(self, ref: TRef) -> None:
         """Declare that the current node's launches write ``ref``'s buffer, which the node did not
         allocate (an in-place update of a delegate input or of another node's result).

@@ -497,8 +497,17 @@ def gelu(b, node):
 
 
 def copy(b, node):
-    """clone / _to_copy / to: a cast and copy into a fresh contiguous tensor."""
-    launch_pointwise(b, "copy", b.out(node), [b.ref(node.args[0])])
+    """clone / _to_copy / to: a cast and copy into a fresh contiguous tensor. A ``clone`` of a
+    contiguous temporary of this delegate is that temporary: no launch (``.contiguous()`` of an
+    attention output the kernel already stored in that layout). Nothing can tell them apart: the graph
+    is functional, and in-place updates write delegate inputs only."""
+    src = b.ref(node.args[0])
+    val = node.meta.get("val")
+    if (node.target is torch.ops.aten.clone.default and isinstance(val, torch.Tensor) and val.is_contiguous()
+            and b.is_scratch(src) and src.is_contiguous() and src.dtype == val.dtype):
+        b.alias(node, src)
+        return
+    launch_pointwise(b, "copy", b.out(node), [src])
 
 
 def supported_copy(node) -> str | None:

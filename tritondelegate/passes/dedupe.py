@@ -4,6 +4,10 @@ decomposed graph before the other rewrites (each would be a launch per call).
 * ``aten.copy(dst, src)`` in a functional graph is ``src`` cast and broadcast to ``dst``'s shape and
   dtype; when ``src`` already has both, it is ``src`` itself. transformers' static cache writes its
   position counter this way (``cumulative_length.copy_(cache_position[0])``), once per layer.
+* ``aten.cat`` of one tensor and empty ones is that tensor, when it has the result's shape and dtype
+  (and, when the program returns it, its strides; a view of it that its strides do not allow is
+  lowered over a copy, as any such view). Phi-3 applies its rotary to ``q[..., :rotary_dim]`` and
+  concatenates the rest, empty when the rotary covers the whole head.
 * Common subexpressions: two calls of one op on the same arguments give the same value, so the second
   is replaced by the first. transformers' static cache recomputes ``arange(T) + position`` for the
   mask, the rotary positions and every layer's cache write; one decoder layer's key positions equal
@@ -43,6 +47,22 @@ def _identity_copy(node: torch.fx.Node) -> torch.fx.Node | None:
     return node.args[1] if same_shape(dst, src) else None
 
 
+def _only_part(node: torch.fx.Node, outputs: set[str]) -> torch.fx.Node | None:
+    """The one non-empty part of ``node`` = ``aten.cat(parts)`` when the others are empty and it is
+    the result already (shape, dtype; strides too when ``node`` is returned), else None."""
+    if not is_call(node, aten.cat.default) or not isinstance(node.args[0], (list, tuple)):
+        return None
+    out, parts = tensor_val(node), [p for p in node.args[0] if tensor_val(p) is None or tensor_val(p).numel() != 0]
+    if out is None or len(parts) != 1 or not isinstance(parts[0], torch.fx.Node):
+        return None
+    part = tensor_val(parts[0])
+    if part is None or part.dtype != out.dtype or not same_shape(part, out):
+        return None
+    if node.name in outputs and part.stride() != out.stride():
+        return None
+    return parts[0]
+
+
 def _mergeable(node: torch.fx.Node) -> bool:
     """A deterministic, side-effect-free op call with a tensor value (size nodes stay apart)."""
     if node.op != "call_function" or node.is_impure() or not isinstance(node.target, torch._ops.OpOverload):
@@ -59,13 +79,13 @@ def dedupe(ep: torch.export.ExportedProgram) -> list[str]:
     """Remove identity copies and repeated computations from ``ep``'s graph; one description per kind
     of removal (the caller recompiles the graph module)."""
     graph = ep.graph_module.graph
+    outputs = {spec.arg.name for spec in ep.graph_signature.output_specs if isinstance(spec.arg, TensorArgument)}
     copies = 0
     for node in list(graph.nodes):
-        src = _identity_copy(node)
+        src = _identity_copy(node) or _only_part(node, outputs)
         if src is not None:
             _replace(ep, node, src)
             copies += 1
-    outputs = {spec.arg.name for spec in ep.graph_signature.output_specs if isinstance(spec.arg, TensorArgument)}
     seen: dict[str, torch.fx.Node] = {}
     repeats = 0
     for node in list(graph.nodes):
@@ -77,7 +97,7 @@ def dedupe(ep: torch.export.ExportedProgram) -> list[str]:
             repeats += 1
     done = []
     if copies:
-        done.append(f"identity copies removed: {copies}")
+        done.append(f"identity copies and one-part cats removed: {copies}")
     if repeats:
         done.append(f"repeated computations merged: {repeats}")
     return done

@@ -19,9 +19,16 @@ The pattern matches when both linears read the same ``x`` with constant weights 
 shape (``fuse_projections.linear_candidate``), both or neither have a bias, and the gate's result,
 the activation's and the up's are read by nothing but the pattern (a result also read elsewhere keeps
 the pattern written out).
+
+Phi-3 (and models that store gate and up as one ``gate_up_proj``) write the two projections as one
+linear split in halves along its last dim (``y.chunk(2, -1)``: ``split_with_sizes`` and two
+``getitem``); the gate is either half. Then ``Wg`` and ``Wu`` are the two halves of the weight's rows
+(and of the bias), sliced and interleaved once by constant folding in the same way.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx
@@ -30,6 +37,7 @@ from torch.export.graph_signature import TensorArgument
 from .. import ops
 from .fold_constants import constant_inputs
 from .fuse_projections import linear_candidate
+from ..kernels.rows import node_arg
 from .rewrite import fake, is_call, new_node, same_shape, tensor_val
 
 aten = torch.ops.aten
@@ -51,8 +59,28 @@ def _only_read_by(node: torch.fx.Node, reader: torch.fx.Node) -> bool:
     return list(node.users) == [reader]
 
 
+def _halves(gate: torch.fx.Node, up: torch.fx.Node, constants: set[torch.fx.Node]):
+    """(linear, index of the gate's half) when ``gate`` and ``up`` are the two halves of one linear's
+    result split along its last dim (``chunk(2, -1)``), read by nothing else; else None."""
+    if not (is_call(gate, operator.getitem) and is_call(up, operator.getitem)) or gate.args[0] is not up.args[0]:
+        return None
+    split, index = gate.args[0], gate.args[1]
+    if not is_call(split, aten.split_with_sizes.default, aten.split.Tensor) or {index, up.args[1]} != {0, 1}:
+        return None
+    linear, val = split.args[0], tensor_val(split.args[0])
+    if val is None or val.dim() == 0 or not isinstance(val.shape[-1], int) or val.shape[-1] % 2:
+        return None
+    half, dim, parts = val.shape[-1] // 2, node_arg(split, 2, "dim", 0), split.args[1]
+    if dim % val.dim() != val.dim() - 1 or parts not in (half, [half, half]) or len(split.users) != 2:
+        return None
+    if linear_candidate(linear, constants) is None or list(linear.users) != [split]:
+        return None
+    return linear, index
+
+
 def _match(mul: torch.fx.Node, constants: set[torch.fx.Node]):
-    """(act name, gate linear, activation node, up linear) when ``mul`` is the root of a gated MLP."""
+    """(act name, gate linear, activation node, up linear) when ``mul`` is the root of a gated MLP;
+    for one linear split in halves, (act name, gate half, activation node, up half)."""
     if not is_call(mul, aten.mul.Tensor) or len(mul.args) != 2 or mul.kwargs:
         return None
     for gated, up in (mul.args, mul.args[::-1]):
@@ -60,6 +88,10 @@ def _match(mul: torch.fx.Node, constants: set[torch.fx.Node]):
         if act is None or up is gated or not isinstance(up, torch.fx.Node):
             continue  # (the other operand may be a Python scalar)
         gate = gated.args[0]
+        halves = _halves(gate, up, constants)
+        if halves is not None and same_shape(tensor_val(mul), tensor_val(up)):
+            if _only_read_by(gate, gated) and _only_read_by(gated, mul) and _only_read_by(up, mul):
+                return act, gate, gated, up
         g, u = linear_candidate(gate, constants), linear_candidate(up, constants)
         if g is None or u is None or gate is up or g[0] is not u[0] or (g[2] is None) != (u[2] is None):
             continue
@@ -83,9 +115,32 @@ def _interleave(graph, a: torch.fx.Node, b: torch.fx.Node, meta: dict, name: str
                     fake(lambda t: aten.view.default(t, shape), stacked.meta["val"]), meta, name)
 
 
+def _rows(graph, t: torch.fx.Node, start: int, end: int, meta: dict) -> torch.fx.Node:
+    """Rows [start, end) of ``t`` (a slice node)."""
+    return new_node(graph, aten.slice.Tensor, (t, 0, start, end),
+                    fake(lambda v: aten.slice.Tensor(v, 0, start, end), tensor_val(t)), meta)
+
+
+def _split_weights(graph, gate: torch.fx.Node, mul: torch.fx.Node):
+    """(x, wg, bg, wu, bu, dead nodes) for a gate and an up that are halves of one linear."""
+    split = gate.args[0]
+    linear, index = split.args[0], gate.args[1]
+    x, w, b = (*linear.args, None)[:3]
+    n = tensor_val(w).shape[0] // 2
+    spans = ((0, n), (n, 2 * n)) if index == 0 else ((n, 2 * n), (0, n))
+    with graph.inserting_before(mul):
+        wg, wu = (_rows(graph, w, *span, linear.meta) for span in spans)
+        bg, bu = (None, None) if b is None else (_rows(graph, b, *span, linear.meta) for span in spans)
+    return x, wg, bg, wu, bu, [split, linear]
+
+
 def _fuse(graph: torch.fx.Graph, ep, mul, act: str, gate, gated, up) -> str:
-    x, wg, bg = (*gate.args, None)[:3]
-    _, wu, bu = (*up.args, None)[:3]
+    if is_call(gate, operator.getitem):  # halves of one linear
+        x, wg, bg, wu, bu, dead = _split_weights(graph, gate, mul)
+    else:
+        x, wg, bg = (*gate.args, None)[:3]
+        _, wu, bu = (*up.args, None)[:3]
+        dead = []
     with graph.inserting_before(mul):  # x and the weights are defined before both linears
         w = _interleave(graph, wg, wu, gate.meta, f"{gate.name}_glu_weight")
         b = None if bg is None else _interleave(graph, bg, bu, gate.meta, f"{gate.name}_glu_bias")
@@ -96,8 +151,8 @@ def _fuse(graph: torch.fx.Graph, ep, mul, act: str, gate, gated, up) -> str:
     for spec in ep.graph_signature.output_specs:  # a returned result keeps its signature entry
         if isinstance(spec.arg, TensorArgument) and spec.arg.name == mul.name:
             spec.arg = TensorArgument(name=node.name)
-    for dead in (mul, gated, gate, up):  # users first
-        graph.erase_node(dead)
+    for old in (mul, gated, gate, up, *dead):  # users first
+        graph.erase_node(old)
     return (f"gated MLP {act}({gate.name}) * {up.name} -> {node.name} "
             f"(tritondelegate::glu_linear, one GEMM, N = 2x{tensor_val(wg).shape[0]})")
 

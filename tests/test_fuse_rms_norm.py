@@ -60,7 +60,8 @@ def test_our_rmsnorm(dtype, dim):
     model = RMSNorm(dim, 1e-6).to(dtype)
     x = torch.randn(2, 3, dim, dtype=dtype)
     lowered = _check(model, (x,))
-    (fused,) = lowered.reports["forward"].fused
+    # the fp16/bf16 model casts x to fp32 twice: dedupe merges the two casts first
+    (fused,) = [f for f in lowered.reports["forward"].fused if not f.startswith("repeated computation")]
     assert fused.startswith("rms_norm: ") and "pow" in fused and "rsqrt" in fused
     assert _launches(lowered) == 1
 
@@ -90,7 +91,8 @@ def test_without_weight():
 
 def test_llama_mixed_dtypes_keeps_the_rounding():
     """bf16 x with an fp32 weight: Llama rounds to bf16 before the weight, the result is fp32 (exact
-    only with that rounding): the norm up to the cast is fused, the weight's mul stays."""
+    only with that rounding): the norm up to the cast is fused, the weight's mul stays a node of its
+    own, which runs as the norm kernel's epilogue (on the result rounded to bf16): one launch."""
     pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -103,7 +105,7 @@ def test_llama_mixed_dtypes_keeps_the_rounding():
     assert aten.rms_norm.default in _ops(ep) and aten.mul.Tensor in _ops(ep)
     assert ep.module()(x).dtype == torch.float32
     lowered = _check(model, (x,), torch.bfloat16)  # a bf16 rounding: one bf16 ulp either way
-    assert _launches(lowered) == 2
+    assert _launches(lowered) == 1
 
 
 def test_gemma_norm_fp16():

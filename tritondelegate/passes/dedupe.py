@@ -76,28 +76,23 @@ def _key(node: torch.fx.Node) -> str:
 
 
 def dedupe(ep: torch.export.ExportedProgram) -> list[str]:
-    """Remove identity copies and repeated computations from ``ep``'s graph; one description per kind
-    of removal (the caller recompiles the graph module)."""
+    """Remove identity copies, one-part cats and repeated computations from ``ep``'s graph; one
+    description per removal (the caller recompiles the graph module)."""
     graph = ep.graph_module.graph
     outputs = {spec.arg.name for spec in ep.graph_signature.output_specs if isinstance(spec.arg, TensorArgument)}
-    copies = 0
+    done = []
     for node in list(graph.nodes):
         src = _identity_copy(node) or _only_part(node, outputs)
         if src is not None:
+            kind = "identity copy" if is_call(node, aten.copy.default) else "one-part cat"
+            done.append(f"{kind}: {node.name} -> {src.name} (removed)")
             _replace(ep, node, src)
-            copies += 1
     seen: dict[str, torch.fx.Node] = {}
-    repeats = 0
     for node in list(graph.nodes):
         if not _mergeable(node) or node.name in outputs:
             continue
         first = seen.setdefault(_key(node), node)
         if first is not node:
+            done.append(f"repeated computation: {node.name} -> {first.name} (merged)")
             _replace(ep, node, first)
-            repeats += 1
-    done = []
-    if copies:
-        done.append(f"identity copies and one-part cats removed: {copies}")
-    if repeats:
-        done.append(f"repeated computations merged: {repeats}")
     return done

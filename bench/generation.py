@@ -1,13 +1,16 @@
 """Decode throughput of LLM generation with a KV cache, on the shared harness (timing, rounds, device).
 
 One model (``tritondelegate.models.KVCacheDecoder``: prefill and decode as two methods of one program
-sharing the cache as program state) and one prompt, in four modes:
+sharing the cache as program state) and one prompt, in five modes:
 
 * ``state_on_host``   ``state_on_device=False``: the cache lives on the host and every decode call
                       copies it host-to-device and back (the behaviour before program state).
 * ``state_on_device`` the cache is program state on the device, updated in place by the kernels; a
                       step moves the token id and position in and the logits out.
 * ``state_on_device_graphs`` the same, decode loaded with ``graphs=True`` (replayed as CUDA graphs).
+* ``state_on_device_graphs_dot`` the same, lowered for a target without the GEMV variant
+                      (``Target.gemv_rows=0``): every decode projection on ``tl.dot``'s 16-row tiles,
+                      to compare with the GEMV path.
 * ``hf_eager``        transformers' ``LlamaForCausalLM`` with the same config and weights, in its static-cache
                       export recipe (``TorchExportableModuleWithStaticCache``) run eagerly on the same
                       device: the reference front end of DESIGN.md's first workload.
@@ -21,6 +24,7 @@ under the Triton interpreter: the times are the interpreter's; the bytes and lau
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import warnings
@@ -30,11 +34,13 @@ import torch
 
 import tritondelegate as td
 from tritondelegate.generate import Generator
+from tritondelegate.kernels.target import local as local_target
 from tritondelegate.models import export_prefill_decode, generate_eager, hf_llama_static_cache, kv_cache_decoder
 
 from bench.harness import DEVICE, TORCH_DEVICE
 
-GEN_MODES = ("state_on_host", "state_on_device", "state_on_device_graphs", "hf_eager")
+GEN_MODES = ("state_on_host", "state_on_device", "state_on_device_graphs", "state_on_device_graphs_dot",
+             "hf_eager")
 
 
 @dataclass(frozen=True)
@@ -104,22 +110,25 @@ class GenBench:
     def eager_tokens(self, case: GenCase) -> list[int]:
         held = self.prepare(case)
         if held.tokens is None:
-            for state_on_device in (False, True):  # first: the programs read the cache eager writes
-                self.program_path(case, state_on_device)
+            for state_on_device, gemv in ((False, True), (True, True), (True, False)):
+                self.program_path(case, state_on_device, gemv)  # first: the programs read the cache eager writes
             tokens, _ = generate_eager(held.model, held.prompt, case.steps + 1)
             held.tokens = tokens[0].tolist()
         return held.tokens
 
-    def program_path(self, case: GenCase, state_on_device: bool) -> str:
-        key = (case.name, state_on_device)
+    def program_path(self, case: GenCase, state_on_device: bool, gemv: bool = True) -> str:
+        key = (case.name, state_on_device, gemv)
         if key not in self._files:
+            gpu = local_target()
             config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(
-                skip_h2d_for_constants=True, state_on_device=state_on_device))
+                skip_h2d_for_constants=True, state_on_device=state_on_device),
+                target=gpu if gemv else dataclasses.replace(gpu, gemv_rows=0))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", td.PerCallCopyWarning)  # state_on_host: the copies are the point
                 lowered = td.lower(export_prefill_decode(self.prepare(case).model, case.prompt_len),
                                    partitioner=td.TritonPartitioner(device="cuda:0"), config=config)
-            path = os.path.join(self.workdir, f"{case.name}.{'device' if state_on_device else 'host'}.tdp")
+            place = ("device" if state_on_device else "host") + ("" if gemv else "-dot")
+            path = os.path.join(self.workdir, f"{case.name}.{place}.tdp")
             lowered.save(path)
             self._files[key] = path
         return self._files[key]
@@ -132,8 +141,8 @@ class GenBench:
             raise ValueError(f"unknown generation mode {mode!r}; valid: {', '.join(GEN_MODES)}")
         expected = self.eager_tokens(case)
         prompt = self.prepare(case).prompt
-        program = td.load(self.program_path(case, mode != "state_on_host"))
-        generator = Generator(program, graphs=mode == "state_on_device_graphs", stream=self.stream)
+        program = td.load(self.program_path(case, mode != "state_on_host", mode != "state_on_device_graphs_dot"))
+        generator = Generator(program, graphs=mode.startswith("state_on_device_graphs"), stream=self.stream)
         first = generator.generate(prompt, 1).tokens  # the prefill, once
 
         def call():

@@ -19,7 +19,8 @@ from collections import defaultdict
 
 MODES = ("per_call_copy", "resident", "resident_io", "resident_graphs", "eager", "torch_compile")
 LOWERED = ("per_call_copy", "resident", "resident_io", "resident_graphs")
-GENERATION_MODES = ("state_on_host", "state_on_device", "state_on_device_graphs", "hf_eager")
+GENERATION_MODES = ("state_on_host", "state_on_device", "state_on_device_graphs", "state_on_device_graphs_dot",
+                    "hf_eager")
 
 
 def _bytes(n) -> str:
@@ -260,17 +261,20 @@ def generation_section(generation: dict) -> str:
         ratios.append([model, _bytes(any_info["weight_bytes"]), _bytes(any_info["cache_bytes"]),
                        speedup("state_on_device", "state_on_host"),
                        speedup("state_on_device_graphs", "state_on_device"),
+                       speedup("state_on_device_graphs", "state_on_device_graphs_dot"),
                        speedup("state_on_device_graphs", "hf_eager")])
     return "\n".join([
         "## Generation: decode throughput with a KV cache", "",
         "Greedy decode steps after one prefill (`steps` per timed round, median round). `state_on_host`: the "
         "cache copied host-to-device and back every call; `state_on_device`: the cache is program state on "
-        "the device; `_graphs`: decode replayed as CUDA graphs; `hf_eager`: transformers' LlamaForCausalLM "
+        "the device; `_graphs`: decode replayed as CUDA graphs; `_dot`: lowered without the GEMV variant "
+        "(every projection on tl.dot's 16-row tiles); `hf_eager`: transformers' LlamaForCausalLM "
         "with the same weights and its static cache, eager, on the same device. Bytes, launches and memory "
         "from `method.stats` and `program.memory()`.", "",
         _table(header, rows), "",
         _table(["model", "weights", "KV cache", "state_on_device / state_on_host (tokens/s)",
-                "graphs / state_on_device", "state_on_device_graphs / hf_eager"], ratios), ""])
+                "graphs / state_on_device", "GEMV / tl.dot (graphs)", "state_on_device_graphs / hf_eager"],
+               ratios), ""])
 
 
 def machine_section(machine: dict) -> str:

@@ -218,3 +218,22 @@ def test_gemv_launch_survives_save_and_load(tmp_path):
     assert all(_c(launch).get("GEMV") is True for launch in launches) and len(launches) == 2
     with torch.no_grad():
         torch.testing.assert_close(program.load_method("forward")(x), model(x), atol=1e-4, rtol=1e-4)
+
+
+def test_the_target_sets_how_many_rows_take_gemv():
+    """``Target.gemv_rows``: 0 keeps every product on tl.dot (to compare the two on a GPU), 2 sends
+    only products of up to 2 rows to GEMV; the summary names the choice."""
+    base = target.TARGETS["h100"]
+    for rows, expected in ((0, [False, False]), (2, [True, False]), (8, [True, True])):
+        gpu = target.Target(base.name, base.num_sms, base.shared_memory, gemv_rows=rows)
+        with target.using(gpu):
+            assert [matmul.choose_config(1, m, 256, 256, torch.float16).gemv for m in (2, 3)] == expected
+    model, x = nn.Linear(40, 24).eval(), torch.randn(1, 40)
+    off = target.Target("h100", 132, base.shared_memory, gemv_rows=0)
+    lowered = td.lower(torch.export.export(model, (x,)), config=td.LowerConfig(target=off))
+    (launch,) = [l for m in lowered.program.methods for d in m.delegates for l in d.plan.launches]
+    assert "GEMV" not in launch.constexprs and launch.constexprs["BLOCK_M"].value == 16
+    assert "no GEMV" in lowered.summary()
+    torch.testing.assert_close(lowered.load().load_method("forward")(x), model(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="gemv_rows must be an int in"):
+        target.Target("x", 132, base.shared_memory, gemv_rows=16)

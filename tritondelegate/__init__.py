@@ -20,7 +20,7 @@ _EXPORTS = {
     "PerCallCopyWarning": "config", "PerCallCopyError": "config",
     "Partitioner": "partitioner", "PartitionResult": "partitioner",
     "DelegationSpec": "partitioner", "TritonPartitioner": "partitioner",
-    "LoweringError": "errors",
+    "LoweringError": "errors", "Target": "kernels.target",
     # runtime side
     "load": "runtime", "DeviceAllocator": "runtime", "InputError": "runtime",
     "register_allocator": "runtime",

@@ -232,7 +232,7 @@ def matmul_kernel(
 MIN_BLOCK = 16  # tl.dot needs M, N, K >= 16 per tile
 # GEMV: products of at most this many rows skip tl.dot (see choose_config); its tiles are at least
 # GEMV_MIN_N columns wide, and hold at most GEMV_PRODUCTS fp32 products per warp (64 per thread).
-GEMV_MAX_M = 8
+GEMV_MAX_M = target.GEMV_MAX_ROWS  # (a target may lower it: ``Target.gemv_rows``)
 GEMV_MIN_N = 8
 GEMV_PRODUCTS = 64 * 32
 
@@ -260,12 +260,12 @@ def choose_config(batch: int, M: int, N: int, K: int, dtype: torch.dtype) -> Con
     tile just big enough (16 minimum for ``tl.dot``). When that leaves fewer tiles than the target
     has SMs, the larger tile side is halved (not below 32) so the whole GPU has work: decode-shaped
     GEMMs with M > 8 then spread over N. The pipeline holds 2 to 4 stages, as many as the target's
-    shared memory allows. M <= 8 takes the GEMV variant (:func:`_gemv_config`).
+    shared memory allows. M <= 8 (the target's ``gemv_rows``) takes the GEMV variant (:func:`_gemv_config`).
     """
     gpu = target.current()
     itemsize = torch.empty((), dtype=dtype).element_size()
     batch, M, N, K = sizes.upper((batch, M, N, K))  # tuned for the largest size a dynamic dim takes
-    if M <= GEMV_MAX_M:
+    if M <= gpu.gemv_rows:
         return _gemv_config(batch, M, N, K, itemsize, gpu)
     block_m = _tile(M, 128)
     block_n = _tile(N, 128)

@@ -13,13 +13,22 @@ import contextvars
 from dataclasses import dataclass
 
 
+GEMV_MAX_ROWS = 8  # the most rows a GEMV tile holds (matmul.py)
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
     num_sms: int  # streaming multiprocessors: a grid with fewer tiles leaves some idle
     shared_memory: int  # bytes of shared memory one block may use (the opt-in maximum)
+    # products of at most this many rows take matmul's GEMV variant (CUDA cores, no tl.dot); 0: none,
+    # every product on tl.dot (to compare the two on a GPU)
+    gemv_rows: int = GEMV_MAX_ROWS
 
     def __post_init__(self):
+        if not isinstance(self.gemv_rows, int) or not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"target {self.name!r}: gemv_rows must be an int in [0, {GEMV_MAX_ROWS}], "
+                             f"got {self.gemv_rows!r}")
         if not isinstance(self.num_sms, int) or self.num_sms < 1:
             raise ValueError(f"target {self.name!r}: num_sms must be a positive int, got {self.num_sms!r}")
         if not isinstance(self.shared_memory, int) or self.shared_memory < 16 * 1024:
@@ -32,7 +41,8 @@ class Target:
         return self.shared_memory * 7 // 10
 
     def describe(self) -> str:
-        return f"{self.name} ({self.num_sms} SMs, {self.shared_memory // 1024} KiB shared memory per block)"
+        gemv = f"GEMV up to {self.gemv_rows} rows" if self.gemv_rows else "no GEMV"
+        return f"{self.name} ({self.num_sms} SMs, {self.shared_memory // 1024} KiB shared memory per block, {gemv})"
 
 
 KiB = 1024

@@ -204,3 +204,16 @@ def test_graphs_give_the_same_tokens(program_file):
     assert result.tokens.tolist() == expected.tolist()
     assert result.steps[-1].graph_replays > 0  # recorded on the second call, replayed from the third
     assert (result.steps[-1].h2d_bytes, result.steps[-1].d2h_bytes) == (8 + 8, TINY["vocab_size"] * 4)
+
+
+def test_a_batch_of_two_prompts_gives_eagers_tokens():
+    """max_batch=2: two prompts side by side share positions; the rotary tables and the mask computed
+    inside their launches serve both rows."""
+    model = kv_cache_decoder(seed=0, max_batch=2, **TINY)
+    lowered = td.lower(export_prefill_decode(model, PROMPT_LEN), partitioner=td.TritonPartitioner(device="cuda:0"),
+                       config=td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True)))
+    prompts = torch.cat([prompt(1), prompt(2)])
+    result = Generator(lowered.load()).generate(prompts, 4, keep_logits=True)
+    tokens, logits = generate_eager(kv_cache_decoder(seed=0, max_batch=2, **TINY), prompts, 4)
+    assert result.tokens.tolist() == tokens.tolist()
+    assert_logits_close(result.logits, logits)

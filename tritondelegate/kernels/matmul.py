@@ -115,6 +115,20 @@ def _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k0, offs_k, k_left,
 
 
 @triton.jit
+def _product(acc, a, b, GEMV: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """``acc + a @ b`` for one K step, in fp32."""
+    if GEMV:  # a few rows: products on the CUDA cores, in fp32, summed over the K step
+        acc += tl.sum(a[:, :, None].to(tl.float32) * b[None, :, :].to(tl.float32), axis=1)
+    else:
+        if DOT_UPCAST:  # the interpreter's low-precision dot is wrong; the runtime sets this there
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        # "ieee" only affects fp32 operands (no TF32); fp16/bf16 ignore it.
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _swizzle(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(row tile, column tile) of program ``pid``. GROUP_M swizzle: consecutive programs walk GROUP_M row
     tiles down one column of tiles, so the B tiles they share are still in L2 when the next program of
@@ -195,14 +209,7 @@ def matmul_kernel(
             a, sumsq = _rms_tile(a, sumsq, p_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW)
         elif PROLOGUE == "layer":
             a = _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW, HAS_PB)
-        if GEMV:  # a few rows: products on the CUDA cores, in fp32, summed over the K step
-            acc += tl.sum(a[:, :, None].to(tl.float32) * b[None, :, :].to(tl.float32), axis=1)
-        else:
-            if DOT_UPCAST:  # the interpreter's low-precision dot is wrong; the runtime sets this there
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            # "ieee" only affects fp32 operands (no TF32); fp16/bf16 ignore it.
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = _product(acc, a, b, GEMV, DOT_UPCAST)
         a_ptrs += step_a
         b_ptrs += step_b
 

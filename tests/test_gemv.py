@@ -197,8 +197,9 @@ def test_gemv_tiles():
 @pytest.mark.parametrize("n_out", [2048, 6144, 28672])
 def test_decode_grid_fills_an_h100(n_out):
     """One decode token through a projection of N outputs on an H100 (132 SMs): at least two programs
-    per SM once N allows it (N >= 2 * 132 * 8), else the narrowest tiles (8 columns). Plan only."""
-    lowered, launch = _lower_linear(1, n_out, dtype=torch.bfloat16)
+    per SM once N allows it (N >= 2 * 132 * 8), else the narrowest tiles (8 columns). Plan only.
+    K = 1024: an 8-column program streams 16 KiB of the weight, the least narrowing allows."""
+    lowered, launch = _lower_linear(1, n_out, k_in=1024, dtype=torch.bfloat16)
     c = _gemv(launch, 1)
     programs = launch.grid[0] * launch.grid[1]
     assert programs == -(-n_out // c["BLOCK_N"])
@@ -207,6 +208,14 @@ def test_decode_grid_fills_an_h100(n_out):
     else:
         assert c["BLOCK_N"] == 8 and programs == n_out // 8  # 2048: 256 programs, 1.9 per SM
     lowered.load(devices="simulated").load_method("forward")  # the verifier takes the GEMV tiles
+
+
+def test_a_small_product_is_not_narrowed():
+    """64 x 64 fp32 (16 KiB in all): narrower tiles would add programs, not bandwidth; one program."""
+    _, launch = _lower_linear(1, 64, k_in=64)
+    assert _gemv(launch, 1)["BLOCK_N"] == 64 and launch.grid[0] * launch.grid[1] == 1
+    _, launch = _lower_linear(1, 512, k_in=512)  # 2 KiB a column: 8 columns a program, 64 programs
+    assert _gemv(launch, 1)["BLOCK_N"] == 8
 
 
 def test_gemv_launch_survives_save_and_load(tmp_path):

@@ -175,7 +175,7 @@ def test_launch_configuration_follows_the_target():
     assert big.num_stages == 2 < matmul.choose_config(1, 4096, 4096, 4096, torch.float16).num_stages
     assert target.current() is target.DEFAULT  # the block restores it
     # lower() takes the target from LowerConfig: the plan's tiles change, the results do not
-    model, x = torch.nn.Linear(64, 512, bias=False), torch.randn(1, 64)
+    model, x = torch.nn.Linear(1024, 512, bias=False), torch.randn(1, 1024)
     blocks = {}
     for name in ("h100", target.Target("four", num_sms=4, shared_memory=64 * 1024)):
         lowered = td.lower(torch.export.export(model, (x,)), config=td.LowerConfig(target=name))

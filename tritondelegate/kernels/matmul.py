@@ -242,6 +242,7 @@ MIN_BLOCK = 16  # tl.dot needs M, N, K >= 16 per tile
 GEMV_MAX_M = target.GEMV_MAX_ROWS  # (a target may lower it: ``Target.gemv_rows``)
 GEMV_MIN_N = 8
 GEMV_PRODUCTS = 64 * 32
+GEMV_MIN_PROGRAM_BYTES = 16 * 1024  # the least weight a GEMV program streams once the grid is narrowed
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,9 @@ def _gemv_config(batch: int, M: int, N: int, K: int, itemsize: int, gpu: target.
     at full width, once. The program multiplies BLOCK_M x BLOCK_K x BLOCK_N products in registers, at
     most 64 per thread over 8 warps (32 under fp32, whose B tile takes a register per element too); it
     starts as wide in N as that allows and halves (to 8 columns, even for GLU's pairs) until the grid
-    has two programs per SM, enough in flight to keep HBM busy. 4 warps when half the registers do.
+    has two programs per SM, enough in flight to keep HBM busy, as long as each program still streams
+    GEMV_MIN_PROGRAM_BYTES of the weight: a smaller product is bound by its latency (its K loop), which
+    narrower tiles do not shorten. 4 warps when half the registers do.
 
     Why 8 rows: below 16, tl.dot's tile is mostly padding (half of it at 8 rows); a skinny product is
     bound by the weight's bytes, and CUDA-core FMAs keep up with them while M is small (2M FLOP per
@@ -308,7 +311,8 @@ def _gemv_config(batch: int, M: int, N: int, K: int, itemsize: int, gpu: target.
     # registers per program: the products, and under fp32 as many again for B's tile (at one row)
     cost = block_m * block_k * (2 if itemsize >= 4 else 1)
     block_n = max(GEMV_MIN_N, min(sizes.next_power_of_2(N), 128, GEMV_PRODUCTS * 8 // cost))
-    while batch * triton.cdiv(N, block_n) < 2 * gpu.num_sms and block_n > GEMV_MIN_N:
+    while (batch * triton.cdiv(N, block_n) < 2 * gpu.num_sms and block_n > GEMV_MIN_N
+           and block_n // 2 * K * itemsize >= GEMV_MIN_PROGRAM_BYTES):
         block_n //= 2
     num_warps = 4 if cost * block_n <= GEMV_PRODUCTS * 4 else 8
     stage_bytes = (block_m + block_n) * block_k * itemsize

@@ -171,6 +171,14 @@ def _indexing(dtype):
                     torch.randint(0, 300, (40,)), torch.randint(0, 1000, (300, 7)))
 
 
+def _embedding_epilogue(dtype):
+    """GPT-2's ``wte(ids) + wpe`` (a [seq, dim] constant) and Gemma's ``embedding(ids) * normalizer``:
+    gathers with a pointwise epilogue (kernels/fuse_gather.py)."""
+    emb, pos = nn.Embedding(8192, 768).to(dtype), _randn(300, 768, dtype=dtype)
+    fn = lambda ids, tok: (emb(ids) + pos, emb(tok) * 27.7)  # noqa: E731
+    return Fn(fn), (torch.randint(0, 8192, (2, 300)), torch.randint(0, 8192, (4, 1)))
+
+
 def _scatter(dtype):
     """The scatter family on a KV-cache-shaped tensor: 1 to 3 index tensors, accumulating or not (fp16
     and bf16 accumulate in fp32), tensor and scalar sources."""
@@ -310,6 +318,7 @@ def _per_dtype(d) -> dict[str, callable]:
         "softmax_vocab": lambda: _softmax_vocab(d),
         "rows_fused": lambda: _rows_fused(d),
         "indexing": lambda: _indexing(d),
+        "embedding_epilogue": lambda: _embedding_epilogue(d),
         "scatter": lambda: _scatter(d),
         "kv_cache_update": lambda: (KVCache(d), (torch.tensor([5]), _randn(1, 8, 1, 64, dtype=d))),
         "kv_cache_pair": lambda: (KVCachePair(d), (torch.arange(5, 12), _randn(1, 8, 7, 64, dtype=d),

@@ -70,7 +70,9 @@ In ``silu(gate(x)) * up(x)`` the chain ``silu, mul`` reads gate's result first: 
 after up's and reads up's result in its epilogue.
 
 Last, row kernels with their neighbours (``fuse_rows.py``): a norm or softmax takes the chain that
-alone feeds it as a prologue and the chain that alone reads its result as an epilogue.
+alone feeds it as a prologue and the chain that alone reads its result as an epilogue; then a gather
+(``fuse_gather.py``) takes the chain that alone reads its result as an epilogue (an embedding's add or
+scale).
 
 First of all, scatter pairs (:func:`pair_scatters`): a layer's k and v cache writes, two scatter launches
 with the same grid, constexprs, indices and iteration that differ only in their destination, source
@@ -89,7 +91,7 @@ import torch
 from ..plan import Launch
 from . import conv as cv
 from . import elementwise as ew
-from . import fuse_rows
+from . import fuse_gather, fuse_rows
 from . import sizes as size_fns
 from . import matmul as mm
 from . import scatter as sc
@@ -195,8 +197,9 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     ``records`` are a delegate's launches with what each computes (``LaunchRecord.op``: an
     ``elementwise.PointwiseOp`` for a ``pointwise`` launch, a ``matmul.MatmulOp`` or ``conv.ConvOp``
     for a ``matmul`` or ``conv2d`` launch, a ``norm.RowNorm`` for a ``norm`` launch, a
-    ``scatter.ScatterOp`` for a plain ``scatter`` launch; None: left alone). ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may write
-    (``LaunchBuilder.effects``); buffers in ``keep`` (delegate inputs and outputs) are never fused
+    ``scatter.ScatterOp`` for a plain ``scatter`` launch, an ``index.GatherOp`` for a ``gather``;
+    None: left alone). ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may
+    write (``LaunchBuilder.effects``); buffers in ``keep`` (delegate inputs and outputs) are never fused
     away; ``view`` is the builder's ``view``, to address a norm's input as its matmuls' A. Launches keep
     their order; a fused chain, or a matmul with its epilogue, takes its last op's place. A record
     made by fusion carries no op: nothing fuses twice.
@@ -205,7 +208,7 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     launches = [r.launch for r in records]
     ops = {kind: {i: r.op for i, r in enumerate(records) if r.op is not None and r.launch.kernel in kernels}
            for kind, kernels in (("pointwise", {"pointwise"}), ("matmul", {"matmul", "conv2d"}),
-                                 ("norm", {"norm"}), ("rows", {"norm", "softmax"}))}
+                                 ("norm", {"norm"}), ("rows", {"norm", "softmax"}), ("gather", {"gather"}))}
     users: dict[int, set[int]] = defaultdict(set)
     for position, buffers in enumerate(touched):
         for buf in buffers:
@@ -216,12 +219,16 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     chains, merged_away = _merge_chains(launches, ops["pointwise"], touched, writes, keep, users, view)
     merged_away |= prologued
     epilogues = _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away)
-    rows = fuse_rows.merge_rows(launches, ops["rows"], chains, touched, [set(w) for w in writes], keep, users,
+    writes = [set(w) for w in writes]  # updated as row launches move
+    rows = fuse_rows.merge_rows(launches, ops["rows"], chains, touched, writes, keep, users,
                                 _unwritten, merged_away, set(epilogues))
+    gathers = fuse_gather.merge_gathers(launches, ops["gather"], chains, writes, keep, users, merged_away,
+                                        set(epilogues) | set(rows))
     if not merged_away:
         return FusionResult(records, paired)
     fused = [
         LaunchRecord(rows[i]) if i in rows
+        else LaunchRecord(gathers[i]) if i in gathers
         else LaunchRecord(epilogues[i]) if i in epilogues
         else LaunchRecord(_launch(chains[i])) if i in chains and len(chains[i].names) > 1
         else record if launches[i] is record.launch

@@ -11,6 +11,11 @@ through broadcasting in output coordinates (strides ``T_k``), and its values sel
 dim of stride ``U_k`` and size ``N_k``; negative indices wrap once (``i + N_k``). An out-of-range index,
 an error in PyTorch, reads 0 here rather than memory outside the source.
 
+A gather may run a pointwise chain on its values before the store (``EPILOGUE`` steps, merged by
+``fuse_gather.py``: an embedding's ``+ positions`` or ``* normalizer``): from the gathered value rounded
+to the gathered tensor's dtype, in fp32, each step reading its operand by its own strides over the
+output's coordinates, stored by the chain's result strides (:class:`GatherOp` builds either launch).
+
     cumsum:  out[r, l] = sum_{m <= l} x[r, m]      rows r over every dim but ``dim``
 
 accumulated in fp32 for floating inputs and int64 otherwise, a block of rows per program, looping over
@@ -20,13 +25,14 @@ the scanned dim in chunks with a running carry.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from . import elementwise as ew
-from .refs import TRef, broadcast_strides, collapse, contiguous_strides, node_value
+from .refs import TRef, broadcast_strides, collapse, node_value
 from .sizes import SymbolicShapeError, is_static, next_power_of_2
 
 MAX_RANK = 5
@@ -71,6 +77,37 @@ def indexed_offsets(
 
 
 @triton.jit
+def _gather_epilogue(r, mask, i0, i1, i2, i3, i4,
+                     e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+                     e0s0, e0s1, e0s2, e0s3, e0s4, e1s0, e1s1, e1s2, e1s3, e1s4,
+                     e2s0, e2s1, e2s2, e2s3, e2s4, e3s0, e3s1, e3s2, e3s3, e3s4,
+                     EPILOGUE: tl.constexpr, ROUND_TO: tl.constexpr,
+                     EOP0: tl.constexpr, EARITY0: tl.constexpr, ESWAP0: tl.constexpr, EIS_SCALAR0: tl.constexpr,
+                     EOP1: tl.constexpr, EARITY1: tl.constexpr, ESWAP1: tl.constexpr, EIS_SCALAR1: tl.constexpr,
+                     EOP2: tl.constexpr, EARITY2: tl.constexpr, ESWAP2: tl.constexpr, EIS_SCALAR2: tl.constexpr,
+                     EOP3: tl.constexpr, EARITY3: tl.constexpr, ESWAP3: tl.constexpr, EIS_SCALAR3: tl.constexpr):
+    """The gathered values as eager stores them (rounded to ROUND_TO), then EPILOGUE chain steps in fp32,
+    operand k at ek_ptr + i0*eks0 + ... + i4*eks4."""
+    r = r.to(tl.float32)
+    if ROUND_TO == "float16":
+        r = r.to(tl.float16).to(tl.float32)
+    elif ROUND_TO == "bfloat16":
+        r = r.to(tl.bfloat16).to(tl.float32)
+    r = ew._chain_step(r, e0_ptr, e0_scalar, i0, i1, i2, i3, i4, e0s0, e0s1, e0s2, e0s3, e0s4, mask,
+                       EOP0, EARITY0, ESWAP0, EIS_SCALAR0, "f32")
+    if EPILOGUE >= 2:
+        r = ew._chain_step(r, e1_ptr, e1_scalar, i0, i1, i2, i3, i4, e1s0, e1s1, e1s2, e1s3, e1s4, mask,
+                           EOP1, EARITY1, ESWAP1, EIS_SCALAR1, "f32")
+    if EPILOGUE >= 3:
+        r = ew._chain_step(r, e2_ptr, e2_scalar, i0, i1, i2, i3, i4, e2s0, e2s1, e2s2, e2s3, e2s4, mask,
+                           EOP2, EARITY2, ESWAP2, EIS_SCALAR2, "f32")
+    if EPILOGUE >= 4:
+        r = ew._chain_step(r, e3_ptr, e3_scalar, i0, i1, i2, i3, i4, e3s0, e3s1, e3s2, e3s3, e3s4, mask,
+                           EOP3, EARITY3, ESWAP3, EIS_SCALAR3, "f32")
+    return r
+
+
+@triton.jit
 def gather_kernel(
     out_ptr, src_ptr, idx0_ptr, idx1_ptr, idx2_ptr,
     n, d1, d2, d3, d4,
@@ -79,7 +116,17 @@ def gather_kernel(
     t10, t11, t12, t13, t14,
     t20, t21, t22, t23, t24,
     size0, size1, size2, u0, u1, u2,
+    # with an epilogue: the result's strides and the chain's operands (stand-ins without one)
+    os0, os1, os2, os3, os4,
+    e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+    e0s0, e0s1, e0s2, e0s3, e0s4, e1s0, e1s1, e1s2, e1s3, e1s4,
+    e2s0, e2s1, e2s2, e2s3, e2s4, e3s0, e3s1, e3s2, e3s3, e3s4,
     NUM_INDICES: tl.constexpr, BLOCK: tl.constexpr,
+    EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
+    EOP0: tl.constexpr = "copy", EARITY0: tl.constexpr = 1, ESWAP0: tl.constexpr = False, EIS_SCALAR0: tl.constexpr = False,
+    EOP1: tl.constexpr = "copy", EARITY1: tl.constexpr = 1, ESWAP1: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
+    EOP2: tl.constexpr = "copy", EARITY2: tl.constexpr = 1, ESWAP2: tl.constexpr = False, EIS_SCALAR2: tl.constexpr = False,
+    EOP3: tl.constexpr = "copy", EARITY3: tl.constexpr = 1, ESWAP3: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
 ):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -90,7 +137,17 @@ def gather_kernel(
         t00, t01, t02, t03, t04, t10, t11, t12, t13, t14, t20, t21, t22, t23, t24,
         size0, size1, size2, u0, u1, u2, mask, NUM_INDICES)
     value = tl.load(src_ptr + src_offs, mask=valid, other=0)
-    tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=mask)
+    if EPILOGUE == 0:  # the gathered tensor itself, contiguous
+        tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        r = _gather_epilogue(
+            value, mask, i0, i1, i2, i3, i4, e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar,
+            e3_scalar, e0s0, e0s1, e0s2, e0s3, e0s4, e1s0, e1s1, e1s2, e1s3, e1s4,
+            e2s0, e2s1, e2s2, e2s3, e2s4, e3s0, e3s1, e3s2, e3s3, e3s4, EPILOGUE, ROUND_TO,
+            EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1, EIS_SCALAR1,
+            EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
+        out_offs = i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3 + i4 * os4
+        tl.store(out_ptr + out_offs, r.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -152,6 +209,62 @@ def broadcast_shape(shapes) -> tuple:
     return tuple(result)
 
 
+@dataclass(frozen=True)
+class GatherOp:
+    """What one ``gather`` launch computes (its ``LaunchRecord.op``), for fusion (``fuse_gather.py``):
+    ``out`` (contiguous) from ``src`` through ``direct`` and ``indices`` (see :func:`launch_gather`)."""
+
+    out: TRef
+    src: TRef
+    direct: tuple
+    indices: tuple  # (index TRef, T, N, U) per index tensor
+
+    @property
+    def reads(self) -> list[TRef]:
+        return [self.src] + [idx for idx, _, _, _ in self.indices]
+
+    def launch(self, dst: TRef | None = None, steps=(), operands=()):
+        """(grid, arguments, constexprs) of this gather, or None when its walk needs more than MAX_RANK
+        dims. With ``steps`` ((op, arity, swap), at most ``ew.MAX_CHAIN``) an epilogue runs on the
+        gathered values (rounded to ``out``'s dtype) before the store to ``dst`` (over ``out``'s shape,
+        any strides): step k reads ``operands[k]``, a TRef (broadcast to ``out``'s shape), a Python
+        scalar, or None (a unary step); ``out`` is never stored."""
+        dst = self.out if dst is None else dst
+        tensors = [o for o in operands if isinstance(o, TRef)]
+        stride_sets = ([list(dst.strides), list(self.direct)] + [list(t) for _, t, _, _ in self.indices]
+                       + [list(broadcast_strides(o, self.out.shape)) for o in tensors])
+        sizes, strides = collapse(self.out.shape, stride_sets)
+        if len(sizes) > MAX_RANK:
+            return None
+        pad = MAX_RANK - len(sizes)
+        sizes = [1] * pad + sizes
+        strides = iter([[0] * pad + s for s in strides])
+        out_strides, direct_strides = next(strides), next(strides)
+        index_strides = [next(strides) for _ in self.indices] + [[0] * MAX_RANK] * (MAX_INDICES - len(self.indices))
+        padded = list(self.indices) + [self.indices[0]] * (MAX_INDICES - len(self.indices))  # unused, never read
+        ptrs, scalars, operand_strides = [], [], []
+        for o in list(operands) + [None] * (ew.MAX_CHAIN - len(operands)):
+            ptrs.append(o if isinstance(o, TRef) else dst)  # a stand-in where no tensor is read
+            scalars.append(0.0 if o is None or isinstance(o, TRef) else float(o))
+            operand_strides.extend(next(strides) if isinstance(o, TRef) else [0] * MAX_RANK)
+        args = [dst, self.src, *(p[0] for p in padded), self.out.numel, *sizes[1:], *direct_strides,
+                *(s for t in index_strides for s in t), *(p[2] for p in padded), *(p[3] for p in padded),
+                *out_strides, *ptrs, *scalars, *operand_strides]
+        constexprs = {"NUM_INDICES": len(self.indices), "BLOCK": BLOCK}
+        if steps:
+            constexprs.update(EPILOGUE=len(steps), ROUND_TO=_round_to(self.out.dtype))
+            for k, ((name, arity, swap), o) in enumerate(zip(steps, operands)):
+                constexprs.update({f"EOP{k}": name, f"EARITY{k}": arity, f"ESWAP{k}": swap,
+                                   f"EIS_SCALAR{k}": o is not None and not isinstance(o, TRef)})
+        return (triton.cdiv(self.out.numel, BLOCK),), args, constexprs
+
+
+def _round_to(dtype: torch.dtype) -> str:
+    """The epilogue's rounding of the gathered values: to a 16-bit float; none for others (fp32, or an
+    integer source converted to fp32 as a pointwise chain converts its operands)."""
+    return {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(dtype, "")
+
+
 def launch_gather(b, out: TRef, src: TRef, direct, indices) -> None:
     """``out`` (contiguous) from ``src``: ``direct`` holds S (one stride per out dim); ``indices``
     holds (index TRef, T (one stride per out dim), source dim size N, source dim stride U)."""
@@ -159,23 +272,14 @@ def launch_gather(b, out: TRef, src: TRef, direct, indices) -> None:
         raise ValueError("the gather kernel writes a contiguous output")
     if not 1 <= len(indices) <= MAX_INDICES:
         raise NotImplementedError(f"{len(indices)} index tensors (supported: 1 to {MAX_INDICES})")
-    stride_sets = [contiguous_strides(out.shape), list(direct)] + [list(t) for _, t, _, _ in indices]
-    sizes, strides = collapse(out.shape, stride_sets)
-    if len(sizes) > MAX_RANK:
-        raise NotImplementedError(f"indexing over {len(sizes)} non-mergeable dims (at most {MAX_RANK})")
-    pad = MAX_RANK - len(sizes)
-    sizes = [1] * pad + sizes
-    strides = [[0] * pad + s for s in strides]
-    direct_strides, index_strides = strides[1], strides[2:]
-    padded = list(indices) + [indices[0]] * (MAX_INDICES - len(indices))  # unused slots, never read
-    index_strides = index_strides + [[0] * MAX_RANK] * (MAX_INDICES - len(indices))
-    b.launch(
-        "gather", (triton.cdiv(out.numel, BLOCK),),
-        out, src, *(p[0] for p in padded),
-        out.numel, *sizes[1:], *direct_strides, *(s for t in index_strides for s in t),
-        *(p[2] for p in padded), *(p[3] for p in padded),
-        NUM_INDICES=len(indices), BLOCK=BLOCK,
-    )
+    op = GatherOp(out, src, tuple(direct), tuple((i, tuple(t), n, u) for i, t, n, u in indices))
+    walk = op.launch()
+    if walk is None:
+        raise NotImplementedError(f"indexing over more than {MAX_RANK} non-mergeable dims")
+    grid, args, constexprs = walk
+    record = b.launch("gather", grid, *args, **constexprs)
+    if record is not None:
+        record.op = op
 
 
 def launch_cumsum(b, out: TRef, x: TRef, dim: int) -> None:

@@ -110,8 +110,8 @@ def _chain_flops(a: Args) -> int:
 
 
 def _epilogue_operand(k: int) -> Callable[[Args], bool]:
-    """Operand of epilogue step k of a ``matmul`` launch: read when the step runs, is binary and its
-    operand is not a scalar (matmul.matmul_kernel)."""
+    """Operand of epilogue step k of a ``matmul``, ``conv2d`` or ``gather`` launch: read when the step
+    runs, is binary and its operand is not a scalar (matmul.matmul_kernel, index.gather_kernel)."""
     return lambda a: (a.get("EPILOGUE") or 0) > k and a[f"EARITY{k}"] == 2 and not a[f"EIS_SCALAR{k}"]
 
 
@@ -206,12 +206,14 @@ TRAFFIC: dict[str, KernelTraffic] = {
     # out[i] = x[source(i)] or the pad value: at most one read of x per output element
     "pad": KernelTraffic(reads=(Access("x_ptr", at_most=lambda a: a["total"]),), writes=(Access("out_ptr"),),
                          flops=_zero),
-    # out[o] = src[direct(o) + index terms]: n elements of src at most; unused index slots repeat idx0
+    # out[o] = src[direct(o) + index terms]: n elements of src at most; unused index slots repeat idx0;
+    # then EPILOGUE fused pointwise steps, each reading e<k> when binary (else a stand-in)
     "gather": KernelTraffic(
         reads=(Access("src_ptr", at_most=_n), Access("idx0_ptr"),
-               Access("idx1_ptr", _indices(2)), Access("idx2_ptr", _indices(3))),
+               Access("idx1_ptr", _indices(2)), Access("idx2_ptr", _indices(3)),
+               *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
         writes=(Access("out_ptr"),),
-        flops=_zero,
+        flops=lambda a: a["n"] * sum(_pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0)),
     ),
     "cumsum": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
                             flops=lambda a: a["rows"] * a["length"]),

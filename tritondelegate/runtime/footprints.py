@@ -264,8 +264,15 @@ def _indexed(x: LaunchArgs, base: str, direct: str, write: bool) -> list[Access]
 
 
 def _gather(x: LaunchArgs) -> Footprint:
+    """Without an epilogue out is contiguous; with one (``index._gather_epilogue``) out and the chain's
+    operands are walked by their own strides."""
     n = x.i("n")
-    acc = [Access("out_ptr", ((n, 1),), write=True)] + _indexed(x, "src_ptr", "ss", write=False)
+    if x.c["EPILOGUE"]:
+        idx = _unravel(n, x.d("d1", "d2", "d3", "d4"))
+        acc = [Access("out_ptr", _walk(idx, x.ints("os", 5)), write=True)] + _epilogue(x, idx, 5)
+    else:
+        acc = [Access("out_ptr", ((n, 1),), write=True)]
+    acc += _indexed(x, "src_ptr", "ss", write=False)
     return Footprint(acc, (_cdiv(n, x.c["BLOCK"]),), {"n": n})
 
 
@@ -403,7 +410,7 @@ RULES: dict[str, KernelRule] = {
     "pointwise_chain": KernelRule(_pointwise_chain, _chain_constexprs()),
     "arange": KernelRule(_arange, {"IS_FLOAT": FLAG, "BLOCK": BLOCK}),
     "pad": KernelRule(_pad, {"MODE": one_of("constant", "reflect", "replicate"), "BLOCK": BLOCK}),
-    "gather": KernelRule(_gather, {"NUM_INDICES": in_range(1, 3), "BLOCK": BLOCK}),
+    "gather": KernelRule(_gather, {"NUM_INDICES": in_range(1, 3), "BLOCK": BLOCK, **_epilogue_constexprs()}),
     "cumsum": KernelRule(_cumsum, {"IS_FLOAT": FLAG, "BLOCK_R": pow2(1, 4096), "BLOCK_L": pow2(1, 4096)},
                          (("BLOCK_R", "BLOCK_L"),)),
     "scatter": KernelRule(_scatter, {"NUM_INDICES": in_range(1, 3), "ACCUMULATE": FLAG, "SRC_SCALAR": FLAG,

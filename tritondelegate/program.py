@@ -18,7 +18,8 @@ from enum import IntEnum
 
 from .plan import DelegatePlan
 
-FORMAT_VERSION = 2  # 2: program-level slots and segments (shared constants and state)
+FORMAT_VERSION = 3  # 2: program-level slots and segments (shared constants and state); 3: kernel
+# signatures changed (rotary scale, gather epilogue, matmul GEMV, row-kernel chains): older plans would not fit
 
 # Where device memory starts: every arena, segment, delegate scratch block and device allocation, and
 # every value planned in one. cudaMalloc's own guarantee; a multiple of every itemsize and of the 16

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 import tritondelegate as td
-from harness import Fn, assert_close, export_decomposed
+from harness import Buffered, Fn, assert_close, export_decomposed
 from tritondelegate.passes.dedupe import dedupe
 
 aten = torch.ops.aten
@@ -120,3 +120,17 @@ def test_a_cat_with_empty_parts_is_its_one_part():
     lowered = _lower(model, args)
     for got, want in zip(lowered.load().load_method("forward")(*args), model(*args)):
         assert torch.equal(got, want)
+
+
+def test_a_copy_written_back_to_a_buffer_keeps_the_buffers_new_value():
+    """``buf.copy_(x[0])`` broadcast, then ``buf.copy_(x)``: the next call reads what this one wrote."""
+    def fn(buf, x):
+        out = buf * 1 + x
+        buf.copy_(x)
+        return out
+
+    model, x = Buffered(fn, torch.zeros(3, 4)), torch.randn(3, 4)
+    method = _lower(Buffered(fn, torch.zeros(3, 4)), (x,)).load().load_method("forward")
+    for step in range(3):
+        args = (x + step,)
+        assert torch.equal(method(*args), model(*args))

@@ -5,8 +5,7 @@ decomposed graph before the other rewrites (each would be a launch per call).
   dtype; when ``src`` already has both, it is ``src`` itself. transformers' static cache writes its
   position counter this way (``cumulative_length.copy_(cache_position[0])``), once per layer.
 * ``aten.cat`` of one tensor and empty ones is that tensor, when it has the result's shape and dtype
-  (and, when the program returns it, its strides; a view of it that its strides do not allow is
-  lowered over a copy, as any such view). Phi-3 applies its rotary to ``q[..., :rotary_dim]`` and
+  (a view of it that its strides do not allow is lowered over a copy, as any such view). Phi-3 applies its rotary to ``q[..., :rotary_dim]`` and
   concatenates the rest, empty when the rotary covers the whole head.
 * Common subexpressions: two calls of one op on the same arguments give the same value, so the second
   is replaced by the first. transformers' static cache recomputes ``arange(T) + position`` for the
@@ -15,7 +14,7 @@ decomposed graph before the other rewrites (each would be a launch per call).
 
 Only deterministic, side-effect-free calls merge (not ``is_impure``, not seeded random ops); size
 nodes and placeholders are left alone. A node the program returns or writes back to a buffer is
-kept: the signature names each output by its node, and two buffers written from one node would
+kept (a copy or cat too): the signature names each output by its node, and two buffers written from one node would
 share one entry (transformers writes each layer's position counter so, from equal values). ``torch.fx``'s own ``CSEPass``
 rebuilds the graph module with new node names, which would detach an exported program's signature,
 hence this in-place pass.
@@ -47,9 +46,9 @@ def _identity_copy(node: torch.fx.Node) -> torch.fx.Node | None:
     return node.args[1] if same_shape(dst, src) else None
 
 
-def _only_part(node: torch.fx.Node, outputs: set[str]) -> torch.fx.Node | None:
+def _only_part(node: torch.fx.Node) -> torch.fx.Node | None:
     """The one non-empty part of ``node`` = ``aten.cat(parts)`` when the others are empty and it is
-    the result already (shape, dtype; strides too when ``node`` is returned), else None."""
+    the result already (shape and dtype), else None."""
     if not is_call(node, aten.cat.default) or not isinstance(node.args[0], (list, tuple)):
         return None
     out, parts = tensor_val(node), [p for p in node.args[0] if tensor_val(p) is None or tensor_val(p).numel() != 0]
@@ -57,8 +56,6 @@ def _only_part(node: torch.fx.Node, outputs: set[str]) -> torch.fx.Node | None:
         return None
     part = tensor_val(parts[0])
     if part is None or part.dtype != out.dtype or not same_shape(part, out):
-        return None
-    if node.name in outputs and part.stride() != out.stride():
         return None
     return parts[0]
 
@@ -82,7 +79,7 @@ def dedupe(ep: torch.export.ExportedProgram) -> list[str]:
     outputs = {spec.arg.name for spec in ep.graph_signature.output_specs if isinstance(spec.arg, TensorArgument)}
     done = []
     for node in list(graph.nodes):
-        src = _identity_copy(node) or _only_part(node, outputs)
+        src = None if node.name in outputs else _identity_copy(node) or _only_part(node)
         if src is not None:
             kind = "identity copy" if is_call(node, aten.copy.default) else "one-part cat"
             done.append(f"{kind}: {node.name} -> {src.name} (removed)")

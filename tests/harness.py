@@ -128,6 +128,16 @@ def check_model(model, args, dtype=None, scale=1.0, reference_args=None, keep=()
     return results, plan
 
 
+def check_low(model, args, dtype, tolerance=None):
+    """``model`` in ``dtype`` through a delegate, against the same rounded weights and inputs in fp32:
+    :func:`check_model`'s (results, plan). ``tolerance``: the dtype whose tolerance applies (default:
+    each result's own)."""
+    low = copy.deepcopy(model).to(dtype)
+    low_args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+    ref_args = tuple(a.float() if a.is_floating_point() else a for a in low_args)
+    return check_model(low, low_args, tolerance, reference_args=(copy.deepcopy(low).float(), ref_args))
+
+
 @dataclass
 class StateRun:
     """What :func:`check_state_updates` saw: the plan, the aliases ``build_plan`` recorded, and the

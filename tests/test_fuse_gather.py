@@ -6,14 +6,13 @@ Each case is compared with eager (fp16/bf16 against an fp32 reference on the sam
 weights) and its launches are listed as (kernel, the nodes it computes).
 """
 
-import copy
 import warnings
 
 import pytest
 import torch
 
 import tritondelegate as td
-from harness import FLOAT_DTYPES, Fn, Logits, assert_close, check_dynamic, check_model, plan_launches
+from harness import FLOAT_DTYPES, Fn, Logits, assert_close, check_dynamic, check_low, plan_launches
 from tritondelegate.dtypes import dtype_name
 
 dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_name)
@@ -44,12 +43,8 @@ def epilogue(launch):
 
 
 def check(model, args, dtype=torch.float32):
-    """``model`` in ``dtype`` through a delegate, against the same rounded weights and inputs in fp32."""
-    low = copy.deepcopy(model).to(dtype)
-    low_args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
-    ref_args = tuple(a.float() if a.is_floating_point() else a for a in low_args)
-    _, plan = check_model(low, low_args, dtype, reference_args=(copy.deepcopy(low).float(), ref_args))
-    return plan
+    """``model`` in ``dtype`` against fp32 on the same rounded values (``harness.check_low``): the plan."""
+    return check_low(model, args, dtype, tolerance=dtype)[1]
 
 
 def ids(*shape):

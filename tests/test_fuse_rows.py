@@ -5,13 +5,12 @@ Each case is compared with eager (fp16/bf16 against an fp32 reference on the sam
 weights) and its launches are listed as (kernel, the nodes it computes).
 """
 
-import copy
 
 import pytest
 import torch
 
 import tritondelegate as td
-from harness import (FLOAT_DTYPES, Buffered, Fn, assert_close, check_dynamic, check_model, check_state_updates,
+from harness import (FLOAT_DTYPES, Buffered, Fn, assert_close, check_dynamic, check_low, check_state_updates,
                      plan_launches)
 from tritondelegate.dtypes import dtype_name
 from tritondelegate.kernels import norm, softmax
@@ -40,12 +39,8 @@ def launches(plan):
 
 
 def check(model, args, dtype=torch.float32):
-    """``model`` in ``dtype`` through a delegate, against the same rounded weights and inputs in fp32."""
-    low = copy.deepcopy(model).to(dtype)
-    low_args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
-    ref_args = tuple(a.float() if a.is_floating_point() else a for a in low_args)
-    _, plan = check_model(low, low_args, dtype, reference_args=(copy.deepcopy(low).float(), ref_args))
-    return plan
+    """``model`` in ``dtype`` against fp32 on the same rounded values (``harness.check_low``): the plan."""
+    return check_low(model, args, dtype, tolerance=dtype)[1]
 
 
 @pytest.fixture

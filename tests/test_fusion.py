@@ -1,14 +1,13 @@
 """Pointwise chain fusion (kernels/fusion.py): which launches merge, and that fused chains compute what
 eager does (fp16/bf16 against an fp32 reference)."""
 
-import copy
 import warnings
 
 import pytest
 import torch
 
 import tritondelegate as td
-from harness import FLOAT_DTYPES, Buffered, Fn, check_model, check_state_updates
+from harness import FLOAT_DTYPES, Buffered, Fn, check_low, check_model, check_state_updates
 from tritondelegate.kernels import fusion
 from tritondelegate.kernels.refs import LaunchRecord, TRef
 from tritondelegate.kernels.elementwise import PointwiseOp
@@ -33,14 +32,6 @@ def epilogue_ops(launch):
     """The ops of a matmul launch's epilogue ([] without one)."""
     c = {k: v.value for k, v in launch.constexprs.items()}
     return [c[f"EOP{i}"] for i in range(c.get("EPILOGUE", 0))] if launch.kernel == "matmul" else []
-
-
-def check_low(model, args, dtype):
-    """``model`` in ``dtype`` through a delegate, against the same rounded weights and inputs in fp32."""
-    low = copy.deepcopy(model).to(dtype)
-    low_args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
-    ref_args = tuple(a.float() if a.is_floating_point() else a for a in low_args)
-    return check_model(low, low_args, reference_args=(copy.deepcopy(low).float(), ref_args))
 
 
 # --- what fuses -----------------------------------------------------------------------------------

@@ -28,8 +28,6 @@ from __future__ import annotations
 from ..plan import Launch
 from .refs import TRef, new_launch
 
-COMMUTATIVE = {"add", "mul", "eq", "ne", "logical_and", "logical_or", "bitwise_and", "bitwise_or"}
-
 
 def merge_gathers(launches, gathers, chains, writes, keep, users, merged_away, taken) -> dict[int, Launch]:
     """Consumer position -> the gather launch that now computes its chain. ``gathers`` maps positions
@@ -80,10 +78,7 @@ def _gather_launch(op, chain, gather: Launch) -> Launch | None:
     if ((view.shape, view.strides, view.offset, view.dtype) != (t.shape, t.strides, t.offset, t.dtype)
             or tuple(chain.out.shape) != tuple(t.shape)):
         return None  # a reshape of t, or a chain that broadcasts t
-    (op0, arity0, _), rest = chain.steps[0], chain.steps[1:]
-    steps = [(op0, arity0, k == 1 and op0 not in COMMUTATIVE)] + list(rest)
-    operands = [chain.slots[1 - k]] + list(chain.slots[2:])
-    walk = op.launch(chain.out, steps, operands)
+    walk = op.launch(chain.out, *chain.from_slot(k))
     if walk is None:
         return None
     grid, args, constexprs = walk

@@ -42,7 +42,6 @@ from . import softmax as sm
 from .refs import TRef, broadcast_strides, plan_arg
 
 KERNELS = {"norm": nm.norm_kernel, "softmax": sm.softmax_kernel}
-COMMUTATIVE = {"add", "mul", "eq", "ne", "logical_and", "logical_or", "bitwise_and", "bitwise_or"}
 
 
 def merge_rows(launches, rows, chains, touched, writes, keep, users, unwritten, merged_away, taken) -> dict[int, Launch]:
@@ -196,10 +195,7 @@ def _over_x(o: TRef, pro, x: TRef, epi) -> list:
 
 def _epilogue_steps(chain, t: TRef):
     """The steps and operands of ``chain`` run from ``t`` (one of its first two slots) as the running value."""
-    k = next(k for k, s in enumerate(chain.slots[:2]) if isinstance(s, TRef) and s.buffer == t.buffer)
-    (op0, arity0, _), rest = chain.steps[0], chain.steps[1:]
-    steps = [(op0, arity0, k == 1 and op0 not in COMMUTATIVE)] + list(rest)
-    return steps, [chain.slots[1 - k]] + list(chain.slots[2:])
+    return chain.from_slot(next(k for k, s in enumerate(chain.slots[:2]) if isinstance(s, TRef) and s.buffer == t.buffer))
 
 
 def _chain_params(kind: str) -> list[str]:

@@ -122,6 +122,14 @@ class _Chain:
     read_at: list[int]  # the launch position that first read each slot
     names: list[str] = field(default_factory=list)  # the nodes, for the launch's ``op``
 
+    def from_slot(self, k: int) -> tuple[list, list]:
+        """(steps, operands) of this chain rerun from slot ``k`` (0 or 1, an operand of its first
+        step) as the running value, as an epilogue that starts from a kernel's result: step 0 then
+        reads the other slot, swapped when ``k`` is 1 and its op is not commutative."""
+        (op0, arity0, _), rest = self.steps[0], self.steps[1:]
+        steps = [(op0, arity0, k == 1 and op0 not in COMMUTATIVE)] + list(rest)
+        return steps, [self.slots[1 - k]] + list(self.slots[2:])
+
     @staticmethod
     def of(spec, name: str, position: int) -> "_Chain | None":
         arity = len(spec.operands)
@@ -404,10 +412,8 @@ def _conv_epilogue_launch(op, chain: _Chain, conv: Launch) -> Launch | None:
     view, shape = chain.slots[k], chain.out.shape
     if (view.shape, view.strides, view.offset) != (t.shape, t.strides, t.offset) or tuple(shape) != tuple(t.shape):
         return None
-    (op0, arity0, _), rest = chain.steps[0], chain.steps[1:]
-    steps = [(op0, arity0, k == 1 and op0 not in COMMUTATIVE)] + list(rest)
-    operands = [(slot, broadcast_strides(slot, shape)) if isinstance(slot, TRef) else slot
-                for slot in [chain.slots[1 - k]] + chain.slots[2:]]
+    steps, others = chain.from_slot(k)
+    operands = [(slot, broadcast_strides(slot, shape)) if isinstance(slot, TRef) else slot for slot in others]
     grid, args, constexprs = op.launch(chain.out, steps, operands)
     return new_launch(conv.kernel, grid, args, constexprs, "+".join([conv.op] + chain.names))
 
@@ -431,10 +437,9 @@ def _epilogue_launch(op, chain: _Chain, matmul: Launch) -> Launch | None:
     dims = _product_order(chain.slots[k], shape, t)
     if dims is None:
         return None
-    (op0, arity0, _), rest = chain.steps[0], chain.steps[1:]
-    steps = [(op0, arity0, k == 1 and op0 not in COMMUTATIVE)] + list(rest)
+    steps, others = chain.from_slot(k)
     operands = []
-    for slot in [chain.slots[1 - k]] + chain.slots[2:]:
+    for slot in others:
         if isinstance(slot, TRef):
             strides = _product_strides(shape, broadcast_strides(slot, shape), dims, t.shape)
             if strides is None:

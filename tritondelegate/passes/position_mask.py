@@ -30,7 +30,7 @@ import torch.fx
 from ..kernels.attention import sdpa_params
 from ..ops import sdpa_positions
 from .fold_constants import constant_inputs
-from .rewrite import is_call, new_node, tensor_val
+from .rewrite import erase_unused, is_call, new_node, tensor_val
 
 aten = torch.ops.aten
 
@@ -87,18 +87,6 @@ def _positions(sdpa: torch.fx.Node, constants: dict):
     return positions if _key_index(index, key.shape[-2], constants) else None
 
 
-def _erase_unused(graph: torch.fx.Graph, node) -> None:
-    """Erase ``node`` and what only it read (pure calls only)."""
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current.op != "call_function" or current.users or current.is_impure():
-            continue
-        inputs = current.all_input_nodes
-        graph.erase_node(current)
-        stack.extend(inputs)
-
-
 def position_mask(ep: torch.export.ExportedProgram) -> list[str]:
     """Rewrite each attention whose mask is built from positions into
     ``tritondelegate::sdpa_positions``; returns one description per rewrite."""
@@ -116,7 +104,7 @@ def position_mask(ep: torch.export.ExportedProgram) -> list[str]:
         mask = p["attn_mask"]
         node.replace_all_uses_with(new)
         graph.erase_node(node)
-        _erase_unused(graph, mask)
+        erase_unused(graph, [mask])
         done.append(f"mask of {new.name} computed in its kernel from {positions.name} "
                     f"(tritondelegate::sdpa_positions)")
     return done

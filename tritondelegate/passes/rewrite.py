@@ -53,3 +53,17 @@ def new_node(graph: torch.fx.Graph, target, args: tuple, val, meta: dict, name: 
     node = graph.create_node("call_function", target, args, kwargs or {}, name=name)
     node.meta["val"] = val
     return take_provenance(node, meta)
+
+
+def erase_unused(graph: torch.fx.Graph, roots) -> None:
+    """Erase each of ``roots`` that nothing reads any more, and then what only they read, as far as it
+    goes (pure calls only: placeholders and impure calls stay)."""
+    stack, erased = list(roots), set()
+    while stack:
+        node = stack.pop()
+        if node in erased or node.op != "call_function" or node.users or node.is_impure():
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        erased.add(node)
+        stack.extend(inputs)

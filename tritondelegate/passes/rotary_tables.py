@@ -37,7 +37,7 @@ from torch.export.graph_signature import InputKind
 from ..kernels.rows import node_arg
 from ..ops import rotary as rotary_op
 from ..ops import rotary_angles as rotary_angles_op
-from .rewrite import fake, is_call, new_node, tensor_val
+from .rewrite import erase_unused, fake, is_call, new_node, tensor_val
 
 aten = torch.ops.aten
 
@@ -143,18 +143,6 @@ def _replay(graph: torch.fx.Graph, angles: torch.fx.Node, views: list, before: t
     return node
 
 
-def _erase_dead(graph: torch.fx.Graph, roots: list) -> None:
-    """Erase ``roots`` and what they read, as far as nothing else reads it (pure nodes only)."""
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node.op != "call_function" or node.users or node.graph is not graph or node.is_impure():
-            continue
-        inputs = node.all_input_nodes
-        graph.erase_node(node)
-        stack.extend(inputs)
-
-
 def _per_call(ep: torch.export.ExportedProgram, node: torch.fx.Node) -> bool:
     """Whether ``node`` reads a method input or state (its value changes between calls)."""
     varying = {spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT
@@ -190,7 +178,7 @@ def rotary_tables(ep: torch.export.ExportedProgram, fold: bool = True) -> list[s
             new = new_node(graph, rotary_angles_op, (x, replayed, scale, dtype), node.meta["val"], node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
-        _erase_dead(graph, list(tables))
+        erase_unused(graph, list(tables))
         done.append(f"rotary tables of {x.name} computed in its kernel from {angles.name} -> {new.name} "
                     f"(tritondelegate::rotary_angles)")
     return done

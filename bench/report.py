@@ -93,7 +93,7 @@ def collect(benchmarks: list[dict]):
             launch[(info["ops"], info["impl"])] = b
         elif kind == "test_generation":
             generation[info["model"]][info["mode"]] = b
-        elif kind in ("test_null_device_overhead", "test_first_call"):
+        elif kind in ("test_null_device_overhead", "test_first_call", "test_lower"):
             runtime.append(b)
     return latency, load, launch, generation, runtime
 
@@ -106,10 +106,13 @@ def runtime_section(runtime: list[dict]) -> str:
             rows.append([f"{info['model']}: runtime host cost, null device, {info['mode']}",
                          f"{info['us_per_call']:.1f} µs per call", f"{info['us_per_launch']:.2f} µs per launch "
                          f"({info['launches_per_call']} launches)"])
+        elif _kind(b) == "test_lower":
+            rows.append([f"{info['model']}: td.lower at {info['layers']} layers", f"{b['stats']['median']:.2f} s",
+                         f"{info['nodes']} exported nodes"])
         else:
             rows.append([f"{info['model']}: first result in a fresh process, {info['mode']}",
                          f"{info['first_call_s']:.2f} s", info.get("arch", "")])
-    return "\n".join(["## Runtime overhead and first call", "",
+    return "\n".join(["## Runtime overhead, first call and lowering", "",
                       "The null device does every step of a call except the copies and launches themselves; "
                       "the first call is a new process with an empty Triton cache.", "",
                       _table(["what", "time", "detail"], rows), ""])

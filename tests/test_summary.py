@@ -1,7 +1,6 @@
 """``summary()``: a table of the methods first, then grouped details that fit a screen for a real-sized model;
 ``summary(verbose=True)`` lists every item."""
 
-import time
 import warnings
 
 import pytest
@@ -26,15 +25,11 @@ def deep():
     """A 32-layer Llama-style decoder with random weights: ~200 resident constants. Only lowered."""
     model, args = demo_decoder(seed=0, n_layers=LAYERS, dim=16, n_heads=2, n_kv_heads=2, hidden_dim=32,
                                vocab_size=64, max_seq_len=16)
-    ep = torch.export.export(model, args)
-    start = time.perf_counter()
-    lowered = _lower(ep)
-    return lowered, time.perf_counter() - start
+    return _lower(torch.export.export(model, args))
 
 
 def test_a_32_layer_model_fits_on_one_screen(deep):
-    lowered, seconds = deep
-    assert seconds < 60, f"lowering {LAYERS} tiny layers took {seconds:.1f} s"  # about 6 s on 2 idle cores
+    lowered = deep
     facts = method_facts(lowered, "forward")
     resident = facts["resident_constants"]
     assert len(resident) > 5 * LAYERS
@@ -62,7 +57,7 @@ def test_a_32_layer_model_fits_on_one_screen(deep):
 
 
 def test_verbose_lists_every_item(deep):
-    lowered, _ = deep
+    lowered = deep
     facts = method_facts(lowered, "forward")
     text = lowered.summary(verbose=True)
     for r in facts["resident_constants"]:

@@ -235,10 +235,12 @@ def test_nothing_to_fuse_launches_no_epilogue():
     (launch,) = plan.launches
     assert list(launch.constexprs) == ["HAS_BIAS", "DOT_UPCAST", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
                                        "num_warps", "num_stages"]
-    a, c, slots = launch.args[0], launch.args[2], launch.args[21:-4]
+    a, c, slots = launch.args[0], launch.args[2], launch.args[21:41]
     assert slots == [c] * 4 + [Arg.of(0.0)] * 4 + [Arg.of(0)] * 12
     # no norm prologue: A stands in for its weight and bias
-    assert launch.args[-4:] == [a, a, Arg.of(0), Arg.of(0.0)]
+    assert launch.args[41:45] == [a, a, Arg.of(0), Arg.of(0.0)]
+    # no rotary epilogue: A stands in for its pairs and tables, one inner row, no index, zero strides
+    assert launch.args[45:] == [a, a, a, Arg.of(1)] + [Arg.of(0)] * 7 + [Arg.of(1.0)]
 
 
 # --- the pass on its own (no device) --------------------------------------------------------------

@@ -177,6 +177,12 @@ def _without_rotary_pass(monkeypatch):
     monkeypatch.setattr(fuse, "fuse_rotary", lambda ep, *a: [])
 
 
+def _without_rope_epilogue(monkeypatch):
+    """The model-level tests here are about the rotary kernel; the projection's rotary epilogue
+    (``passes/fuse_rope_linear.py``, tested in test_rope_linear.py) would take its place."""
+    monkeypatch.setattr(fuse, "fuse_rope_linear", lambda ep, *a: [])
+
+
 def test_written_out_pattern_becomes_one_launch():
     torch.manual_seed(0)
     args = (torch.randn(1, 3, 5, 8), torch.randn(5, 8), torch.randn(5, 8))
@@ -247,6 +253,7 @@ def _without_pairs(monkeypatch):
 def test_demo_decoder_every_rotary_fused(monkeypatch):
     """q and k of each layer: one rotary launch per layer (a pair); without the rewrite eight (four per
     tensor)."""
+    _without_rope_epilogue(monkeypatch)
     model, args = models.demo_decoder(n_layers=2, seed=0)
     lowered = _lower(model, args)
     assert _rotaries(lowered) == 4 and _pairs(lowered) == 2
@@ -260,6 +267,7 @@ def test_demo_decoder_every_rotary_fused(monkeypatch):
 
 def test_hf_llama_every_rotary_fused(monkeypatch):
     transformers = pytest.importorskip("transformers")
+    _without_rope_epilogue(monkeypatch)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -288,7 +296,8 @@ def test_dynamic_sequence_length():
     assert _rotaries(lowered) == 1 and _launches(lowered) == 1
 
 
-def test_dynamic_sequence_demo_decoder():
+def test_dynamic_sequence_demo_decoder(monkeypatch):
+    _without_rope_epilogue(monkeypatch)
     model, _ = models.demo_decoder(n_layers=1, max_seq_len=32, seed=0)
     calls = [(torch.randint(0, model.cfg.vocab_size, (1, n)),) for n in (1, 16, 7)]
     lowered, _ = check_dynamic(model, calls, {"input_ids": {1: Dim("seq", max=16)}}, example=(calls[2][0],))

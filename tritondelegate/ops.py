@@ -24,6 +24,16 @@ place of a written-out pattern, so one kernel runs them.
         y = linear(x, weight, bias);  act(y[..., 0::2]) * y[..., 1::2]
         (a gated MLP's gate and up projections as one GEMM: their weight rows interleaved, gate first;
         act one of GLU_ACTS: SwiGLU is "silu", GeGLU "gelu" or "gelu_tanh", ReGLU "relu")
+    tritondelegate::rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin,
+                                int[] cos_dims, float scale, ScalarType? dtype) -> Tensor
+        a projection whose query and key columns come out rotated (the rotary embedding in the GEMM's
+        epilogue): y = linear(x, weight, bias) has its output columns in pairs, pair p = (y[..., 2p],
+        y[..., 2p + 1]) stored at columns (pairs[p, 0], pairs[p, 1]) of the result, rotated when
+        pairs[p, 2] >= 0 (its table indices along the last dim of cos / sin: pairs[p, 2] and
+        pairs[p, 3]); ``sin`` None: cos holds half-width angles and the tables are (cos(a) * scale,
+        sin(a) * scale) rounded to ``dtype``; ``cos_dims``: the table dims that the rows' outer and
+        inner leading indices (the result's rows, [outer, inner] with inner = its second-to-last dim)
+        select, -1 where the tables broadcast
 
 Each op has a reference implementation in plain PyTorch (any device; it computes what the pattern it
 replaces computes, in the same dtype order, so a host fallback matches eager exactly) and a fake
@@ -46,6 +56,8 @@ _lib.define("rotary_angles(Tensor x, Tensor angles, float scale, ScalarType dtyp
 _lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, ScalarType dtype) -> (Tensor, Tensor)")
 _lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa) -> Tensor")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
+_lib.define("rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin, "
+            "int[] cos_dims, float scale, ScalarType? dtype) -> Tensor")
 
 # The activations of a gated linear unit, by the name the pointwise kernels give them.
 GLU_ACTS = {
@@ -160,6 +172,62 @@ def _glu_linear_fake(x, weight, bias, act):
     return glu_linear_reference(x, weight, bias, act)
 
 
+def _table_at(table: torch.Tensor, cos_dims, outer, inner, cols) -> torch.Tensor:
+    """``table`` [..., W] at each row's (outer, inner) indices along ``cos_dims`` and at ``cols``
+    (clamped to 0: the caller masks pass-through pairs): [rows, pairs]."""
+    index = [torch.zeros((), dtype=torch.long, device=table.device)] * table.dim()
+    for dim, at in zip(cos_dims, (outer, inner)):
+        if dim >= 0:
+            index[dim] = at[:, None]
+    index[-1] = cols.clamp(min=0)[None, :]
+    return table[tuple(index)]
+
+
+def rope_linear_reference(x, weight, bias, pairs, cos, sin, cos_dims, scale: float, dtype) -> torch.Tensor:
+    """The rotation of each rotated pair as ``rotary`` computes it (the same formula, in the result's
+    dtype after the projection's rounding); the other pairs pass through."""
+    y = torch.nn.functional.linear(x, weight, bias)
+    n = y.shape[-1]
+    rows = y.reshape(-1, n)
+    inner = y.shape[-2] if y.dim() >= 2 else 1
+    t = torch.arange(rows.shape[0], device=y.device)
+    outer, inner_at = t // inner, t % inner
+    a, b = rows[:, 0::2], rows[:, 1::2]
+    ja, jb = pairs[:, 2].long(), pairs[:, 3].long()
+    if sin is None:  # half-width angles: one angle per pair, tables as the model computes them
+        angles = _table_at(cos, cos_dims, outer, inner_at, ja)
+        c1 = c2 = (angles.cos() * scale).to(dtype)
+        s1 = s2 = (angles.sin() * scale).to(dtype)
+    else:
+        c1, c2 = (_table_at(cos, cos_dims, outer, inner_at, j) for j in (ja, jb))
+        s1, s2 = (_table_at(sin, cos_dims, outer, inner_at, j) for j in (ja, jb))
+    rotated = (ja >= 0)[None, :]
+    ya = torch.where(rotated, a * c1 + (-b) * s1, a).to(y.dtype)
+    yb = torch.where(rotated, b * c2 + a * s2, b).to(y.dtype)
+    out = torch.empty_like(rows)
+    out[:, pairs[:, 0].long()] = ya
+    out[:, pairs[:, 1].long()] = yb
+    return out.reshape(y.shape)
+
+
+def _check_rope(weight, pairs) -> None:
+    if weight.shape[0] % 2 or pairs.dim() != 2 or pairs.shape[1] != 4 or pairs.shape[0] * 2 != weight.shape[0]:
+        raise ValueError(f"tritondelegate::rope_linear: pairs {tuple(pairs.shape)} do not cover the weight's "
+                         f"{weight.shape[0]} rows in pairs ([rows / 2, 4] expected)")
+
+
+@torch.library.impl(_lib, "rope_linear", "CompositeExplicitAutograd")
+def _rope_linear(x, weight, bias, pairs, cos, sin, cos_dims, scale, dtype):
+    _check_rope(weight, pairs)
+    return rope_linear_reference(x, weight, bias, pairs, cos, sin, cos_dims, scale, dtype)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::rope_linear")
+def _rope_linear_fake(x, weight, bias, pairs, cos, sin, cos_dims, scale, dtype):
+    _check_rope(weight, pairs)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 # The ops this module defines, by the name a program file stores for a host op (``OpOverload.name()``).
 OPS: dict[str, torch._ops.OpOverload] = {
     "tritondelegate::rotary": torch.ops.tritondelegate.rotary.default,
@@ -168,6 +236,7 @@ OPS: dict[str, torch._ops.OpOverload] = {
     "tritondelegate::rotary_pair_angles": torch.ops.tritondelegate.rotary_pair_angles.default,
     "tritondelegate::sdpa_positions": torch.ops.tritondelegate.sdpa_positions.default,
     "tritondelegate::glu_linear": torch.ops.tritondelegate.glu_linear.default,
+    "tritondelegate::rope_linear": torch.ops.tritondelegate.rope_linear.default,
 }
 
 rotary = torch.ops.tritondelegate.rotary.default
@@ -176,3 +245,4 @@ rotary_angles = torch.ops.tritondelegate.rotary_angles.default
 rotary_pair_angles = torch.ops.tritondelegate.rotary_pair_angles.default
 sdpa_positions = torch.ops.tritondelegate.sdpa_positions.default
 glu_linear = torch.ops.tritondelegate.glu_linear.default
+rope_linear = torch.ops.tritondelegate.rope_linear.default

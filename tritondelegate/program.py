@@ -18,8 +18,9 @@ from enum import IntEnum
 
 from .plan import DelegatePlan
 
-FORMAT_VERSION = 3  # 2: program-level slots and segments (shared constants and state); 3: kernel
-# signatures changed (rotary scale, gather epilogue, matmul GEMV, row-kernel chains): older plans would not fit
+FORMAT_VERSION = 4  # 2: program-level slots and segments (shared constants and state); 3: kernel
+# signatures changed (rotary scale, gather epilogue, matmul GEMV, row-kernel chains): older plans would not fit;
+# 4: the matmul kernel takes the rotary epilogue's arguments (rope_linear)
 
 # Where device memory starts: every arena, segment, delegate scratch block and device allocation, and
 # every value planned in one. cudaMalloc's own guarantee; a multiple of every itemsize and of the 16

@@ -61,6 +61,7 @@ from .elementwise import MAX_CHAIN, _epilogue, _formula
 from ..dtypes import dtype_name
 from ..errors import LoweringError
 from .refs import TRef, broadcast_strides, collapse, node_value
+from .rotary import _round
 
 # CUDA caps grid axis 1 (the batch axis here) at 65535 programs; larger batches launch in chunks.
 MAX_GRID_Y = 65535
@@ -156,6 +157,47 @@ def _glu_tile(acc, pid_n, mask_m, N, ACT: tl.constexpr, ROUND: tl.constexpr, BLO
 
 
 @triton.jit
+def _rope_store(acc, z, offs_m, pid_n, M, N, c_ptr, stride_cz, stride_cm, stride_cn,
+                r_ptr, rc_ptr, rs_ptr, r_inner, r_width, rc0, rc1, rcj, rs0, rs1, rsj, r_scale,
+                ROPE: tl.constexpr, ROPE_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store a tile whose column pairs (2p, 2p + 1) go to columns (pairs[p, 0], pairs[p, 1]) of C,
+    rotated as ``rotary`` rotates (c, c + D/2) when pairs[p, 2] >= 0 (``tritondelegate::rope_linear``).
+    Row m of batch z is the result's row t = z * M + m, at table rows (t // r_inner, t % r_inner).
+    Columns outside [0, N) and table indices outside [0, r_width) are masked off (the pairs are data)."""
+    p = pid_n.to(tl.int64) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    in_n = p < N // 2
+    col_a = tl.load(r_ptr + p * 4, mask=in_n, other=0).to(tl.int64)
+    col_b = tl.load(r_ptr + p * 4 + 1, mask=in_n, other=0).to(tl.int64)
+    j_a = tl.load(r_ptr + p * 4 + 2, mask=in_n, other=-1).to(tl.int64)
+    j_b = tl.load(r_ptr + p * 4 + 3, mask=in_n, other=-1).to(tl.int64)
+    ty = c_ptr.dtype.element_ty
+    a, b = tl.split(tl.reshape(acc.to(ty).to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))  # stored as eager stores y
+    t = z * M + offs_m
+    in_m = offs_m < M
+    rotated = (j_a >= 0)[None, :]
+    load = in_m[:, None] & in_n[None, :] & rotated & (j_a < r_width)[None, :] & (j_b >= 0)[None, :] & (j_b < r_width)[None, :]
+    c_row = (t // r_inner) * rc0 + (t % r_inner) * rc1
+    if ROPE == "angles":  # one angle per pair; the tables as the model rounds them
+        angle = tl.load(rc_ptr + c_row[:, None] + j_a[None, :] * rcj, mask=load, other=0.0).to(tl.float32)
+        c1 = _round(tl.cos(angle) * r_scale, ROPE_ROUND)
+        s1 = _round(tl.sin(angle) * r_scale, ROPE_ROUND)
+        c2 = c1
+        s2 = s1
+    else:
+        s_row = (t // r_inner) * rs0 + (t % r_inner) * rs1
+        c1 = tl.load(rc_ptr + c_row[:, None] + j_a[None, :] * rcj, mask=load, other=0.0).to(tl.float32)
+        c2 = tl.load(rc_ptr + c_row[:, None] + j_b[None, :] * rcj, mask=load, other=0.0).to(tl.float32)
+        s1 = tl.load(rs_ptr + s_row[:, None] + j_a[None, :] * rsj, mask=load, other=0.0).to(tl.float32)
+        s2 = tl.load(rs_ptr + s_row[:, None] + j_b[None, :] * rsj, mask=load, other=0.0).to(tl.float32)
+    ya = tl.where(rotated, a * c1 + (-b) * s1, a)
+    yb = tl.where(rotated, b * c2 + a * s2, b)
+    row = c_ptr + z * stride_cz + offs_m[:, None] * stride_cm
+    mask = in_m[:, None] & in_n[None, :]
+    tl.store(row + col_a[None, :] * stride_cn, ya.to(ty), mask=mask & ((col_a >= 0) & (col_a < N))[None, :])
+    tl.store(row + col_b[None, :] * stride_cn, yb.to(ty), mask=mask & ((col_b >= 0) & (col_b < N))[None, :])
+
+
+@triton.jit
 def matmul_kernel(
     a_ptr, b_ptr, c_ptr, x_ptr,
     M, N, K, alpha, beta,
@@ -170,6 +212,9 @@ def matmul_kernel(
     e2s0, e2s1, e2s2, e3s0, e3s1, e3s2,
     # the norm prologue: its weight and bias (stand-ins without), their stride, the norm's eps
     p_ptr, pb_ptr, stride_pk, p_eps,
+    # the rotary epilogue (ROPE): column pairs, cos (or angles) and sin, the rows' inner count, the
+    # tables' index count, their strides over (outer row, inner row, index), their scale (stand-ins without)
+    r_ptr, rc_ptr, rs_ptr, r_inner, r_width, rc0, rc1, rcj, rs0, rs1, rsj, r_scale,
     HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
@@ -181,6 +226,7 @@ def matmul_kernel(
     EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
     PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False, HAS_PB: tl.constexpr = False,
     GLU: tl.constexpr = "", GLU_ROUND: tl.constexpr = "", GEMV: tl.constexpr = False,
+    ROPE: tl.constexpr = "", ROPE_ROUND: tl.constexpr = "",
 ):
     # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]   (X only when HAS_BIAS); then the epilogue, if any
     z = tl.program_id(1).to(tl.int64)
@@ -228,8 +274,13 @@ def matmul_kernel(
                         e0s0, e0s1, e0s2, 0, e1s0, e1s1, e1s2, 0, e2s0, e2s1, e2s2, 0, e3s0, e3s1, e3s2, 0,
                         EPILOGUE, ROUND_TO, EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1, EIS_SCALAR1,
                         EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
-    c_ptrs = c_ptr + z * stride_cz + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    if ROPE != "":
+        _rope_store(acc, z, offs_m, pid_n, M, N, c_ptr, stride_cz, stride_cm, stride_cn,
+                    r_ptr, rc_ptr, rs_ptr, r_inner, r_width, rc0, rc1, rcj, rs0, rs1, rsj, r_scale,
+                    ROPE, ROPE_ROUND, BLOCK_M, BLOCK_N)
+    else:
+        c_ptrs = c_ptr + z * stride_cz + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 # --- host launcher --------------------------------------------------------------------------------
@@ -321,6 +372,41 @@ def _gemv_config(batch: int, M: int, N: int, K: int, itemsize: int, gpu: target.
 
 
 @dataclass(frozen=True)
+class Rope:
+    """The rotary epilogue of a ``rope_linear`` launch (see :func:`_rope_store`): the column pairs
+    [N / 2, 4], the cos table (or the angles) and the sin table (None with angles), each table's
+    strides over (outer row, inner row, index), the rows' inner count, and the tables' scale and
+    rounding (angles only)."""
+
+    pairs: TRef
+    cos: TRef
+    sin: TRef | None
+    cos_strides: tuple
+    sin_strides: tuple
+    inner: object  # int, or a size expression
+    scale: float = 1.0
+    round: str = ""
+
+    @property
+    def mode(self) -> str:
+        return "angles" if self.sin is None else "tables"
+
+    @property
+    def reads(self) -> tuple[TRef, ...]:
+        return (self.pairs, self.cos) + (() if self.sin is None else (self.sin,))
+
+    def args(self) -> list:
+        sin = self.cos if self.sin is None else self.sin
+        return [self.pairs, self.cos, sin, self.inner, self.cos.shape[-1], *self.cos_strides, *self.sin_strides,
+                self.scale]
+
+    @staticmethod
+    def stand_in(t: TRef) -> list:
+        """The rotary arguments of a launch without it: ``t`` for every pointer, never read."""
+        return [t, t, t, 1, 0, 0, 0, 0, 0, 0, 0, 1.0]
+
+
+@dataclass(frozen=True)
 class MatmulOp:
     """One ``matmul`` launch: ``c = alpha * (a @ bmat) + beta * bias``, all views [Z, M, ...].
 
@@ -340,6 +426,8 @@ class MatmulOp:
     prologue: tuple | None = None
     # A gated linear unit's activation (``glu_linear``): B's columns alternate gate, up; C is [Z, M, N / 2].
     glu: str = ""
+    # The rotary epilogue (``rope_linear``): C's column pairs stored where ``pairs`` says, rotated.
+    rope: "Rope | None" = None
 
     @property
     def n(self):
@@ -349,7 +437,8 @@ class MatmulOp:
     @property
     def reads(self) -> tuple[TRef, ...]:
         norm = tuple(t for t in (self.prologue or (None,) * 4)[1:3] if t is not None)
-        return (self.a, self.bmat) + ((self.x,) if self.has_bias else ()) + norm
+        rope = () if self.rope is None else self.rope.reads
+        return (self.a, self.bmat) + ((self.x,) if self.has_bias else ()) + norm + rope
 
     def args(self, c: TRef | None = None, c_strides=None, operands=()) -> list:
         """The launch's positional arguments; with ``c``, storing into ``c`` (with ``c_strides``) after
@@ -374,9 +463,10 @@ class MatmulOp:
         given = weight if weight is not None else bias
         prologue = [self.a if weight is None else weight, self.a if bias is None else bias,
                     0 if given is None else given.strides[0], float(eps)]
+        rope = Rope.stand_in(self.a) if self.rope is None else self.rope.args()
         return [self.a, self.bmat, c, x, M, N, K, self.alpha, self.beta,
                 *self.a.strides, *self.bmat.strides, *c_strides, *x_strides, *ptrs, *scalars, *strides,
-                *prologue]
+                *prologue, *rope]
 
     def grid(self) -> tuple[int, int]:
         return (triton.cdiv(self.a.shape[1], self.cfg.block_m) * triton.cdiv(self.n, self.cfg.block_n),
@@ -390,25 +480,32 @@ class MatmulOp:
             prologue.update(GLU=self.glu, GLU_ROUND=dtype_name(self.c.dtype))
         if cfg.gemv:  # only then, so that the plans and kernel variants of larger products stay as they were
             prologue.update(GEMV=True)
+        if self.rope is not None:
+            prologue.update(ROPE=self.rope.mode, ROPE_ROUND=self.rope.round)
         return dict(HAS_BIAS=self.has_bias, DOT_UPCAST=False,
                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **prologue)
 
 
 def launch_matmul(b, a: TRef, bmat: TRef, c: TRef, bias: TRef | None = None,
-                  alpha: float = 1.0, beta: float = 1.0, glu: str = "") -> None:
+                  alpha: float = 1.0, beta: float = 1.0, glu: str = "", rope: Rope | None = None) -> None:
     """Launch ``c = alpha * (a @ bmat) + beta * bias``. ``a`` [Z, M, K], ``bmat`` [Z, K, N] and
     ``c`` [Z, M, N] are 3-D views (stride 0 on a broadcast batch); ``bias`` is a view broadcast to
     ``[Z, M, N]``, or None. With ``glu`` (an activation name), ``c`` is [Z, M, N / 2]: the gated
-    linear unit of B's alternating gate and up columns."""
+    linear unit of B's alternating gate and up columns. With ``rope``, C's column pairs are stored
+    rotated where it says (``rope_linear``; one launch: the rows it indexes are the whole result's)."""
     batch, M, K = a.shape
     N = bmat.shape[2]
     cfg = choose_config(batch, M, N, K, a.dtype)
     has_bias = bias is not None and beta != 0  # beta = 0 ignores the bias, NaNs included (as torch)
     x = bias if has_bias else c  # never read without a bias
-    for start, count in _batch_chunks(batch):
+    chunks = _batch_chunks(batch)
+    if rope is not None and len(chunks) > 1:
+        raise LoweringError(f"a rotary epilogue over a batch of {batch} products needs one launch; "
+                            f"a launch holds {MAX_GRID_Y}")
+    for start, count in chunks:
         views = [_batch_slice(b, t, start, count) for t in (a, bmat, c, x)]
-        op = MatmulOp(*views, has_bias, float(alpha), float(beta), cfg, glu=glu)
+        op = MatmulOp(*views, has_bias, float(alpha), float(beta), cfg, glu=glu, rope=rope)
         record = b.launch("matmul", op.grid(), *op.args(), **op.constexprs())
         if record is not None and count == batch:  # a product split over launches takes no epilogue
             record.op = op
@@ -567,10 +664,11 @@ def baddbmm(b, node):
                   alpha=node.kwargs.get("alpha", 1), beta=node.kwargs.get("beta", 1))
 
 
-def linear(b, node, glu: str = ""):
+def linear(b, node, glu: str = "", rope=None):
     """out[..., N] = x[..., K] @ weight[N, K].T + bias: the leading dims of x become M (merged in
     place when their strides allow, else a batch axis), the weight is read transposed in place.
-    With ``glu``, out is [..., N / 2] (``glu_linear``)."""
+    With ``glu``, out is [..., N / 2] (``glu_linear``); ``rope(b, out)`` makes the rotary epilogue
+    (``rope_linear``)."""
     x, w = b.ref(node.args[0]), b.ref(node.args[1])
     bias = b.ref(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
     out = b.out(node)
@@ -584,13 +682,55 @@ def linear(b, node, glu: str = ""):
     wt = b.view(w, (batch, K, N), (0, w.strides[1], w.strides[0]))
     n_out = out.shape[-1]  # N, or N / 2 under a gated linear unit
     c = b.view(out, (batch, M, n_out), (M * n_out, n_out, 1))  # out is contiguous: [batch, M, N]
-    launch_matmul(b, a, wt, c, None if bias is None else _bias(b, bias, (batch, M, N)), glu=glu)
+    launch_matmul(b, a, wt, c, None if bias is None else _bias(b, bias, (batch, M, N)), glu=glu,
+                  rope=None if rope is None else rope(b, out))
 
 
 def glu_linear(b, node):
     """``tritondelegate::glu_linear(x, weight, bias, act)``: ``linear`` with the gated linear unit
     of the weight's interleaved gate and up rows in the kernel (C is half as wide)."""
     linear(b, node, glu=node.args[3])
+
+
+def rope_linear(b, node):
+    """``tritondelegate::rope_linear(x, weight, bias, pairs, cos, sin, cos_dims, scale, dtype)``:
+    ``linear`` over the permuted weight, its column pairs stored rotated (``_rope_store``)."""
+    pairs, cos = b.ref(node.args[3]), b.ref(node.args[4])
+    sin = b.ref(node.args[5]) if node.args[5] is not None else None
+    cos_dims, scale, dtype = node.args[6], node.args[7], node.args[8]
+    if pairs.strides != (4, 1):
+        raise LoweringError(f"rope_linear: the column pairs must be a contiguous [N / 2, 4] table, got strides "
+                            f"{pairs.strides}")
+
+    def strides(t: TRef) -> tuple:
+        return (*(t.strides[d] if d >= 0 else 0 for d in cos_dims), t.strides[-1])
+
+    def make(b, out: TRef) -> Rope:
+        rounding = dtype_name(dtype) if dtype in (torch.float16, torch.bfloat16) else ""
+        return Rope(pairs, cos, sin, strides(cos), strides(cos if sin is None else sin),
+                    out.shape[-2] if len(out.shape) >= 2 else 1, float(scale), rounding)
+
+    linear(b, node, rope=make)
+
+
+def supported_rope(node) -> str | None:
+    """rope_linear(x [..., K], weight [N, K], bias, pairs [N / 2, 4], cos, sin, cos_dims, scale, dtype):
+    None, or why it is refused."""
+    reason = supported_linear(node)
+    if reason:
+        return reason
+    rows = node_value(node.args[1]).shape[0]
+    pairs, cos = node_value(node.args[3]), node_value(node.args[4])
+    sin = node_value(node.args[5]) if node.args[5] is not None else None
+    if not isinstance(rows, int) or rows % 2 or tuple(pairs.shape) != (rows // 2, 4) or pairs.dtype != torch.int32:
+        return f"pairs {tuple(pairs.shape)} {pairs.dtype} do not pair the weight's {rows} rows"
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t is not None and t.dtype not in DTYPES:
+            return f"{name} has dtype {t.dtype}; the rotary epilogue reads {', '.join(map(str, DTYPES))}"
+    out = node.meta.get("val")
+    if out.dim() not in (2, 3):
+        return f"the result is {out.dim()}-D; the rotary epilogue indexes 2-D or 3-D results"
+    return None
 
 
 def supported_glu(node) -> str | None:

@@ -234,7 +234,10 @@ TRAFFIC: dict[str, KernelTraffic] = {
     "matmul": KernelTraffic(
         reads=(Access("a_ptr"), Access("b_ptr"), Access("x_ptr", _flag("HAS_BIAS")),
                *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4)),
-               Access("p_ptr", _flag("HAS_PW")), Access("pb_ptr", _flag("HAS_PB"))),  # a norm prologue's
+               Access("p_ptr", _flag("HAS_PW")), Access("pb_ptr", _flag("HAS_PB")),  # a norm prologue's
+               # the rotary epilogue's pairs and tables (sin only with tables given)
+               Access("r_ptr", _flag("ROPE")), Access("rc_ptr", _flag("ROPE")),
+               Access("rs_ptr", lambda a: a["ROPE"] == "tables")),
         writes=(Access("c_ptr"),),
         flops=_matmul_flops,
     ),

@@ -123,13 +123,15 @@ def _placeholders_under(node: torch.fx.Node, constants: dict) -> set[torch.fx.No
     return found
 
 
-def _replace_with_constant(ep, node: torch.fx.Node, value: torch.Tensor) -> None:
+def add_constant(ep, value: torch.Tensor, prefix: str = FOLDED_PREFIX) -> torch.fx.Node:
+    """A new constant input of ``ep`` holding ``value`` (its placeholder, named ``prefix_N``, among the
+    other constants: before the first user input)."""
     graph = ep.graph_module.graph
-    index = sum(1 for n in graph.nodes if n.op == "placeholder" and n.name.startswith(FOLDED_PREFIX))
-    name = f"{FOLDED_PREFIX}_{index}"
+    index = sum(1 for n in graph.nodes if n.op == "placeholder" and n.name.startswith(prefix))
+    name = f"{prefix}_{index}"
     while name in ep.constants:
         index += 1
-        name = f"{FOLDED_PREFIX}_{index}"
+        name = f"{prefix}_{index}"
     specs = list(ep.graph_signature.input_specs)
     first_user_input = next((i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT), len(specs))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -141,11 +143,18 @@ def _replace_with_constant(ep, node: torch.fx.Node, value: torch.Tensor) -> None
         where = graph.inserting_before(next(iter(graph.nodes)))
     with where:
         placeholder = graph.placeholder(name)
-    placeholder.meta["val"] = node.meta["val"]
-    node.replace_all_uses_with(placeholder)
+    mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in placeholders])
+    placeholder.meta["val"] = mode.from_tensor(value, static_shapes=True) if mode is not None else value
     specs.insert(first_user_input, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(name), name))
     ep.graph_signature.input_specs[:] = specs
     ep.constants[name] = value
+    return placeholder
+
+
+def _replace_with_constant(ep, node: torch.fx.Node, value: torch.Tensor) -> None:
+    placeholder = add_constant(ep, value)
+    placeholder.meta["val"] = node.meta["val"]
+    node.replace_all_uses_with(placeholder)
 
 
 def _drop_dead(ep) -> None:

@@ -15,6 +15,9 @@ constant folding and partitioning:
   ``tritondelegate::glu_linear`` over the two weights interleaved (one GEMM, the gating in its epilogue);
 * ``fuse_projections``: linears that read the same input (Q/K/V; gate/up) become one linear over
   their weights concatenated (folded into one constant by ``lower()``), and views of its result;
+* ``fuse_rope_linear``: a rotary embedding whose query and key are views of one projection (after
+  ``fuse_projections``) moves into that projection's epilogue: one ``tritondelegate::rope_linear``
+  over the weight's rows permuted into rotation pairs (permuted once by ``lower()``);
 * ``fuse_batchnorm``: an eval batch norm after a convolution is folded into its weight and bias
   (computed once by ``lower()``).
 
@@ -30,6 +33,7 @@ from .fuse_batchnorm import fuse_batchnorm
 from .fuse_gelu import fuse_gelu
 from .fuse_glu import fuse_glu
 from .fuse_projections import fuse_projections
+from .fuse_rope_linear import fuse_rope_linear
 from .fuse_rms_norm import fuse_rms_norm
 from .fuse_rotary import fuse_rotary
 from .position_mask import position_mask
@@ -40,7 +44,8 @@ def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool)
     their concatenated weights once)."""
     done = dedupe(ep) + fuse_rms_norm(ep) + fuse_gelu(ep) + fuse_rotary(ep, fold) + position_mask(ep)
     if fold:  # both store new constants (concatenated or folded weights): folding computes them once
-        done += fuse_glu(ep, state) + fuse_projections(ep, state) + fuse_batchnorm(ep, state)
+        done += (fuse_glu(ep, state) + fuse_projections(ep, state) + fuse_rope_linear(ep, state)
+                 + fuse_batchnorm(ep, state))
     if done:
         ep.graph_module.recompile()
     return done

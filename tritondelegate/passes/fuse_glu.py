@@ -32,13 +32,12 @@ import operator
 
 import torch
 import torch.fx
-from torch.export.graph_signature import TensorArgument
 
 from .. import ops
 from .fold_constants import constant_inputs
 from .fuse_projections import linear_candidate
 from ..kernels.rows import node_arg
-from .rewrite import fake, is_call, new_node, same_shape, tensor_val
+from .rewrite import fake, is_call, new_node, retarget_outputs, same_shape, tensor_val
 
 aten = torch.ops.aten
 
@@ -148,9 +147,7 @@ def _fuse(graph: torch.fx.Graph, ep, mul, act: str, gate, gated, up) -> str:
                    tensor_val(x), w.meta["val"], *([] if b is None else [b.meta["val"]]))
         node = new_node(graph, ops.glu_linear, (x, w, b, act), val, mul.meta)
     mul.replace_all_uses_with(node)
-    for spec in ep.graph_signature.output_specs:  # a returned result keeps its signature entry
-        if isinstance(spec.arg, TensorArgument) and spec.arg.name == mul.name:
-            spec.arg = TensorArgument(name=node.name)
+    retarget_outputs(ep, mul, node)
     for old in (mul, gated, gate, up, *dead):  # users first
         graph.erase_node(old)
     return (f"gated MLP {act}({gate.name}) * {up.name} -> {node.name} "

@@ -34,14 +34,13 @@ import sys
 
 import torch
 import torch.fx
-from torch.export.graph_signature import TensorArgument
 
 from ..kernels.rows import node_arg
 from ..ops import rotary as rotary_op
 from ..ops import rotary_angles as rotary_angles_op
 from ..ops import rotary_pair as rotary_pair_op
 from ..ops import rotary_pair_angles as rotary_pair_angles_op
-from .rewrite import is_call, new_node, same_shape, tensor_val
+from .rewrite import is_call, new_node, retarget_outputs, same_shape, tensor_val
 from .rotary_tables import rotary_tables
 
 # A single rotary (tables given, or computed from angles: ``rotary_tables.py``) -> its paired form.
@@ -171,13 +170,6 @@ def _only_inside(intermediates: list[torch.fx.Node], add: torch.fx.Node) -> bool
     return all(len(n.users) == 1 and next(iter(n.users)) in inside for n in intermediates)
 
 
-def _retarget_outputs(ep: torch.export.ExportedProgram, old: torch.fx.Node, new: torch.fx.Node) -> None:
-    """A returned result keeps its signature entry when ``new`` takes ``old``'s place."""
-    for spec in ep.graph_signature.output_specs:
-        if isinstance(spec.arg, TensorArgument) and spec.arg.name == old.name:
-            spec.arg = TensorArgument(name=new.name)
-
-
 def _rewrite_singles(ep: torch.export.ExportedProgram) -> list[str]:
     graph = ep.graph_module.graph
     done = []
@@ -194,7 +186,7 @@ def _rewrite_singles(ep: torch.export.ExportedProgram) -> list[str]:
             node = graph.call_function(rotary_op, (x, cos, sin))
         node.meta.update(add.meta)  # val: exactly the pattern's result (shape, dtype, strides)
         add.replace_all_uses_with(node)
-        _retarget_outputs(ep, add, node)
+        retarget_outputs(ep, add, node)
         for dead in [add, *intermediates]:  # users first
             graph.erase_node(dead)
         if source is not x:
@@ -249,7 +241,7 @@ def _pair(ep: torch.export.ExportedProgram, a: torch.fx.Node, b: torch.fx.Node, 
         outs = [new_node(graph, operator.getitem, (pair, i), vals[i], old.meta) for i, old in enumerate((a, b))]
     for old, new in zip((a, b), outs):
         old.replace_all_uses_with(new)
-        _retarget_outputs(ep, old, new)
+        retarget_outputs(ep, old, new)
         graph.erase_node(old)
     for view in b_tables:  # b's tables, when equal views of a's of their own
         if isinstance(view, torch.fx.Node) and view not in tables:

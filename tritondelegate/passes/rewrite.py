@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+from torch.export.graph_signature import TensorArgument
 
 from ..kernels import sizes
 from ..kernels.refs import node_value
@@ -53,6 +54,13 @@ def new_node(graph: torch.fx.Graph, target, args: tuple, val, meta: dict, name: 
     node = graph.create_node("call_function", target, args, kwargs or {}, name=name)
     node.meta["val"] = val
     return take_provenance(node, meta)
+
+
+def retarget_outputs(ep: torch.export.ExportedProgram, old: torch.fx.Node, new: torch.fx.Node) -> None:
+    """A returned result keeps its signature entry when ``new`` takes ``old``'s place."""
+    for spec in ep.graph_signature.output_specs:
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name == old.name:
+            spec.arg = TensorArgument(name=new.name)
 
 
 def erase_unused(graph: torch.fx.Graph, roots) -> None:

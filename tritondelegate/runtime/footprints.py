@@ -125,6 +125,21 @@ def _epilogue(x: LaunchArgs, index: tuple, strides: int) -> list[Access]:
             if k < x.c["EPILOGUE"] and x.c[f"EARITY{k}"] != 1 and not x.c[f"EIS_SCALAR{k}"]]
 
 
+def _rope(x: LaunchArgs, rows: int, N: int) -> list[Access]:
+    """A rotary epilogue (``matmul._rope_store``) reads the [N / 2, 4] column pairs, and its tables at
+    row t's (t // r_inner, t % r_inner) and at indices the kernel masks to [0, r_width); the columns it
+    stores at are masked to [0, N), C's box."""
+    if not x.c["ROPE"]:
+        return []
+    (inner,) = x.d("r_inner")
+    width = x.i("r_width")
+    coords = (_cdiv(rows, inner), min(inner, rows), width)
+    acc = [Access("r_ptr", ((N // 2, 4), (4, 1))), Access("rc_ptr", _walk(coords, x.ints("rc", 2) + [x.i("rcj")]))]
+    if x.c["ROPE"] == "tables":
+        acc.append(Access("rs_ptr", _walk(coords, x.ints("rs", 2) + [x.i("rsj")])))
+    return acc
+
+
 def _matmul(x: LaunchArgs) -> Footprint:
     M, N = x.d("M", "N")
     K, Z = x.i("K"), x.grid[1]  # the batch is grid axis 1, unmasked
@@ -141,7 +156,7 @@ def _matmul(x: LaunchArgs) -> Footprint:
         acc.append(Access("p_ptr", ((K, x.i("stride_pk")),)))
     if x.c["PROLOGUE"] == "layer" and x.c["HAS_PB"]:
         acc.append(Access("pb_ptr", ((K, x.i("stride_pk")),)))
-    acc += _epilogue(x, (Z, M, n_out), 3)
+    acc += _epilogue(x, (Z, M, n_out), 3) + _rope(x, Z * M, N)
     grid = (_cdiv(M, x.c["BLOCK_M"]) * _cdiv(N, x.c["BLOCK_N"]), Z)
     return Footprint(acc, grid, {"batch x M x N stored": Z * M * n_out, "K": K})
 
@@ -420,7 +435,8 @@ RULES: dict[str, KernelRule] = {
         "PROLOGUE": one_of("", "rms", "layer"), "HAS_PW": FLAG, "HAS_PB": FLAG,
         "GLU": one_of("", *sorted(GLU_ACTS)), "GLU_ROUND": one_of(*DTYPE_NAMES),
         # GEMV (no tl.dot) takes tiles of 1 to 8 rows and 8 columns; the accesses are the same
-        "GEMV": FLAG, "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256)}, _GEMM_TILES),
+        "GEMV": FLAG, "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256),
+        "ROPE": one_of("", "angles", "tables"), "ROPE_ROUND": one_of("", "float16", "bfloat16")}, _GEMM_TILES),
     "conv2d": KernelRule(_conv2d, {**_GEMM, "KH": in_range(1, 4096), "KW": in_range(1, 4096), "HAS_BIAS": FLAG,
                                    **_epilogue_constexprs()}, _GEMM_TILES),
     "pool2d": KernelRule(_pool2d, {

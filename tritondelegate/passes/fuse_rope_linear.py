@@ -1,0 +1,316 @@
+"""The rotary embedding moves into the epilogue of the projection that produces the query and key.
+
+After ``fuse_projections`` a layer computes its query, key and value with one linear, and
+``fuse_rotary`` rotates the query and key with one ``rotary_pair`` (tables given, or computed from
+angles): two launches, and the query and key written to memory, read back and written again between
+them. Here both become one ``tritondelegate::rope_linear`` (``ops.py``): the same GEMM, whose epilogue
+rotates the columns of the query and key heads before the store, so the views the graph took of the
+projection (the split into q, k, v, the head view, the transpose) read rotated values directly:
+
+    y = linear(x, W[, b])                        y = rope_linear(x, W[perm][, b[perm]], pairs, tables)
+    q, k, v = views of y               ->        q, k, v = the same views of y
+    q', k' = rotary_pair(q, k, tables)           (q', k' read as q, k)
+
+Rotation mixes column c of a head with column c + D/2, which a GEMM tile only holds together when
+the two are neighbours, so the weight's rows (and the bias) are permuted once, at lower time, into
+pairs: ``pairs[p] = (column a, column b, table index of a, table index of b)`` says where the GEMM's
+output columns 2p and 2p + 1 go and how they rotate (table index -1: a value column, stored as it
+is). Which columns form pairs comes from the views themselves (their strides and offsets in ``y``,
+from their fake values), so any head layout works: Q, K and V concatenated, heads interleaved
+(GPT-NeoX's ``[heads, 3, D]``), rotation over part of a head (a partial rotary factor), grouped-query
+attention with fewer key heads.
+
+A rotary node is rewritten when: every tensor it rotates is a chain of views of one linear whose
+weight (and bias) are constants; the views' rows are the linear's rows in order (the tables index them
+by the result's leading indices); the tables do not vary per head; the rotated columns are disjoint and
+nothing else reads them (other views of the linear may read the value columns, or the rotated ones
+after the rotation only); the rotation keeps the linear's dtype; the linear's result is 2-D or 3-D
+with an even, static width. The permuted weight is folded into one constant by ``lower()`` (the pass
+runs only with constant folding); the pairs are a small int32 constant the kernel reads.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+import torch
+import torch.fx
+
+from .. import ops
+from ..kernels import sizes
+from .fold_constants import add_constant, constant_inputs
+from .rewrite import fake, is_call, new_node, retarget_outputs, tensor_val
+
+aten = torch.ops.aten
+
+# Ops whose result is a view of their (first) input: the rotated tensors are reached from the linear
+# through these.
+VIEWS = {aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.transpose.int,
+         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.slice.Tensor, aten.select.int,
+         aten.alias.default, aten.split_with_sizes.default, aten.split.Tensor, operator.getitem}
+ROTARIES = {ops.rotary: 1, ops.rotary_angles: 1, ops.rotary_pair: 2, ops.rotary_pair_angles: 2}
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in VIEWS
+
+
+def _linear_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The linear ``node`` is a chain of views of, or None."""
+    while _is_view(node):
+        node = node.args[0]
+    return node if is_call(node, aten.linear.default) else None
+
+
+def _view_closure(linear: torch.fx.Node):
+    """(the views reachable from ``linear`` with their values replayed on the linear's (an earlier
+    rewrite may have left a view's own ``val`` describing another base), (reader, what it reads) for
+    every other node that reads the linear or one of them)."""
+    vals, readers, stack = {linear: tensor_val(linear)}, [], [linear]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if _is_view(user) and user.args[0] is node:
+                args = torch.fx.node.map_arg(user.args[1:], lambda a: a.meta.get("val"))
+                vals[user] = fake(lambda v: user.target(v, *args), vals[node])
+                stack.append(user)
+            else:
+                readers.append((user, node))
+    return vals, readers
+
+
+def _layout(view: torch.Tensor, width: int):
+    """How ``view`` (a fake view of a contiguous [..., width] result) sits in that result: (the columns
+    it covers, an array over its column dims in order; those dims; its row dims as (dim, stride, size)),
+    or None when it is not rows x columns of that result."""
+    if not isinstance(view, torch.Tensor):
+        return None
+    offset = view.storage_offset()
+    if not isinstance(offset, int) or offset >= width:
+        return None
+    cols, col_dims, rows = np.array(offset, dtype=np.int64), [], []
+    for dim, (n, st) in enumerate(zip(view.shape, view.stride())):
+        if isinstance(n, int) and n == 1:
+            continue
+        if not isinstance(st, int) or st >= width:  # a row step (over a dynamic size, or whole rows)
+            if isinstance(st, int) and st % width:
+                return None
+            rows.append((dim, st, n))
+        elif isinstance(n, int):
+            cols = cols[..., None] + st * np.arange(n, dtype=np.int64)
+            col_dims.append(dim)
+        else:
+            return None
+    if cols.size and cols.max() >= width:
+        return None
+    return cols, col_dims, rows
+
+
+def _row_dims(rows: list, y: torch.Tensor, width: int) -> tuple[int, int] | None:
+    """(x's dim for the result's outer leading index, for its inner one; -1 where x has no such dim,
+    its size being 1) when x's row dims walk the result's rows in order, else None."""
+    lead = list(y.shape[:-1]) if y.dim() == 3 else [1, y.shape[0]]
+    found = [-1, -1]
+    for dim, st, n in rows:
+        inner = sizes.shape([n]) == sizes.shape([lead[1]]) and isinstance(st, int) and st == width
+        outer = sizes.shape([n]) == sizes.shape([lead[0]]) and sizes.shape([st]) == sizes.shape([lead[1] * width])
+        role = 1 if inner else 0 if outer else None
+        if role is None or found[role] != -1:
+            return None
+        found[role] = dim
+    for role, n in enumerate(lead):
+        if found[role] == -1 and not (isinstance(n, int) and n == 1):
+            return None
+    return found[0], found[1]
+
+
+def _table_dims(x: torch.Tensor, table: torch.Tensor, rows: tuple[int, int], col_dims: list) -> list | None:
+    """``cos_dims`` of ``rope_linear``: the table's dims that x's row dims ``rows`` index (-1 where the
+    table broadcasts), or None when the table varies along a column dim other than x's last."""
+    pad = x.dim() - table.dim()
+    for d in col_dims[:-1]:
+        if d - pad >= 0 and not (isinstance(table.shape[d - pad], int) and table.shape[d - pad] == 1):
+            return None
+    out = []
+    for d in rows:
+        td = d - pad if d >= 0 else -1
+        if td < 0 or (isinstance(table.shape[td], int) and table.shape[td] == 1):
+            out.append(-1)
+        elif sizes.shape([table.shape[td]]) == sizes.shape([x.shape[d]]):
+            out.append(td)
+        else:
+            return None
+    return out
+
+
+def _x_pairs(x: torch.Tensor, layout, y: torch.Tensor, width: int, tables: list, angles: bool):
+    """(the rotated pairs (column a, column b, index a, index b) of one rotated tensor, its cos_dims),
+    or None."""
+    cols, col_dims, rows = layout
+    e = x.shape[-1]
+    if not col_dims or col_dims[-1] != x.dim() - 1 or not isinstance(e, int) or e % 2:
+        return None
+    rows = _row_dims(rows, y, width)
+    if rows is None:
+        return None
+    dims = [_table_dims(x, t, rows, col_dims) for t in tables]
+    want = e // 2 if angles else e
+    if None in dims or any(d != dims[0] for d in dims) or any(t.shape[-1] != want for t in tables):
+        return None
+    half = e // 2
+    heads = cols.reshape(-1, e)
+    pairs = [(int(h[j]), int(h[j + half]), j, j if angles else j + half) for h in heads for j in range(half)]
+    return pairs, dims[0]
+
+
+def _constant(node, constants: set, depth: int = 8) -> bool:
+    """Whether ``node`` is a constant or computed from constants alone (constant folding computes it)."""
+    if node in constants:
+        return True
+    if depth == 0 or not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    return all(_constant(a, constants, depth - 1) for a in node.all_input_nodes)
+
+
+def _constant_weights(linear: torch.fx.Node, constants: set) -> bool:
+    """Whether the linear's weight (2-D, its input's dtype) and bias are constants, or computed from
+    them (``fuse_projections``' concatenation)."""
+    x, w, bias = (*linear.args, None)[:3]
+    xv, wv = tensor_val(x), tensor_val(w)
+    return (xv is not None and wv is not None and wv.dim() == 2 and wv.dtype == xv.dtype and not linear.kwargs
+            and _constant(w, constants) and (bias is None or _constant(bias, constants)))
+
+
+def _tables_of(rotary: torch.fx.Node) -> tuple:
+    """(tables, scale, dtype, angles) of a rotary node: [cos, sin], 1.0, None, False when given, or
+    [angles], its scale and rounding dtype, True."""
+    rest = rotary.args[ROTARIES[rotary.target]:]
+    if rotary.target in (ops.rotary_angles, ops.rotary_pair_angles):
+        return [rest[0]], rest[1], rest[2], True
+    return [rest[0], rest[1]], 1.0, None, False
+
+
+def _plan(group: list, constants: set) -> dict | None:
+    """What rewriting the rotary nodes ``group`` (one linear's, over the same tables) into their
+    linear takes, or None when it may not be."""
+    xs = [x for rotary in group for x in rotary.args[:ROTARIES[rotary.target]]]
+    linear = _linear_of(xs[0])
+    if linear is None or any(_linear_of(x) is not linear for x in xs) or not _constant_weights(linear, constants):
+        return None
+    y = tensor_val(linear)
+    width = y.shape[-1]
+    outs = [o for rotary in group for o in torch.utils._pytree.tree_leaves(rotary.meta.get("val"))]
+    if (y.dim() not in (2, 3) or not isinstance(width, int) or width % 2
+            or any(not isinstance(o, torch.Tensor) or o.dtype != y.dtype for o in outs)):
+        return None
+    tables, scale, dtype, angles = _tables_of(group[0])
+    table_vals = [tensor_val(t) for t in tables]
+    if None in table_vals or any(tv.shape != table_vals[0].shape for tv in table_vals):
+        return None
+    vals, readers = _view_closure(linear)
+    rotated, cos_dims = [], None
+    for x in xs:
+        layout = _layout(vals[x], width)
+        found = None if layout is None else _x_pairs(vals[x], layout, y, width, table_vals, angles)
+        if found is None or (cos_dims is not None and found[1] != cos_dims):
+            return None
+        rotated += found[0]
+        cos_dims = found[1]
+    taken = [c for p in rotated for c in p[:2]]
+    if len(set(taken)) != len(taken) or not _others_clear(readers, vals, group, xs, set(taken), width):
+        return None
+    rest_cols = sorted(set(range(width)) - set(taken))
+    pairs = rotated + [(a, b, -1, -1) for a, b in zip(rest_cols[0::2], rest_cols[1::2])]
+    return dict(linear=linear, tables=tables, scale=float(scale), dtype=dtype, cos_dims=cos_dims, pairs=pairs)
+
+
+def _others_clear(readers, vals, group, xs, taken: set, width: int) -> bool:
+    """Whether nothing but the rotary nodes ``group`` read a rotated column of the linear."""
+    for reader, read in readers:
+        if reader in group and read in xs:
+            continue
+        layout = _layout(vals[read], width)
+        if layout is None or taken & set(layout[0].reshape(-1).tolist()):
+            return False
+    return True
+
+
+def _placement(graph: torch.fx.Graph, linear: torch.fx.Node, inputs: list):
+    """(the node after which the fused node may stand: the last of ``linear`` and ``inputs``; the
+    nodes between that read the linear's result and must move after the fused node), or None when a
+    table is itself computed from the linear's result."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = max([linear, *inputs], key=lambda n: order.get(n, -1))
+    reaches, moved = {linear}, []
+    for n in graph.nodes:
+        if order[linear] < order[n] < order[anchor] and any(a in reaches for a in n.all_input_nodes):
+            if n in inputs:
+                return None
+            reaches.add(n)
+            moved.append(n)
+    return anchor, moved
+
+
+def _rewrite(ep, group: list, plan: dict) -> str | None:
+    graph = ep.graph_module.graph
+    linear = plan["linear"]
+    inputs = [t for t in plan["tables"] if isinstance(t, torch.fx.Node)]
+    placed = _placement(graph, linear, inputs)
+    if placed is None:
+        return None
+    at, moved = placed
+    x, w, bias = (*linear.args, None)[:3]
+    perm = torch.tensor([c for p in plan["pairs"] for c in p[:2]], dtype=torch.int64)
+    perm_node = add_constant(ep, perm, "_rope_order")
+    pairs_node = add_constant(ep, torch.tensor(plan["pairs"], dtype=torch.int32), "_rope_pairs")
+    select = lambda t, i: aten.index_select.default(t, 0, i)  # noqa: E731
+    with graph.inserting_before(at.next):  # in this order, right after the last input
+        w2 = new_node(graph, aten.index_select.default, (w, 0, perm_node),
+                      fake(select, tensor_val(w), perm_node.meta["val"]), linear.meta, f"{linear.name}_rope_weight")
+        b2 = None if bias is None else new_node(graph, aten.index_select.default, (bias, 0, perm_node),
+                                                fake(select, tensor_val(bias), perm_node.meta["val"]), linear.meta)
+        tables = plan["tables"] + [None] * (2 - len(plan["tables"]))
+        node = new_node(graph, ops.rope_linear, (x, w2, b2, pairs_node, *tables, plan["cos_dims"], plan["scale"],
+                                                 plan["dtype"]), linear.meta["val"], linear.meta)
+    last = node
+    for n in moved:  # what read the linear before the tables were computed, after the fused node
+        last.append(n)
+        last = n
+    linear.replace_all_uses_with(node)
+    graph.erase_node(linear)
+    names = [rotary.name for rotary in group]
+    for rotary in group:
+        xs = rotary.args[:ROTARIES[rotary.target]]
+        getitems = [u for u in rotary.users if is_call(u, operator.getitem)]
+        for old, new in [(g, xs[g.args[1]]) for g in getitems] or [(rotary, xs[0])]:
+            old.replace_all_uses_with(new)  # a returned result: the method returns the rotated view
+            retarget_outputs(ep, old, new)
+            if old is not rotary:
+                graph.erase_node(old)
+        graph.erase_node(rotary)
+    rotated = sum(p[2] >= 0 for p in plan["pairs"]) * 2
+    return (f"rotary in the epilogue: {', '.join(names)} -> {node.name} (tritondelegate::rope_linear, {rotated} "
+            f"of {len(plan['pairs']) * 2} columns rotated, {len(group) + 1} launches -> 1)")
+
+
+def fuse_rope_linear(ep: torch.export.ExportedProgram, state: set[str] = frozenset()) -> list[str]:
+    """Move every rotary whose inputs are views of one projection into that projection's epilogue, in
+    place. ``state``: FQNs of program state, never treated as constants. Relies on constant folding to
+    permute the weights once. Returns one description per rewrite."""
+    graph = ep.graph_module.graph
+    constants = set(constant_inputs(ep, set(state)))
+    groups: dict[tuple, list] = {}
+    for rotary in [n for n in graph.nodes if n.op == "call_function" and n.target in ROTARIES]:
+        tables, scale, dtype, angles = _tables_of(rotary)
+        groups.setdefault((_linear_of(rotary.args[0]), *tables, scale, dtype, angles), []).append(rotary)
+    done = []
+    for (linear, *_), group in groups.items():
+        plan = None if linear is None else _plan(group, constants)
+        described = None if plan is None else _rewrite(ep, group, plan)
+        if described:
+            done.append(described)
+    if done:
+        graph.lint()
+        ep.graph_module.recompile()
+    return done

@@ -341,6 +341,9 @@ def _per_dtype(d) -> dict[str, callable]:
         # q and k rotated by tables computed from input positions (a KV-cache step): passes/rotary_tables.py
         "rotary_angles": lambda: _positions_rotary(d, 16),
         "rotary_angles_decode": lambda: _positions_rotary(d, 1),
+        # the rotary in the Q/K/V projection's epilogue (passes/fuse_rope_linear.py): prefill and decode
+        "qkv_rope_prefill": lambda: _qkv_rope(d, 300),
+        "qkv_rope_decode": lambda: _qkv_rope(d, 1),
         # a KV-cache step's mask from positions (passes/position_mask.py): decode over a 4096-key cache
         # and a 300-token prefill over 1024 keys
         "attn_positions_decode": lambda: _positions_sdpa(d, 1, 4096, 1000),
@@ -362,6 +365,28 @@ def _positions_rotary(dtype, seq: int):
 
     return Fn(rotate), (_randn(1, 32, seq, 128, dtype=dtype), _randn(1, 8, seq, 128, dtype=dtype),
                         torch.arange(100, 100 + seq), _randn(64, dtype=F32))
+
+
+class _QKVRope(torch.nn.Module):
+    """Llama-3-8B's Q/K/V projections (4096 -> 32 + 8 + 8 heads of 128) with q and k rotated by tables
+    computed from the positions: the rotary runs in the fused projection's epilogue (``ROPE="angles"``)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(4096, n, bias=False, dtype=dtype) for n in (4096, 1024, 1024))
+        self.register_buffer("inv_freq", _randn(64, dtype=F32))
+
+    def forward(self, x, pos):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, 128).transpose(1, 2) for p in (self.q, self.k, self.v))
+        freqs = pos.float()[:, None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+def _qkv_rope(dtype, seq: int):
+    return _QKVRope(dtype), (_randn(1, seq, 4096, dtype=dtype), torch.arange(100, 100 + seq))
 
 
 def _positions_sdpa(dtype, seq: int, keys: int, start: int):

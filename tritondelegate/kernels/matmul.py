@@ -497,6 +497,8 @@ def launch_matmul(b, a: TRef, bmat: TRef, c: TRef, bias: TRef | None = None,
     batch, M, K = a.shape
     N = bmat.shape[2]
     cfg = choose_config(batch, M, N, K, a.dtype)
+    if rope is not None:  # the rotation holds the two halves, two or four table tiles and their addresses
+        cfg = epilogue_config(cfg, a.dtype, 4)
     has_bias = bias is not None and beta != 0  # beta = 0 ignores the bias, NaNs included (as torch)
     x = bias if has_bias else c  # never read without a bias
     chunks = _batch_chunks(batch)

@@ -24,6 +24,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
 import re  # noqa: E402
@@ -267,6 +268,21 @@ def _matmuls(dtype):
     return Fn(fn), tuple(_randn(*s, dtype=dtype) for s in shapes)
 
 
+def _grouped_mm(dtype, rows):
+    """A Mixture-of-Experts layer's expert products as transformers exports them
+    (``transformers::grouped_mm_fallback``, weights a transposed view): gate/up and down of 8 experts,
+    ``rows`` = tokens x experts per token, spread unevenly with one expert left without rows. A few
+    rows take the per-row variant, more the segment tiles (kernels/grouped_mm.py)."""
+    importlib.import_module("transformers.integrations.moe")  # registers the op
+
+    op, experts, dim, hidden = torch.ops.transformers.grouped_mm_fallback, 8, 512, 1408
+    counts = torch.tensor([rows - rows // 2 - rows // 4, rows // 2, 0, rows // 4, 0, 0, 0, 0])
+    fn = lambda x, h, wg, wd, offs: (op(x, wg.transpose(1, 2), offs), op(h, wd.transpose(1, 2), offs))  # noqa: E731
+    return Fn(fn), (_randn(rows, dim, dtype=dtype), _randn(rows, hidden, dtype=dtype),
+                    _randn(experts, 2 * hidden, dim, dtype=dtype), _randn(experts, dim, hidden, dtype=dtype),
+                    counts.cumsum(0).to(torch.int32))
+
+
 def _epilogues(dtype, seq, kv):
     """Decoder-shaped GEMMs (TinyLlama's 2048 -> 5632 MLP, 16 heads of 128) with what fusion folds into
     their epilogues: SiLU(gate) * up, the residual add after down, bias + GELU, attention scores * scale
@@ -326,6 +342,8 @@ def _per_dtype(d) -> dict[str, callable]:
         "creation": lambda: _creation(d),
         "pointwise": lambda: _pointwise(d),
         "matmul": lambda: _matmuls(d),
+        "grouped_mm_prefill": lambda: _grouped_mm(d, 600),
+        "grouped_mm_decode": lambda: _grouped_mm(d, 2),
         "pad": lambda: _pads(d),
         "epilogue_prefill": lambda: _epilogues(d, 384, 384),
         "epilogue_decode": lambda: _epilogues(d, 1, 512),
@@ -344,6 +362,8 @@ def _per_dtype(d) -> dict[str, callable]:
         # the rotary in the Q/K/V projection's epilogue (passes/fuse_rope_linear.py): prefill and decode
         "qkv_rope_prefill": lambda: _qkv_rope(d, 300),
         "qkv_rope_decode": lambda: _qkv_rope(d, 1),
+        "qkv_norm_rope_prefill": lambda: _qkv_rope(d, 300, head_norm=True),
+        "qkv_norm_rope_decode": lambda: _qkv_rope(d, 1, head_norm=True),
         # a KV-cache step's mask from positions (passes/position_mask.py): decode over a 4096-key cache
         # and a 300-token prefill over 1024 keys
         "attn_positions_decode": lambda: _positions_sdpa(d, 1, 4096, 1000),
@@ -369,24 +389,33 @@ def _positions_rotary(dtype, seq: int):
 
 class _QKVRope(torch.nn.Module):
     """Llama-3-8B's Q/K/V projections (4096 -> 32 + 8 + 8 heads of 128) with q and k rotated by tables
-    computed from the positions: the rotary runs in the fused projection's epilogue (``ROPE="angles"``)."""
+    computed from the positions: the rotary runs in the fused projection's epilogue (``ROPE="angles"``);
+    ``head_norm``: Qwen3-8B's, with q and k RMS-normalized per head first (``NORM_E=128``)."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, head_norm=False):
         super().__init__()
         self.q, self.k, self.v = (torch.nn.Linear(4096, n, bias=False, dtype=dtype) for n in (4096, 1024, 1024))
         self.register_buffer("inv_freq", _randn(64, dtype=F32))
+        self.norms = [_randn(128, dtype=dtype), _randn(128, dtype=dtype)] if head_norm else []
+
+    def _norm(self, t, k):
+        if not self.norms:
+            return t
+        t32 = t.float()
+        return self.norms[k] * (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(t.dtype)
 
     def forward(self, x, pos):
         b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, -1, 128).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = (p(x).view(b, s, -1, 128) for p in (self.q, self.k, self.v))
+        q, k, v = self._norm(q, 0).transpose(1, 2), self._norm(k, 1).transpose(1, 2), v.transpose(1, 2)
         freqs = pos.float()[:, None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
 
-def _qkv_rope(dtype, seq: int):
-    return _QKVRope(dtype), (_randn(1, seq, 4096, dtype=dtype), torch.arange(100, 100 + seq))
+def _qkv_rope(dtype, seq: int, head_norm=False):
+    return _QKVRope(dtype, head_norm), (_randn(1, seq, 4096, dtype=dtype), torch.arange(100, 100 + seq))
 
 
 def _positions_sdpa(dtype, seq: int, keys: int, start: int):

@@ -239,8 +239,9 @@ def test_nothing_to_fuse_launches_no_epilogue():
     assert slots == [c] * 4 + [Arg.of(0.0)] * 4 + [Arg.of(0)] * 12
     # no norm prologue: A stands in for its weight and bias
     assert launch.args[41:45] == [a, a, Arg.of(0), Arg.of(0.0)]
-    # no rotary epilogue: A stands in for its pairs and tables, one inner row, no index, zero strides
-    assert launch.args[45:] == [a, a, a, Arg.of(1)] + [Arg.of(0)] * 7 + [Arg.of(1.0)]
+    # no rotary epilogue: A stands in for its pairs, tables and norm weights; one inner row, no index, zero
+    # strides, no normed pair
+    assert launch.args[45:] == [a, a, a, Arg.of(1)] + [Arg.of(0)] * 7 + [Arg.of(1.0), a, Arg.of(0), Arg.of(0.0)]
 
 
 # --- the pass on its own (no device) --------------------------------------------------------------

@@ -25,11 +25,12 @@ def test_rotary_tables_of_the_decoder_are_computed_once():
     model, args = demo_decoder(seed=0)
     folded = _lower(model, args)
     plain = _lower(model, args, fold_constants=False)
-    # The rotary tables, the Q/K/V weights concatenated by the projection fusion and the gate/up
-    # weights interleaved by the gated-MLP fusion, per layer.
+    # The rotary tables, the Q/K/V weights concatenated by the projection fusion (and permuted into
+    # rotation pairs for the rotary epilogue) and the gate/up weights interleaved by the gated-MLP
+    # fusion, per layer.
     assert folded.reports["forward"].folded[:2] == ["cos", "sin"]
     rest = folded.reports["forward"].folded[2:]
-    assert sorted(n.rsplit("_", 2)[-2] for n in rest) == ["fused", "fused", "glu", "glu"], rest
+    assert sorted(n.rsplit("_", 2)[-2] for n in rest) == ["glu", "glu", "rope", "rope"], rest
     assert "computed once by lower() (constant folding): cos, sin" in folded.summary()
     launches = lambda lowered: sum(lowered.reports["forward"].launches.values())  # noqa: E731
     assert launches(folded) < launches(plain)

@@ -19,6 +19,10 @@ from tritondelegate import models
 from tritondelegate.kernels.traffic import method_traffic
 
 CONFIG = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
+# A GPU of 2 SMs: tiles of whole heads (a per-head norm in the epilogue) fill it even at these sizes;
+# on an H100 (the default target) they would not, and the norms stay apart (see the test below).
+SMALL_GPU = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True),
+                           target=td.Target("two-sm", 2, 227 * 1024))
 
 
 def rotate_half(x):
@@ -41,11 +45,15 @@ class Projection(torch.nn.Module):
     (one linear whose heads hold [q, k, v] side by side, GPT-NeoX's). ``tables``: "inputs" (cos and
     sin given per call), "positions" (computed per call from the positions given: angles), "static"
     (computed from arange: folded into constants). ``rotary_dims``: rotate only the first dims of each
-    head (a partial rotary factor)."""
+    head (a partial rotary factor). ``head_norm``: q and k RMS-normalized per head before the rotation,
+    written out as Qwen3 writes it (its own weight for each)."""
 
-    def __init__(self, layout="separate", tables="positions", bias=False, rotary_dims=None, dim=32, head=8):
+    def __init__(self, layout="separate", tables="positions", bias=False, rotary_dims=None, dim=32, head=8,
+                 head_norm=False):
         super().__init__()
         self.layout, self.tables, self.rotary_dims, self.head = layout, tables, rotary_dims, head
+        self.norms = torch.nn.ParameterList([torch.nn.Parameter(1 + 0.1 * torch.randn(head)) for _ in range(2)]
+                                            if head_norm else [])
         if layout == "separate":
             self.q = torch.nn.Linear(dim, 4 * head, bias=bias)
             self.k = torch.nn.Linear(dim, 2 * head, bias=bias)
@@ -70,17 +78,25 @@ class Projection(torch.nn.Module):
         qkv = self.qkv(x).view(b, s, 4, 3 * self.head)
         return [t.transpose(1, 2) for t in qkv.split(self.head, dim=-1)]
 
+    def _norm(self, t, k):
+        if not self.norms:
+            return t
+        t32 = t.float()
+        t32 = t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.norms[k] * t32.to(t.dtype)
+
     def forward(self, x, positions, cos, sin):
         q, k, v = self._heads(x)
+        q, k = self._norm(q, 0), self._norm(k, 1)
         cos, sin = self._tables(x.shape[1], positions, cos, sin)
         return (rotate(q, cos.to(x.dtype), sin.to(x.dtype), self.rotary_dims),
                 rotate(k, cos.to(x.dtype), sin.to(x.dtype), self.rotary_dims), v)
 
 
-def _lower(model, args, dynamic_shapes=None):
+def _lower(model, args, dynamic_shapes=None, config=CONFIG):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return td.lower(torch.export.export(model, tuple(args), dynamic_shapes=dynamic_shapes), config=CONFIG)
+        return td.lower(torch.export.export(model, tuple(args), dynamic_shapes=dynamic_shapes), config=config)
 
 
 def _epilogues(lowered, method="forward") -> int:
@@ -99,11 +115,11 @@ def _args(model, batch=1, seq=5, dim=32, dtype=torch.float32):
             torch.randn(seq, width), torch.randn(seq, width))
 
 
-def _check(model, args, dtype=torch.float32):
+def _check(model, args, dtype=torch.float32, config=CONFIG):
     """Lower ``model`` in ``dtype``, run it and compare with the same rounded weights in fp32."""
     low = copy.deepcopy(model).to(dtype)
     low_args = tuple(a.to(dtype) if a.is_floating_point() and a.dim() == 3 else a for a in args)
-    lowered = _lower(low, low_args)
+    lowered = _lower(low, low_args, config=config)
     got = lowered.load().load_method()(*low_args)
     with torch.no_grad():
         ref_args = tuple(a.float() if a.is_floating_point() else a for a in low_args)
@@ -132,10 +148,40 @@ def test_rotary_moves_into_the_projection(layout, tables, bias, rotary_dims):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("seq", [1, 7])  # 1: the GEMV tile of a decode step; 7: tl.dot's
-def test_every_dtype(dtype, seq):
-    model = Projection("separate", "positions", bias=True).eval()
-    lowered = _check(model, _args(model, seq=seq), dtype)
+@pytest.mark.parametrize("head_norm", [False, True])
+def test_every_dtype(dtype, seq, head_norm):
+    model = Projection("separate", "positions", bias=True, head_norm=head_norm).eval()
+    lowered = _check(model, _args(model, seq=seq), dtype, SMALL_GPU)
     assert _epilogues(lowered) == 1
+    norms = [launch.constexprs["NORM_E"].value for launch in plan_launches(lowered) if "NORM_E" in launch.constexprs]
+    assert norms == ([model.head] if head_norm else [])
+    assert "norm" not in [launch.kernel for launch in plan_launches(lowered)]
+
+
+def test_head_norm_in_interleaved_heads_with_tables_given():
+    """GPT-NeoX's interleaved heads with Qwen3's per-head norms: the normed heads come first in the
+    GEMM's columns, whatever their place in the result."""
+    model = Projection("interleaved", "inputs", head_norm=True).eval()
+    lowered = _check(model, _args(model, batch=2), config=SMALL_GPU)
+    kernels = [launch.kernel for launch in plan_launches(lowered)]
+    assert _epilogues(lowered) == 1 and kernels.count("matmul") == 1 and not {"norm", "rotary"} & set(kernels)
+
+
+def test_head_norm_of_a_partial_rotation_is_not_rewritten():
+    """A per-head norm over the whole head, a rotation over half of it: the epilogue normalizes whole
+    rotated heads only."""
+    model = Projection("separate", "positions", rotary_dims=4, head_norm=True).eval()
+    lowered = _check(model, _args(model), config=SMALL_GPU)
+    assert _epilogues(lowered) == 0
+
+
+def test_head_norm_left_apart_when_its_tiles_would_not_fill_the_gpu():
+    """8 heads in one row tile are 8 programs: on an H100's 132 SMs the norms stay two launches (and
+    the rotary its own), so the projection keeps GEMV tiles that stream its weight at full width."""
+    model = Projection("separate", "positions", head_norm=True).eval()
+    lowered = _check(model, _args(model, seq=1))
+    kernels = [launch.kernel for launch in plan_launches(lowered)]
+    assert _epilogues(lowered) == 0 and kernels.count("norm") == 2 and "rotary" in kernels
 
 
 def test_raw_query_read_elsewhere_is_not_rewritten():
@@ -195,23 +241,29 @@ def test_demo_decoder_five_launches_per_layer(monkeypatch):
     assert traffic["fused"] < traffic["apart"]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "phi", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["qwen2", "phi", "gpt_neox", "qwen3", "gemma3"])
 def test_hf_architectures(arch):
     """Qwen2 (a q/k/v bias), Phi (a partial rotary factor, separate projections), GPT-NeoX (heads
-    interleaved in one projection, a partial rotary factor): each layer's rotary in its projection."""
+    interleaved in one projection, a partial rotary factor), Qwen3 and Gemma3 (q and k RMS-normalized
+    per head, Gemma3's weights as 1 + w): each layer's rotary (and norms) in its projection."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=64)
     if arch == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=2, **common))
+    elif arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(num_key_value_heads=2, head_dim=16, **common))
+    elif arch == "gemma3":
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(num_key_value_heads=2, head_dim=16,
+                                                                             sliding_window=4, **common))
     elif arch == "phi":
         model = transformers.PhiForCausalLM(transformers.PhiConfig(partial_rotary_factor=0.5, **common))
     else:
         model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(rotary_pct=0.5, **common))
     model = Logits(model.eval())
     args = (torch.randint(0, 64, (2, 5)),)
-    lowered = _lower(model, args)
+    lowered = _lower(model, args, config=SMALL_GPU)
     assert _epilogues(lowered) == 2 and not lowered.reports["forward"].nodes.host
     with torch.no_grad():
         expected = model(*args)

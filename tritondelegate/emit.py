@@ -25,6 +25,7 @@ from .kernels import sizes
 from .kernels.sizes import is_size_node
 from .kernels.registry import lookup
 from .partitioner import PartitionResult, op_name
+from .runtime.host_ops import HOST_NAMESPACES
 from .runtime.inputs import RETURN_TYPES
 from .symbolic import Expr
 from .program import (
@@ -255,6 +256,12 @@ class _Emitter:
     def host_op(self, node: torch.fx.Node) -> None:
         if not isinstance(node.target, torch._ops.OpOverload):
             raise LoweringError(f"node {node.name!r} calls {node.target}, which is not an ATen operator")
+        if node.target.namespace not in HOST_NAMESPACES:  # the runtime could not run it: refuse it now
+            reason = self.result.refused.get(node.name, "the partitioner did not claim it")
+            raise LoweringError(
+                f"op '{node.target.name()}' (node {node.name!r}) is not an ATen operator and no delegate claims it "
+                f"({reason}); a program runs only ATen and tritondelegate ops on the host. Export the model "
+                "without it, or lower it with a partitioner that delegates it")
         val = node.meta.get("val")
         if isinstance(val, (tuple, list)):
             outs = tuple(

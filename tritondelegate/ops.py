@@ -25,7 +25,8 @@ place of a written-out pattern, so one kernel runs them.
         (a gated MLP's gate and up projections as one GEMM: their weight rows interleaved, gate first;
         act one of GLU_ACTS: SwiGLU is "silu", GeGLU "gelu" or "gelu_tanh", ReGLU "relu")
     tritondelegate::rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin,
-                                int[] cos_dims, float scale, ScalarType? dtype) -> Tensor
+                                int[] cos_dims, float scale, ScalarType? dtype, Tensor? norm_weight=None,
+                                int norm_dim=0, float norm_eps=0.0) -> Tensor
         a projection whose query and key columns come out rotated (the rotary embedding in the GEMM's
         epilogue): y = linear(x, weight, bias) has its output columns in pairs, pair p = (y[..., 2p],
         y[..., 2p + 1]) stored at columns (pairs[p, 0], pairs[p, 1]) of the result, rotated when
@@ -33,7 +34,10 @@ place of a written-out pattern, so one kernel runs them.
         pairs[p, 3]); ``sin`` None: cos holds half-width angles and the tables are (cos(a) * scale,
         sin(a) * scale) rounded to ``dtype``; ``cos_dims``: the table dims that the rows' outer and
         inner leading indices (the result's rows, [outer, inner] with inner = its second-to-last dim)
-        select, -1 where the tables broadcast
+        select, -1 where the tables broadcast; ``norm_weight`` (Qwen3's q_norm and k_norm): the first
+        norm_weight.numel() / 2 pairs are heads of ``norm_dim`` columns (norm_dim / 2 pairs each), each
+        RMS-normalized over its head before the rotation, as ``rms_norm(head, [norm_dim], w, norm_eps)``
+        with w[c] = norm_weight[2p] for a pair's first column, norm_weight[2p + 1] for its second
 
 Each op has a reference implementation in plain PyTorch (any device; it computes what the pattern it
 replaces computes, in the same dtype order, so a host fallback matches eager exactly) and a fake
@@ -57,7 +61,8 @@ _lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, 
 _lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa) -> Tensor")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
 _lib.define("rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin, "
-            "int[] cos_dims, float scale, ScalarType? dtype) -> Tensor")
+            "int[] cos_dims, float scale, ScalarType? dtype, Tensor? norm_weight=None, int norm_dim=0, "
+            "float norm_eps=0.0) -> Tensor")
 
 # The activations of a gated linear unit, by the name the pointwise kernels give them.
 GLU_ACTS = {
@@ -183,12 +188,28 @@ def _table_at(table: torch.Tensor, cos_dims, outer, inner, cols) -> torch.Tensor
     return table[tuple(index)]
 
 
-def rope_linear_reference(x, weight, bias, pairs, cos, sin, cos_dims, scale: float, dtype) -> torch.Tensor:
+def _head_norms(rows: torch.Tensor, weight: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
+    """``rows`` [T, N] with its first weight.numel() columns (pairs (a, b) of heads of ``dim`` columns)
+    RMS-normalized per head, as ``rms_norm`` computes it; the rest as they are."""
+    n = weight.numel()
+    heads = rows[:, :n].reshape(rows.shape[0], n // dim, dim // 2, 2)
+    ordered = torch.cat((heads[..., 0], heads[..., 1]), dim=-1)  # each head's columns in order
+    w = weight.reshape(n // dim, dim // 2, 2)
+    w = torch.cat((w[..., 0], w[..., 1]), dim=-1)
+    normed = torch.stack([torch.rms_norm(ordered[:, h], [dim], w[h], eps) for h in range(n // dim)], dim=1)
+    normed = torch.stack((normed[..., : dim // 2], normed[..., dim // 2:]), dim=-1).reshape(rows.shape[0], n)
+    return torch.cat((normed, rows[:, n:]), dim=1)
+
+
+def rope_linear_reference(x, weight, bias, pairs, cos, sin, cos_dims, scale: float, dtype, norm_weight=None,
+                          norm_dim: int = 0, norm_eps: float = 0.0) -> torch.Tensor:
     """The rotation of each rotated pair as ``rotary`` computes it (the same formula, in the result's
-    dtype after the projection's rounding); the other pairs pass through."""
+    dtype after the projection's rounding, and its per-head norm's); the other pairs pass through."""
     y = torch.nn.functional.linear(x, weight, bias)
     n = y.shape[-1]
     rows = y.reshape(-1, n)
+    if norm_weight is not None:
+        rows = _head_norms(rows, norm_weight, norm_dim, norm_eps)
     inner = y.shape[-2] if y.dim() >= 2 else 1
     t = torch.arange(rows.shape[0], device=y.device)
     outer, inner_at = t // inner, t % inner
@@ -217,13 +238,16 @@ def _check_rope(weight, pairs) -> None:
 
 
 @torch.library.impl(_lib, "rope_linear", "CompositeExplicitAutograd")
-def _rope_linear(x, weight, bias, pairs, cos, sin, cos_dims, scale, dtype):
+def _rope_linear(x, weight, bias, pairs, cos, sin, cos_dims, scale, dtype, norm_weight=None, norm_dim=0,
+                 norm_eps=0.0):
     _check_rope(weight, pairs)
-    return rope_linear_reference(x, weight, bias, pairs, cos, sin, cos_dims, scale, dtype)
+    return rope_linear_reference(x, weight, bias, pairs, cos, sin, cos_dims, scale, dtype, norm_weight, norm_dim,
+                                 norm_eps)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rope_linear")
-def _rope_linear_fake(x, weight, bias, pairs, cos, sin, cos_dims, scale, dtype):
+def _rope_linear_fake(x, weight, bias, pairs, cos, sin, cos_dims, scale, dtype, norm_weight=None, norm_dim=0,
+                      norm_eps=0.0):
     _check_rope(weight, pairs)
     return torch.nn.functional.linear(x, weight, bias)
 

@@ -67,7 +67,7 @@ def _resolve_ops(ops: Iterable) -> set:
         if isinstance(op, torch._ops.OpOverloadPacket):
             op = op_name(op.default).rsplit(".", 1)[0]
         if isinstance(op, torch._ops.OpOverload):
-            if op not in registry.OPS:
+            if registry.lookup(op) is None:
                 raise ValueError(f"{op_name(op)} has no Triton kernel in this version of tritondelegate")
             chosen.add(op)
             continue

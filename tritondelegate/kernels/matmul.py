@@ -157,13 +157,34 @@ def _glu_tile(acc, pid_n, mask_m, N, ACT: tl.constexpr, ROUND: tl.constexpr, BLO
 
 
 @triton.jit
+def _head_norm(a, b, p, rn_ptr, rn_pairs, rn_eps, ty, NORM_E: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Pairs (a, b) [BLOCK_M, BLOCK_N / 2] with those below ``rn_pairs`` RMS-normalized per head of
+    NORM_E columns as ``rms_norm`` computes it: x * rsqrt(mean(x^2) + eps) rounded to ``ty``, times the
+    weight, rounded again."""
+    a3 = tl.reshape(a, (BLOCK_M, BLOCK_N // NORM_E, NORM_E // 2))
+    b3 = tl.reshape(b, (BLOCK_M, BLOCK_N // NORM_E, NORM_E // 2))
+    rstd = tl.rsqrt((tl.sum(a3 * a3, 2) + tl.sum(b3 * b3, 2)) / NORM_E + rn_eps)[:, :, None]
+    normed = p < rn_pairs
+    wa = tl.load(rn_ptr + p * 2, mask=normed, other=1.0).to(tl.float32)
+    wb = tl.load(rn_ptr + p * 2 + 1, mask=normed, other=1.0).to(tl.float32)
+    na = tl.reshape(a3 * rstd, (BLOCK_M, BLOCK_N // 2)).to(ty).to(tl.float32) * wa[None, :]
+    nb = tl.reshape(b3 * rstd, (BLOCK_M, BLOCK_N // 2)).to(ty).to(tl.float32) * wb[None, :]
+    return (tl.where(normed[None, :], na.to(ty).to(tl.float32), a),
+            tl.where(normed[None, :], nb.to(ty).to(tl.float32), b))
+
+
+@triton.jit
 def _rope_store(acc, z, offs_m, pid_n, M, N, c_ptr, stride_cz, stride_cm, stride_cn,
-                r_ptr, rc_ptr, rs_ptr, r_inner, r_width, rc0, rc1, rcj, rs0, rs1, rsj, r_scale,
-                ROPE: tl.constexpr, ROPE_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                r_ptr, rc_ptr, rs_ptr, r_inner, r_width, rc0, rc1, rcj, rs0, rs1, rsj, r_scale, rn_ptr, rn_pairs, rn_eps,
+                ROPE: tl.constexpr, ROPE_ROUND: tl.constexpr, NORM_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     """Store a tile whose column pairs (2p, 2p + 1) go to columns (pairs[p, 0], pairs[p, 1]) of C,
     rotated as ``rotary`` rotates (c, c + D/2) when pairs[p, 2] >= 0 (``tritondelegate::rope_linear``).
     Row m of batch z is the result's row t = z * M + m, at table rows (t // r_inner, t % r_inner).
-    Columns outside [0, N) and table indices outside [0, r_width) are masked off (the pairs are data)."""
+    Columns outside [0, N) and table indices outside [0, r_width) are masked off (the pairs are data).
+    ``NORM_E``: the first ``rn_pairs`` pairs are heads of NORM_E columns (NORM_E / 2 pairs each, whole
+    heads per tile), RMS-normalized per head first, their weights at rn_ptr (2 per pair)."""
     p = pid_n.to(tl.int64) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     in_n = p < N // 2
     col_a = tl.load(r_ptr + p * 4, mask=in_n, other=0).to(tl.int64)
@@ -172,6 +193,8 @@ def _rope_store(acc, z, offs_m, pid_n, M, N, c_ptr, stride_cz, stride_cm, stride
     j_b = tl.load(r_ptr + p * 4 + 3, mask=in_n, other=-1).to(tl.int64)
     ty = c_ptr.dtype.element_ty
     a, b = tl.split(tl.reshape(acc.to(ty).to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))  # stored as eager stores y
+    if NORM_E > 0:
+        a, b = _head_norm(a, b, p, rn_ptr, tl.minimum(rn_pairs, N // 2), rn_eps, ty, NORM_E, BLOCK_M, BLOCK_N)
     t = z * M + offs_m
     in_m = offs_m < M
     rotated = (j_a >= 0)[None, :]
@@ -201,20 +224,15 @@ def _rope_store(acc, z, offs_m, pid_n, M, N, c_ptr, stride_cz, stride_cm, stride
 def matmul_kernel(
     a_ptr, b_ptr, c_ptr, x_ptr,
     M, N, K, alpha, beta,
-    stride_az, stride_am, stride_ak,
-    stride_bz, stride_bk, stride_bn,
-    stride_cz, stride_cm, stride_cn,
-    stride_xz, stride_xm, stride_xn,
+    stride_az, stride_am, stride_ak, stride_bz, stride_bk, stride_bn,
+    stride_cz, stride_cm, stride_cn, stride_xz, stride_xm, stride_xn,
     # epilogue operands per step k < EPILOGUE: pointer, scalar, [Z, M, N] strides (else stand-ins)
-    e0_ptr, e1_ptr, e2_ptr, e3_ptr,
-    e0_scalar, e1_scalar, e2_scalar, e3_scalar,
-    e0s0, e0s1, e0s2, e1s0, e1s1, e1s2,
-    e2s0, e2s1, e2s2, e3s0, e3s1, e3s2,
+    e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+    e0s0, e0s1, e0s2, e1s0, e1s1, e1s2, e2s0, e2s1, e2s2, e3s0, e3s1, e3s2,
     # the norm prologue: its weight and bias (stand-ins without), their stride, the norm's eps
     p_ptr, pb_ptr, stride_pk, p_eps,
-    # the rotary epilogue (ROPE): column pairs, cos (or angles) and sin, the rows' inner count, the
-    # tables' index count, their strides over (outer row, inner row, index), their scale (stand-ins without)
-    r_ptr, rc_ptr, rs_ptr, r_inner, r_width, rc0, rc1, rcj, rs0, rs1, rsj, r_scale,
+    # the rotary epilogue (ROPE, ``_rope_store``: its arguments in order; stand-ins without)
+    r_ptr, rc_ptr, rs_ptr, r_inner, r_width, rc0, rc1, rcj, rs0, rs1, rsj, r_scale, rn_ptr, rn_pairs, rn_eps,
     HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
@@ -226,7 +244,7 @@ def matmul_kernel(
     EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
     PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False, HAS_PB: tl.constexpr = False,
     GLU: tl.constexpr = "", GLU_ROUND: tl.constexpr = "", GEMV: tl.constexpr = False,
-    ROPE: tl.constexpr = "", ROPE_ROUND: tl.constexpr = "",
+    ROPE: tl.constexpr = "", ROPE_ROUND: tl.constexpr = "", NORM_E: tl.constexpr = 0,
 ):
     # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]   (X only when HAS_BIAS); then the epilogue, if any
     z = tl.program_id(1).to(tl.int64)
@@ -277,7 +295,7 @@ def matmul_kernel(
     if ROPE != "":
         _rope_store(acc, z, offs_m, pid_n, M, N, c_ptr, stride_cz, stride_cm, stride_cn,
                     r_ptr, rc_ptr, rs_ptr, r_inner, r_width, rc0, rc1, rcj, rs0, rs1, rsj, r_scale,
-                    ROPE, ROPE_ROUND, BLOCK_M, BLOCK_N)
+                    rn_ptr, rn_pairs, rn_eps, ROPE, ROPE_ROUND, NORM_E, BLOCK_M, BLOCK_N)
     else:
         c_ptrs = c_ptr + z * stride_cz + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -386,6 +404,9 @@ class Rope:
     inner: object  # int, or a size expression
     scale: float = 1.0
     round: str = ""
+    norm: TRef | None = None  # per-head RMSNorm weights (2 per normed pair; ``_head_norm``)
+    norm_dim: int = 0  # its head size (NORM_E)
+    norm_eps: float = 0.0
 
     @property
     def mode(self) -> str:
@@ -393,17 +414,18 @@ class Rope:
 
     @property
     def reads(self) -> tuple[TRef, ...]:
-        return (self.pairs, self.cos) + (() if self.sin is None else (self.sin,))
+        return tuple(t for t in (self.pairs, self.cos, self.sin, self.norm) if t is not None)
 
     def args(self) -> list:
         sin = self.cos if self.sin is None else self.sin
+        norm = [self.cos, 0, 0.0] if self.norm is None else [self.norm, self.norm.shape[0] // 2, self.norm_eps]
         return [self.pairs, self.cos, sin, self.inner, self.cos.shape[-1], *self.cos_strides, *self.sin_strides,
-                self.scale]
+                self.scale, *norm]
 
     @staticmethod
     def stand_in(t: TRef) -> list:
         """The rotary arguments of a launch without it: ``t`` for every pointer, never read."""
-        return [t, t, t, 1, 0, 0, 0, 0, 0, 0, 0, 1.0]
+        return [t, t, t, 1, 0, 0, 0, 0, 0, 0, 0, 1.0, t, 0, 0.0]
 
 
 @dataclass(frozen=True)
@@ -482,6 +504,8 @@ class MatmulOp:
             prologue.update(GEMV=True)
         if self.rope is not None:
             prologue.update(ROPE=self.rope.mode, ROPE_ROUND=self.rope.round)
+            if self.rope.norm is not None:
+                prologue.update(NORM_E=self.rope.norm_dim)
         return dict(HAS_BIAS=self.has_bias, DOT_UPCAST=False,
                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **prologue)
@@ -498,7 +522,7 @@ def launch_matmul(b, a: TRef, bmat: TRef, c: TRef, bias: TRef | None = None,
     N = bmat.shape[2]
     cfg = choose_config(batch, M, N, K, a.dtype)
     if rope is not None:  # the rotation holds the two halves, two or four table tiles and their addresses
-        cfg = epilogue_config(cfg, a.dtype, 4)
+        cfg = _rope_config(epilogue_config(cfg, a.dtype, 4), rope.norm_dim, a.dtype)
     has_bias = bias is not None and beta != 0  # beta = 0 ignores the bias, NaNs included (as torch)
     x = bias if has_bias else c  # never read without a bias
     chunks = _batch_chunks(batch)
@@ -532,6 +556,23 @@ def epilogue_config(cfg: Config, dtype: torch.dtype, tiles: int) -> Config:
         else:
             block_m //= 2
     return replace(cfg, block_m=block_m, block_n=block_n, num_warps=warps)
+
+
+def _rope_config(cfg: Config, norm_dim: int, dtype: torch.dtype) -> Config:
+    """``cfg`` with tiles of whole heads when a per-head norm runs in the rotary epilogue: at least
+    ``norm_dim`` columns (a power of two, so a tile holds whole heads), rows halved to stay within
+    the epilogue's 32 accumulator elements per thread (tl.dot keeps 16), a GEMV's K step shortened to
+    keep its products per thread."""
+    if norm_dim <= cfg.block_n:
+        return cfg
+    block_m, block_k = cfg.block_m, cfg.block_k
+    while block_m * norm_dim > 32 * 32 * cfg.num_warps and block_m > (1 if cfg.gemv else MIN_BLOCK):
+        block_m //= 2
+    if cfg.gemv:
+        cost = 2 if dtype.itemsize >= 4 else 1
+        while block_m * block_k * norm_dim * cost > GEMV_PRODUCTS * cfg.num_warps and block_k > MIN_BLOCK:
+            block_k //= 2
+    return replace(cfg, block_m=block_m, block_n=norm_dim, block_k=block_k)
 
 
 def epilogue_launch(op: MatmulOp, out: TRef, out_strides, steps, operands) -> tuple[tuple, list, dict]:
@@ -707,10 +748,14 @@ def rope_linear(b, node):
     def strides(t: TRef) -> tuple:
         return (*(t.strides[d] if d >= 0 else 0 for d in cos_dims), t.strides[-1])
 
+    norm = b.ref(node.args[9]) if len(node.args) > 9 and node.args[9] is not None else None
+    norm_dim, norm_eps = (node.args[10], node.args[11]) if norm is not None else (0, 0.0)
+
     def make(b, out: TRef) -> Rope:
         rounding = dtype_name(dtype) if dtype in (torch.float16, torch.bfloat16) else ""
         return Rope(pairs, cos, sin, strides(cos), strides(cos if sin is None else sin),
-                    out.shape[-2] if len(out.shape) >= 2 else 1, float(scale), rounding)
+                    out.shape[-2] if len(out.shape) >= 2 else 1, float(scale), rounding, norm, norm_dim,
+                    float(norm_eps))
 
     linear(b, node, rope=make)
 
@@ -732,6 +777,9 @@ def supported_rope(node) -> str | None:
     out = node.meta.get("val")
     if out.dim() not in (2, 3):
         return f"the result is {out.dim()}-D; the rotary epilogue indexes 2-D or 3-D results"
+    norm_dim = node.args[10] if len(node.args) > 10 and node.args[9] is not None else 0
+    if norm_dim and (norm_dim & (norm_dim - 1) or not 2 <= norm_dim <= 512):
+        return f"a per-head norm over {norm_dim} columns; the epilogue normalizes powers of two up to 512"
     return None
 
 

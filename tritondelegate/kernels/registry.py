@@ -19,6 +19,7 @@ from . import conv
 from . import creation
 from . import index as idx
 from . import elementwise as ew
+from . import grouped_mm as gmm
 from . import layout
 from . import matmul as mm
 from . import norm
@@ -158,6 +159,8 @@ OPS: dict[object, OpSpec] = {
     aten.bmm.default: OpSpec(mm.bmm, mm.supported),
     aten.baddbmm.default: OpSpec(mm.baddbmm, mm.supported),
     aten.linear.default: OpSpec(mm.linear, mm.supported_linear),
+    # grouped matmul (Mixture-of-Experts layers; the 2-D input, 3-D weight and offs form): grouped_mm.py
+    aten._grouped_mm.default: OpSpec(gmm.grouped_mm, gmm.supported),
     # convolution: conv.py
     aten.convolution.default: OpSpec(conv.convolution, conv.supported),
     # pooling: pool.py (global average pooling exports to mean.dim: reduce.py below)
@@ -205,5 +208,22 @@ OPS: dict[object, OpSpec] = {
     td_ops.rope_linear: OpSpec(mm.rope_linear, mm.supported_rope),  # matmul.py
 }
 
+# Ops of other libraries, by qualified overload name: present in a graph only where the library that
+# registers them is loaded, and never imported from here. grouped_mm.py:
+EXTERNAL_OPS: dict[str, OpSpec] = {
+    "transformers::grouped_mm_fallback.default": OpSpec(gmm.grouped_mm, gmm.supported),
+}
+
+
+def external_name(target) -> str:
+    """``namespace::name.overload`` of an operator overload; "" for anything else."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return ""
+    return f"{target.namespace}::{target._opname}.{target._overloadname}"
+
+
 def lookup(target) -> OpSpec | None:
-    return OPS.get(target)
+    spec = OPS.get(target)
+    if spec is None and target is not None:
+        spec = EXTERNAL_OPS.get(external_name(target))
+    return spec

@@ -237,9 +237,17 @@ TRAFFIC: dict[str, KernelTraffic] = {
                Access("p_ptr", _flag("HAS_PW")), Access("pb_ptr", _flag("HAS_PB")),  # a norm prologue's
                # the rotary epilogue's pairs and tables (sin only with tables given)
                Access("r_ptr", _flag("ROPE")), Access("rc_ptr", _flag("ROPE")),
-               Access("rs_ptr", lambda a: a["ROPE"] == "tables")),
+               Access("rs_ptr", lambda a: a["ROPE"] == "tables"), Access("rn_ptr", _flag("NORM_E"))),
         writes=(Access("c_ptr"),),
         flops=_matmul_flops,
+    ),
+    # out[r] = x[r] @ w[e(r)], e(r) from offs: the experts' weights are reached through offs, so at most
+    # the min(E, S) experts that have rows count (K x N each); 2 FLOPs per (row, column, k)
+    "grouped_mm": KernelTraffic(
+        reads=(Access("x_ptr"), Access("w_ptr", at_most=lambda a: min(a["E"], a["S"]) * a["K"] * a["N"]),
+               Access("offs_ptr")),
+        writes=(Access("out_ptr"),),
+        flops=lambda a: 2 * a["S"] * a["N"] * a["K"],
     ),
     # without a bias bias_ptr is out, never read
     "conv2d": KernelTraffic(

@@ -31,6 +31,7 @@ runs only with constant folding); the pairs are a small int32 constant the kerne
 
 from __future__ import annotations
 
+import math
 import operator
 
 import numpy as np
@@ -38,7 +39,7 @@ import torch
 import torch.fx
 
 from .. import ops
-from ..kernels import sizes
+from ..kernels import sizes, target
 from .fold_constants import add_constant, constant_inputs
 from .rewrite import fake, is_call, new_node, retarget_outputs, tensor_val
 
@@ -56,11 +57,32 @@ def _is_view(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in VIEWS
 
 
+def _head_norm(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an RMSNorm over the last dim alone (Qwen3's and Gemma3's q_norm and k_norm,
+    per head), which the epilogue can compute: a view for the layout, a norm for the values."""
+    if not is_call(node, aten.rms_norm.default) or node.kwargs:
+        return False
+    val = tensor_val(node.args[0])
+    shape = node.args[1]
+    return val is not None and len(shape) == 1 and shape[0] == val.shape[-1]
+
+
 def _linear_of(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The linear ``node`` is a chain of views of, or None."""
-    while _is_view(node):
+    """The linear ``node`` is a chain of views of (through at most one per-head norm), or None."""
+    norms = 0
+    while _is_view(node) or _head_norm(node):
+        norms += _head_norm(node)
         node = node.args[0]
-    return node if is_call(node, aten.linear.default) else None
+    return node if is_call(node, aten.linear.default) and norms <= 1 else None
+
+
+def _norm_on(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The per-head norm on the chain from the linear to ``node``, or None."""
+    while _is_view(node) or _head_norm(node):
+        if _head_norm(node):
+            return node
+        node = node.args[0]
+    return None
 
 
 def _view_closure(linear: torch.fx.Node):
@@ -71,7 +93,10 @@ def _view_closure(linear: torch.fx.Node):
     while stack:
         node = stack.pop()
         for user in node.users:
-            if _is_view(user) and user.args[0] is node:
+            if _head_norm(user) and user.args[0] is node:  # its result sits where its input sat
+                vals[user] = vals[node]
+                stack.append(user)
+            elif _is_view(user) and user.args[0] is node:
                 args = torch.fx.node.map_arg(user.args[1:], lambda a: a.meta.get("val"))
                 vals[user] = fake(lambda v: user.target(v, *args), vals[node])
                 stack.append(user)
@@ -209,20 +234,59 @@ def _plan(group: list, constants: set) -> dict | None:
     if None in table_vals or any(tv.shape != table_vals[0].shape for tv in table_vals):
         return None
     vals, readers = _view_closure(linear)
-    rotated, cos_dims = [], None
+    normed, plain, cos_dims, norms = [], [], None, {}
     for x in xs:
         layout = _layout(vals[x], width)
         found = None if layout is None else _x_pairs(vals[x], layout, y, width, table_vals, angles)
         if found is None or (cos_dims is not None and found[1] != cos_dims):
             return None
-        rotated += found[0]
         cos_dims = found[1]
+        norm = _norm_on(x)
+        if norm is not None:
+            if not _norm_fits(norm, x, vals, width, constants) or not _fills_gpu(y, tensor_val(x).shape[-1]):
+                return None
+            norms[norm] = x
+        (normed if norm is not None else plain).append((norm, found[0]))
+    if any(_head_norm(n) and n not in norms for n in vals) or len({_eps(n, y.dtype) for n in norms}) > 1:
+        return None  # a per-head norm off the rotated chains, or norms that differ in eps
+    rotated = [p for _, found in normed + plain for p in found]
     taken = [c for p in rotated for c in p[:2]]
     if len(set(taken)) != len(taken) or not _others_clear(readers, vals, group, xs, set(taken), width):
         return None
     rest_cols = sorted(set(range(width)) - set(taken))
     pairs = rotated + [(a, b, -1, -1) for a, b in zip(rest_cols[0::2], rest_cols[1::2])]
-    return dict(linear=linear, tables=tables, scale=float(scale), dtype=dtype, cos_dims=cos_dims, pairs=pairs)
+    half = tensor_val(xs[0]).shape[-1] // 2
+    norm_cols = [((*norm.args, None)[2], i % half) for norm, found in normed for i in range(len(found))]
+    return dict(linear=linear, tables=tables, scale=float(scale), dtype=dtype, cos_dims=cos_dims, pairs=pairs,
+                norms=list(norms), norm_cols=norm_cols, eps=_eps(next(iter(norms)), y.dtype) if norms else 0.0,
+                half=half)
+
+
+def _eps(norm: torch.fx.Node, dtype: torch.dtype) -> float:
+    eps = norm.args[3] if len(norm.args) > 3 else None
+    return float(torch.finfo(dtype).eps if eps is None else eps)
+
+
+def _fills_gpu(y: torch.Tensor, head: int) -> bool:
+    """Whether tiles of whole heads (the per-head norm's) still give every SM of the target a program:
+    at decode (a few rows, one row tile) a projection has only as many heads as tiles, e.g. 48 for
+    Qwen3-8B's q, k and v on an H100's 132 SMs, which would stream its weight at a third of the
+    bandwidth; the norms then stay two launches of their own and the rotary with them."""
+    rows = sizes.upper(math.prod(y.shape[:-1]))
+    gpu = target.current()
+    row_tiles = 1 if rows <= gpu.gemv_rows else -(-rows // 64)
+    return row_tiles * (y.shape[-1] // head) >= gpu.num_sms
+
+
+def _norm_fits(norm: torch.fx.Node, x: torch.fx.Node, vals: dict, width: int, constants: set) -> bool:
+    """Whether the epilogue can compute the per-head norm on x's chain: x rotates whole heads of the
+    norm (the same columns), of a power-of-two size, with a constant weight (or none)."""
+    e = tensor_val(x).shape[-1]
+    weight = norm.args[2] if len(norm.args) > 2 else None
+    if e & (e - 1) or (weight is not None and not _constant(weight, constants)):
+        return False
+    before, after = _layout(vals[norm.args[0]], width), _layout(vals[x], width)
+    return before is not None and set(before[0].reshape(-1).tolist()) == set(after[0].reshape(-1).tolist())
 
 
 def _others_clear(readers, vals, group, xs, taken: set, width: int) -> bool:
@@ -252,10 +316,32 @@ def _placement(graph: torch.fx.Graph, linear: torch.fx.Node, inputs: list):
     return anchor, moved
 
 
+def _norm_weights(ep, plan: dict, dtype: torch.dtype, meta: dict) -> torch.fx.Node | None:
+    """The per-head norms' weights for the normed pairs, (a, b) each, in the pairs' order: one
+    ``index_select`` of the weights concatenated (ones for a norm without one), folded by ``lower()``."""
+    if not plan["norm_cols"]:
+        return None
+    graph, half = ep.graph_module.graph, plan["half"]
+    sources, offsets, index = [], {}, []
+    for weight, j in plan["norm_cols"]:
+        if weight not in offsets:
+            offsets[weight] = sum(tensor_val(w).shape[0] if w is not None else 2 * half for w in sources)
+            sources.append(weight)
+        index += [offsets[weight] + j, offsets[weight] + j + half]
+    nodes = [w if w is not None else add_constant(ep, torch.ones(2 * half, dtype=dtype), "_rope_norm_ones")
+             for w in sources]
+    order = add_constant(ep, torch.tensor(index, dtype=torch.int64), "_rope_norm_order")
+    vals = [tensor_val(n) for n in nodes]
+    cat = new_node(graph, aten.cat.default, (nodes, 0), fake(lambda *t: aten.cat.default(list(t), 0), *vals), meta)
+    return new_node(graph, aten.index_select.default, (cat, 0, order),
+                    fake(lambda t, i: aten.index_select.default(t, 0, i), cat.meta["val"], order.meta["val"]), meta)
+
+
 def _rewrite(ep, group: list, plan: dict) -> str | None:
     graph = ep.graph_module.graph
     linear = plan["linear"]
-    inputs = [t for t in plan["tables"] if isinstance(t, torch.fx.Node)]
+    weights = [w for w, _ in plan["norm_cols"]]  # a norm's weight may be computed (Gemma's 1 + w)
+    inputs = [t for t in plan["tables"] + weights if isinstance(t, torch.fx.Node)]
     placed = _placement(graph, linear, inputs)
     if placed is None:
         return None
@@ -271,14 +357,19 @@ def _rewrite(ep, group: list, plan: dict) -> str | None:
         b2 = None if bias is None else new_node(graph, aten.index_select.default, (bias, 0, perm_node),
                                                 fake(select, tensor_val(bias), perm_node.meta["val"]), linear.meta)
         tables = plan["tables"] + [None] * (2 - len(plan["tables"]))
+        norm_w = _norm_weights(ep, plan, tensor_val(linear).dtype, linear.meta)
         node = new_node(graph, ops.rope_linear, (x, w2, b2, pairs_node, *tables, plan["cos_dims"], plan["scale"],
-                                                 plan["dtype"]), linear.meta["val"], linear.meta)
+                                                 plan["dtype"], norm_w, 2 * plan["half"] if norm_w else 0,
+                                                 plan["eps"]), linear.meta["val"], linear.meta)
     last = node
     for n in moved:  # what read the linear before the tables were computed, after the fused node
         last.append(n)
         last = n
     linear.replace_all_uses_with(node)
     graph.erase_node(linear)
+    for norm in plan["norms"]:  # computed in the epilogue: its readers read its input's views
+        norm.replace_all_uses_with(norm.args[0])
+        graph.erase_node(norm)
     names = [rotary.name for rotary in group]
     for rotary in group:
         xs = rotary.args[:ROTARIES[rotary.target]]

@@ -137,6 +137,8 @@ def _rope(x: LaunchArgs, rows: int, N: int) -> list[Access]:
     acc = [Access("r_ptr", ((N // 2, 4), (4, 1))), Access("rc_ptr", _walk(coords, x.ints("rc", 2) + [x.i("rcj")]))]
     if x.c["ROPE"] == "tables":
         acc.append(Access("rs_ptr", _walk(coords, x.ints("rs", 2) + [x.i("rsj")])))
+    if x.c["NORM_E"]:  # the per-head norm's weights, 2 per pair below rn_pairs (and below N / 2)
+        acc.append(Access("rn_ptr", ((min(x.i("rn_pairs"), N // 2), 2), (2, 1))))
     return acc
 
 
@@ -159,6 +161,19 @@ def _matmul(x: LaunchArgs) -> Footprint:
     acc += _epilogue(x, (Z, M, n_out), 3) + _rope(x, Z * M, N)
     grid = (_cdiv(M, x.c["BLOCK_M"]) * _cdiv(N, x.c["BLOCK_N"]), Z)
     return Footprint(acc, grid, {"batch x M x N stored": Z * M * n_out, "K": K})
+
+
+def _grouped_mm(x: LaunchArgs) -> Footprint:
+    """Rows and experts come from offs clamped to [0, S] and [0, E): the box of every operand. Segment
+    tiles need cdiv(S, BLOCK_M) + E programs on axis 0 (grouped_mm.py), per-row tiles cdiv(S, BLOCK_M)."""
+    S, K = x.i("S"), x.i("K")
+    N, E = x.d("N", "E")
+    acc = [Access("x_ptr", ((S, x.i("stride_xs")), (K, x.i("stride_xk")))),
+           Access("w_ptr", ((E, x.i("stride_we")), (K, x.i("stride_wk")), (N, x.i("stride_wn")))),
+           Access("offs_ptr", ((E, x.i("stride_o")),)),
+           Access("out_ptr", ((S, x.i("stride_os")), (N, x.i("stride_on"))), write=True)]
+    tiles = _cdiv(S, x.c["BLOCK_M"]) + (0 if x.c["PER_ROW"] else E)
+    return Footprint(acc, (tiles, _cdiv(N, x.c["BLOCK_N"])), {"S x N stored": S * N, "K": K, "E": E})
 
 
 def _conv2d(x: LaunchArgs) -> Footprint:
@@ -436,7 +451,12 @@ RULES: dict[str, KernelRule] = {
         "GLU": one_of("", *sorted(GLU_ACTS)), "GLU_ROUND": one_of(*DTYPE_NAMES),
         # GEMV (no tl.dot) takes tiles of 1 to 8 rows and 8 columns; the accesses are the same
         "GEMV": FLAG, "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256),
-        "ROPE": one_of("", "angles", "tables"), "ROPE_ROUND": one_of("", "float16", "bfloat16")}, _GEMM_TILES),
+        "ROPE": one_of("", "angles", "tables"), "ROPE_ROUND": one_of("", "float16", "bfloat16"),
+        "NORM_E": one_of(0, *(2 ** k for k in range(1, 10)))}, _GEMM_TILES),
+    "grouped_mm": KernelRule(_grouped_mm, {
+        "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256), "BLOCK_K": pow2(16, 256), "BLOCK_E": pow2(2, 8192),
+        "PER_ROW": FLAG, "DOT_UPCAST": FLAG},
+        _GEMM_TILES + (("BLOCK_M", "BLOCK_K", "BLOCK_N"), ("BLOCK_M", "BLOCK_E"))),
     "conv2d": KernelRule(_conv2d, {**_GEMM, "KH": in_range(1, 4096), "KW": in_range(1, 4096), "HAS_BIAS": FLAG,
                                    **_epilogue_constexprs()}, _GEMM_TILES),
     "pool2d": KernelRule(_pool2d, {

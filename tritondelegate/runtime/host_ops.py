@@ -17,6 +17,10 @@ from ..program import HostArgKind
 from ..errors import ProgramError
 
 
+# The operator namespaces a program's host instructions may name (``lower()`` refuses any other).
+HOST_NAMESPACES = ("aten", "tritondelegate")
+
+
 def resolve_op(target: str):
     """``"aten::add.Tensor"`` -> ``torch.ops.aten.add.Tensor``; ``"tritondelegate::rotary"`` -> the op
     ``tritondelegate/ops.py`` defines (a fused op left on the host, run by its reference implementation)."""

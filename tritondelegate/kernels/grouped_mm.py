@@ -1,0 +1,241 @@
+"""Grouped matrix multiplication: the experts of a Mixture-of-Experts layer in one launch.
+
+    out[r] = x[r] @ w[e(r)]      for offs[e-1] <= r < offs[e]   (offs[-1] = 0)
+    out[r] = 0                   for offs[E-1] <= r < S
+
+x is [S, K] with its rows sorted by expert, w is [E, K, N], offs [E] (int32 or int64) the cumulative
+row counts per expert, out [S, N]. This is ``transformers::grouped_mm_fallback`` (transformers 5's
+default ``experts_implementation="grouped_mm"`` exports it in fp32 on the CPU) and
+``aten._grouped_mm`` with a 2-D x, a 3-D w and offs (what torch picks in bf16 on a GPU; it leaves the
+rows past offs[-1] unwritten, this kernel stores 0 there). Every operand is read in place through its
+strides (the experts' weights are a transposed view of the parameter). Products accumulate in fp32
+(IEEE, no TF32) and are rounded to out's dtype once. offs must be non-decreasing, as both ops require;
+values outside [0, S] are clamped to it, so a bad offs tensor gives wrong rows, never a read or a write
+outside the operands.
+
+Two variants, both correct for any offs:
+
+* **Segments** (``PER_ROW=False``): grid axis 0 walks (expert, row tile of that expert's segment) in
+  order, BLOCK_M rows of one expert per program, so the tile is one ``tl.dot`` per K step against one
+  expert's [BLOCK_K, BLOCK_N] slab. Each program finds its tile from offs in-kernel: the per-expert
+  tile counts ``cdiv(end_e - start_e, BLOCK_M)``, their running sum, and the first expert whose sum
+  passes the program id. The tail [offs[E-1], S) is one more segment, stored as zeros. Segments of c_e
+  rows need sum_e cdiv(c_e, BLOCK_M) <= cdiv(S, BLOCK_M) + E tiles (each segment pads fewer than
+  BLOCK_M rows), which is the grid; programs past the last tile store nothing.
+* **Rows** (``PER_ROW=True``, a few rows: decode, where S = tokens x experts per token is small):
+  each row finds its own expert, ``e(r) = #{e : offs[e] <= r}`` (E: past the last segment, stored as
+  0), and gathers its own [BLOCK_K, BLOCK_N] slab of that expert's weight; products are a broadcast
+  multiply summed over K on the CUDA cores (as ``matmul``'s GEMV variant), so tiles of 1 to 8 rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import sizes, target
+from .matmul import choose_config as matmul_config
+from .refs import node_value
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+OFFS_DTYPES = (torch.int32, torch.int64)
+MIN_BLOCK = 16  # tl.dot's least tile side
+ROW_PRODUCTS = 64 * 32 * 8  # per-row variant: products and gathered weights held per program, each
+FP32_TILE = 128 * 64  # segment tiles under fp32: at most 32 accumulator elements per thread over 8 warps
+
+
+# --- kernel ---------------------------------------------------------------------------------------
+@triton.jit
+def _bounds(offs_ptr, stride_o, S, E, BLOCK_E: tl.constexpr):
+    """Segment e's rows [start_e, end_e) for e <= E (segment E: the tail up to S), clamped to [0, S];
+    empty past E. Vectors of BLOCK_E (> E) entries."""
+    e = tl.arange(0, BLOCK_E)
+    ends = tl.load(offs_ptr + e.to(tl.int64) * stride_o, mask=e < E, other=0).to(tl.int64)
+    ends = tl.where(e < E, tl.minimum(tl.maximum(ends, 0), S), S)
+    starts = tl.load(offs_ptr + (e - 1).to(tl.int64) * stride_o, mask=(e >= 1) & (e <= E), other=0).to(tl.int64)
+    starts = tl.where(e <= E, tl.minimum(tl.maximum(starts, 0), S), S)
+    return e, starts, tl.maximum(ends, starts)
+
+
+@triton.jit
+def _segment_tile(offs_ptr, stride_o, pid, S, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, first row, end row) of program ``pid``'s row tile: the segments' tiles in order. The
+    expert is E for the tail's tiles and past E for a program with no tile (its rows are empty)."""
+    e, starts, ends = _bounds(offs_ptr, stride_o, S, E, BLOCK_E)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    passed = tl.cumsum(tiles, 0) <= pid  # segments wholly before pid's tile
+    expert = tl.sum(passed.to(tl.int32), 0)
+    tile = pid - tl.sum(tl.where(passed, tiles, 0), 0)
+    start = tl.sum(tl.where(e == expert, starts, 0), 0)
+    end = tl.sum(tl.where(e == expert, ends, 0), 0)
+    return expert, start + tile * BLOCK_M, end
+
+
+@triton.jit
+def _segment_product(x_ptr, w_ptr, rows, mask_m, offs_n, mask_n, expert, K, E,
+                     stride_xs, stride_xk, stride_we, stride_wk, stride_wn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """x[rows] @ w[expert] for rows of one expert, in fp32 (0 for the tail and empty tiles: no K steps)."""
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None] * stride_xs + offs_k[None, :] * stride_xk
+    w_ptrs = (w_ptr + tl.minimum(expert, E - 1).to(tl.int64) * stride_we
+              + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn)
+    step = tl.full((), BLOCK_K, tl.int64)  # int64: a K step times a stride can pass 2^31
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    steps = tl.where(expert < E, tl.cdiv(K, BLOCK_K), 0)
+    for k in range(0, steps):
+        k_left = K - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        if DOT_UPCAST:  # the interpreter's low-precision dot is wrong; the runtime sets this there
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+        x_ptrs += step * stride_xk
+        w_ptrs += step * stride_wk
+    return acc
+
+
+@triton.jit
+def _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, mask_m, offs_n, mask_n, S, K, E,
+                 stride_xs, stride_xk, stride_we, stride_wk, stride_wn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """x[r] @ w[e(r)] row by row, in fp32 (0 for rows past the last segment)."""
+    e, starts, ends = _bounds(offs_ptr, stride_o, S, E, BLOCK_E)
+    ended = (ends[None, :] <= rows[:, None]) & (e[None, :] < E)  # segments that end at or before row r
+    expert = tl.sum(ended.to(tl.int32), 1)
+    live = mask_m & (expert < E)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None] * stride_xs + offs_k[None, :] * stride_xk
+    w_ptrs = (w_ptr + tl.minimum(expert, E - 1).to(tl.int64)[:, None, None] * stride_we
+              + offs_k[None, :, None] * stride_wk + offs_n[None, None, :] * stride_wn)
+    step = tl.full((), BLOCK_K, tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        inside = offs_k < K - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=live[:, None] & inside[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=live[:, None, None] & inside[None, :, None] & mask_n[None, None, :], other=0.0)
+        acc += tl.sum(a[:, :, None].to(tl.float32) * b.to(tl.float32), axis=1)
+        x_ptrs += step * stride_xk
+        w_ptrs += step * stride_wk
+    return acc
+
+
+@triton.jit
+def grouped_mm_kernel(
+    x_ptr, w_ptr, offs_ptr, out_ptr,
+    S, N, K, E,
+    stride_xs, stride_xk, stride_we, stride_wk, stride_wn, stride_o, stride_os, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    PER_ROW: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    # out[r] = x[r] @ w[e(r)], offs[e-1] <= r < offs[e]; 0 past offs[E-1]
+    pid_n = tl.program_id(1)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    if PER_ROW:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = rows < S
+        acc = _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, mask_m, offs_n, mask_n, S, K, E,
+                           stride_xs, stride_xk, stride_we, stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E)
+    else:
+        expert, first, end = _segment_tile(offs_ptr, stride_o, tl.program_id(0), S, E, BLOCK_M, BLOCK_E)
+        rows = first + tl.arange(0, BLOCK_M)
+        mask_m = (rows >= 0) & (rows < end)
+        acc = _segment_product(x_ptr, w_ptr, rows, mask_m, offs_n, mask_n, expert, K, E,
+                               stride_xs, stride_xk, stride_we, stride_wk, stride_wn,
+                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST)
+    out_ptrs = out_ptr + rows[:, None] * stride_os + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# --- host launcher --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    per_row: bool
+
+
+def choose_config(S, E: int, N, K, dtype: torch.dtype) -> Config:
+    """Tiles for S rows over E experts (upper bounds of dynamic sizes).
+
+    At most the target's GEMV rows (8 on an H100), the per-row variant: the rows rounded up to a power
+    of two, a K step of 512 bytes of a weight row, and columns (8 to 128) so that the products and the
+    gathered weights stay within ROW_PRODUCTS each. Otherwise segment tiles as ``matmul`` chooses them
+    for E products of the rows an even split gives each expert (16 rows at least, for ``tl.dot``), at
+    most FP32_TILE elements under fp32 (a 128x128 fp32 tile spills registers on sm_90)."""
+    gpu = target.current()
+    S, N, K = sizes.upper((S, N, K))
+    itemsize = dtype.itemsize
+    if S <= gpu.gemv_rows:
+        block_m = sizes.next_power_of_2(max(S, 1))
+        block_k = min(512 // itemsize, max(MIN_BLOCK, sizes.next_power_of_2(K)))
+        block_n = max(8, min(sizes.next_power_of_2(max(N, 1)), 128, ROW_PRODUCTS // (block_m * block_k)))
+        return Config(block_m, block_n, block_k, num_warps=4 if block_m * block_k * block_n <= 8192 else 8,
+                      num_stages=2, per_row=True)
+    rows = max(-(-S // max(E, 1)), gpu.gemv_rows + 1, MIN_BLOCK)
+    cfg = matmul_config(E, rows, N, K, dtype)
+    block_m, block_n = cfg.block_m, cfg.block_n
+    while itemsize >= 4 and block_m * block_n > FP32_TILE:  # IEEE fp32 dots: 128x128 spills (sm_90)
+        block_m, block_n = (block_m, block_n // 2) if block_n >= block_m else (block_m // 2, block_n)
+    return Config(block_m, block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, per_row=False)
+
+
+def grouped_mm(b, node):
+    """``out = grouped_mm(x [S, K], w [E, K, N], offs [E])``: one launch."""
+    x, w, offs = (b.ref(a) for a in _operands(node)[:3])
+    out = b.out(node)
+    S, K = x.shape
+    E, _, N = w.shape
+    cfg = choose_config(S, E, N, K, x.dtype)
+    rows = triton.cdiv(S, cfg.block_m) if cfg.per_row else triton.cdiv(S, cfg.block_m) + E
+    b.launch("grouped_mm", (rows, triton.cdiv(N, cfg.block_n)), x, w, offs, out, S, N, K, E,
+             *x.strides, *w.strides, offs.strides[0], *out.strides,
+             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+             BLOCK_E=sizes.next_power_of_2(sizes.upper(E) + 1), PER_ROW=cfg.per_row, DOT_UPCAST=False,
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# --- support check --------------------------------------------------------------------------------
+def supported(node) -> str | None:
+    """``transformers::grouped_mm_fallback(input, weight, offs)`` and ``aten._grouped_mm(self, mat2,
+    offs, bias=None, out_dtype=None)`` with a 2-D input, a 3-D weight and offs: None, or why not."""
+    x, w, offs, bias = (node_value(a) for a in _operands(node))
+    if bias is not None:
+        return "a bias is not supported; only input [S, K] @ weight[E, K, N] grouped by offs"
+    out = node.meta.get("val")
+    for name, v in (("input", x), ("weight", w), ("result", out)):
+        if not isinstance(v, torch.Tensor):
+            return f"{name} is not a tensor"
+    ranks = (x.dim(), w.dim(), offs.dim() if isinstance(offs, torch.Tensor) else None)
+    if ranks != (2, 3, 1):
+        given = "no offs" if ranks[2] is None else f"{ranks[2]}-D offs"
+        return (f"input is {x.dim()}-D, weight {w.dim()}-D, {given}; grouped_mm takes a 2-D input [S, K], "
+                "a 3-D weight [E, K, N] and 1-D offs [E]")
+    if x.dtype not in DTYPES:
+        return f"input has dtype {x.dtype}; grouped_mm supports {', '.join(str(d) for d in DTYPES)}"
+    if w.dtype != x.dtype or out.dtype != x.dtype:
+        return f"mixed dtypes: input {x.dtype}, weight {w.dtype}, result {out.dtype}"
+    if offs.dtype not in OFFS_DTYPES:
+        return f"offs has dtype {offs.dtype}; it must be torch.int32 or torch.int64"
+    if not sizes.is_static(w.shape[0]) or w.shape[0] < 1 or offs.shape[0] != w.shape[0]:
+        return f"offs has {offs.shape[0]} entries for {w.shape[0]} experts; one per expert, a static count"
+    if x.shape[1] != w.shape[1]:
+        return f"input has {x.shape[1]} columns but each expert's weight {w.shape[1]} rows"
+    return None
+
+
+def _operands(node) -> tuple:
+    """(input, weight, offs, bias) fx arguments of either op, positional or by keyword; None if absent
+    (``aten._grouped_mm`` names them self, mat2, offs, bias)."""
+    names = ("input", "weight", "offs", "bias") if node.target.namespace != "aten" else ("self", "mat2", "offs", "bias")
+    given = dict(zip(names, node.args))
+    given.update({k: v for k, v in node.kwargs.items() if k in names})
+    return tuple(given.get(n) for n in names)

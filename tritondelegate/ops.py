@@ -13,6 +13,9 @@ place of a written-out pattern, so one kernel runs them.
         the same with the tables computed from the half-width angles ``a`` [..., D / 2] (positions times
         inverse frequencies): ``cos = (cos(cat(a, a, -1)) * scale).to(dtype)``, ``sin`` likewise, as a
         model computes them per call from its input positions; the kernel computes them inline
+        (each of the four takes optional per-head norms last: ``norm`` (``q_norm``, ``k_norm``) and
+        ``norm_eps``: x first becomes ``rms_norm(x, [D], norm, norm_eps)``, Qwen3's q_norm and k_norm,
+        run in the same launch: ``passes/head_norm.py``)
 
     tritondelegate::sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale,
                                    bool enable_gqa) -> Tensor
@@ -54,10 +57,13 @@ NAMESPACE = "tritondelegate"
 
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 
-_lib.define("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor")
-_lib.define("rotary_pair(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)")
-_lib.define("rotary_angles(Tensor x, Tensor angles, float scale, ScalarType dtype) -> Tensor")
-_lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, ScalarType dtype) -> (Tensor, Tensor)")
+_lib.define("rotary(Tensor x, Tensor cos, Tensor sin, Tensor? norm=None, float norm_eps=0.0) -> Tensor")
+_lib.define("rotary_pair(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? q_norm=None, Tensor? k_norm=None, "
+            "float norm_eps=0.0) -> (Tensor, Tensor)")
+_lib.define("rotary_angles(Tensor x, Tensor angles, float scale, ScalarType dtype, Tensor? norm=None, "
+            "float norm_eps=0.0) -> Tensor")
+_lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, ScalarType dtype, "
+            "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0) -> (Tensor, Tensor)")
 _lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa) -> Tensor")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
 _lib.define("rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin, "
@@ -84,27 +90,33 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos + rotate_half(x) * sin
 
 
+def head_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
+    """``x`` RMS-normalized over its last dim (each head) by ``weight``; ``x`` itself without one: the
+    per-head norm (Qwen3's q_norm, k_norm) a rotary op applies first (``passes/head_norm.py``)."""
+    return x if weight is None else torch.rms_norm(x, [x.shape[-1]], weight, eps)
+
+
 @torch.library.impl(_lib, "rotary", "CompositeExplicitAutograd")
-def _rotary(x, cos, sin):
+def _rotary(x, cos, sin, norm=None, norm_eps=0.0):
     if x.shape[-1] % 2:
         raise ValueError(f"tritondelegate::rotary: the last dim of x ({x.shape[-1]}) is not even")
-    return rotary_reference(x, cos, sin)
+    return rotary_reference(head_norm(x, norm, norm_eps), cos, sin)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary")
-def _rotary_fake(x, cos, sin):
+def _rotary_fake(x, cos, sin, norm=None, norm_eps=0.0):
     # The formula itself on fake tensors: the result's shape, dtype and strides are the pattern's.
-    return rotary_reference(x, cos, sin)
+    return rotary_reference(head_norm(x, norm, norm_eps), cos, sin)
 
 
 @torch.library.impl(_lib, "rotary_pair", "CompositeExplicitAutograd")
-def _rotary_pair(q, k, cos, sin):
-    return _rotary(q, cos, sin), _rotary(k, cos, sin)
+def _rotary_pair(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0):
+    return _rotary(q, cos, sin, q_norm, norm_eps), _rotary(k, cos, sin, k_norm, norm_eps)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary_pair")
-def _rotary_pair_fake(q, k, cos, sin):
-    return rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)
+def _rotary_pair_fake(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0):
+    return _rotary_fake(q, cos, sin, q_norm, norm_eps), _rotary_fake(k, cos, sin, k_norm, norm_eps)
 
 
 def rotary_tables(angles: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,23 +127,25 @@ def rotary_tables(angles: torch.Tensor, scale: float, dtype: torch.dtype) -> tup
 
 
 @torch.library.impl(_lib, "rotary_angles", "CompositeExplicitAutograd")
-def _rotary_angles(x, angles, scale, dtype):
-    return _rotary(x, *rotary_tables(angles, scale, dtype))
+def _rotary_angles(x, angles, scale, dtype, norm=None, norm_eps=0.0):
+    return _rotary(x, *rotary_tables(angles, scale, dtype), norm, norm_eps)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary_angles")
-def _rotary_angles_fake(x, angles, scale, dtype):
-    return rotary_reference(x, *rotary_tables(angles, scale, dtype))
+def _rotary_angles_fake(x, angles, scale, dtype, norm=None, norm_eps=0.0):
+    return _rotary_fake(x, *rotary_tables(angles, scale, dtype), norm, norm_eps)
 
 
 @torch.library.impl(_lib, "rotary_pair_angles", "CompositeExplicitAutograd")
-def _rotary_pair_angles(q, k, angles, scale, dtype):
-    return _rotary_angles(q, angles, scale, dtype), _rotary_angles(k, angles, scale, dtype)
+def _rotary_pair_angles(q, k, angles, scale, dtype, q_norm=None, k_norm=None, norm_eps=0.0):
+    return _rotary_angles(q, angles, scale, dtype, q_norm, norm_eps), _rotary_angles(k, angles, scale, dtype, k_norm,
+                                                                                    norm_eps)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary_pair_angles")
-def _rotary_pair_angles_fake(q, k, angles, scale, dtype):
-    return _rotary_angles_fake(q, angles, scale, dtype), _rotary_angles_fake(k, angles, scale, dtype)
+def _rotary_pair_angles_fake(q, k, angles, scale, dtype, q_norm=None, k_norm=None, norm_eps=0.0):
+    return (_rotary_angles_fake(q, angles, scale, dtype, q_norm, norm_eps),
+            _rotary_angles_fake(k, angles, scale, dtype, k_norm, norm_eps))
 
 
 def positions_mask(positions: torch.Tensor, length: int) -> torch.Tensor:

@@ -71,10 +71,12 @@ def _rotate(
     xs0, xs1, xs2, xs3, xsd,
     cs0, cs1, cs2, cs3, csd,
     ss0, ss1, ss2, ss3, ssd,
-    os0, os1, os2, os3, osd, scale,
+    os0, os1, os2, os3, osd, scale, nw_ptr, nws, n_eps,
     ANGLES: tl.constexpr, ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    NORM: tl.constexpr = False,
 ):
-    """Row block ``block`` (and column block ``program_id(1)``) of one tensor's rotation."""
+    """Row block ``block`` (and column block ``program_id(1)``) of one tensor's rotation. ``NORM``: each
+    row (a head; BLOCK_H covers its half) RMS-normalized first, as ``rms_norm(x, [D], w, n_eps)``."""
     r = block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (r < rows)[:, None] & (c < half)[None, :]
@@ -86,6 +88,13 @@ def _rotate(
     o_row = out_ptr + _row4(r, n1, n2, n3, os0, os1, os2, os3)[:, None]
     x1 = tl.load(x_row + lo * xsd, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + hi * xsd, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # rounded to x's dtype as the norm's result is stored, times the weight, rounded again
+        tx = x_ptr.dtype.element_ty
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * half) + n_eps)[:, None]
+        w1 = tl.load(nw_ptr + lo * nws, mask=c[None, :] < half, other=0.0).to(tl.float32)
+        w2 = tl.load(nw_ptr + hi * nws, mask=c[None, :] < half, other=0.0).to(tl.float32)
+        x1 = ((x1 * rstd).to(tx).to(tl.float32) * w1).to(tx).to(tl.float32)
+        x2 = ((x2 * rstd).to(tx).to(tl.float32) * w2).to(tx).to(tl.float32)
     if ANGLES:  # cos_ptr: the angles; positions c and c + h share one
         a = tl.load(c_row + lo * csd, mask=mask, other=0.0).to(tl.float32)
         c1 = _round(tl.cos(a) * scale, ROUND)
@@ -117,28 +126,32 @@ def rotary_kernel(
     kcs0, kcs1, kcs2, kcs3,
     kss0, kss1, kss2, kss3,
     kos0, kos1, kos2, kos3, kosd, scale,
+    nw_ptr, knw_ptr, nws, knws, n_eps,
     PAIR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    ANGLES: tl.constexpr = False, ROUND: tl.constexpr = "",
+    ANGLES: tl.constexpr = False, ROUND: tl.constexpr = "", NORM: tl.constexpr = False,
 ):
     """One tensor x, or (PAIR) two tensors x and kx over the same cos and sin: axis 0 of the grid is
     x's row blocks, then kx's. kx has its own rows (its own head count) and strides; its cos and sin
     strides are theirs broadcast to kx's shape, over the same last dim (csd, ssd). ``ANGLES``: cos_ptr
-    holds the angles, and the tables are computed (``scale``, rounded to ``ROUND``)."""
+    holds the angles, and the tables are computed (``scale``, rounded to ``ROUND``). ``NORM``: x's and
+    kx's rows (heads) are RMS-normalized first, each by its own weight (nw_ptr, knw_ptr), as Qwen3's
+    q_norm and k_norm (one column block per row: BLOCK_H covers the half)."""
     pid = tl.program_id(0)
     if PAIR:
         x_blocks = tl.cdiv(rows, BLOCK_R)
         if pid < x_blocks:
             _rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, pid, rows, half, n1, n2, n3,
                     xs0, xs1, xs2, xs3, xsd, cs0, cs1, cs2, cs3, csd, ss0, ss1, ss2, ss3, ssd,
-                    os0, os1, os2, os3, osd, scale, ANGLES, ROUND, BLOCK_R, BLOCK_H)
+                    os0, os1, os2, os3, osd, scale, nw_ptr, nws, n_eps, ANGLES, ROUND, BLOCK_R, BLOCK_H, NORM)
         else:
             _rotate(kx_ptr, cos_ptr, sin_ptr, kout_ptr, pid - x_blocks, krows, half, k1, k2, k3,
                     kxs0, kxs1, kxs2, kxs3, kxsd, kcs0, kcs1, kcs2, kcs3, csd, kss0, kss1, kss2, kss3, ssd,
-                    kos0, kos1, kos2, kos3, kosd, scale, ANGLES, ROUND, BLOCK_R, BLOCK_H)
+                    kos0, kos1, kos2, kos3, kosd, scale, knw_ptr, knws, n_eps, ANGLES, ROUND, BLOCK_R, BLOCK_H,
+                    NORM)
     else:
         _rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, pid, rows, half, n1, n2, n3,
                 xs0, xs1, xs2, xs3, xsd, cs0, cs1, cs2, cs3, csd, ss0, ss1, ss2, ss3, ssd,
-                os0, os1, os2, os3, osd, scale, ANGLES, ROUND, BLOCK_R, BLOCK_H)
+                os0, os1, os2, os3, osd, scale, nw_ptr, nws, n_eps, ANGLES, ROUND, BLOCK_R, BLOCK_H, NORM)
 
 
 # --- host launcher --------------------------------------------------------------------------------
@@ -180,25 +193,40 @@ def _tables(angles: tuple | None) -> tuple[float, dict]:
     return float(scale), {"ANGLES": True, "ROUND": rounding}
 
 
-def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef, angles: tuple | None = None) -> None:
+def _norm_args(x: TRef, half: int, weights, eps) -> tuple[list, dict]:
+    """(the norm's launch arguments: a weight pointer per tensor, their strides, eps; constexprs) for
+    per-head norms with ``weights`` (TRefs, or None: no norm). A row must fit one column block."""
+    if weights is None:
+        return [x, x, 0, 0, 0.0], {}
+    if half > MAX_BLOCK_H:
+        raise LoweringError(f"rotary: a per-head norm over {2 * half} columns (at most {2 * MAX_BLOCK_H})")
+    w = list(weights) + [weights[0]] * (2 - len(weights))
+    return [w[0], w[1], w[0].strides[0], w[1].strides[0], float(eps)], {"NORM": True}
+
+
+def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef, angles: tuple | None = None,
+                  norm: tuple | None = None) -> None:
     """``out = x * cos + rotate_half(x) * sin``; ``out`` has ``x``'s shape, cos and sin broadcast to it.
-    ``angles=(scale, dtype)``: cos and sin are both the angles the kernel computes the tables from."""
+    ``angles=(scale, dtype)``: cos and sin are both the angles the kernel computes the tables from.
+    ``norm=(weight, eps)``: x's rows RMS-normalized first (a per-head norm)."""
     rows, inner, (os_, xs, cs, ss) = _rows("rotary", x, cos, sin, out, angles is not None)
     half = out.shape[-1] // 2
     block_r, block_h = _blocks(half, rows)
     scale, flags = _tables(angles)
+    nargs, nflags = _norm_args(x, half, None if norm is None else norm[:1], None if norm is None else norm[1])
     b.launch(
         "rotary", (triton.cdiv(rows, block_r), triton.cdiv(half, block_h)),
         x, cos, sin, out, x, out,
         rows, half, *inner, *xs, *cs, *ss, *os_,
         0, 1, 1, 1, *[0] * 18, scale,  # no second tensor
-        PAIR=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4, **flags,
+        *nargs, PAIR=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4, **flags, **nflags,
     )
 
 
 def launch_rotary_pair(b, q: TRef, k: TRef, cos: TRef, sin: TRef, q_out: TRef, k_out: TRef,
-                       angles: tuple | None = None) -> None:
-    """``q_out`` and ``k_out``: q and k rotated by the same cos and sin (or angles), in one launch."""
+                       angles: tuple | None = None, norms: tuple | None = None) -> None:
+    """``q_out`` and ``k_out``: q and k rotated by the same cos and sin (or angles), in one launch.
+    ``norms=(q weight, k weight, eps)``: q's and k's rows RMS-normalized first (per-head norms)."""
     if q.shape[-1] != k.shape[-1]:
         raise LoweringError(f"rotary_pair: q {q.shape} and k {k.shape} differ in their last dim")
     rows, inner, (os_, xs, cs, ss) = _rows("rotary_pair", q, cos, sin, q_out, angles is not None)
@@ -206,12 +234,13 @@ def launch_rotary_pair(b, q: TRef, k: TRef, cos: TRef, sin: TRef, q_out: TRef, k
     half = q_out.shape[-1] // 2
     block_r, block_h = _blocks(half, rows, krows)
     scale, flags = _tables(angles)
+    nargs, nflags = _norm_args(q, half, None if norms is None else norms[:2], None if norms is None else norms[2])
     b.launch(
         "rotary", (triton.cdiv(rows, block_r) + triton.cdiv(krows, block_r), triton.cdiv(half, block_h)),
         q, cos, sin, q_out, k, k_out,
         rows, half, *inner, *xs, *cs, *ss, *os_,
         krows, *kinner, *kxs, *kcs[:-1], *kss[:-1], *kos, scale,
-        PAIR=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4, **flags,
+        *nargs, PAIR=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4, **flags, **nflags,
     )
 
 
@@ -236,8 +265,22 @@ def _refusal(vals) -> str | None:
     return None
 
 
+def _norm_refusal(node, first: int, count: int) -> str | None:
+    """Why the kernel cannot apply a rotary node's per-head norms (args ``first`` on), or None."""
+    weights = [node_value(w) for w in node.args[first:first + count] if w is not None]
+    if not weights:
+        return None
+    d = sizes.size(node_value(node.args[0]).shape[-1])
+    if len(weights) != count or d > 2 * MAX_BLOCK_H:
+        return f"per-head norms need a weight for each tensor and at most {2 * MAX_BLOCK_H} columns"
+    for w in weights:
+        if not isinstance(w, torch.Tensor) or w.dim() != 1 or w.dtype not in FLOAT_DTYPES or sizes.size(w.shape[0]) != d:
+            return f"a per-head norm's weight is not a float vector of the last dim's {d}"
+    return None
+
+
 def supported(node) -> str | None:
-    return _refusal([node_value(a) for a in node.args[:3]] + [node.meta.get("val")])
+    return _refusal([node_value(a) for a in node.args[:3]] + [node.meta.get("val")]) or _norm_refusal(node, 3, 1)
 
 
 def supported_pair(node) -> str | None:
@@ -251,7 +294,7 @@ def supported_pair(node) -> str | None:
             return f"{name}: {reason}"
     if sizes.size(q.shape[-1]) != sizes.size(k.shape[-1]):
         return f"q and k differ in their last dim ({q.shape[-1]} and {k.shape[-1]})"
-    return None
+    return _norm_refusal(node, 4, 2)
 
 
 def _angles_refusal(x, angles, scale, dtype, out) -> str | None:
@@ -270,7 +313,7 @@ def _angles_refusal(x, angles, scale, dtype, out) -> str | None:
 
 def supported_angles(node) -> str | None:
     (x, angles), (scale, dtype) = (node_value(a) for a in node.args[:2]), node.args[2:4]
-    return _angles_refusal(x, angles, scale, dtype, node.meta.get("val"))
+    return _angles_refusal(x, angles, scale, dtype, node.meta.get("val")) or _norm_refusal(node, 4, 1)
 
 
 def supported_pair_angles(node) -> str | None:
@@ -282,28 +325,38 @@ def supported_pair_angles(node) -> str | None:
         reason = _angles_refusal(x, angles, scale, dtype, out)
         if reason is not None:
             return f"{name}: {reason}"
-    return None
+    return _norm_refusal(node, 5, 2)
+
+
+def _norms(b, node, first: int, count: int) -> tuple | None:
+    """The per-head norms of a rotary node (``passes/head_norm.py``): its ``count`` weights from arg
+    ``first`` on, then eps, as (TRef, ..., eps); None without."""
+    weights = node.args[first:first + count]
+    if len(weights) < count or any(w is None for w in weights):
+        return None
+    return (*(b.ref(w) for w in weights), float(node.args[first + count]))
 
 
 def rotary(b, node):
-    """tritondelegate::rotary(x, cos, sin)"""
+    """tritondelegate::rotary(x, cos, sin[, norm, norm_eps])"""
     x, cos, sin = (b.ref(a) for a in node.args[:3])
-    launch_rotary(b, x, cos, sin, b.out(node))
+    launch_rotary(b, x, cos, sin, b.out(node), norm=_norms(b, node, 3, 1))
 
 
 def rotary_pair(b, node):
-    """tritondelegate::rotary_pair(q, k, cos, sin) -> (q rotated, k rotated)"""
+    """tritondelegate::rotary_pair(q, k, cos, sin[, q_norm, k_norm, norm_eps]) -> (q rotated, k rotated)"""
     q, k, cos, sin = (b.ref(a) for a in node.args[:4])
-    launch_rotary_pair(b, q, k, cos, sin, b.out(node, 0), b.out(node, 1))
+    launch_rotary_pair(b, q, k, cos, sin, b.out(node, 0), b.out(node, 1), norms=_norms(b, node, 4, 2))
 
 
 def rotary_angles(b, node):
-    """tritondelegate::rotary_angles(x, angles, scale, dtype)"""
+    """tritondelegate::rotary_angles(x, angles, scale, dtype[, norm, norm_eps])"""
     x, angles = (b.ref(a) for a in node.args[:2])
-    launch_rotary(b, x, angles, angles, b.out(node), angles=tuple(node.args[2:4]))
+    launch_rotary(b, x, angles, angles, b.out(node), angles=tuple(node.args[2:4]), norm=_norms(b, node, 4, 1))
 
 
 def rotary_pair_angles(b, node):
-    """tritondelegate::rotary_pair_angles(q, k, angles, scale, dtype) -> (q rotated, k rotated)"""
+    """tritondelegate::rotary_pair_angles(q, k, angles, scale, dtype[, q_norm, k_norm, norm_eps])"""
     q, k, angles = (b.ref(a) for a in node.args[:3])
-    launch_rotary_pair(b, q, k, angles, angles, b.out(node, 0), b.out(node, 1), angles=tuple(node.args[3:5]))
+    launch_rotary_pair(b, q, k, angles, angles, b.out(node, 0), b.out(node, 1), angles=tuple(node.args[3:5]),
+                       norms=_norms(b, node, 5, 2))

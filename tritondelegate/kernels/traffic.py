@@ -296,7 +296,8 @@ TRAFFIC: dict[str, KernelTraffic] = {
     # angles (sin_ptr the same tensor) and each half position also takes a cos, a sin and two scalings
     "rotary": KernelTraffic(
         reads=(Access("x_ptr"), Access("cos_ptr"), Access("sin_ptr", lambda a: not a["ANGLES"]),
-               Access("kx_ptr", _flag("PAIR"))),
+               Access("kx_ptr", _flag("PAIR")), Access("nw_ptr", _flag("NORM")),
+               Access("knw_ptr", lambda a: a["NORM"] and a["PAIR"])),
         writes=(Access("out_ptr"), Access("kout_ptr", _flag("PAIR"))),
         flops=lambda a: (3 * 2 + (4 if a["ANGLES"] else 0)) * (a["rows"] + (a["krows"] if a["PAIR"] else 0)) * a["half"],
     ),

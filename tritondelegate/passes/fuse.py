@@ -18,6 +18,8 @@ constant folding and partitioning:
 * ``fuse_rope_linear``: a rotary embedding whose query and key are views of one projection (after
   ``fuse_projections``) moves into that projection's epilogue: one ``tritondelegate::rope_linear``
   over the weight's rows permuted into rotation pairs (permuted once by ``lower()``);
+* ``head_norm``: per-head norms (Qwen3's q_norm and k_norm) that the epilogue did not take run in
+  the rotary launch that reads them;
 * ``fuse_batchnorm``: an eval batch norm after a convolution is folded into its weight and bias
   (computed once by ``lower()``).
 
@@ -34,6 +36,7 @@ from .fuse_gelu import fuse_gelu
 from .fuse_glu import fuse_glu
 from .fuse_projections import fuse_projections
 from .fuse_rope_linear import fuse_rope_linear
+from .head_norm import head_norm
 from .fuse_rms_norm import fuse_rms_norm
 from .fuse_rotary import fuse_rotary
 from .position_mask import position_mask
@@ -46,6 +49,7 @@ def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool)
     if fold:  # both store new constants (concatenated or folded weights): folding computes them once
         done += (fuse_glu(ep, state) + fuse_projections(ep, state) + fuse_rope_linear(ep, state)
                  + fuse_batchnorm(ep, state))
+    done += head_norm(ep)
     if done:
         ep.graph_module.recompile()
     return done

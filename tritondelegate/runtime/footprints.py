@@ -280,6 +280,8 @@ def _rotary(x: LaunchArgs) -> Footprint:
                        write=write) for param, prefix, last, write in pointers]
         programs += _cdiv(rows, x.c["BLOCK_R"])
         points += max(rows, 0) * max(half, 0)
+    if x.c["NORM"]:  # per-head norms: a weight of 2 * half per tensor (kx's only with PAIR)
+        acc += [Access(p, ((2 * half, x.i(s)),)) for p, s in (("nw_ptr", "nws"), ("knw_ptr", "knws"))[:1 + x.c["PAIR"]]]
     return Footprint(acc, (programs, _cdiv(half, x.c["BLOCK_H"])), {"rows x half": points})
 
 
@@ -476,7 +478,7 @@ RULES: dict[str, KernelRule] = {
         "MAP": one_of("id", "sq", "abs"), "FINISH": one_of("none", "div", "sqrt"), "INT_ACC": FLAG,
         "COMBINE": one_of("sum", "prod", "max", "min", "argmax", "argmin", "welford"), **_ROWS},
         (("BLOCK_R", "BLOCK_C"),)),
-    "rotary": KernelRule(_rotary, {"PAIR": FLAG, "BLOCK_R": pow2(1, 4096), "BLOCK_H": pow2(1, 4096),
+    "rotary": KernelRule(_rotary, {"PAIR": FLAG, "BLOCK_R": pow2(1, 4096), "BLOCK_H": pow2(1, 4096), "NORM": FLAG,
                                    "ANGLES": FLAG, "ROUND": one_of("", "float16", "bfloat16")},
                          (("BLOCK_R", "BLOCK_H"),)),
 }

@@ -53,11 +53,11 @@ VIEWS = {aten.view.default, aten._unsafe_view.default, aten.permute.default, ate
 ROTARIES = {ops.rotary: 1, ops.rotary_angles: 1, ops.rotary_pair: 2, ops.rotary_pair_angles: 2}
 
 
-def _is_view(node: torch.fx.Node) -> bool:
+def is_view(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in VIEWS
 
 
-def _head_norm(node: torch.fx.Node) -> bool:
+def is_head_norm(node: torch.fx.Node) -> bool:
     """Whether ``node`` is an RMSNorm over the last dim alone (Qwen3's and Gemma3's q_norm and k_norm,
     per head), which the epilogue can compute: a view for the layout, a norm for the values."""
     if not is_call(node, aten.rms_norm.default) or node.kwargs:
@@ -70,16 +70,16 @@ def _head_norm(node: torch.fx.Node) -> bool:
 def _linear_of(node: torch.fx.Node) -> torch.fx.Node | None:
     """The linear ``node`` is a chain of views of (through at most one per-head norm), or None."""
     norms = 0
-    while _is_view(node) or _head_norm(node):
-        norms += _head_norm(node)
+    while is_view(node) or is_head_norm(node):
+        norms += is_head_norm(node)
         node = node.args[0]
     return node if is_call(node, aten.linear.default) and norms <= 1 else None
 
 
 def _norm_on(node: torch.fx.Node) -> torch.fx.Node | None:
     """The per-head norm on the chain from the linear to ``node``, or None."""
-    while _is_view(node) or _head_norm(node):
-        if _head_norm(node):
+    while is_view(node) or is_head_norm(node):
+        if is_head_norm(node):
             return node
         node = node.args[0]
     return None
@@ -93,10 +93,10 @@ def _view_closure(linear: torch.fx.Node):
     while stack:
         node = stack.pop()
         for user in node.users:
-            if _head_norm(user) and user.args[0] is node:  # its result sits where its input sat
+            if is_head_norm(user) and user.args[0] is node:  # its result sits where its input sat
                 vals[user] = vals[node]
                 stack.append(user)
-            elif _is_view(user) and user.args[0] is node:
+            elif is_view(user) and user.args[0] is node:
                 args = torch.fx.node.map_arg(user.args[1:], lambda a: a.meta.get("val"))
                 vals[user] = fake(lambda v: user.target(v, *args), vals[node])
                 stack.append(user)
@@ -247,7 +247,7 @@ def _plan(group: list, constants: set) -> dict | None:
                 return None
             norms[norm] = x
         (normed if norm is not None else plain).append((norm, found[0]))
-    if any(_head_norm(n) and n not in norms for n in vals) or len({_eps(n, y.dtype) for n in norms}) > 1:
+    if any(is_head_norm(n) and n not in norms for n in vals) or len({norm_eps(n, y.dtype) for n in norms}) > 1:
         return None  # a per-head norm off the rotated chains, or norms that differ in eps
     rotated = [p for _, found in normed + plain for p in found]
     taken = [c for p in rotated for c in p[:2]]
@@ -258,11 +258,11 @@ def _plan(group: list, constants: set) -> dict | None:
     half = tensor_val(xs[0]).shape[-1] // 2
     norm_cols = [((*norm.args, None)[2], i % half) for norm, found in normed for i in range(len(found))]
     return dict(linear=linear, tables=tables, scale=float(scale), dtype=dtype, cos_dims=cos_dims, pairs=pairs,
-                norms=list(norms), norm_cols=norm_cols, eps=_eps(next(iter(norms)), y.dtype) if norms else 0.0,
+                norms=list(norms), norm_cols=norm_cols, eps=norm_eps(next(iter(norms)), y.dtype) if norms else 0.0,
                 half=half)
 
 
-def _eps(norm: torch.fx.Node, dtype: torch.dtype) -> float:
+def norm_eps(norm: torch.fx.Node, dtype: torch.dtype) -> float:
     eps = norm.args[3] if len(norm.args) > 3 else None
     return float(torch.finfo(dtype).eps if eps is None else eps)
 

@@ -22,7 +22,7 @@ import torch
 import torch.fx
 
 from .. import ops
-from .fuse_rope_linear import ROTARIES, _head_norm, _is_view
+from .fuse_rope_linear import ROTARIES, is_head_norm, is_view, norm_eps
 from .rewrite import tensor_val
 
 aten = torch.ops.aten
@@ -32,20 +32,15 @@ def _norm_under(x: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] |
     """(the per-head norm that ``x`` is a chain of views of, the chain from it to x), or None."""
     chain = []
     node = x
-    while _is_view(node) and len(node.users) == 1:
+    while is_view(node) and len(node.users) == 1:
         chain.append(node)
         node = node.args[0]
-    if not _head_norm(node) or len(node.users) != 1 or len(node.args) < 3 or node.args[2] is None:
+    if not is_head_norm(node) or len(node.users) != 1 or len(node.args) < 3 or node.args[2] is None:
         return None
     xv, nv = tensor_val(x), tensor_val(node)
     if xv is None or nv is None or xv.shape[-1] != nv.shape[-1] or xv.stride()[-1] != 1:
         return None  # the views moved the normalized dim away from last
     return node, chain
-
-
-def _eps(norm: torch.fx.Node) -> float:
-    eps = norm.args[3] if len(norm.args) > 3 else None
-    return float(torch.finfo(tensor_val(norm).dtype).eps if eps is None else eps)
 
 
 def _take(rotary: torch.fx.Node) -> str | None:
@@ -54,7 +49,10 @@ def _take(rotary: torch.fx.Node) -> str | None:
     if len(rotary.args) > base:
         return None  # norms given already
     found = [_norm_under(x) for x in rotary.args[:n_x]]
-    if None in found or len({_eps(norm) for norm, _ in found}) != 1 or tensor_val(rotary.args[0]).shape[-1] > 256:
+    if None in found or tensor_val(rotary.args[0]).shape[-1] > 256:
+        return None  # a tensor without a norm, or heads wider than one column block of the kernel
+    eps = {norm_eps(norm, tensor_val(norm).dtype) for norm, _ in found}
+    if len(eps) != 1:
         return None
     args = list(rotary.args)
     for k, (norm, chain) in enumerate(found):
@@ -62,7 +60,7 @@ def _take(rotary: torch.fx.Node) -> str | None:
             chain[-1].replace_input_with(norm, norm.args[0])  # the views now read the norm's input
         else:
             args[k] = norm.args[0]
-    rotary.args = (*args, *(norm.args[2] for norm, _ in found), _eps(found[0][0]))
+    rotary.args = (*args, *(norm.args[2] for norm, _ in found), eps.pop())
     graph = rotary.graph
     for norm, _ in found:
         graph.erase_node(norm)

@@ -85,6 +85,15 @@ def _norm_on(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+def _replay(view: torch.fx.Node, base):
+    """``view``'s value taken of ``base`` (a fake value), or None when the view does not apply to it."""
+    args = torch.fx.node.map_arg(view.args[1:], lambda a: a.meta.get("val"))
+    try:
+        return fake(lambda v: view.target(v, *args), base)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return None
+
+
 def _view_closure(linear: torch.fx.Node):
     """(the views reachable from ``linear`` with their values replayed on the linear's (an earlier
     rewrite may have left a view's own ``val`` describing another base), (reader, what it reads) for
@@ -96,11 +105,10 @@ def _view_closure(linear: torch.fx.Node):
             if is_head_norm(user) and user.args[0] is node:  # its result sits where its input sat
                 vals[user] = vals[node]
                 stack.append(user)
-            elif is_view(user) and user.args[0] is node:
-                args = torch.fx.node.map_arg(user.args[1:], lambda a: a.meta.get("val"))
-                vals[user] = fake(lambda v: user.target(v, *args), vals[node])
+            elif is_view(user) and user.args[0] is node and (val := _replay(user, vals[node])) is not None:
+                vals[user] = val
                 stack.append(user)
-            else:
+            else:  # a reader of the whole of what it reads (a view that cannot replay is one too)
                 readers.append((user, node))
     return vals, readers
 

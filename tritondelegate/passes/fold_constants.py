@@ -55,7 +55,9 @@ def _foldable_op(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded not in tags and not target.name().startswith("aten::rand")
 
 
-def _foldable_nodes(graph: torch.fx.Graph, constants: dict) -> set[torch.fx.Node]:
+def foldable_nodes(graph: torch.fx.Graph, constants: dict) -> set[torch.fx.Node]:
+    """The constants and every node computed from them alone by deterministic, non-mutating ops: what
+    constant folding can compute once."""
     foldable: set[torch.fx.Node] = set(constants)
     for node in graph.nodes:
         if node.op == "call_function" and (_foldable_op(node) or node.target is operator.getitem):
@@ -78,7 +80,7 @@ def fold_constants(ep: torch.export.ExportedProgram, state: set[str] = frozenset
     """Fold in place; returns the names of the nodes replaced by constants."""
     graph = ep.graph_module.graph
     constants = constant_inputs(ep, set(state))
-    foldable = _foldable_nodes(graph, constants)
+    foldable = foldable_nodes(graph, constants)
     frontier = [
         n for n in graph.nodes
         if n in foldable and n not in constants and isinstance(n.meta.get("val"), torch.Tensor)

@@ -40,7 +40,7 @@ import torch.fx
 
 from .. import ops
 from ..kernels import sizes, target
-from .fold_constants import add_constant, constant_inputs
+from .fold_constants import add_constant, constant_inputs, foldable_nodes
 from .rewrite import fake, is_call, new_node, retarget_outputs, tensor_val
 
 aten = torch.ops.aten
@@ -197,22 +197,13 @@ def _x_pairs(x: torch.Tensor, layout, y: torch.Tensor, width: int, tables: list,
     return pairs, dims[0]
 
 
-def _constant(node, constants: set, depth: int = 8) -> bool:
-    """Whether ``node`` is a constant or computed from constants alone (constant folding computes it)."""
-    if node in constants:
-        return True
-    if depth == 0 or not isinstance(node, torch.fx.Node) or node.op != "call_function":
-        return False
-    return all(_constant(a, constants, depth - 1) for a in node.all_input_nodes)
-
-
-def _constant_weights(linear: torch.fx.Node, constants: set) -> bool:
+def _constant_weights(linear: torch.fx.Node, foldable: set) -> bool:
     """Whether the linear's weight (2-D, its input's dtype) and bias are constants, or computed from
-    them (``fuse_projections``' concatenation)."""
+    them (``fuse_projections``' concatenation): in ``foldable`` (``fold_constants.foldable_nodes``)."""
     x, w, bias = (*linear.args, None)[:3]
     xv, wv = tensor_val(x), tensor_val(w)
     return (xv is not None and wv is not None and wv.dim() == 2 and wv.dtype == xv.dtype and not linear.kwargs
-            and _constant(w, constants) and (bias is None or _constant(bias, constants)))
+            and w in foldable and (bias is None or bias in foldable))
 
 
 def _tables_of(rotary: torch.fx.Node) -> tuple:
@@ -224,12 +215,12 @@ def _tables_of(rotary: torch.fx.Node) -> tuple:
     return [rest[0], rest[1]], 1.0, None, False
 
 
-def _plan(group: list, constants: set) -> dict | None:
+def _plan(group: list, foldable: set) -> dict | None:
     """What rewriting the rotary nodes ``group`` (one linear's, over the same tables) into their
-    linear takes, or None when it may not be."""
+    linear takes, or None when it may not be (``foldable``: what constant folding computes)."""
     xs = [x for rotary in group for x in rotary.args[:ROTARIES[rotary.target]]]
     linear = _linear_of(xs[0])
-    if linear is None or any(_linear_of(x) is not linear for x in xs) or not _constant_weights(linear, constants):
+    if linear is None or any(_linear_of(x) is not linear for x in xs) or not _constant_weights(linear, foldable):
         return None
     y = tensor_val(linear)
     width = y.shape[-1]
@@ -251,7 +242,7 @@ def _plan(group: list, constants: set) -> dict | None:
         cos_dims = found[1]
         norm = _norm_on(x)
         if norm is not None:
-            if not _norm_fits(norm, x, vals, width, constants) or not _fills_gpu(y, tensor_val(x).shape[-1]):
+            if not _norm_fits(norm, x, vals, width, foldable) or not _fills_gpu(y, tensor_val(x).shape[-1]):
                 return None
             norms[norm] = x
         (normed if norm is not None else plain).append((norm, found[0]))
@@ -286,12 +277,12 @@ def _fills_gpu(y: torch.Tensor, head: int) -> bool:
     return row_tiles * (y.shape[-1] // head) >= gpu.num_sms
 
 
-def _norm_fits(norm: torch.fx.Node, x: torch.fx.Node, vals: dict, width: int, constants: set) -> bool:
+def _norm_fits(norm: torch.fx.Node, x: torch.fx.Node, vals: dict, width: int, foldable: set) -> bool:
     """Whether the epilogue can compute the per-head norm on x's chain: x rotates whole heads of the
     norm (the same columns), of a power-of-two size, with a constant weight (or none)."""
     e = tensor_val(x).shape[-1]
     weight = norm.args[2] if len(norm.args) > 2 else None
-    if e & (e - 1) or (weight is not None and not _constant(weight, constants)):
+    if e & (e - 1) or (weight is not None and weight not in foldable):
         return False
     before, after = _layout(vals[norm.args[0]], width), _layout(vals[x], width)
     return before is not None and set(before[0].reshape(-1).tolist()) == set(after[0].reshape(-1).tolist())
@@ -398,14 +389,14 @@ def fuse_rope_linear(ep: torch.export.ExportedProgram, state: set[str] = frozens
     place. ``state``: FQNs of program state, never treated as constants. Relies on constant folding to
     permute the weights once. Returns one description per rewrite."""
     graph = ep.graph_module.graph
-    constants = set(constant_inputs(ep, set(state)))
+    foldable = foldable_nodes(graph, constant_inputs(ep, set(state)))
     groups: dict[tuple, list] = {}
     for rotary in [n for n in graph.nodes if n.op == "call_function" and n.target in ROTARIES]:
         tables, scale, dtype, angles = _tables_of(rotary)
         groups.setdefault((_linear_of(rotary.args[0]), *tables, scale, dtype, angles), []).append(rotary)
     done = []
     for (linear, *_), group in groups.items():
-        plan = None if linear is None else _plan(group, constants)
+        plan = None if linear is None else _plan(group, foldable)
         described = None if plan is None else _rewrite(ep, group, plan)
         if described:
             done.append(described)

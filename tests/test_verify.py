@@ -192,7 +192,7 @@ def test_a_kernel_that_writes_a_constant_is_refused(zoo):
 SIZES = {"pointwise": "n", "pointwise_chain": "n", "matmul": "M", "conv2d": "M", "attention": "Lq",
          "reduce": "rows", "softmax": "rows", "norm": "rows", "gather": "n", "scatter": "n", "cumsum": "rows",
          "pool2d": "total", "batch_norm": "numel", "pad": "total", "arange": "n", "rotary": "rows",
-         "grouped_mm": "S"}
+         "grouped_mm": "S", "attention_combine": "S"}
 
 
 def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):
@@ -208,6 +208,41 @@ def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):
         size = _arg(damaged, SIZES[launch.kernel])
         damaged.args[size] = Arg(KernelArgKind.INT, damaged.args[size].value * 10**6)
         _refused(lowered, program, where)
+
+
+def test_split_attention_launches_are_bounded():
+    """Flash-decoding's two launches: more key splits than the keys need, no keys per split, partials
+    the attention launch would write past, or more splits than the combine reads are each refused."""
+    class Decode(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    args = (torch.randn(1, 4, 1, 16), torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16))
+    lowered = td.lower(torch.export.export(Decode(), args), config=RESIDENT)
+    assert [launch.kernel for _, _, launch in _launches(lowered.program)] == ["attention", "attention_combine"]
+    torch.testing.assert_close(_load(lowered)(*args), Decode()(*args), atol=1e-5, rtol=1e-5)
+    where = r"delegate 0 \('triton_0'\) launch"
+    program = copy.deepcopy(lowered.program)
+    attn = program.methods[0].delegates[0].plan.launches[0]
+    attn.grid = (*attn.grid[:2], attn.grid[2] + 1)
+    _refused(lowered, program, rf"{where} 0 \('attention'.*grid axis 2 has")
+    program = copy.deepcopy(lowered.program)
+    plan = program.methods[0].delegates[0].plan
+    split_n = _arg(plan.launches[0], "split_n")
+    plan.launches[0].args[split_n] = Arg(KernelArgKind.INT, 0)
+    _refused(lowered, program, rf"{where} 0 \('attention'.*argument .split_n. is 0")
+    program = copy.deepcopy(lowered.program)
+    plan = program.methods[0].delegates[0].plan
+    lq = _arg(plan.launches[0], "Lq")
+    plan.launches[0].args[lq] = Arg(KernelArgKind.INT, 2)  # two queries per head: past q and the partials
+    _refused(lowered, program, rf"{where} 0 \('attention'.*argument '(q|part)_ptr' reaches")
+    program = copy.deepcopy(lowered.program)
+    combine = program.methods[0].delegates[0].plan.launches[1]
+    s = _arg(combine, "S")
+    combine.args[s] = Arg(KernelArgKind.INT, combine.args[s].value + 1)
+    _refused(lowered, program, rf"{where} 1 \('attention_combine'.*S=3 splits do not fit BLOCK_S=2")
+    _set_constexpr("BLOCK_S", 4)(combine)
+    _refused(lowered, program, rf"{where} 1 \('attention_combine'.*'part_ptr' reaches")
 
 
 # -- the memory plan --------------------------------------------------------------------------------

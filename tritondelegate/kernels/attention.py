@@ -9,6 +9,19 @@ that a KV-cache decoder builds per call) is the same kernel with ``MASK="positio
 is then the queries' positions (one integer per row, [B, H, Lq] strides), key j is kept when j is at
 most the row's position, and key tiles past the block's last position are never read.
 
+Short queries (decode: a few rows per head) take two more forms, chosen by shape at lower time:
+
+* **packed heads** (``PACK``): with grouped-query attention the query heads that share a key head
+  share one program, their rows stacked in the block (row r: query r % Lq of head h0 + r // Lq), so
+  the block's rows are real queries, not padding up to tl.dot's 16, and each key/value tile is read
+  once per key head instead of once per query head;
+* **split keys** (``SPLIT``, flash-decoding): when the grid would leave SMs idle (Llama-3-8B's 8 key
+  heads at batch 1 on 132 SMs) and the cache is long, grid axis 2 splits the keys into runs of
+  ``split_n`` (whole tiles); each program stores its rows' unnormalized accumulator, running max and
+  running sum (fp32 partials in the delegate's scratch), and ``attention_combine_kernel`` merges the
+  splits: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s. A split that keeps no key (past the
+  positions of a decode step) stores m = -inf and adds nothing.
+
 The keys are walked in BLOCK_N tiles with an online softmax (running max ``m``, running sum ``l``,
 fp32 accumulator rescaled by exp(m_old - m_new)); scores live in the log2 domain (log2(e) folded into
 ``scale``) so every exponential is an ``exp2``. A row whose every key is masked out gives 0, as
@@ -24,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import sizes, target
 from .refs import FLOAT_DTYPES, TRef, broadcast_strides, node_value
 from .sizes import next_power_of_2
 
@@ -32,6 +46,9 @@ aten = torch.ops.aten
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1 (batch * heads)
+MAX_PACKED_ROWS = 64  # a key head's query heads share one program while their rows fit this many
+SPLIT_MIN_TILES = 4  # key tiles a split of a short-query attention reads at least
+MAX_SPLITS = 256  # splits of one row's keys at most (attention_combine reads them in one tile)
 
 
 # --- kernel ---------------------------------------------------------------------------------------
@@ -105,37 +122,93 @@ def _attention_tiles(
 
 @triton.jit
 def attention_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr,
     sq_b, sq_h, sq_m, sq_d,
     sk_b, sk_h, sk_n, sk_d,
     sv_b, sv_h, sv_n, sv_d,
     smask_b, smask_h, smask_m, smask_n,
     so_b, so_h, so_m, so_d,
-    H, GROUP, Lq, Lk, qk_scale,
+    H, GROUP, Lq, Lk, qk_scale, split_n,
     E: tl.constexpr, EV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, PACK: tl.constexpr = 1, SPLIT: tl.constexpr = False,
 ):
+    tl.static_assert(PACK == 1 or not CAUSAL, "packed heads take no causal mask")
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // GROUP
-    rows = tl.arange(0, BLOCK_M)[:, None]
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row0 = tl.cast(pid_m * BLOCK_M, tl.int64)  # block bases in int64 (sizes may pass 2^31),
-    offs_d = tl.arange(0, BLOCK_D)  # offsets inside a block in int32
+    b = pid_bh // (H // PACK)
+    h0 = pid_bh % (H // PACK) * PACK  # the program's first query head; its PACK heads share key head hk
+    hk = h0 // GROUP
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # the block's rows: query r (% Lq, of head h0 + r // Lq)
+    row_ok = r < PACK * Lq
+    if PACK == 1:
+        offs_m = r
+    else:
+        offs_m = r % Lq
+    offs_m = tl.where(row_ok, offs_m, Lq)  # the row's query; past the block's rows Lq, which every mask drops
+    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q_ptrs = (q_ptr + b * sq_b + h * sq_h + row0 * sq_m) + (rows * sq_m + offs_d[None, :] * sq_d)
-    q = tl.load(q_ptrs, mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < E), other=0.0)
+    q_rows = _row_ptrs(q_ptr, b, sq_b, h0, sq_h, sq_m, pid_m, Lq, BLOCK_M, PACK)[:, None]
+    q = tl.load(q_rows + offs_d[None, :] * sq_d, mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
     k_base = k_ptr + b * sk_b + hk * sk_h
     v_base = v_ptr + b * sv_b + hk * sv_h
-    mask_rows = (mask_ptr + b * smask_b + h * smask_h + row0 * smask_m) + rows * smask_m
+    mask_rows = _row_ptrs(mask_ptr, b, smask_b, h0, smask_h, smask_m, pid_m, Lq, BLOCK_M, PACK)[:, None]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    whole, hi = _key_range(mask_rows, offs_m, pid_m, Lq, Lk, MASK, CAUSAL, BLOCK_M, BLOCK_N)
+    lo = 0
+    if SPLIT:  # this program's share of the keys: [split * split_n, + split_n), split_n whole tiles
+        lo = tl.program_id(2) * split_n
+        hi = tl.minimum(hi, lo + split_n)
+        whole = tl.maximum(tl.minimum(whole, hi), lo)
+    acc, l_i, m_i = _attention_tiles(
+        acc, l_i, m_i, q, k_base, v_base, mask_rows,
+        offs_m, offs_d, offs_dv, sk_n, sk_d, sv_n, sv_d, smask_n,
+        Lq, Lk, qk_scale, lo, whole,
+        E, EV, MASK, CAUSAL, False, BLOCK_M, BLOCK_N, DOT_UPCAST,
+    )
+    acc, l_i, m_i = _attention_tiles(
+        acc, l_i, m_i, q, k_base, v_base, mask_rows,
+        offs_m, offs_d, offs_dv, sk_n, sk_d, sv_n, sv_d, smask_n,
+        Lq, Lk, qk_scale, whole, hi,
+        E, EV, MASK, CAUSAL, True, BLOCK_M, BLOCK_N, DOT_UPCAST,
+    )
+    d_ok = offs_dv[None, :] < EV
+    if SPLIT:
+        # Partials of row (b, h_r, query) and this split, for attention_combine_kernel: the unnormalized
+        # accumulator, the running max (-inf when no key was kept: l = 0) and the running sum.
+        # ((b * H + h) * Lq + query) = (b * H + h0) * Lq + r, as PACK heads' rows are consecutive
+        part = ((b * H + h0) * Lq + r) * tl.num_programs(2) + tl.program_id(2)
+        tl.store(part_ptr + part[:, None] * EV + offs_dv[None, :], acc, mask=row_ok[:, None] & d_ok)
+        tl.store(stat_ptr + part * 2, tl.where(l_i > 0.0, m_i, float("-inf")), mask=row_ok)
+        tl.store(stat_ptr + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        # A row with no key kept (or no key at all) has l = 0 and acc = 0: it gives 0, as torch does.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_rows = _row_ptrs(out_ptr, b, so_b, h0, so_h, so_m, pid_m, Lq, BLOCK_M, PACK)[:, None]
+        tl.store(o_rows + offs_dv[None, :] * so_d, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+
+
+@triton.jit
+def _row_ptrs(ptr, b, s_b, h0, s_h, s_m, pid_m, Lq, BLOCK_M: tl.constexpr, PACK: tl.constexpr):
+    # Where each row of the block starts: query pid_m * BLOCK_M + r of head h0 (PACK == 1), or packed
+    # row pid_m * BLOCK_M + r: query (that % Lq) of head h0 + (that // Lq). Bases in int64 (sizes may
+    # pass 2^31), offsets inside a block in int32.
+    rows = tl.arange(0, BLOCK_M)
+    if PACK == 1:
+        return (ptr + b * s_b + h0 * s_h + tl.cast(pid_m * BLOCK_M, tl.int64) * s_m) + rows * s_m
+    else:
+        r = pid_m * BLOCK_M + rows
+        return (ptr + b * s_b + h0 * s_h) + ((r // Lq) * s_h + (r % Lq) * s_m)
+
+
+@triton.jit
+def _key_range(mask_rows, offs_m, pid_m, Lq, Lk, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # (whole, hi): the block reads key tiles [0, hi); those below `whole` need no bounds/causal mask.
     if CAUSAL:
         # Top-left aligned (key j visible from query i when j <= i): tiles past the diagonal
         # are skipped, tiles wholly below it need no mask.
@@ -150,23 +223,33 @@ def attention_kernel(
     else:
         whole = Lk // BLOCK_N * BLOCK_N
         hi = Lk
-    acc, l_i, m_i = _attention_tiles(
-        acc, l_i, m_i, q, k_base, v_base, mask_rows,
-        offs_m, offs_d, offs_dv, sk_n, sk_d, sv_n, sv_d, smask_n,
-        Lq, Lk, qk_scale, 0, whole,
-        E, EV, MASK, CAUSAL, False, BLOCK_M, BLOCK_N, DOT_UPCAST,
-    )
-    acc, l_i, m_i = _attention_tiles(
-        acc, l_i, m_i, q, k_base, v_base, mask_rows,
-        offs_m, offs_d, offs_dv, sk_n, sk_d, sv_n, sv_d, smask_n,
-        Lq, Lk, qk_scale, whole, hi,
-        E, EV, MASK, CAUSAL, True, BLOCK_M, BLOCK_N, DOT_UPCAST,
-    )
-    # A row with no key kept (or no key at all) has l = 0 and acc = 0: it gives 0, as torch does.
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_ptrs = (out_ptr + b * so_b + h * so_h + row0 * so_m) + (rows * so_m + offs_dv[None, :] * so_d)
-    o_mask = (offs_m[:, None] < Lq) & (offs_dv[None, :] < EV)
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    return whole, hi
+
+
+@triton.jit
+def attention_combine_kernel(
+    part_ptr, stat_ptr, out_ptr, so_b, so_h, so_m, so_d, H, Lq, S,
+    EV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    # One query row (b, h, i) = program: out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp2(m_s - max m).
+    row = tl.program_id(0).to(tl.int64)  # (b * H + h) * Lq + i
+    i = row % Lq
+    h = row // Lq % H
+    b = row // Lq // H
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_DV)
+    split = row * S + offs_s
+    m = tl.load(stat_ptr + split * 2, mask=offs_s < S, other=float("-inf"))
+    l = tl.load(stat_ptr + split * 2 + 1, mask=offs_s < S, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # a split that kept no key: 0
+    acc = tl.load(part_ptr + split[:, None] * EV + offs_d[None, :],
+                  mask=(offs_s[:, None] < S) & (offs_d[None, :] < EV), other=0.0)
+    acc = tl.sum(acc * w[:, None], 0)
+    total = tl.sum(w * l, 0)
+    out = acc / tl.where(total == 0.0, 1.0, total)  # no key kept in any split: 0, as torch gives
+    tl.store(out_ptr + b * so_b + h * so_h + i * so_m + offs_d * so_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < EV)
 
 
 # --- host launcher --------------------------------------------------------------------------------
@@ -227,17 +310,47 @@ def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None,
     else:
         mask_arg, smask = mask, broadcast_strides(mask, (batch, heads, lq, lk))
         kind = "bool" if mask.dtype == torch.bool else "float"
-    block_m, block_n, num_warps, num_stages = block_sizes(lq, lk, max(e, ev), q.dtype, kind in ("bool", "float"))
+    pack = group if group > 1 and not is_causal and sizes.upper(lq) * group <= MAX_PACKED_ROWS else 1
+    block_m, block_n, num_warps, num_stages = block_sizes(pack * lq, lk, max(e, ev), q.dtype, kind in ("bool", "float"))
+    split_n = split_keys(batch * heads // pack, pack * lq, lk, block_m, block_n)
+    splits = 1 if split_n is None else triton.cdiv(lk, split_n)
+    part = stat = q4
+    if split_n is not None:
+        part = b.alloc((batch * heads * lq, splits, ev), torch.float32)
+        stat = b.alloc((batch * heads * lq, splits, 2), torch.float32)
     b.launch(
-        "attention", (triton.cdiv(lq, block_m), batch * heads),
-        q4, k4, v4, mask_arg, out4,
+        "attention", (triton.cdiv(pack * lq, block_m), batch * heads // pack, splits),
+        q4, k4, v4, mask_arg, out4, part, stat,
         *sq, *sk, *sv, *smask, *out4.strides,
-        heads, group, lq, lk, float(scale) * LOG2E,
+        heads, group, lq, lk, float(scale) * LOG2E, split_n or 0,
         E=e, EV=ev, MASK=kind, CAUSAL=bool(is_causal),
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, next_power_of_2(e)), BLOCK_DV=max(16, next_power_of_2(ev)),
-        DOT_UPCAST=False, num_warps=num_warps, num_stages=num_stages,
+        DOT_UPCAST=False, PACK=pack, SPLIT=split_n is not None, num_warps=num_warps, num_stages=num_stages,
     )
+    if split_n is not None:
+        b.launch("attention_combine", (batch * heads * lq,), part, stat, out4, *out4.strides, heads, lq, splits,
+                 EV=ev, BLOCK_S=next_power_of_2(splits), BLOCK_DV=max(16, next_power_of_2(ev)), num_warps=4)
+
+
+def split_keys(programs, rows, lk, block_m: int, block_n: int) -> int | None:
+    """Keys per program when a short-query attention splits its keys (flash-decoding), else None.
+
+    A decode step has one row tile per (batch, key head): Llama-3-8B's 8 key heads at batch 1 would
+    stream the whole KV cache from 8 of an H100's 132 SMs. When the grid has fewer programs than the
+    target has SMs and the keys make at least SPLIT_MIN_TILES tiles per split, they are split until
+    there are two programs per SM (as many in flight as keep HBM busy; as for GEMV), each split a
+    whole number of key tiles; ``attention_combine`` then merges the splits' partial softmaxes (one
+    more launch, reading a few KiB). Sizes at their upper bounds, as every tuning decision."""
+    gpu = target.current()
+    programs, rows, keys = sizes.upper((programs, rows, lk))
+    if rows > block_m or programs >= gpu.num_sms:
+        return None
+    tiles = triton.cdiv(keys, block_n)
+    splits = min(tiles // SPLIT_MIN_TILES, triton.cdiv(2 * gpu.num_sms, programs), MAX_SPLITS)
+    if splits < 2:
+        return None
+    return triton.cdiv(tiles, splits) * block_n
 
 
 # --- support check and lowering -------------------------------------------------------------------

@@ -23,6 +23,7 @@ KERNELS: dict[str, object] = {
     "pool2d": pool.pool2d_kernel,
     "batch_norm": batchnorm.batch_norm_kernel,
     "attention": attention.attention_kernel,
+    "attention_combine": attention.attention_combine_kernel,
     "softmax": softmax.softmax_kernel,
     "norm": norm.norm_kernel,
     "reduce": reduce.reduce_kernel,

@@ -137,9 +137,9 @@ def _causal_pairs(lq: int, lk: int) -> int:
 
 
 def _attention_flops(a: Args) -> int:
-    # per (batch, head) = grid axis 1 and visited (i, j) pair: q.k over E, p.v over EV, 2 FLOPs a term
+    # per (batch, head) = grid axis 1 x PACK and visited (i, j) pair: q.k over E, p.v over EV, 2 FLOPs a term
     pairs = _causal_pairs(a["Lq"], a["Lk"]) if a["CAUSAL"] else a["Lq"] * a["Lk"]
-    return a["grid"][1] * pairs * 2 * (a["E"] + a["EV"])
+    return a["grid"][1] * a["PACK"] * pairs * 2 * (a["E"] + a["EV"])
 
 
 def _norm_flops(a: Args) -> int:
@@ -269,11 +269,17 @@ TRAFFIC: dict[str, KernelTraffic] = {
         writes=(Access("out_ptr"),),
         flops=lambda a: a["numel"] * (3 + bool(a["HAS_WEIGHT"]) + bool(a["HAS_BIAS"])),
     ),
-    # without a mask mask_ptr is q, never read
+    # without a mask mask_ptr is q, never read; with SPLIT the partials replace the output
     "attention": KernelTraffic(
         reads=(Access("q_ptr"), Access("k_ptr"), Access("v_ptr"), Access("mask_ptr", lambda a: a["MASK"] != "none")),
-        writes=(Access("out_ptr"),),
+        writes=(Access("out_ptr", lambda a: not a["SPLIT"]), Access("part_ptr", _flag("SPLIT")),
+                Access("stat_ptr", _flag("SPLIT"))),
         flops=_attention_flops,
+    ),
+    # per row and split: a weight (exp2), then EV multiply-adds of the partial and one of the sum
+    "attention_combine": KernelTraffic(
+        reads=(Access("part_ptr"), Access("stat_ptr")), writes=(Access("out_ptr"),),
+        flops=lambda a: a["grid"][0] * a["S"] * (2 * a["EV"] + 3),
     ),
     # max, subtract, exp, sum, divide (or subtract the log) per element
     "softmax": KernelTraffic(reads=(Access("x_ptr"), *_ROW_CHAIN_READS), writes=(Access("out_ptr"),),

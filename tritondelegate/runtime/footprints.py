@@ -197,23 +197,43 @@ def _conv2d(x: LaunchArgs) -> Footprint:
 
 
 def _attention(x: LaunchArgs) -> Footprint:
-    H, group = x.d("H", "GROUP")
-    Lq, Lk, bh = x.i("Lq"), x.i("Lk"), x.grid[1]  # grid axis 1 is batch * heads, unmasked
-    b, h = (bh - 1) // H + 1, min(H, bh)
+    H, group, pack = x.d("H", "GROUP") + [x.c["PACK"]]
+    if H % pack:
+        raise DelegateError(f"{x.where}: PACK={pack} query heads per program must divide the {H} heads")
+    Lq, Lk, bh, splits = x.i("Lq"), x.i("Lk"), x.grid[1], x.grid[2]  # grid axis 1: batch * heads / PACK
+    b, h = (bh - 1) // (H // pack) + 1, min(H, bh * pack)
     hk = (h - 1) // group + 1
     E, EV = x.c["E"], x.c["EV"]
     acc = [
         Access("q_ptr", _walk((b, h, Lq, E), (x.i("sq_b"), x.i("sq_h"), x.i("sq_m"), x.i("sq_d")))),
         Access("k_ptr", _walk((b, hk, Lk, E), (x.i("sk_b"), x.i("sk_h"), x.i("sk_n"), x.i("sk_d")))),
         Access("v_ptr", _walk((b, hk, Lk, EV), (x.i("sv_b"), x.i("sv_h"), x.i("sv_n"), x.i("sv_d")))),
-        Access("out_ptr", _walk((b, h, Lq, EV), (x.i("so_b"), x.i("so_h"), x.i("so_m"), x.i("so_d"))),
-               write=True),
     ]
+    if x.c["SPLIT"]:  # partials [(b * H + h) * Lq + i, split, EV] and [.., split, 2]
+        rows = ((b, H * Lq * splits), (h, Lq * splits), (Lq, splits), (splits, 1))
+        acc += [Access("part_ptr", tuple((n, s * EV) for n, s in rows) + ((EV, 1),), write=True),
+                Access("stat_ptr", tuple((n, s * 2) for n, s in rows) + ((2, 1),), write=True)]
+    else:
+        acc.append(Access("out_ptr", _walk((b, h, Lq, EV), (x.i("so_b"), x.i("so_h"), x.i("so_m"), x.i("so_d"))),
+                          write=True))
     if x.c["MASK"] != "none":
         acc.append(Access("mask_ptr", _walk((b, h, Lq, Lk), (x.i("smask_b"), x.i("smask_h"), x.i("smask_m"),
                                                               x.i("smask_n")))))
-    grid = (_cdiv(Lq, x.c["BLOCK_M"]), bh)
-    return Footprint(acc, grid, {"batch x heads x queries": bh * max(Lq, 0), "keys": Lk})
+    need_splits = _cdiv(Lk, x.d("split_n")[0]) if x.c["SPLIT"] else 1
+    grid = (_cdiv(pack * Lq, x.c["BLOCK_M"]), bh, need_splits)
+    return Footprint(acc, grid, {"batch x heads x queries": bh * pack * max(Lq, 0), "keys": Lk})
+
+
+def _attention_combine(x: LaunchArgs) -> Footprint:
+    H, Lq, S = x.d("H", "Lq", "S")
+    rows, EV = x.grid[0], x.c["EV"]  # program = query row (b * H + h) * Lq + i
+    if S > x.c["BLOCK_S"]:
+        raise DelegateError(f"{x.where}: S={S} splits do not fit BLOCK_S={x.c['BLOCK_S']}")
+    b, h, i = _unravel(rows, (H, Lq))
+    acc = [Access("part_ptr", ((rows, S * EV), (S, EV), (EV, 1))),
+           Access("stat_ptr", ((rows, S * 2), (S, 2), (2, 1))),
+           Access("out_ptr", _walk((b, h, i, EV), (x.i("so_b"), x.i("so_h"), x.i("so_m"), x.i("so_d"))), write=True)]
+    return Footprint(acc, (rows,), {"rows": rows, "splits": S})
 
 
 def _rows(x: LaunchArgs, strides: list[int]) -> tuple:
@@ -469,8 +489,11 @@ RULES: dict[str, KernelRule] = {
     "attention": KernelRule(_attention, {
         "E": in_range(0, 512), "EV": in_range(0, 512), "MASK": one_of("none", "bool", "float", "positions"), "CAUSAL": FLAG,
         "BLOCK_M": pow2(16, 256), "BLOCK_N": pow2(16, 256), "BLOCK_D": pow2(16, 512), "BLOCK_DV": pow2(16, 512),
-        "DOT_UPCAST": FLAG}, (("BLOCK_M", "BLOCK_N"), ("BLOCK_M", "BLOCK_D"), ("BLOCK_M", "BLOCK_DV"),
-                              ("BLOCK_N", "BLOCK_D"), ("BLOCK_N", "BLOCK_DV"))),
+        "DOT_UPCAST": FLAG, "PACK": in_range(1, 256), "SPLIT": FLAG},
+        (("BLOCK_M", "BLOCK_N"), ("BLOCK_M", "BLOCK_D"), ("BLOCK_M", "BLOCK_DV"), ("BLOCK_N", "BLOCK_D"),
+         ("BLOCK_N", "BLOCK_DV"))),
+    "attention_combine": KernelRule(_attention_combine, {
+        "EV": in_range(1, 512), "BLOCK_S": pow2(1, 256), "BLOCK_DV": pow2(16, 512)}, (("BLOCK_S", "BLOCK_DV"),)),
     "softmax": KernelRule(_softmax, {"LOG": FLAG, "ONE_PASS": FLAG, **_ROWS, **_ROW_CHAINS}, (("BLOCK_R", "BLOCK_C"),)),
     "norm": KernelRule(_norm, {"RMS": FLAG, "HAS_W": FLAG, "HAS_B": FLAG, "STATS": FLAG, "ONE_PASS": FLAG,
                                **_ROWS, **_ROW_CHAINS}, (("BLOCK_R", "BLOCK_C"),)),

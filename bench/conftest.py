@@ -42,7 +42,7 @@ def _size_group(config) -> str:
 def pytest_generate_tests(metafunc):
     names = set(metafunc.fixturenames)
     group, picked = _size_group(metafunc.config), metafunc.config.getoption("--bench-case")
-    generation_names = {c.name for c in generation.gen_cases("default")}
+    generation_names = generation.case_names()
     if {"case", "mode"} <= names or {"case", "kind"} <= names:
         # --bench-case names a latency case or a generation case: each benchmark takes its own.
         latency_names = [n for n in picked if n not in generation_names]

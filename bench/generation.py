@@ -1,7 +1,7 @@
 """Decode throughput of LLM generation with a KV cache, on the shared harness (timing, rounds, device).
 
 One model (``tritondelegate.models.KVCacheDecoder``: prefill and decode as two methods of one program
-sharing the cache as program state) and one prompt, in five modes:
+sharing the cache as program state) and one prompt, in six modes:
 
 * ``state_on_host``   ``state_on_device=False``: the cache lives on the host and every decode call
                       copies it host-to-device and back (the behaviour before program state).
@@ -40,7 +40,9 @@ from tritondelegate.models import export_prefill_decode, generate_eager, hf_llam
 from bench.harness import DEVICE, TORCH_DEVICE
 
 GEN_MODES = ("state_on_host", "state_on_device", "state_on_device_graphs", "state_on_device_graphs_dot",
-             "hf_eager")
+             "state_on_device_graphs_one_pass", "hf_eager")
+# lowering variants of the device-state program: mode -> the target's changes
+VARIANTS = {"state_on_device_graphs_dot": {"gemv_rows": 0}, "state_on_device_graphs_one_pass": {"split_attention": False}}
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,14 @@ GEN_SIZES = {
     "cuda": [gen_case(256, 2, 4, 2, 704, 4096, 256, 32, 32),              # 14 MB weights, 0.5 MB cache
              gen_case(1024, 8, 16, 4, 2816, 16384, 1024, 128, 32)],       # 495 MB weights, 16 MB cache
 }
+# Run by name only (``--bench-case``; scripts/gpu_bench.sh gives it its own step): a long context, decode
+# attending over 3000+ keys of 4 key heads at batch 1, where splitting the keys (flash-decoding) matters.
+GEN_LONG = {"simulated": [], "cuda": [gen_case(1024, 2, 16, 4, 2816, 16384, 4096, 3000, 32)]}  # 170 MB, 16 MB
+
+
+def case_names() -> set[str]:
+    """Every generation case of this device, by name (what ``--bench-case`` may pick)."""
+    return {c.name for c in GEN_SIZES[DEVICE] + GEN_LONG[DEVICE]}
 
 
 def gen_cases(group: str, names: list[str] | None = None) -> list[GenCase]:
@@ -79,7 +89,7 @@ def gen_cases(group: str, names: list[str] | None = None) -> list[GenCase]:
     group; ``names`` picks by name instead (other names pick nothing: they name latency cases)."""
     table = GEN_SIZES[DEVICE]
     if names:
-        return [c for c in table if c.name in names]
+        return [c for c in table + GEN_LONG[DEVICE] if c.name in names]
     return table[:1] if group == "quick" else list(table)
 
 
@@ -110,24 +120,26 @@ class GenBench:
     def eager_tokens(self, case: GenCase) -> list[int]:
         held = self.prepare(case)
         if held.tokens is None:
-            for state_on_device, gemv in ((False, True), (True, True), (True, False)):
-                self.program_path(case, state_on_device, gemv)  # first: the programs read the cache eager writes
+            self.program_path(case, False)  # first: the programs read the cache eager writes
+            for mode in ("state_on_device", *VARIANTS):
+                self.program_path(case, True, mode)
             tokens, _ = generate_eager(held.model, held.prompt, case.steps + 1)
             held.tokens = tokens[0].tolist()
         return held.tokens
 
-    def program_path(self, case: GenCase, state_on_device: bool, gemv: bool = True) -> str:
-        key = (case.name, state_on_device, gemv)
+    def program_path(self, case: GenCase, state_on_device: bool, mode: str = "state_on_device") -> str:
+        """The program file for ``case``, lowered for ``mode``'s target variant (:data:`VARIANTS`)."""
+        variant = VARIANTS.get(mode, {})
+        key = (case.name, state_on_device, tuple(variant.items()))
         if key not in self._files:
-            gpu = local_target()
             config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(
                 skip_h2d_for_constants=True, state_on_device=state_on_device),
-                target=gpu if gemv else dataclasses.replace(gpu, gemv_rows=0))
+                target=dataclasses.replace(local_target(), **variant))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", td.PerCallCopyWarning)  # state_on_host: the copies are the point
                 lowered = td.lower(export_prefill_decode(self.prepare(case).model, case.prompt_len),
                                    partitioner=td.TritonPartitioner(device="cuda:0"), config=config)
-            place = ("device" if state_on_device else "host") + ("" if gemv else "-dot")
+            place = ("device" if state_on_device else "host") + "".join(f"-{k}{v}" for k, v in variant.items())
             path = os.path.join(self.workdir, f"{case.name}.{place}.tdp")
             lowered.save(path)
             self._files[key] = path
@@ -141,7 +153,7 @@ class GenBench:
             raise ValueError(f"unknown generation mode {mode!r}; valid: {', '.join(GEN_MODES)}")
         expected = self.eager_tokens(case)
         prompt = self.prepare(case).prompt
-        program = td.load(self.program_path(case, mode != "state_on_host", mode != "state_on_device_graphs_dot"))
+        program = td.load(self.program_path(case, mode != "state_on_host", mode))
         generator = Generator(program, graphs=mode.startswith("state_on_device_graphs"), stream=self.stream)
         first = generator.generate(prompt, 1).tokens  # the prefill, once
 

@@ -11,6 +11,7 @@
 #   gpu-<case>.json       the same, one file per large model (or per model for SIZES other than default)
 #   gpu-generation.json   decode tokens/s with a KV cache: cache copied per call, program state on the
 #                         device, with CUDA graphs, transformers' Llama eager (bench/test_generation.py)
+#   gpu-generation-long.json  the same for a 3000-token context (split vs one-pass decode attention)
 #   gpu-*.log             each step's pytest output
 #   gpu-report.md         python -m bench.report over every gpu-*.json written
 #   gpu-latency.png       the plot (when matplotlib is installed; the report says when it is not)
@@ -71,6 +72,8 @@ step launch bench/test_launch.py
 step runtime bench/test_overhead.py bench/test_first_call.py
 # Generation (DESIGN.md's first workload): SIZES=quick runs its small model only, anything else both.
 step generation bench/test_generation.py --bench-sizes "$([[ "$SIZES" == quick ]] && echo quick || echo default)"
+# A long context (3000-token prompt, 4096-position cache): decode attention split over the keys or not.
+[[ "$SIZES" == quick ]] || step generation-long bench/test_generation.py --bench-case kv-d1024-l2-v16384-s4096
 if [[ "$SIZES" == default ]]; then
   # The small models share one process; each large one gets its own step (and JSON).
   step small bench/test_latency.py bench/test_load.py --bench-sizes small

@@ -344,7 +344,7 @@ def split_keys(programs, rows, lk, block_m: int, block_n: int) -> int | None:
     more launch, reading a few KiB). Sizes at their upper bounds, as every tuning decision."""
     gpu = target.current()
     programs, rows, keys = sizes.upper((programs, rows, lk))
-    if rows > block_m or programs >= gpu.num_sms:
+    if not gpu.split_attention or rows > block_m or programs >= gpu.num_sms:
         return None
     tiles = triton.cdiv(keys, block_n)
     splits = min(tiles // SPLIT_MIN_TILES, triton.cdiv(2 * gpu.num_sms, programs), MAX_SPLITS)

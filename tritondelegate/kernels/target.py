@@ -24,11 +24,16 @@ class Target:
     # products of at most this many rows take matmul's GEMV variant (CUDA cores, no tl.dot); 0: none,
     # every product on tl.dot (to compare the two on a GPU)
     gemv_rows: int = GEMV_MAX_ROWS
+    # short-query attention may split a long cache's keys over programs (attention.split_keys); False:
+    # one pass per row tile (to compare the two on a GPU)
+    split_attention: bool = True
 
     def __post_init__(self):
         if not isinstance(self.gemv_rows, int) or not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"target {self.name!r}: gemv_rows must be an int in [0, {GEMV_MAX_ROWS}], "
                              f"got {self.gemv_rows!r}")
+        if not isinstance(self.split_attention, bool):
+            raise ValueError(f"target {self.name!r}: split_attention must be True or False, got {self.split_attention!r}")
         if not isinstance(self.num_sms, int) or self.num_sms < 1:
             raise ValueError(f"target {self.name!r}: num_sms must be a positive int, got {self.num_sms!r}")
         if not isinstance(self.shared_memory, int) or self.shared_memory < 16 * 1024:
@@ -42,7 +47,8 @@ class Target:
 
     def describe(self) -> str:
         gemv = f"GEMV up to {self.gemv_rows} rows" if self.gemv_rows else "no GEMV"
-        return f"{self.name} ({self.num_sms} SMs, {self.shared_memory // 1024} KiB shared memory per block, {gemv})"
+        split = "" if self.split_attention else ", attention never splits its keys"
+        return f"{self.name} ({self.num_sms} SMs, {self.shared_memory // 1024} KiB shared memory per block, {gemv}{split})"
 
 
 KiB = 1024

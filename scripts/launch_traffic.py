@@ -2,7 +2,8 @@
 for the models issue "fewer, fatter launches" tracks: the demo decoder, transformers' Llama and GPT-2
 (tiny configs, random weights) and the ResNet-style CNN of the tests; then a generation step with a
 KV cache, prefill and decode, for the demo's ``KVCacheDecoder`` and transformers' Llama through its
-static-cache export recipe. Needs no GPU: the figures come from the lowered plans (no kernel runs).
+static-cache export recipe; last, Llama-3-8B's decode attention before and after packing its query
+heads and splitting its keys. Needs no GPU: the figures come from the lowered plans (no kernel runs).
 
     python scripts/launch_traffic.py
 """
@@ -127,6 +128,40 @@ def _kv_steps() -> None:
                   f"{two - 2 * per_layer:g} outside")
 
 
+class _DecodeAttention(torch.nn.Module):
+    """Llama-3-8B's decode attention: 32 query heads over 8 key heads of 128, masked by position."""
+
+    def forward(self, q, k, v, pos):
+        mask = torch.arange(k.shape[-2])[None, None, None, :] <= pos[:, None, :, None]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def _decode_attention() -> None:
+    """Programs of the attention launch and the K/V bytes they request (programs x keys each x 512 B
+    for bf16 heads of 128), one pass per query head (before packing), packed, packed and split."""
+    import dataclasses
+
+    from tritondelegate.kernels import target
+
+    print("Llama-3-8B decode attention (bf16, H100 target): programs, K/V requested, launches")
+    for keys, batch in ((1024, 1), (4096, 1), (32768, 1), (4096, 8)):
+        args = (torch.randn(batch, 32, 1, 128, dtype=torch.bfloat16),
+                *(torch.randn(batch, 8, keys, 128, dtype=torch.bfloat16) for _ in range(2)),
+                torch.full((batch, 1), keys - 1))
+        ep = torch.export.export(_DecodeAttention(), args)
+        row = [f"one per query head {32 * batch}, {32 * batch * keys * 512 / 2**20:.0f} MiB"]
+        for split in (False, True):
+            gpu = dataclasses.replace(target.TARGETS["h100"], split_attention=split)
+            lowered = td.lower(ep, config=dataclasses.replace(CONFIG, target=gpu))
+            launches = [x for d in lowered.program.methods[0].delegates for x in d.plan.launches]
+            attn = launches[0]
+            split_n = attn.args[-1].value if attn.constexprs["SPLIT"].value else keys
+            programs = attn.grid[0] * attn.grid[1] * attn.grid[2]
+            requested = attn.grid[1] * attn.grid[2] * min(keys, split_n) * 512
+            row.append(f"{programs}, {requested / 2**20:.0f} MiB ({len(launches)} launch{'es' * (len(launches) > 1)})")
+        print(f"  cache {keys}, batch {batch}: {row[0]}; packed: {row[1]}; packed + split: {row[2]}")
+
+
 def main() -> int:
     for width, dims in WIDTHS.items():
         print(f"{width}: {dims}")
@@ -138,6 +173,7 @@ def main() -> int:
             print(f"  {name}: {two} launches (2 layers), {layers}; traffic / lower bound: "
                   f"{ratios[0]:.2f} at batch 1, {ratios[1]:.2f} at batch 8")
     _kv_steps()
+    _decode_attention()
     return 0
 
 

@@ -124,6 +124,13 @@ def test_split_rows_masked_in_whole_splits():
     assert splits(launches) >= 2
 
 
+@pytest.mark.parametrize("lq", [1, 5])
+def test_causal_short_queries_split_too(lq):
+    # Top-left causal: query i sees keys 0..i only, so every split but the first keeps no key.
+    launches = run(Sdpa(is_causal=True), qkv(1, 2, 2, lq, 300, 16, torch.float32), torch.float32)
+    assert splits(launches) >= 2
+
+
 def test_split_output_in_a_transposed_layout():
     # The result stored [B, L, H, E] (the output projection's layout): the combine writes it there.
     class Block(torch.nn.Module):

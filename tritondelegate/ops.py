@@ -15,7 +15,10 @@ place of a written-out pattern, so one kernel runs them.
         model computes them per call from its input positions; the kernel computes them inline
         (each of the four takes optional per-head norms last: ``norm`` (``q_norm``, ``k_norm``) and
         ``norm_eps``: x first becomes ``rms_norm(x, [D], norm, norm_eps)``, Qwen3's q_norm and k_norm,
-        run in the same launch: ``passes/head_norm.py``)
+        run in the same launch: ``passes/head_norm.py``; ``rotary`` and ``rotary_pair`` take
+        ``interleaved=True`` last: ``rotate_every_two(x) = stack((-x[..., 1::2], x[..., 0::2]), -1)
+        .flatten(-2)`` in place of rotate_half, GPT-J's, CodeGen's and Cohere's pairs (2i, 2i + 1), with
+        tables over the whole last dim as those models repeat_interleave them)
 
     tritondelegate::sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale,
                                    bool enable_gqa) -> Tensor
@@ -57,9 +60,10 @@ NAMESPACE = "tritondelegate"
 
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 
-_lib.define("rotary(Tensor x, Tensor cos, Tensor sin, Tensor? norm=None, float norm_eps=0.0) -> Tensor")
+_lib.define("rotary(Tensor x, Tensor cos, Tensor sin, Tensor? norm=None, float norm_eps=0.0, "
+            "bool interleaved=False) -> Tensor")
 _lib.define("rotary_pair(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? q_norm=None, Tensor? k_norm=None, "
-            "float norm_eps=0.0) -> (Tensor, Tensor)")
+            "float norm_eps=0.0, bool interleaved=False) -> (Tensor, Tensor)")
 _lib.define("rotary_angles(Tensor x, Tensor angles, float scale, ScalarType dtype, Tensor? norm=None, "
             "float norm_eps=0.0) -> Tensor")
 _lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, ScalarType dtype, "
@@ -84,10 +88,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` exactly as a model writes it (the same ops, the same order,
-    the same type promotion)."""
-    return x * cos + rotate_half(x) * sin
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (``interleaved``: ``rotate_every_two``) exactly as a model
+    writes it (the same ops, the same order, the same type promotion)."""
+    return x * cos + (rotate_every_two(x) if interleaved else rotate_half(x)) * sin
 
 
 def head_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
@@ -97,26 +105,27 @@ def head_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
 
 
 @torch.library.impl(_lib, "rotary", "CompositeExplicitAutograd")
-def _rotary(x, cos, sin, norm=None, norm_eps=0.0):
+def _rotary(x, cos, sin, norm=None, norm_eps=0.0, interleaved=False):
     if x.shape[-1] % 2:
         raise ValueError(f"tritondelegate::rotary: the last dim of x ({x.shape[-1]}) is not even")
-    return rotary_reference(head_norm(x, norm, norm_eps), cos, sin)
+    return rotary_reference(head_norm(x, norm, norm_eps), cos, sin, interleaved)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary")
-def _rotary_fake(x, cos, sin, norm=None, norm_eps=0.0):
+def _rotary_fake(x, cos, sin, norm=None, norm_eps=0.0, interleaved=False):
     # The formula itself on fake tensors: the result's shape, dtype and strides are the pattern's.
-    return rotary_reference(head_norm(x, norm, norm_eps), cos, sin)
+    return rotary_reference(head_norm(x, norm, norm_eps), cos, sin, interleaved)
 
 
 @torch.library.impl(_lib, "rotary_pair", "CompositeExplicitAutograd")
-def _rotary_pair(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0):
-    return _rotary(q, cos, sin, q_norm, norm_eps), _rotary(k, cos, sin, k_norm, norm_eps)
+def _rotary_pair(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False):
+    return _rotary(q, cos, sin, q_norm, norm_eps, interleaved), _rotary(k, cos, sin, k_norm, norm_eps, interleaved)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary_pair")
-def _rotary_pair_fake(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0):
-    return _rotary_fake(q, cos, sin, q_norm, norm_eps), _rotary_fake(k, cos, sin, k_norm, norm_eps)
+def _rotary_pair_fake(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False):
+    return (_rotary_fake(q, cos, sin, q_norm, norm_eps, interleaved),
+            _rotary_fake(k, cos, sin, k_norm, norm_eps, interleaved))
 
 
 def rotary_tables(angles: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -204,11 +204,26 @@ def _norm_args(x: TRef, half: int, weights, eps) -> tuple[list, dict]:
     return [w[0], w[1], w[0].strides[0], w[1].strides[0], float(eps)], {"NORM": True}
 
 
+def _pairs_last(b, refs: list[TRef], shape) -> list[TRef]:
+    """``refs`` (x, its tables, the result: each broadcasting to ``shape``) seen as [..., D / 2, 2]: the
+    interleaved pairs (2i, 2i + 1) of the last dim become the last dim's halves, so the kernel's
+    rotate_half over a last dim of 2 is rotate_every_two over D (a view: no copy)."""
+    split = (*shape[:-1], shape[-1] // 2, 2)
+    views = []
+    for ref in refs:
+        strides = broadcast_strides(ref, shape)
+        views.append(b.view(ref, split, (*strides[:-1], 2 * strides[-1], strides[-1])))
+    return views
+
+
 def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef, angles: tuple | None = None,
-                  norm: tuple | None = None) -> None:
+                  norm: tuple | None = None, interleaved: bool = False) -> None:
     """``out = x * cos + rotate_half(x) * sin``; ``out`` has ``x``'s shape, cos and sin broadcast to it.
     ``angles=(scale, dtype)``: cos and sin are both the angles the kernel computes the tables from.
-    ``norm=(weight, eps)``: x's rows RMS-normalized first (a per-head norm)."""
+    ``norm=(weight, eps)``: x's rows RMS-normalized first (a per-head norm). ``interleaved``:
+    rotate_every_two (tables given, no norm)."""
+    if interleaved:
+        x, cos, sin, out = _pairs_last(b, [x, cos, sin, out], out.shape)
     rows, inner, (os_, xs, cs, ss) = _rows("rotary", x, cos, sin, out, angles is not None)
     half = out.shape[-1] // 2
     block_r, block_h = _blocks(half, rows)
@@ -224,13 +239,20 @@ def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef, angles: tuple | N
 
 
 def launch_rotary_pair(b, q: TRef, k: TRef, cos: TRef, sin: TRef, q_out: TRef, k_out: TRef,
-                       angles: tuple | None = None, norms: tuple | None = None) -> None:
+                       angles: tuple | None = None, norms: tuple | None = None, interleaved: bool = False) -> None:
     """``q_out`` and ``k_out``: q and k rotated by the same cos and sin (or angles), in one launch.
-    ``norms=(q weight, k weight, eps)``: q's and k's rows RMS-normalized first (per-head norms)."""
+    ``norms=(q weight, k weight, eps)``: q's and k's rows RMS-normalized first (per-head norms).
+    ``interleaved``: rotate_every_two (tables given, no norms)."""
     if q.shape[-1] != k.shape[-1]:
         raise LoweringError(f"rotary_pair: q {q.shape} and k {k.shape} differ in their last dim")
+    kcos, ksin = cos, sin
+    if interleaved:  # cos and sin broadcast to each of q and k: views of their own for k
+        k, kcos, ksin, k_out = _pairs_last(b, [k, cos, sin, k_out], k_out.shape)
+        q, cos, sin, q_out = _pairs_last(b, [q, cos, sin, q_out], q_out.shape)
     rows, inner, (os_, xs, cs, ss) = _rows("rotary_pair", q, cos, sin, q_out, angles is not None)
-    krows, kinner, (kos, kxs, kcs, kss) = _rows("rotary_pair", k, cos, sin, k_out, angles is not None)
+    krows, kinner, (kos, kxs, kcs, kss) = _rows("rotary_pair", k, kcos, ksin, k_out, angles is not None)
+    if (kcs[-1], kss[-1]) != (cs[-1], ss[-1]):
+        raise LoweringError("rotary_pair: q's and k's tables differ in their last dim's stride")
     half = q_out.shape[-1] // 2
     block_r, block_h = _blocks(half, rows, krows)
     scale, flags = _tables(angles)
@@ -279,8 +301,21 @@ def _norm_refusal(node, first: int, count: int) -> str | None:
     return None
 
 
+def _interleaved_refusal(node, xs: list, first_norm: int) -> str | None:
+    """Why the kernel cannot rotate ``xs``' interleaved pairs (their last dim becomes two), or None;
+    the node's per-head norms, if any, are its args from ``first_norm`` on."""
+    if not node.kwargs.get("interleaved", False):
+        return None
+    if any(isinstance(x, torch.Tensor) and x.dim() >= MAX_RANK for x in xs):
+        return f"interleaved pairs of a rank-{MAX_RANK} tensor (at most {MAX_RANK - 1})"
+    if any(a is not None for a in node.args[first_norm:first_norm + len(xs)]) or node.kwargs.keys() - {"interleaved"}:
+        return "interleaved pairs take no per-head norm"
+    return None
+
+
 def supported(node) -> str | None:
-    return _refusal([node_value(a) for a in node.args[:3]] + [node.meta.get("val")]) or _norm_refusal(node, 3, 1)
+    return (_refusal([node_value(a) for a in node.args[:3]] + [node.meta.get("val")]) or _norm_refusal(node, 3, 1)
+            or _interleaved_refusal(node, [node_value(node.args[0])], 3))
 
 
 def supported_pair(node) -> str | None:
@@ -294,7 +329,7 @@ def supported_pair(node) -> str | None:
             return f"{name}: {reason}"
     if sizes.size(q.shape[-1]) != sizes.size(k.shape[-1]):
         return f"q and k differ in their last dim ({q.shape[-1]} and {k.shape[-1]})"
-    return _norm_refusal(node, 4, 2)
+    return _norm_refusal(node, 4, 2) or _interleaved_refusal(node, [q, k], 4)
 
 
 def _angles_refusal(x, angles, scale, dtype, out) -> str | None:
@@ -340,13 +375,15 @@ def _norms(b, node, first: int, count: int) -> tuple | None:
 def rotary(b, node):
     """tritondelegate::rotary(x, cos, sin[, norm, norm_eps])"""
     x, cos, sin = (b.ref(a) for a in node.args[:3])
-    launch_rotary(b, x, cos, sin, b.out(node), norm=_norms(b, node, 3, 1))
+    launch_rotary(b, x, cos, sin, b.out(node), norm=_norms(b, node, 3, 1),
+                  interleaved=node.kwargs.get("interleaved", False))
 
 
 def rotary_pair(b, node):
     """tritondelegate::rotary_pair(q, k, cos, sin[, q_norm, k_norm, norm_eps]) -> (q rotated, k rotated)"""
     q, k, cos, sin = (b.ref(a) for a in node.args[:4])
-    launch_rotary_pair(b, q, k, cos, sin, b.out(node, 0), b.out(node, 1), norms=_norms(b, node, 4, 2))
+    launch_rotary_pair(b, q, k, cos, sin, b.out(node, 0), b.out(node, 1), norms=_norms(b, node, 4, 2),
+                       interleaved=node.kwargs.get("interleaved", False))
 
 
 def rotary_angles(b, node):

@@ -177,9 +177,10 @@ def _table_dims(x: torch.Tensor, table: torch.Tensor, rows: tuple[int, int], col
     return out
 
 
-def _x_pairs(x: torch.Tensor, layout, y: torch.Tensor, width: int, tables: list, angles: bool):
+def _x_pairs(x: torch.Tensor, layout, y: torch.Tensor, width: int, tables: list, angles: bool,
+             interleaved: bool = False):
     """(the rotated pairs (column a, column b, index a, index b) of one rotated tensor, its cos_dims),
-    or None."""
+    or None. A head's pairs are its columns (j, j + D/2), or (2j, 2j + 1) when ``interleaved``."""
     cols, col_dims, rows = layout
     e = x.shape[-1]
     if not col_dims or col_dims[-1] != x.dim() - 1 or not isinstance(e, int) or e % 2:
@@ -193,7 +194,10 @@ def _x_pairs(x: torch.Tensor, layout, y: torch.Tensor, width: int, tables: list,
         return None
     half = e // 2
     heads = cols.reshape(-1, e)
-    pairs = [(int(h[j]), int(h[j + half]), j, j if angles else j + half) for h in heads for j in range(half)]
+    if interleaved:
+        pairs = [(int(h[2 * j]), int(h[2 * j + 1]), 2 * j, 2 * j + 1) for h in heads for j in range(half)]
+    else:
+        pairs = [(int(h[j]), int(h[j + half]), j, j if angles else j + half) for h in heads for j in range(half)]
     return pairs, dims[0]
 
 
@@ -229,6 +233,9 @@ def _plan(group: list, foldable: set) -> dict | None:
             or any(not isinstance(o, torch.Tensor) or o.dtype != y.dtype for o in outs)):
         return None
     tables, scale, dtype, angles = _tables_of(group[0])
+    interleaved = group[0].kwargs.get("interleaved", False)
+    if any(rotary.kwargs != group[0].kwargs for rotary in group) or (interleaved and angles):
+        return None
     table_vals = [tensor_val(t) for t in tables]
     if None in table_vals or any(tv.shape != table_vals[0].shape for tv in table_vals):
         return None
@@ -236,13 +243,13 @@ def _plan(group: list, foldable: set) -> dict | None:
     normed, plain, cos_dims, norms = [], [], None, {}
     for x in xs:
         layout = _layout(vals[x], width)
-        found = None if layout is None else _x_pairs(vals[x], layout, y, width, table_vals, angles)
+        found = None if layout is None else _x_pairs(vals[x], layout, y, width, table_vals, angles, interleaved)
         if found is None or (cos_dims is not None and found[1] != cos_dims):
             return None
         cos_dims = found[1]
         norm = _norm_on(x)
         if norm is not None:
-            if not _norm_fits(norm, x, vals, width, foldable) or not _fills_gpu(y, tensor_val(x).shape[-1]):
+            if interleaved or not _norm_fits(norm, x, vals, width, foldable) or not _fills_gpu(y, tensor_val(x).shape[-1]):
                 return None
             norms[norm] = x
         (normed if norm is not None else plain).append((norm, found[0]))

@@ -105,6 +105,50 @@ def _rotate_half(node):
     return x, [node, neg, neg.args[0], lo]
 
 
+def _step_slice(node, start: int):
+    """The source of ``node`` = ``source[..., start::2]`` (a slice of the last dim to its end), or None."""
+    if not is_call(node, aten.slice.Tensor):
+        return None
+    val = tensor_val(node.args[0])
+    if val is None or val.dim() == 0 or not isinstance(val.shape[-1], int):
+        return None
+    dim = _static_int(node_arg(node, 1, "dim", 0))
+    begin, end = node_arg(node, 2, "start"), node_arg(node, 3, "end")
+    end = sys.maxsize if end is None else _static_int(end)
+    if (dim is None or dim % val.dim() != val.dim() - 1 or _static_int(node_arg(node, 4, "step", 1)) != 2
+            or _static_int(0 if begin is None else begin) != start or end is None or end < val.shape[-1]):
+        return None
+    return node.args[0]
+
+
+def _rotate_every_two(node):
+    """(x, [view, cat, unsqueeze, neg, odd, unsqueeze, even]) when ``node`` is GPT-J's
+    ``stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)``, as export writes it: a cat of the two
+    slices unsqueezed last, viewed back to x's shape."""
+    if not is_call(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return None
+    cat = node.args[0]
+    if not is_call(cat, aten.cat.default) or len(cat.args[0]) != 2 or len(cat.users) != 1:
+        return None
+    rank = tensor_val(cat).dim()
+    parts = []
+    for part in cat.args[0]:
+        if not is_call(part, aten.unsqueeze.default) or part.args[1] % rank != rank - 1:
+            return None
+        parts.append(part)
+    neg = parts[0].args[0]
+    if not is_call(neg, aten.neg.default) or _static_int(node_arg(cat, 1, "dim", 0)) % rank != rank - 1:
+        return None
+    x = _step_slice(neg.args[0], 1)
+    even = _step_slice(parts[1].args[0], 0)
+    if x is None or even is None or not _same(even, x):
+        return None
+    val, d = tensor_val(x), tensor_val(x).shape[-1]
+    if d % 2 or d == 0 or not same_shape(tensor_val(node), val):
+        return None
+    return x, [node, cat, parts[0], neg, neg.args[0], parts[1], parts[1].args[0]]
+
+
 # Views that export may repeat for each use (``k.transpose(1, 2)`` written twice): equal when their
 # targets and arguments are.
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
@@ -146,21 +190,24 @@ def _operands(node):
 
 
 def _match(add: torch.fx.Node):
-    """(x, cos, sin, intermediates) when ``add`` is the root of a rotary embedding."""
+    """(x, cos, sin, intermediates, interleaved) when ``add`` is the root of a rotary embedding
+    (``interleaved``: its pairs are (2i, 2i + 1), rotate_every_two)."""
     if not is_call(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
         return None
     for m_cos, m_sin in _operands(add):
         if not (is_call(m_cos, aten.mul.Tensor) and is_call(m_sin, aten.mul.Tensor)) or m_cos is m_sin:
             continue
         for rot, sin in _operands(m_sin):
-            half = _rotate_half(rot)
+            half, interleaved = _rotate_half(rot), False
+            if half is None:
+                half, interleaved = _rotate_every_two(rot), True
             if half is None:
                 continue
             x, nodes = half
             for x_, cos in _operands(m_cos):
                 if not _same(x_, x):
                     continue
-                return x_, cos, sin, [m_cos, m_sin, *nodes]
+                return x_, cos, sin, [m_cos, m_sin, *nodes], interleaved
     return None
 
 
@@ -177,13 +224,13 @@ def _rewrite_singles(ep: torch.export.ExportedProgram) -> list[str]:
         found = _match(add)
         if found is None:
             continue
-        x, cos, sin, intermediates = found
+        x, cos, sin, intermediates, interleaved = found
         source = intermediates[-1].args[0]  # what rotate_half read: x, or an equal view of its own
         out = tensor_val(add)
         if out is None or not same_shape(out, tensor_val(x)) or not _only_inside(intermediates, add):
             continue  # x itself broadcast (cos/sin larger than x), or an intermediate read elsewhere
         with graph.inserting_before(add):
-            node = graph.call_function(rotary_op, (x, cos, sin))
+            node = graph.call_function(rotary_op, (x, cos, sin), {"interleaved": True} if interleaved else {})
         node.meta.update(add.meta)  # val: exactly the pattern's result (shape, dtype, strides)
         add.replace_all_uses_with(node)
         retarget_outputs(ep, add, node)
@@ -192,7 +239,8 @@ def _rewrite_singles(ep: torch.export.ExportedProgram) -> list[str]:
         if source is not x:
             for dead in _dead_views(source):
                 graph.erase_node(dead)
-        done.append(f"rotary embedding of {x.name} -> {node.name} (tritondelegate::rotary, 7 nodes -> 1)")
+        done.append(f"rotary embedding of {x.name} -> {node.name} (tritondelegate::rotary"
+                    f"{', interleaved' if interleaved else ''}, {len(intermediates) + 1} nodes -> 1)")
     return done
 
 
@@ -224,7 +272,7 @@ def _shares_tables(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     """Whether rotary nodes ``a`` and ``b`` are of one kind, read the same tables (cos and sin, or
     angles, scale and dtype) and have equal (static) last dims."""
     va, vb = tensor_val(a.args[0]), tensor_val(b.args[0])
-    if a.target is not b.target or va is None or vb is None or va.dim() == 0 or vb.dim() == 0:
+    if a.target is not b.target or a.kwargs != b.kwargs or va is None or vb is None or va.dim() == 0 or vb.dim() == 0:
         return False
     if not all(_same(x, y) if isinstance(x, torch.fx.Node) else x == y for x, y in zip(a.args[1:], b.args[1:])):
         return False
@@ -237,7 +285,7 @@ def _pair(ep: torch.export.ExportedProgram, a: torch.fx.Node, b: torch.fx.Node, 
     k, b_tables = b.args[0], b.args[1:]
     vals = (a.meta["val"], b.meta["val"])  # exactly what the pair's fake implementation computes
     with graph.inserting_before(before):
-        pair = new_node(graph, PAIRS[a.target], (q, k, *tables), vals, a.meta)
+        pair = new_node(graph, PAIRS[a.target], (q, k, *tables), vals, a.meta, kwargs=a.kwargs)
         outs = [new_node(graph, operator.getitem, (pair, i), vals[i], old.meta) for i, old in enumerate((a, b))]
     for old, new in zip((a, b), outs):
         old.replace_all_uses_with(new)

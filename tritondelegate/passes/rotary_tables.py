@@ -165,7 +165,7 @@ def rotary_tables(ep: torch.export.ExportedProgram, fold: bool = True) -> list[s
     runs next (input-independent angles are left to it)."""
     graph = ep.graph_module.graph
     done = []
-    for node in [n for n in graph.nodes if is_call(n, rotary_op)]:
+    for node in [n for n in graph.nodes if is_call(n, rotary_op) and not n.kwargs.get("interleaved", False)]:
         found = _match(node)
         if found is None or (fold and not _per_call(ep, found[0])):
             continue

@@ -368,11 +368,29 @@ def _per_dtype(d) -> dict[str, callable]:
         # and a 300-token prefill over 1024 keys
         "attn_positions_decode": lambda: _positions_sdpa(d, 1, 4096, 1000),
         "attn_positions_prefill": lambda: _positions_sdpa(d, 300, 1024, 0),
+        # interleaved pairs (GPT-J's rotate_every_two over rotary_dim 64 of 256-wide heads, q and k
+        # [1, seq, 16, 64]): the rotary kernel over [..., 32, 2] views, prefill and decode
+        "rotary_interleaved_prefill": lambda: _interleaved_rotary(d, 300),
+        "rotary_interleaved_decode": lambda: _interleaved_rotary(d, 1),
         # a lone rotary (no pair): one decode token against [b, 1, 1, D] tables
         "rotary_lone": lambda: (Fn(lambda x, c, s: x * c + rotate_half(x) * s),
                                 (_randn(4, 8, 1, 128, dtype=d), _randn(4, 1, 1, 128, dtype=d),
                                  _randn(4, 1, 1, 128, dtype=d))),
     }
+
+
+def _rotate_every_two(x):
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def _interleaved_rotary(dtype, seq: int):
+    """GPT-J's rotary of q and k [1, seq, 16, 64] by [1, seq, 32] sin and cos, repeated per pair."""
+    def rotate(q, k, sin, cos):
+        sin, cos = (torch.repeat_interleave(t[:, :, None, :], 2, 3) for t in (sin, cos))
+        return q * cos + _rotate_every_two(q) * sin, k * cos + _rotate_every_two(k) * sin
+
+    return Fn(rotate), (_randn(1, seq, 16, 64, dtype=dtype), _randn(1, seq, 16, 64, dtype=dtype),
+                        _randn(1, seq, 32, dtype=dtype), _randn(1, seq, 32, dtype=dtype))
 
 
 def _positions_rotary(dtype, seq: int):

@@ -14,15 +14,7 @@ from harness import FLOAT_DTYPES, assert_close, check_dynamic, check_launches, c
 from tritondelegate.generate import Generator
 from tritondelegate.kernels import attention, target
 from tritondelegate.models import export_prefill_decode, generate_eager, kv_cache_decoder
-
-
-class Sdpa(torch.nn.Module):
-    def __init__(self, **kwargs):
-        super().__init__()
-        self.kwargs = kwargs
-
-    def forward(self, q, k, v, mask=None):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **self.kwargs)
+from test_attention import Sdpa, _f32, qkv
 
 
 class Positions(torch.nn.Module):
@@ -31,15 +23,6 @@ class Positions(torch.nn.Module):
     def forward(self, q, k, v, pos):  # pos [B, Lq]
         mask = torch.arange(k.shape[-2])[None, None, None, :] <= pos[:, None, :, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-
-def qkv(b, hq, hkv, lq, lk, e, dtype, ev=None):
-    return (torch.randn(b, hq, lq, e, dtype=dtype), torch.randn(b, hkv, lk, e, dtype=dtype),
-            torch.randn(b, hkv, lk, ev or e, dtype=dtype))
-
-
-def _f32(t):
-    return t.float() if t.is_floating_point() else t
 
 
 def run(model, args, dtype):

@@ -148,3 +148,25 @@ def test_dynamic_prompt_length_shares_the_cache_with_decode(tmp_path):
         assert tokens == expected, length
         assert max((a - b).abs().max().item() for a, b in zip(logits, expected_logits)) < 1e-3
         assert prefill.stats.call_h2d_bytes == 2 * 8 * length  # this prompt's ids and positions only
+
+
+def test_a_long_cache_splits_decode_attention():
+    """A 600-position cache: each decode step's attention splits its keys over programs (one more
+    launch per layer, attention_combine) and a 5-token prefill's too (its 2 x 5 packed rows fill one
+    block); tokens and logits stay eager's."""
+    torch.manual_seed(0)
+    model = _model("qwen2")
+    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 600}
+    lowered = td.lower(_export(model), config=td.LowerConfig(
+        propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True)))
+    for method in lowered.program.methods:
+        kernels = [launch.kernel for d in method.delegates for launch in d.plan.launches]
+        assert kernels.count("attention_combine") == COMMON["num_hidden_layers"], method.name
+        assert len(kernels) == LAUNCHES["qwen2"] + COMMON["num_hidden_layers"], method.name
+    program = lowered.load()
+    prefill, decode = program.load_method("prefill"), program.load_method("decode")
+    eager = executorch.TorchExportableModuleWithStaticCache(model)
+    expected, expected_logits = _greedy(eager, eager, PROMPT, 4)
+    tokens, logits = _greedy(prefill, decode, PROMPT, 4)
+    assert tokens == expected
+    assert max((a - b).abs().max().item() for a, b in zip(logits, expected_logits)) < 1e-3

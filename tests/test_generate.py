@@ -15,6 +15,7 @@ import torch
 import tritondelegate as td
 from tritondelegate.decompose import decompose
 from tritondelegate.generate import Generator
+from tritondelegate.kernels.traffic import method_traffic
 from tritondelegate.models import (
     LlamaStyleDecoder,
     export_prefill_decode,
@@ -217,3 +218,26 @@ def test_a_batch_of_two_prompts_gives_eagers_tokens():
     tokens, logits = generate_eager(kv_cache_decoder(seed=0, max_batch=2, **TINY), prompts, 4)
     assert result.tokens.tolist() == tokens.tolist()
     assert_logits_close(result.logits, logits)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_last_logits_prefill_returns_the_next_tokens_logits_only(dynamic):
+    """export_prefill_decode(last_logits=True): prefill's LM head reads one row per sequence (the last
+    prompt position's) and returns [B, 1, vocab]; tokens and those logits are eager's."""
+    model = kv_cache_decoder(seed=0, max_batch=2, **TINY)
+    config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
+    bound = 12 if dynamic else None
+    full = td.lower(export_prefill_decode(model, PROMPT_LEN, max_prompt_len=bound), config=config)
+    last = td.lower(export_prefill_decode(model, PROMPT_LEN, max_prompt_len=bound, last_logits=True), config=config)
+    assert model.logits_to_keep == 0  # restored after the export
+    traffic = {name: method_traffic(p.program.methods[0])["bytes"] for name, p in (("full", full), ("last", last))}
+    assert traffic["last"] < traffic["full"]
+    prompts = torch.cat([prompt(1), prompt(2)])
+    for length in ([PROMPT_LEN, 5, 12] if dynamic else [PROMPT_LEN]):
+        generator = Generator(last.load())
+        result = generator.generate(prompts[:, :length], 3, keep_logits=True)
+        tokens, logits = generate_eager(model, prompts[:, :length], 3)
+        assert result.tokens.tolist() == tokens.tolist()
+        assert tuple(result.logits[0].shape) == (2, 1, TINY["vocab_size"])
+        assert_logits_close(result.logits, [logits[0][:, -1:], *logits[1:]])
+        assert generator.prefill.stats.call_d2h_bytes == 2 * TINY["vocab_size"] * 4

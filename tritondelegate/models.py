@@ -203,11 +203,17 @@ class KVCacheDecoder(LlamaStyleDecoder):
     ``max_batch`` (the cache is written whole along the batch dim). The weights, their names and their
     initialization are :class:`LlamaStyleDecoder`'s: built with the same seed, a prefill from position
     0 gives that model's logits.
+
+    ``logits_to_keep`` (as transformers names it; 0: all): only the last that many positions go through
+    the final norm and the LM head, logits [B, min(T, logits_to_keep), vocab]. A prefill whose caller
+    only samples the next token needs one: the LM head then reads one row per sequence, not T, and
+    B x vocab logits leave the device instead of B x T x vocab (``export_prefill_decode(last_logits=True)``).
     """
 
     def __init__(self, cfg: DecoderConfig | None = None, max_batch: int = 1):
         super().__init__(cfg, layer=lambda c: KVCacheDecoderLayer(c, max_batch))
         self.max_batch = max_batch
+        self.logits_to_keep = 0
         self.register_buffer("key_positions", torch.arange(self.cfg.max_seq_len), persistent=False)
 
     def forward(self, input_ids, input_pos):
@@ -218,6 +224,8 @@ class KVCacheDecoder(LlamaStyleDecoder):
         mask = self.key_positions[None, :] <= input_pos[:, None]  # [T, max_seq_len], True = attend
         for layer in self.layers:
             x = layer(x, cos, sin, input_pos, mask)
+        if self.logits_to_keep:
+            x = x[:, -self.logits_to_keep:]
         return self.lm_head(self.norm(x))
 
     def cache_buffers(self) -> dict[str, torch.Tensor]:
@@ -235,8 +243,8 @@ def kv_cache_decoder(seed: int = 0, max_batch: int = 1, **overrides) -> KVCacheD
     return KVCacheDecoder(DecoderConfig(**overrides), max_batch=max_batch).eval()
 
 
-def export_prefill_decode(model: KVCacheDecoder, prompt_len: int,
-                          max_prompt_len: int | None = None) -> dict[str, torch.export.ExportedProgram]:
+def export_prefill_decode(model: KVCacheDecoder, prompt_len: int, max_prompt_len: int | None = None,
+                          last_logits: bool = False) -> dict[str, torch.export.ExportedProgram]:
     """``{"prefill": ep, "decode": ep}``: ``model`` exported for ``prompt_len`` tokens at positions
     0..prompt_len-1 and for one token at position prompt_len. Both programs name the cache buffers
     with the same fully-qualified names, so ``td.lower`` of the dict makes them one shared state.
@@ -244,7 +252,11 @@ def export_prefill_decode(model: KVCacheDecoder, prompt_len: int,
 
     ``max_prompt_len``: export prefill with a dynamic prompt length (``Dim("prompt", max=...)``, the
     same symbol for the ids' length and the positions), so one prefill takes any prompt of 1 up to
-    that many tokens; ``prompt_len`` is then only the example."""
+    that many tokens; ``prompt_len`` is then only the example.
+
+    ``last_logits``: prefill returns the logits of the prompt's last position only, [B, 1, vocab]
+    (``KVCacheDecoder.logits_to_keep = 1`` while it is exported): what generation samples from, without
+    the LM head over every prompt position or their logits crossing the bus."""
     limit = model.cfg.max_seq_len - 1
     if not 0 < prompt_len <= limit or (max_prompt_len is not None and not prompt_len <= max_prompt_len <= limit):
         raise ValueError(f"need 1 <= prompt_len <= max_prompt_len <= {limit} (max_seq_len - 1), got "
@@ -259,8 +271,12 @@ def export_prefill_decode(model: KVCacheDecoder, prompt_len: int,
     # The programs hold the module's own cache tensors (not copies); td.lower snapshots their values
     # as the state's initial value. Start from an empty cache.
     model.reset_cache()
-    return {"prefill": torch.export.export(model, prefill_args, dynamic_shapes=dynamic),
-            "decode": torch.export.export(model, decode_args)}
+    keep, model.logits_to_keep = model.logits_to_keep, 1 if last_logits else 0
+    try:
+        prefill = torch.export.export(model, prefill_args, dynamic_shapes=dynamic)
+    finally:
+        model.logits_to_keep = keep
+    return {"prefill": prefill, "decode": torch.export.export(model, decode_args)}
 
 
 @torch.no_grad()

@@ -372,6 +372,8 @@ def _per_dtype(d) -> dict[str, callable]:
         # [1, seq, 16, 64]): the rotary kernel over [..., 32, 2] views, prefill and decode
         "rotary_interleaved_prefill": lambda: _interleaved_rotary(d, 300),
         "rotary_interleaved_decode": lambda: _interleaved_rotary(d, 1),
+        # Cohere's: tables computed from input positions, each angle repeated for its pair (ANGLES)
+        "rotary_interleaved_angles_decode": lambda: _interleaved_angles(d, 1),
         # a lone rotary (no pair): one decode token against [b, 1, 1, D] tables
         "rotary_lone": lambda: (Fn(lambda x, c, s: x * c + rotate_half(x) * s),
                                 (_randn(4, 8, 1, 128, dtype=d), _randn(4, 1, 1, 128, dtype=d),
@@ -391,6 +393,19 @@ def _interleaved_rotary(dtype, seq: int):
 
     return Fn(rotate), (_randn(1, seq, 16, 64, dtype=dtype), _randn(1, seq, 16, 64, dtype=dtype),
                         _randn(1, seq, 32, dtype=dtype), _randn(1, seq, 32, dtype=dtype))
+
+
+def _interleaved_angles(dtype, seq: int):
+    """Cohere's rotary of q (32 heads) and k (8 heads) of 128 at ``seq`` positions, tables computed
+    from the positions with each angle repeated for its pair."""
+    def rotate(q, k, pos, inv_freq):
+        emb = torch.repeat_interleave(pos[..., None].float() * inv_freq, 2, dim=-1)
+        cos, sin = emb.cos().to(q.dtype)[:, :, None], emb.sin().to(q.dtype)[:, :, None]
+        return q * cos + _rotate_every_two(q) * sin, k * cos + _rotate_every_two(k) * sin
+
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 128, 2).float() / 128)
+    return Fn(rotate), (_randn(1, seq, 32, 128, dtype=dtype), _randn(1, seq, 8, 128, dtype=dtype),
+                        torch.arange(100, 100 + seq)[None], inv_freq)
 
 
 def _positions_rotary(dtype, seq: int):

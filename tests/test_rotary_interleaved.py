@@ -205,3 +205,63 @@ def test_interleaved_pairs_in_the_projection_epilogue(seq, dtype):
         expected = model.float()(*[a.float() for a in low])
     for g, want in zip(got, expected):
         assert_close(g, want, dtype=dtype)
+
+
+class CohereStyle(torch.nn.Module):
+    """Tables computed per call from input positions, each angle repeated for its pair (Cohere's
+    rotary embedding), then q and k rotated interleaved; the tables cast to q's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+
+    def forward(self, q, k, pos):
+        freqs = pos[..., None].float() * self.inv_freq
+        emb = torch.repeat_interleave(freqs, 2, dim=-1)
+        cos, sin = (emb.cos() * 0.5).to(q.dtype)[:, :, None], (emb.sin() * 0.5).to(q.dtype)[:, :, None]
+        return q * cos + rotate_every_two(q) * sin, k * cos + rotate_every_two(k) * sin
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_tables_from_positions_are_computed_in_the_launch(dtype):
+    torch.manual_seed(0)
+    args = (torch.randn(2, 5, 4, 8, dtype=dtype), torch.randn(2, 5, 2, 8, dtype=dtype), torch.arange(3, 13).view(2, 5))
+    lowered = _lower(CohereStyle(), args)
+    assert any("rotary_angles" in f for f in _fused(lowered))
+    kernels = _kernels(lowered)
+    assert kernels.count("rotary") == 1 and len(kernels) == 2  # the angles' product, then the rotary
+    (launch,) = [x for x in lowered.program.methods[0].delegates[0].plan.launches if x.kernel == "rotary"]
+    assert launch.constexprs["ANGLES"].value and launch.constexprs["PAIR"].value
+    got = lowered.load().load_method("forward")(*args)
+    for g, want in zip(got, CohereStyle()(*args)):
+        assert_close(g, want, dtype=dtype)
+
+
+class ProjectionAngles(torch.nn.Module):
+    """One Q/K/V linear whose q and k rotate interleaved by tables computed from input positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 3 * 32, bias=False)
+        self.rotary = CohereStyle()
+
+    def forward(self, x, pos):
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 4, 8).unbind(2)
+        return (*self.rotary(q, k, pos), v)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("seq", [1, 6])
+def test_angles_of_interleaved_pairs_in_the_projection_epilogue(seq, dtype):
+    torch.manual_seed(0)
+    model = ProjectionAngles().eval()
+    low = (torch.randn(2, seq, 32).to(dtype), torch.arange(2 * seq).view(2, seq) + 7)
+    lowered = _lower(model.to(dtype), low)
+    assert any("rope_linear" in f for f in _fused(lowered)) and "rotary" not in _kernels(lowered)
+    (rope,) = [x for x in lowered.program.methods[0].delegates[0].plan.launches if x.kernel == "matmul"]
+    assert rope.constexprs["ROPE"].value == "angles"
+    got = lowered.load().load_method("forward")(*low)
+    with torch.no_grad():
+        expected = model.float()(low[0].float(), low[1])
+    for g, want in zip(got, expected):
+        assert_close(g, want, dtype=dtype)

@@ -15,10 +15,10 @@ place of a written-out pattern, so one kernel runs them.
         model computes them per call from its input positions; the kernel computes them inline
         (each of the four takes optional per-head norms last: ``norm`` (``q_norm``, ``k_norm``) and
         ``norm_eps``: x first becomes ``rms_norm(x, [D], norm, norm_eps)``, Qwen3's q_norm and k_norm,
-        run in the same launch: ``passes/head_norm.py``; ``rotary`` and ``rotary_pair`` take
-        ``interleaved=True`` last: ``rotate_every_two(x) = stack((-x[..., 1::2], x[..., 0::2]), -1)
+        run in the same launch: ``passes/head_norm.py``; each takes ``interleaved=True`` last: ``rotate_every_two(x) = stack((-x[..., 1::2], x[..., 0::2]), -1)
         .flatten(-2)`` in place of rotate_half, GPT-J's, CodeGen's and Cohere's pairs (2i, 2i + 1), with
-        tables over the whole last dim as those models repeat_interleave them)
+        tables over the whole last dim as those models repeat_interleave them, or angles
+        ``repeat_interleave(a, 2, -1)`` in place of ``cat(a, a, -1)``)
 
     tritondelegate::sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale,
                                    bool enable_gqa) -> Tensor
@@ -65,9 +65,9 @@ _lib.define("rotary(Tensor x, Tensor cos, Tensor sin, Tensor? norm=None, float n
 _lib.define("rotary_pair(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? q_norm=None, Tensor? k_norm=None, "
             "float norm_eps=0.0, bool interleaved=False) -> (Tensor, Tensor)")
 _lib.define("rotary_angles(Tensor x, Tensor angles, float scale, ScalarType dtype, Tensor? norm=None, "
-            "float norm_eps=0.0) -> Tensor")
+            "float norm_eps=0.0, bool interleaved=False) -> Tensor")
 _lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, ScalarType dtype, "
-            "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0) -> (Tensor, Tensor)")
+            "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0, bool interleaved=False) -> (Tensor, Tensor)")
 _lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa) -> Tensor")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
 _lib.define("rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin, "
@@ -128,33 +128,35 @@ def _rotary_pair_fake(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0, in
             _rotary_fake(k, cos, sin, k_norm, norm_eps, interleaved))
 
 
-def rotary_tables(angles: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) as a model computes them from its half-width angles: ``emb = cat(angles, angles)``,
-    then ``(emb.cos() * scale).to(dtype)`` and ``(emb.sin() * scale).to(dtype)``."""
-    emb = torch.cat((angles, angles), dim=-1)
+def rotary_tables(angles: torch.Tensor, scale: float, dtype: torch.dtype,
+                  interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) as a model computes them from its half-width angles: ``emb = cat(angles, angles)``
+    (``interleaved``: ``repeat_interleave(angles, 2, -1)``, each angle for a pair (2i, 2i + 1)), then
+    ``(emb.cos() * scale).to(dtype)`` and ``(emb.sin() * scale).to(dtype)``."""
+    emb = torch.repeat_interleave(angles, 2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 @torch.library.impl(_lib, "rotary_angles", "CompositeExplicitAutograd")
-def _rotary_angles(x, angles, scale, dtype, norm=None, norm_eps=0.0):
-    return _rotary(x, *rotary_tables(angles, scale, dtype), norm, norm_eps)
+def _rotary_angles(x, angles, scale, dtype, norm=None, norm_eps=0.0, interleaved=False):
+    return _rotary(x, *rotary_tables(angles, scale, dtype, interleaved), norm, norm_eps, interleaved)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary_angles")
-def _rotary_angles_fake(x, angles, scale, dtype, norm=None, norm_eps=0.0):
-    return _rotary_fake(x, *rotary_tables(angles, scale, dtype), norm, norm_eps)
+def _rotary_angles_fake(x, angles, scale, dtype, norm=None, norm_eps=0.0, interleaved=False):
+    return _rotary_fake(x, *rotary_tables(angles, scale, dtype, interleaved), norm, norm_eps, interleaved)
 
 
 @torch.library.impl(_lib, "rotary_pair_angles", "CompositeExplicitAutograd")
-def _rotary_pair_angles(q, k, angles, scale, dtype, q_norm=None, k_norm=None, norm_eps=0.0):
-    return _rotary_angles(q, angles, scale, dtype, q_norm, norm_eps), _rotary_angles(k, angles, scale, dtype, k_norm,
-                                                                                    norm_eps)
+def _rotary_pair_angles(q, k, angles, scale, dtype, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False):
+    return (_rotary_angles(q, angles, scale, dtype, q_norm, norm_eps, interleaved),
+            _rotary_angles(k, angles, scale, dtype, k_norm, norm_eps, interleaved))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary_pair_angles")
-def _rotary_pair_angles_fake(q, k, angles, scale, dtype, q_norm=None, k_norm=None, norm_eps=0.0):
-    return (_rotary_angles_fake(q, angles, scale, dtype, q_norm, norm_eps),
-            _rotary_angles_fake(k, angles, scale, dtype, k_norm, norm_eps))
+def _rotary_pair_angles_fake(q, k, angles, scale, dtype, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False):
+    return (_rotary_angles_fake(q, angles, scale, dtype, q_norm, norm_eps, interleaved),
+            _rotary_angles_fake(k, angles, scale, dtype, k_norm, norm_eps, interleaved))
 
 
 def positions_mask(positions: torch.Tensor, length: int) -> torch.Tensor:

@@ -204,13 +204,19 @@ def _norm_args(x: TRef, half: int, weights, eps) -> tuple[list, dict]:
     return [w[0], w[1], w[0].strides[0], w[1].strides[0], float(eps)], {"NORM": True}
 
 
-def _pairs_last(b, refs: list[TRef], shape) -> list[TRef]:
+def _pairs_last(b, refs: list[TRef], shape, angles: bool = False) -> list[TRef]:
     """``refs`` (x, its tables, the result: each broadcasting to ``shape``) seen as [..., D / 2, 2]: the
     interleaved pairs (2i, 2i + 1) of the last dim become the last dim's halves, so the kernel's
-    rotate_half over a last dim of 2 is rotate_every_two over D (a view: no copy)."""
+    rotate_half over a last dim of 2 is rotate_every_two over D (a view: no copy). With ``angles``
+    the two middle refs are the half-width angles, seen as [..., D / 2, 1]: one angle per pair."""
     split = (*shape[:-1], shape[-1] // 2, 2)
+    half = (*shape[:-1], shape[-1] // 2)
     views = []
-    for ref in refs:
+    for k, ref in enumerate(refs):
+        if angles and k in (1, 2):
+            strides = broadcast_strides(ref, half)
+            views.append(b.view(ref, (*half, 1), (*strides, 0)))
+            continue
         strides = broadcast_strides(ref, shape)
         views.append(b.view(ref, split, (*strides[:-1], 2 * strides[-1], strides[-1])))
     return views
@@ -221,9 +227,9 @@ def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef, angles: tuple | N
     """``out = x * cos + rotate_half(x) * sin``; ``out`` has ``x``'s shape, cos and sin broadcast to it.
     ``angles=(scale, dtype)``: cos and sin are both the angles the kernel computes the tables from.
     ``norm=(weight, eps)``: x's rows RMS-normalized first (a per-head norm). ``interleaved``:
-    rotate_every_two (tables given, no norm)."""
+    rotate_every_two (no norm)."""
     if interleaved:
-        x, cos, sin, out = _pairs_last(b, [x, cos, sin, out], out.shape)
+        x, cos, sin, out = _pairs_last(b, [x, cos, sin, out], out.shape, angles is not None)
     rows, inner, (os_, xs, cs, ss) = _rows("rotary", x, cos, sin, out, angles is not None)
     half = out.shape[-1] // 2
     block_r, block_h = _blocks(half, rows)
@@ -242,13 +248,13 @@ def launch_rotary_pair(b, q: TRef, k: TRef, cos: TRef, sin: TRef, q_out: TRef, k
                        angles: tuple | None = None, norms: tuple | None = None, interleaved: bool = False) -> None:
     """``q_out`` and ``k_out``: q and k rotated by the same cos and sin (or angles), in one launch.
     ``norms=(q weight, k weight, eps)``: q's and k's rows RMS-normalized first (per-head norms).
-    ``interleaved``: rotate_every_two (tables given, no norms)."""
+    ``interleaved``: rotate_every_two (no norms)."""
     if q.shape[-1] != k.shape[-1]:
         raise LoweringError(f"rotary_pair: q {q.shape} and k {k.shape} differ in their last dim")
     kcos, ksin = cos, sin
     if interleaved:  # cos and sin broadcast to each of q and k: views of their own for k
-        k, kcos, ksin, k_out = _pairs_last(b, [k, cos, sin, k_out], k_out.shape)
-        q, cos, sin, q_out = _pairs_last(b, [q, cos, sin, q_out], q_out.shape)
+        k, kcos, ksin, k_out = _pairs_last(b, [k, cos, sin, k_out], k_out.shape, angles is not None)
+        q, cos, sin, q_out = _pairs_last(b, [q, cos, sin, q_out], q_out.shape, angles is not None)
     rows, inner, (os_, xs, cs, ss) = _rows("rotary_pair", q, cos, sin, q_out, angles is not None)
     krows, kinner, (kos, kxs, kcs, kss) = _rows("rotary_pair", k, kcos, ksin, k_out, angles is not None)
     if (kcs[-1], kss[-1]) != (cs[-1], ss[-1]):
@@ -348,7 +354,8 @@ def _angles_refusal(x, angles, scale, dtype, out) -> str | None:
 
 def supported_angles(node) -> str | None:
     (x, angles), (scale, dtype) = (node_value(a) for a in node.args[:2]), node.args[2:4]
-    return _angles_refusal(x, angles, scale, dtype, node.meta.get("val")) or _norm_refusal(node, 4, 1)
+    return (_angles_refusal(x, angles, scale, dtype, node.meta.get("val")) or _norm_refusal(node, 4, 1)
+            or _interleaved_refusal(node, [x], 4))
 
 
 def supported_pair_angles(node) -> str | None:
@@ -360,7 +367,7 @@ def supported_pair_angles(node) -> str | None:
         reason = _angles_refusal(x, angles, scale, dtype, out)
         if reason is not None:
             return f"{name}: {reason}"
-    return _norm_refusal(node, 5, 2)
+    return _norm_refusal(node, 5, 2) or _interleaved_refusal(node, [q, k], 5)
 
 
 def _norms(b, node, first: int, count: int) -> tuple | None:
@@ -389,11 +396,12 @@ def rotary_pair(b, node):
 def rotary_angles(b, node):
     """tritondelegate::rotary_angles(x, angles, scale, dtype[, norm, norm_eps])"""
     x, angles = (b.ref(a) for a in node.args[:2])
-    launch_rotary(b, x, angles, angles, b.out(node), angles=tuple(node.args[2:4]), norm=_norms(b, node, 4, 1))
+    launch_rotary(b, x, angles, angles, b.out(node), angles=tuple(node.args[2:4]), norm=_norms(b, node, 4, 1),
+                  interleaved=node.kwargs.get("interleaved", False))
 
 
 def rotary_pair_angles(b, node):
     """tritondelegate::rotary_pair_angles(q, k, angles, scale, dtype[, q_norm, k_norm, norm_eps])"""
     q, k, angles = (b.ref(a) for a in node.args[:3])
     launch_rotary_pair(b, q, k, angles, angles, b.out(node, 0), b.out(node, 1), angles=tuple(node.args[3:5]),
-                       norms=_norms(b, node, 5, 2))
+                       norms=_norms(b, node, 5, 2), interleaved=node.kwargs.get("interleaved", False))

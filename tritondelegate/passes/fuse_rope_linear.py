@@ -194,8 +194,9 @@ def _x_pairs(x: torch.Tensor, layout, y: torch.Tensor, width: int, tables: list,
         return None
     half = e // 2
     heads = cols.reshape(-1, e)
-    if interleaved:
-        pairs = [(int(h[2 * j]), int(h[2 * j + 1]), 2 * j, 2 * j + 1) for h in heads for j in range(half)]
+    if interleaved:  # a pair's angle is j; its tables' columns are 2j and 2j + 1
+        pairs = [(int(h[2 * j]), int(h[2 * j + 1]), j if angles else 2 * j, j if angles else 2 * j + 1)
+                 for h in heads for j in range(half)]
     else:
         pairs = [(int(h[j]), int(h[j + half]), j, j if angles else j + half) for h in heads for j in range(half)]
     return pairs, dims[0]
@@ -234,7 +235,7 @@ def _plan(group: list, foldable: set) -> dict | None:
         return None
     tables, scale, dtype, angles = _tables_of(group[0])
     interleaved = group[0].kwargs.get("interleaved", False)
-    if any(rotary.kwargs != group[0].kwargs for rotary in group) or (interleaved and angles):
+    if any(rotary.kwargs != group[0].kwargs for rotary in group):
         return None
     table_vals = [tensor_val(t) for t in tables]
     if None in table_vals or any(tv.shape != table_vals[0].shape for tv in table_vals):

@@ -21,7 +21,8 @@ rounds them to ``dtype`` as eager does, then rotates, so its result is eager's.
 A rotary node is rewritten when both tables are, from the top: views that leave the last dim alone
 (``unsqueeze``, ``view``/``reshape`` keeping the last size, ``expand``, ``alias``); at most one cast
 (``_to_copy`` to a dtype); multiplications by Python numbers (their product is the scale: equal for
-cos and sin); ``cos`` or ``sin`` of one ``cat((a, a), -1)`` of a float32 ``a``; and the two view
+cos and sin); ``cos`` or ``sin`` of one ``cat((a, a), -1)`` of a float32 ``a`` (of one
+``repeat_interleave(a, 2, -1)`` for a rotary of interleaved pairs: Cohere's); and the two view
 chains are the same ops with the same arguments. The angles then take those views, with the last
 size halved. Tables that other nodes also read stay in the graph for them; once no node reads them,
 they are removed. Angles that depend on no method input nor state (a forward over a static length)
@@ -92,22 +93,48 @@ def _table(node):
         scale *= factor
     if not is_call(node, aten.cos.default, aten.sin.default):
         return None
-    cat, val = node.args[0], tensor_val(node)
-    if val is None or val.dtype != torch.float32 or not is_call(cat, aten.cat.default):
+    emb, val = node.args[0], tensor_val(node)
+    if val is None or val.dtype != torch.float32:
         return None
-    return views[::-1], cast or val.dtype, scale, node.target, cat
+    return views[::-1], cast or val.dtype, scale, node.target, emb
 
 
-def _angles_of(cat: torch.fx.Node) -> torch.fx.Node | None:
-    """``a`` of ``cat((a, a), -1)`` with ``a`` float32 of a static last dim, else None."""
-    parts = cat.args[0]
+def _float_angles(a) -> bool:
+    val = tensor_val(a)
+    return val is not None and val.dtype == torch.float32 and val.dim() > 0 and isinstance(val.shape[-1], int)
+
+
+def _interleaved_angles(emb: torch.fx.Node) -> torch.fx.Node | None:
+    """``a`` of ``repeat_interleave(a, 2, -1)`` as export writes it (``view(clone(expand(a[..., None],
+    [..., D / 2, 2])), [..., D])``), else None."""
+    if not is_call(emb, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return None
+    clone = emb.args[0]
+    expand = clone.args[0] if is_call(clone, aten.clone.default) else None
+    if not is_call(expand, aten.expand.default) or not is_call(expand.args[0], aten.unsqueeze.default):
+        return None
+    a, dim = expand.args[0].args[:2]
+    val, out = tensor_val(a), tensor_val(expand)
+    if not _float_angles(a) or dim % (val.dim() + 1) != val.dim() or out.shape[-1] != 2:
+        return None
+    return a if tuple(out.shape[:-1]) == tuple(val.shape) and tensor_val(emb).shape[-1] == 2 * val.shape[-1] else None
+
+
+def _angles_of(emb: torch.fx.Node) -> tuple[torch.fx.Node, bool] | None:
+    """(``a``, False) of ``cat((a, a), -1)`` or (``a``, True) of ``repeat_interleave(a, 2, -1)``, with
+    ``a`` float32 of a static last dim, else None."""
+    interleaved = _interleaved_angles(emb)
+    if interleaved is not None:
+        return interleaved, True
+    if not is_call(emb, aten.cat.default):
+        return None
+    parts = emb.args[0]
     if not isinstance(parts, (list, tuple)) or len(parts) != 2 or parts[0] is not parts[1]:
         return None
-    a, val = parts[0], tensor_val(parts[0])
-    dim = node_arg(cat, 1, "dim", 0)
-    if val is None or val.dtype != torch.float32 or val.dim() == 0 or not isinstance(val.shape[-1], int):
+    a, dim = parts[0], node_arg(emb, 1, "dim", 0)
+    if not _float_angles(a):
         return None
-    return a if isinstance(dim, int) and dim % val.dim() == val.dim() - 1 else None
+    return (a, False) if isinstance(dim, int) and dim % tensor_val(a).dim() == tensor_val(a).dim() - 1 else None
 
 
 def _same_views(a: list, b: list) -> bool:
@@ -115,16 +142,18 @@ def _same_views(a: list, b: list) -> bool:
 
 
 def _match(node: torch.fx.Node):
-    """(angles, views, scale, dtype) when ``node`` is a rotary whose cos and sin come from angles."""
+    """(angles, views, scale, dtype) when ``node`` is a rotary whose cos and sin come from angles, in
+    its own pairing (cat for rotate_half, repeat_interleave for interleaved pairs)."""
     cos, sin = (_table(t) for t in node.args[1:3])
     if cos is None or sin is None or (cos[3], sin[3]) != (aten.cos.default, aten.sin.default):
         return None
-    (views, dtype, scale, _, cat), (sin_views, sin_dtype, sin_scale, _, sin_cat) = cos, sin
-    angles = _angles_of(cat)
-    if (angles is None or sin_cat is not cat and _angles_of(sin_cat) is not angles
+    (views, dtype, scale, _, emb), (sin_views, sin_dtype, sin_scale, _, sin_emb) = cos, sin
+    angles = _angles_of(emb)
+    if (angles is None or angles[1] != node.kwargs.get("interleaved", False)
+            or sin_emb is not emb and _angles_of(sin_emb) != angles
             or (dtype, scale) != (sin_dtype, sin_scale) or not _same_views(views, sin_views)):
         return None
-    return angles, views, scale, dtype
+    return angles[0], views, scale, dtype
 
 
 def _replay(graph: torch.fx.Graph, angles: torch.fx.Node, views: list, before: torch.fx.Node):
@@ -165,7 +194,7 @@ def rotary_tables(ep: torch.export.ExportedProgram, fold: bool = True) -> list[s
     runs next (input-independent angles are left to it)."""
     graph = ep.graph_module.graph
     done = []
-    for node in [n for n in graph.nodes if is_call(n, rotary_op) and not n.kwargs.get("interleaved", False)]:
+    for node in [n for n in graph.nodes if is_call(n, rotary_op)]:
         found = _match(node)
         if found is None or (fold and not _per_call(ep, found[0])):
             continue
@@ -175,7 +204,8 @@ def rotary_tables(ep: torch.export.ExportedProgram, fold: bool = True) -> list[s
             continue
         x, tables = node.args[0], node.args[1:3]
         with graph.inserting_before(node):
-            new = new_node(graph, rotary_angles_op, (x, replayed, scale, dtype), node.meta["val"], node.meta)
+            new = new_node(graph, rotary_angles_op, (x, replayed, scale, dtype), node.meta["val"], node.meta,
+                           kwargs=node.kwargs)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         erase_unused(graph, list(tables))

@@ -18,6 +18,8 @@ constant folding and partitioning:
 * ``fuse_rope_linear``: a rotary embedding whose query and key are views of one projection (after
   ``fuse_projections``) moves into that projection's epilogue: one ``tritondelegate::rope_linear``
   over the weight's rows permuted into rotation pairs (permuted once by ``lower()``);
+* ``cat_slices``: a cat of adjacent slices of one tensor becomes the slice they tile, a view (a
+  partial rotary's ``cat((q_rot, q_pass))`` once ``fuse_rope_linear`` rotated q in place);
 * ``head_norm``: per-head norms (Qwen3's q_norm and k_norm) that the epilogue did not take run in
   the rotary launch that reads them;
 * ``fuse_batchnorm``: an eval batch norm after a convolution is folded into its weight and bias
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from .cat_slices import cat_slices
 from .dedupe import dedupe
 from .fuse_batchnorm import fuse_batchnorm
 from .fuse_gelu import fuse_gelu
@@ -49,7 +52,7 @@ def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool)
     if fold:  # both store new constants (concatenated or folded weights): folding computes them once
         done += (fuse_glu(ep, state) + fuse_projections(ep, state) + fuse_rope_linear(ep, state)
                  + fuse_batchnorm(ep, state))
-    done += head_norm(ep)
+    done += cat_slices(ep) + head_norm(ep)
     if done:
         ep.graph_module.recompile()
     return done

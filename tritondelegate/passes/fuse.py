@@ -4,6 +4,8 @@ constant folding and partitioning:
 * ``dedupe``: identity copies and repeated computations are removed first (``dedupe.py``);
 * ``fuse_rms_norm``: an RMSNorm written out (``pow``/``mean``/``rsqrt``/``mul``, as Llama, Qwen2,
   Mistral and Gemma write it) becomes one ``aten.rms_norm`` (one row kernel instead of three launches);
+* ``centered_norm``: an RMSNorm of ``x - mean(x)`` (Cohere's LayerNorm without bias, written out)
+  becomes one ``aten.layer_norm``;
 * ``fuse_gelu``: a tanh GELU written out (GPT-2's ``0.5 * x * (1 + tanh(...))``) becomes one
   ``aten.gelu(approximate="tanh")``, which runs in the epilogue of the matmul before it;
 * ``fuse_rotary``: a rotary embedding written out (``x * cos + rotate_half(x) * sin``) becomes one
@@ -33,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from .cat_slices import cat_slices
+from .centered_norm import centered_norm
 from .dedupe import dedupe
 from .fuse_batchnorm import fuse_batchnorm
 from .fuse_gelu import fuse_gelu
@@ -48,7 +51,7 @@ from .position_mask import position_mask
 def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool) -> list[str]:
     """All the rewrites, in order; ``fold``: constant folding will run (projections need it to store
     their concatenated weights once)."""
-    done = dedupe(ep) + fuse_rms_norm(ep) + fuse_gelu(ep) + fuse_rotary(ep, fold) + position_mask(ep)
+    done = dedupe(ep) + fuse_rms_norm(ep) + centered_norm(ep) + fuse_gelu(ep) + fuse_rotary(ep, fold) + position_mask(ep)
     if fold:  # both store new constants (concatenated or folded weights): folding computes them once
         done += (fuse_glu(ep, state) + fuse_projections(ep, state) + fuse_rope_linear(ep, state)
                  + fuse_batchnorm(ep, state))

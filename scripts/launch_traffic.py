@@ -97,14 +97,21 @@ def _kv_demo(layers: int) -> dict:
     return export_prefill_decode(kv_cache_decoder(n_layers=layers), 5)
 
 
-def _kv_hf_llama(layers: int) -> dict:
+def _kv_hf(kind: str, layers: int) -> dict:
     import transformers
     from transformers.integrations.executorch import convert_and_export_with_cache
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(config).eval()
+    common = dict(vocab_size=97, max_position_embeddings=64)
+    if kind == "gptj":  # interleaved partial rotary, parallel attention and MLP
+        model = transformers.GPTJForCausalLM(transformers.GPTJConfig(
+            vocab_size=97, n_embd=48, n_layer=layers, n_head=4, rotary_dim=6, n_positions=64))
+    else:
+        config = getattr(transformers, f"{kind}Config")(
+            hidden_size=48, intermediate_size=80, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, **common)
+        model = getattr(transformers, f"{kind}ForCausalLM")(config)
+    model = model.eval()
     model.generation_config.cache_implementation = "static"
     model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
     prompt = torch.tensor([[3, 17, 5, 9, 22]])
@@ -114,7 +121,9 @@ def _kv_hf_llama(layers: int) -> dict:
                 "decode": convert_and_export_with_cache(model, torch.tensor([[4]]), torch.tensor([5]))}
 
 
-KV_MODELS = {"demo KVCacheDecoder": _kv_demo, "HF Llama, static cache": _kv_hf_llama}
+KV_MODELS = {"demo KVCacheDecoder": _kv_demo, "HF Llama, static cache": lambda n: _kv_hf("Llama", n),
+             "HF Cohere, static cache": lambda n: _kv_hf("Cohere", n),
+             "HF GPT-J, static cache": lambda n: _kv_hf("gptj", n)}
 
 
 def _kv_steps() -> None:

@@ -127,3 +127,18 @@ def test_partial_rotary_models_lose_their_cat_copies(kind):
     assert sum(lowered.reports["forward"].launches.values()) == 12  # 20 with the copies
     with torch.no_grad():
         assert_close(lowered.load().load_method("forward")(ids), model(ids))
+
+
+def test_a_view_of_the_cat_keeps_it_when_the_slice_is_not_contiguous():
+    # y.t() sliced along its rows and put back is y.t(), which `view` cannot flatten: the cat stays.
+    def fn(x):
+        y = (x * 2).t()
+        return torch.cat((y[:, :3], y[:, 3:]), dim=1).view(-1) + 1
+
+    _check(fn, (torch.randn(8, 4),), False)
+
+    def contiguous(x):
+        y = x * 2
+        return torch.cat((y[:3], y[3:]), dim=0).view(-1) + 1
+
+    _check(contiguous, (torch.randn(8, 4),), True)

@@ -10,7 +10,8 @@ each part). Here it becomes ``slice(x, dim, a, c)`` (``x`` itself when that is a
 A cat is rewritten when: its parts are ``slice(x, dim, start, end)`` (step 1, static bounds) of one
 node ``x`` along the cat's own dim, in order, each starting where the one before ends; ``x`` reaches
 (through views) a tensor the graph computes, not an input or a buffer, and that no op writes in place
-(after the cat a write would change the view, not the copy); the cat is not a method output.
+(after the cat a write would change the view, not the copy); the cat is not a method output; and
+when a ``view`` reads the cat, the slice is contiguous as the cat's result is.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .fuse_rope_linear import is_view
 from .rewrite import fake, is_call, new_node, tensor_val
 
 aten = torch.ops.aten
+_NEEDS_CONTIGUOUS = (aten.view.default, aten._unsafe_view.default)
 
 
 def _bounds(part: torch.fx.Node, dim: int):
@@ -80,7 +82,15 @@ def _slice_of_parts(cat: torch.fx.Node, written: set, returned: set):
     root = _root(source)
     if root.op != "call_function" or root in written or tensor_val(source).dtype != out.dtype:
         return None
+    if any(is_call(user, *_NEEDS_CONTIGUOUS) for user in cat.users) and not _contiguous(source, dim, found):
+        return None  # a view op that reads the cat needs its contiguous layout
     return source, dim, found[0][1], found[-1][2]
+
+
+def _contiguous(source: torch.fx.Node, dim: int, found: list) -> bool:
+    val = tensor_val(source)
+    part = fake(lambda t: aten.slice.Tensor(t, dim, found[0][1], found[-1][2]), val)
+    return part.is_contiguous()
 
 
 def cat_slices(ep: torch.export.ExportedProgram) -> list[str]:

@@ -11,7 +11,11 @@ which decomposes to
     out = add(a, b)
 
 four launches per tensor (the neg and the cat's copies, the two multiplies, the add; fusion merges
-no more since the cat is not pointwise). ``kernels/rotary.py`` runs the op in one launch that reads
+no more since the cat is not pointwise). GPT-J, CodeGen and Cohere rotate the pairs (2i, 2i + 1) instead:
+
+    r = view(cat([unsqueeze(neg(x[..., 1::2]), -1), unsqueeze(x[..., 0::2], -1)], -1), x.shape)
+
+(``stack((-x2, x1), -1).flatten(-2)``), which becomes ``rotary(x, cos, sin, interleaved=True)``. ``kernels/rotary.py`` runs the op in one launch that reads
 x once. Multiplies and the add match with their operands in either order; the dims may be written
 as -1 or D - 1, the slice bounds as any values that clamp to [0, h) and [h, D); the x that is
 multiplied and the x that is rotated may be two equal views (a transpose written twice). A pattern is
@@ -136,8 +140,8 @@ def _rotate_every_two(node):
         if not is_call(part, aten.unsqueeze.default) or part.args[1] % rank != rank - 1:
             return None
         parts.append(part)
-    neg = parts[0].args[0]
-    if not is_call(neg, aten.neg.default) or _static_int(node_arg(cat, 1, "dim", 0)) % rank != rank - 1:
+    neg, dim = parts[0].args[0], _static_int(node_arg(cat, 1, "dim", 0))
+    if not is_call(neg, aten.neg.default) or dim is None or dim % rank != rank - 1:
         return None
     x = _step_slice(neg.args[0], 1)
     even = _step_slice(parts[1].args[0], 0)

@@ -11,12 +11,12 @@ which decomposes to
     out = add(a, b)
 
 four launches per tensor (the neg and the cat's copies, the two multiplies, the add; fusion merges
-no more since the cat is not pointwise). GPT-J, CodeGen and Cohere rotate the pairs (2i, 2i + 1) instead:
+no more since the cat is not pointwise). GPT-J, CodeGen and Cohere rotate the pairs (2i, 2i + 1):
 
     r = view(cat([unsqueeze(neg(x[..., 1::2]), -1), unsqueeze(x[..., 0::2], -1)], -1), x.shape)
 
-(``stack((-x2, x1), -1).flatten(-2)``), which becomes ``rotary(x, cos, sin, interleaved=True)``. ``kernels/rotary.py`` runs the op in one launch that reads
-x once. Multiplies and the add match with their operands in either order; the dims may be written
+(``stack((-x2, x1), -1).flatten(-2)``), which becomes ``rotary(x, cos, sin, interleaved=True)``.
+``kernels/rotary.py`` runs the op in one launch that reads x once. Multiplies and the add match with their operands in either order; the dims may be written
 as -1 or D - 1, the slice bounds as any values that clamp to [0, h) and [h, D); the x that is
 multiplied and the x that is rotated may be two equal views (a transpose written twice). A pattern is
 rewritten only when its intermediates have no other users (a ``cat`` the graph also returns stays).

@@ -169,3 +169,12 @@ def test_kv_cache_generation_with_a_long_cache():
     assert result.tokens.tolist() == tokens.tolist()
     for got, expected in zip(result.logits, logits, strict=True):
         assert_close(got, expected)
+
+
+def test_dynamic_batch_of_packed_and_split_heads():
+    # grid axis 1 (batch x key heads) and the partials follow each call's batch.
+    batch = torch.export.Dim("batch", min=1, max=6)
+    calls = [qkv(n, 4, 2, 1, 300, 16, torch.float32) for n in (6, 1, 4)]
+    lowered, _ = check_dynamic(Sdpa(enable_gqa=True), calls, ({0: batch}, {0: batch}, {0: batch}))
+    attn = [l for d in lowered.program.methods[0].delegates for l in d.plan.launches][0]
+    assert constexprs(attn)["PACK"] == 2 and constexprs(attn)["SPLIT"]

@@ -222,3 +222,29 @@ def test_one_buffer_with_two_shapes_is_refused():
         warnings.simplefilter("ignore", td.PerCallCopyWarning)
         with pytest.raises(ValueError, match=r"state buffer 'total' is torch.float32\[4, 8\] in one method"):
             td.lower(eps)
+
+
+class Rescale(torch.nn.Module):
+    """A bf16 buffer overwritten in place from an fp32 computation, as Phi-3's longrope rewrites its
+    inv_freq (``copy_`` keeps the buffer's dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("freq", torch.linspace(0.5, 2.0, 8).to(torch.bfloat16))
+        self.register_buffer("scale", torch.tensor(1.5))  # fp32
+
+    def forward(self, x):
+        self.freq.copy_(torch.linspace(0.5, 2.0, 8) * self.scale)  # an fp32 value
+        return x * self.freq
+
+
+def test_an_update_of_another_dtype_is_cast_to_the_buffer():
+    # Before: lower() wrote the fp32 update for the bf16 state and the program failed to load.
+    model = Rescale()
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    lowered = td.lower(torch.export.export(model, (x,)))
+    assert lowered.state["freq"].dtype == torch.bfloat16
+    method = lowered.load().load_method("forward")
+    for _ in range(2):
+        expected = Rescale()(x)
+        torch.testing.assert_close(method(x), expected)

@@ -25,7 +25,7 @@ from .passes.fold_constants import fold_constants
 from .passes.fold_repeat_kv import fold_repeat_kv
 from .passes.fuse import fuse_patterns
 from .passes.propagate_device import DeviceReport, PropagateDevicePass
-from .passes.state import MethodGraph, StateBuffer, place_state, reinplace
+from .passes.state import MethodGraph, StateBuffer, cast_state_updates, place_state, reinplace
 from .passes.verify import verify_method
 from .program import InstrKind, Program, Symbol
 
@@ -169,6 +169,7 @@ def _decompose(name: str, ep, partitioner: Partitioner) -> torch.export.Exported
     if not isinstance(ep, torch.export.ExportedProgram):
         raise TypeError(f"method {name!r}: expected an ExportedProgram, got {type(ep).__name__}")
     ep = decompose(ep, keep=partitioner.ops_to_not_decompose(ep))
+    cast_state_updates(name, ep)
     fold_repeat_kv(ep.graph_module)
     _detach_size_nodes(ep.graph_module)
     return ep

@@ -25,6 +25,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from ..errors import LoweringError
 from ..kernels.registry import lookup
 from ..partitioner import PartitionResult, op_name
+from .rewrite import fake
 
 aten = torch.ops.aten
 HOST = "cpu"
@@ -79,6 +80,38 @@ class MethodGraph:
         """The device of the delegate that claimed ``node``; the host when none did."""
         tag = self.partition.tags.get(node.name) if node is not None else None
         return self.partition.specs[tag].device if tag is not None else HOST
+
+
+def cast_state_updates(name: str, ep: torch.export.ExportedProgram) -> list[str]:
+    """Give every buffer update its buffer's dtype, as eager's write into the buffer does: a bf16 model
+    whose rotary code assigns an fp32 ``inv_freq`` (Phi-3's longrope) writes back fp32 into a bf16
+    buffer. A ``_to_copy`` to the buffer's dtype is inserted before the output; an update of another
+    shape is a LoweringError naming the buffer. Returns one description per cast."""
+    graph = ep.graph_module.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    buffers = {spec.target: placeholders[spec.arg.name] for spec in ep.graph_signature.input_specs
+               if spec.kind == InputKind.BUFFER}
+    values, done = list(output.args[0]), []
+    for k, spec in enumerate(ep.graph_signature.output_specs):
+        buffer, value = buffers.get(spec.target), values[k]
+        if spec.kind != OutputKind.BUFFER_MUTATION or buffer is None or not isinstance(value, torch.fx.Node):
+            continue
+        want, got = buffer.meta.get("val"), value.meta.get("val")
+        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor) or want.dtype == got.dtype:
+            continue
+        if tuple(want.shape) != tuple(got.shape):
+            raise LoweringError(f"method {name!r} writes {got.dtype}{list(got.shape)} into state buffer "
+                                f"{spec.target!r}, which is {want.dtype}{list(want.shape)}")
+        with graph.inserting_before(output):
+            cast = graph.call_function(torch.ops.aten._to_copy.default, (value,), {"dtype": want.dtype})
+        cast.meta["val"] = fake(lambda t: t.to(want.dtype), got)
+        values[k] = cast
+        done.append(f"state {spec.target!r}: its {got.dtype} update cast to the buffer's {want.dtype}")
+    if done:
+        output.args = (tuple(values),) + tuple(output.args[1:])
+        ep.graph_module.recompile()
+    return done
 
 
 def state_names(graphs: list[MethodGraph]) -> set[str]:

@@ -221,3 +221,21 @@ def test_a_data_dependent_size_is_refused_by_name():
     ep = torch.export.export(Masked(), (torch.randn(5, 3), torch.tensor([True, False, True, True, False])))
     with pytest.raises(td.LoweringError, match="size of 'index' .* depends on tensor data"):
         td.lower(ep)
+
+
+def test_views_of_min_max_sizes_are_delegated():
+    """Exported under no_grad, GPT-2's Conv1D flattens with ``view(-1, x.size(-1))``: the export writes
+    that size as torch's own ``Min(32, 32*s)``, which the plan now states as ``min(...)`` (before, the
+    views stayed on the host, splitting the delegate and copying per call)."""
+    class Conv1D(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.b = torch.nn.Parameter(torch.randn(32, 48)), torch.nn.Parameter(torch.randn(48))
+
+        def forward(self, x):
+            return torch.addmm(self.b, x.view(-1, x.size(-1)), self.w).view(x.size()[:-1] + (48,)).relu()
+
+    n = Dim("n", min=2, max=16)
+    with torch.no_grad():
+        lowered, _ = check_dynamic(Conv1D(), [(torch.randn(2, k, 32),) for k in (7, 2, 16)], ({1: n},))
+    assert len(lowered.program.methods[0].delegates) == 1

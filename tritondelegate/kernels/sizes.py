@@ -92,7 +92,7 @@ def upper(x) -> int:
 def _text(e) -> str:
     """Python integer-expression text for a sympy size expression (see ``symbolic.Expr``). Every
     compound part is parenthesized: ``2*floor(x/32)`` must not read as ``(2*x)//32``."""
-    from torch.utils._sympy.functions import CeilDiv, FloorDiv, Mod, PythonMod
+    from torch.utils._sympy.functions import CeilDiv, FloorDiv, Max, Min, Mod, PythonMod
 
     if e.is_Integer:
         return str(int(e))
@@ -119,8 +119,8 @@ def _text(e) -> str:
         return f"(-((-{_text(e.args[0])})//({_text(e.args[1])})))"
     if isinstance(e, (sympy.Mod, Mod, PythonMod)):
         return f"(({_text(e.args[0])})%({_text(e.args[1])}))"
-    if isinstance(e, (sympy.Max, sympy.Min)):
-        name = "max" if isinstance(e, sympy.Max) else "min"
+    if isinstance(e, (sympy.Max, sympy.Min, Max, Min)):  # sympy's, and torch's own (export's symbolic sizes)
+        name = "max" if isinstance(e, (sympy.Max, Max)) else "min"
         return f"{name}({', '.join(_text(a) for a in e.args)})"
     raise SymbolicShapeError(f"size {e} ({type(e).__name__}) has no runtime form")
 

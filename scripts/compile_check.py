@@ -121,7 +121,8 @@ def _reductions(dtype):
 
 
 def _int_reductions():
-    fn = lambda i: (i.sum(1), i.sum(), (i > 0).sum(0), i.int().sum(-1), i.int().prod(0))  # noqa: E731
+    fn = lambda i: (i.sum(1), i.sum(), (i > 0).sum(0), i.int().sum(-1), i.int().prod(0),  # noqa: E731
+                    i.amax(1), i.min(), i.int().amin(0))
     return Fn(fn), (torch.randint(-9, 9, (300, 77)),)
 
 

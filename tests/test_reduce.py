@@ -90,6 +90,19 @@ def test_max_min_with_ties_nan_and_inf():
         torch.testing.assert_close(r, e, equal_nan=True)
 
 
+def test_integer_extremes():
+    # int64 and int32 amax / amin / max / min (Phi-3 longrope's max(position_ids)), values at the
+    # int64 extremes, and a long row split over programs (partials in int64).
+    i = torch.randint(-50, 50, (5, 33))
+    i[2, 7], i[3, 0] = 2**62, -(2**62)
+    long = torch.randint(-10**12, 10**12, (2, 20000))
+    fn = lambda i, long: (i.amax(1), i.amin(0), i.max(), i.min(), i.int().amax(-1), long.amax(-1),  # noqa: E731
+                          long.min())
+    results, plan = check_model(Fn(fn), (i, long))
+    assert [r.dtype for r in results] == [torch.int64] * 4 + [torch.int32] + [torch.int64] * 2
+    assert {launch.kernel for launch in plan.launches} <= {"reduce", "pointwise"}
+
+
 def test_integer_sums_and_dtype_argument():
     i = torch.randint(-50, 50, (5, 33))
     x = torch.randn(5, 33, dtype=torch.float16)
@@ -146,6 +159,8 @@ def _node(fn, x, target, **kwargs):
 def test_support_reasons():
     aten = torch.ops.aten
     assert "int64" in red.supported_float(_node(lambda x: x.amax(0), torch.arange(6), aten.amax.default))
+    assert red.supported_extreme(_node(lambda x: x.amax(0), torch.arange(6), aten.amax.default)) is None
+    assert "bool" in red.supported_extreme(_node(lambda x: x.amax(0), torch.arange(6) > 2, aten.amax.default))
     assert red.supported_sum(_node(lambda x: x.sum(0), torch.arange(6), aten.sum.dim_IntList)) is None
     x = torch.randn(3, 4)
     assert "float64" in red.supported_sum(_node(lambda x: x.sum(0, dtype=torch.float64), x, aten.sum.dim_IntList))

@@ -71,9 +71,15 @@ def _fold(x_row, rmask, c_begin, c_end, sc, MAP: tl.constexpr, COMBINE: tl.const
         else:
             init = 1.0
     elif COMBINE == "max":
-        init = float("-inf")
+        if INT_ACC:
+            init = -9223372036854775808
+        else:
+            init = float("-inf")
     else:
-        init = float("inf")
+        if INT_ACC:
+            init = 9223372036854775807
+        else:
+            init = float("inf")
     acc = tl.full([BLOCK_R, BLOCK_C], init, dtype=acc_ty)
     for start in range(c_begin, c_end, BLOCK_C):
         c = start + tl.arange(0, BLOCK_C)
@@ -87,6 +93,11 @@ def _fold(x_row, rmask, c_begin, c_end, sc, MAP: tl.constexpr, COMBINE: tl.const
             acc += v
         elif COMBINE == "prod":
             acc *= v
+        elif INT_ACC:  # integers: no NaN to carry
+            if COMBINE == "max":
+                acc = tl.maximum(acc, v)
+            else:
+                acc = tl.minimum(acc, v)
         elif COMBINE == "max":
             acc = tl.maximum(acc, v, propagate_nan=tl.PropagateNan.ALL)
         else:
@@ -95,6 +106,11 @@ def _fold(x_row, rmask, c_begin, c_end, sc, MAP: tl.constexpr, COMBINE: tl.const
         res = tl.sum(acc, axis=1)
     elif COMBINE == "prod":
         res = tl.reduce(acc, 1, _mul)
+    elif INT_ACC:
+        if COMBINE == "max":
+            res = tl.max(acc, axis=1)
+        else:
+            res = tl.min(acc, axis=1)
     else:
         isnan = acc != acc
         clean = tl.where(isnan, init, acc)
@@ -201,7 +217,7 @@ def launch_reduce(b, x: TRef, dims, out: TRef, out2: TRef | None = None, *, map_
     """Reduce ``x`` over ``dims`` (normalized) into the contiguous ``out`` (and ``out2``), rows in
     row-major order of the kept dims, so ``keepdim`` does not matter here. ``divisor``: a float, or
     an integer size (possibly symbolic)."""
-    int_acc = not x.dtype.is_floating_point and combine in ("sum", "prod")
+    int_acc = not x.dtype.is_floating_point and combine in ("sum", "prod", "max", "min")
     x, plan = rw.lay_out(b, x, dims)
     blocks = rw.blocks(plan, MAX_BLOCK_C)
     programs = triton.cdiv(plan.rows, blocks[0])
@@ -252,6 +268,12 @@ def supported_sum(node) -> str | None:
 
 def supported_float(node) -> str | None:
     return _check(node, FLOAT_DTYPES, FLOAT_DTYPES + (torch.int64,))
+
+
+def supported_extreme(node) -> str | None:
+    """amax / amin / max / min of all elements: floating inputs, or int64 / int32 compared in int64
+    (Phi-3 longrope's ``max(position_ids)``)."""
+    return _check(node, FLOAT_DTYPES + (torch.int64, torch.int32), FLOAT_DTYPES + (torch.int64, torch.int32))
 
 
 def supported_norm(node) -> str | None:

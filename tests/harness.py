@@ -64,6 +64,19 @@ class Logits(torch.nn.Module):
         return self.model(input_ids=input_ids, use_cache=False, return_dict=False)[0]
 
 
+def greedy_static_cache(prefill, decode, prompt: torch.Tensor, tokens: int):
+    """Greedy generation through transformers' static-cache recipe (``prefill``/``decode`` take
+    ``input_ids`` and ``cache_position``): the tokens and every step's last logits."""
+    n = prompt.shape[1]
+    with torch.no_grad():
+        logits = [prefill(input_ids=prompt, cache_position=torch.arange(n))[0, -1]]
+        out = [int(logits[-1].argmax())]
+        for step in range(tokens - 1):
+            logits.append(decode(input_ids=torch.tensor([[out[-1]]]), cache_position=torch.tensor([n + step]))[0, -1])
+            out.append(int(logits[-1].argmax()))
+    return out, logits
+
+
 def assert_close(actual: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype | None = None,
                  scale: float = 1.0):
     """Compare with the tolerance of ``dtype`` (default: ``actual``'s); ``scale`` widens it for

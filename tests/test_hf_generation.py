@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tritondelegate as td
+from harness import greedy_static_cache
 from tritondelegate.program import DEVICE_ALIGNMENT, align_up
 
 transformers = pytest.importorskip("transformers")
@@ -58,18 +59,6 @@ def _one_scatter_per_layer(program):
         assert all(l.constexprs["PAIR"].value for l in scatters), method.name
 
 
-def _greedy(prefill, decode, prompt, tokens):
-    """Greedy generation; returns the tokens and every step's logits."""
-    n = prompt.shape[1]
-    with torch.no_grad():
-        logits = [prefill(input_ids=prompt, cache_position=torch.arange(n))[0, -1]]
-        out = [int(logits[-1].argmax())]
-        for step in range(tokens - 1):
-            logits.append(decode(input_ids=torch.tensor([[out[-1]]]), cache_position=torch.tensor([n + step]))[0, -1])
-            out.append(int(logits[-1].argmax()))
-    return out, logits
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_static_cache_generation_matches_eager(name, tmp_path):
     torch.manual_seed(0)
@@ -94,8 +83,8 @@ def test_static_cache_generation_matches_eager(name, tmp_path):
     assert decode.stats.load_h2d_bytes == own < 1024
 
     eager = executorch.TorchExportableModuleWithStaticCache(model)
-    expected, expected_logits = _greedy(eager, eager, PROMPT, TOKENS)
-    tokens, logits = _greedy(prefill, decode, PROMPT, TOKENS)
+    expected, expected_logits = greedy_static_cache(eager, eager, PROMPT, TOKENS)
+    tokens, logits = greedy_static_cache(prefill, decode, PROMPT, TOKENS)
     assert tokens == expected
     assert max((a - b).abs().max().item() for a, b in zip(logits, expected_logits)) < 1e-3
     # Per decode step only the ids and the position go in and the logits come out.
@@ -110,11 +99,11 @@ def test_static_cache_generation_matches_eager(name, tmp_path):
 
     # reset_state(), then the same prompt gives the same logits; a second prompt continues like eager.
     program.reset_state()
-    again, again_logits = _greedy(prefill, decode, PROMPT, 3)
+    again, again_logits = greedy_static_cache(prefill, decode, PROMPT, 3)
     assert again == tokens[:3]
     torch.testing.assert_close(again_logits[0], logits[0])
     second = torch.tensor([[7, 1, 50, 2, 11]])
-    assert _greedy(prefill, decode, second, 4)[0] == _greedy(eager, eager, second, 4)[0]
+    assert greedy_static_cache(prefill, decode, second, 4)[0] == greedy_static_cache(eager, eager, second, 4)[0]
 
 
 def test_dynamic_prompt_length_shares_the_cache_with_decode(tmp_path):
@@ -143,8 +132,8 @@ def test_dynamic_prompt_length_shares_the_cache_with_decode(tmp_path):
         prompt = torch.randint(0, COMMON["vocab_size"], (1, length))
         program.reset_state()
         eager = executorch.TorchExportableModuleWithStaticCache(model)
-        expected, expected_logits = _greedy(eager, eager, prompt, 3)
-        tokens, logits = _greedy(prefill, decode, prompt, 3)
+        expected, expected_logits = greedy_static_cache(eager, eager, prompt, 3)
+        tokens, logits = greedy_static_cache(prefill, decode, prompt, 3)
         assert tokens == expected, length
         assert max((a - b).abs().max().item() for a, b in zip(logits, expected_logits)) < 1e-3
         assert prefill.stats.call_h2d_bytes == 2 * 8 * length  # this prompt's ids and positions only
@@ -166,7 +155,7 @@ def test_a_long_cache_splits_decode_attention():
     program = lowered.load()
     prefill, decode = program.load_method("prefill"), program.load_method("decode")
     eager = executorch.TorchExportableModuleWithStaticCache(model)
-    expected, expected_logits = _greedy(eager, eager, PROMPT, 4)
-    tokens, logits = _greedy(prefill, decode, PROMPT, 4)
+    expected, expected_logits = greedy_static_cache(eager, eager, PROMPT, 4)
+    tokens, logits = greedy_static_cache(prefill, decode, PROMPT, 4)
     assert tokens == expected
     assert max((a - b).abs().max().item() for a, b in zip(logits, expected_logits)) < 1e-3

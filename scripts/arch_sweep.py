@@ -1,0 +1,609 @@
+#!/usr/bin/env python
+"""Sweep transformers architectures (tiny random configs, fp32, nothing downloaded) through ``td.lower``
+and the simulated device (or a GPU), comparing with eager. Prints one line per (arch, case):
+
+    forward   torch.export of the model (logits / last hidden state), lowered, run, max abs diff to eager
+    generate  decoder LMs: transformers' static-cache recipe (convert_and_export_with_cache) as a
+              prefill + decode program, a few greedy tokens compared with eager's
+    dynamic   forward exported with a bounded Dim (sequence length; batch for vision models), run at three
+              sizes
+    batch2    forward at batch 2 and an odd length
+    mask      text models with a padding attention_mask input (decoders: left padding)
+    eager_attn  forward with transformers' eager attention instead of SDPA
+    bf16      the model and program in bf16, judged against fp32 (lowered error vs eager bf16's error)
+    long      forward at 150 tokens (conv nets: a 37x37 image); long_gen: generate after a 130-token prompt
+    wide      forward of a wider model (hidden 160, head_dim 40, intermediate 344, vocab 1000)
+    dyn_gen   generate with a dynamic prompt length (Dim 1..16), prompts of 1, 16, 7 tokens
+    fp16      as bf16, in fp16
+    dyn2      text models with dynamic batch and length and a padding attention_mask
+
+    python scripts/arch_sweep.py                       # every architecture, every case
+    python scripts/arch_sweep.py --archs llama,gpt2 --cases forward,dynamic --timeout 300
+
+Status: ok / mismatch (max diff) / error (exception type: first line) / skip (the model itself does not
+export, or transformers lacks the architecture). ``launches`` is per call (summed over methods for
+generate), ``delegated`` the share of compute nodes delegated (the lowest method's, for generate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import signal
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+from harness import Logits, greedy_static_cache  # noqa: E402  (tests/harness.py)
+
+TOKENS = 8
+ATOL = 1e-4  # relative to max |eager|: fp32 end to end through a few layers
+
+
+class Timeout(Exception):
+    pass
+
+
+class Skip(Exception):
+    """The model itself (not tritondelegate) cannot run this case."""
+
+
+# ----------------------------------------------------------------------------- models
+
+DEC = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=64)
+PLAIN = {k: v for k, v in DEC.items() if k != "num_key_value_heads"}
+
+# name -> (config class, model class, config kwargs)
+DECODERS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", DEC),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {**DEC, "sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", DEC),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**DEC, "head_dim": 8}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {**DEC, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "decoder_sparse_step": 1}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {**DEC, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {**DEC, "head_dim": 8}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**DEC, "head_dim": 8, "sliding_window": 4}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**DEC, "head_dim": 8, "sliding_window": 4}),
+    "phi": ("PhiConfig", "PhiForCausalLM", {**PLAIN, "partial_rotary_factor": 0.5}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**DEC, "pad_token_id": 0, "eos_token_id": 1}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM",
+             dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4, bos_token_id=0,
+                  eos_token_id=0)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {**PLAIN, "rotary_pct": 0.5}),
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM",
+                dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, n_ctx=64, rotary_dim=4,
+                     bos_token_id=0, eos_token_id=0)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {**DEC, "pad_token_id": 0, "bos_token_id": 1,
+                                                     "eos_token_id": 2}),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {**DEC, "sliding_window": 4, "pad_token_id": 0,
+                                                        "bos_token_id": 1, "eos_token_id": 2}),
+    "falcon": ("FalconConfig", "FalconForCausalLM",
+               dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, bos_token_id=0,
+                    eos_token_id=0, max_position_embeddings=64, new_decoder_architecture=True, num_kv_heads=2)),
+    "bloom": ("BloomConfig", "BloomForCausalLM",
+              dict(vocab_size=64, hidden_size=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)),
+    "opt": ("OPTConfig", "OPTForCausalLM",
+            dict(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64, word_embed_proj_dim=32, pad_token_id=1, bos_token_id=0,
+                 eos_token_id=2)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {**DEC, "partial_rotary_factor": 0.5}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {**DEC, "sliding_window": None}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", DEC),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {**DEC, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**DEC, "pad_token_id": 0, "bos_token_id": 1,
+                                                  "eos_token_id": 2}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {**DEC, "pad_token_id": 0, "bos_token_id": 1,
+                                                        "eos_token_id": 2}),
+    "glm": ("GlmConfig", "GlmForCausalLM", {**DEC, "head_dim": 8, "pad_token_id": 0, "eos_token_id": 1}),
+}
+
+# Config variants (not separate architectures): biases, MQA/MHA, explicit head_dim, rope scalings, untied head.
+ROPE = {"rope_theta": 10000.0}
+VARIANTS = {
+    "llama_bias": ("LlamaConfig", "LlamaForCausalLM", {**DEC, "attention_bias": True, "mlp_bias": True}),
+    "llama_mqa": ("LlamaConfig", "LlamaForCausalLM", {**DEC, "num_key_value_heads": 1}),
+    "llama_mha": ("LlamaConfig", "LlamaForCausalLM", {**DEC, "num_key_value_heads": 4,
+                                                      "tie_word_embeddings": False}),
+    "llama_hd16": ("LlamaConfig", "LlamaForCausalLM", {**DEC, "head_dim": 16}),
+    "llama_rope3": ("LlamaConfig", "LlamaForCausalLM",
+                    {**DEC, "rope_parameters": {**ROPE, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "llama_yarn": ("LlamaConfig", "LlamaForCausalLM",
+                   {**DEC, "rope_parameters": {**ROPE, "rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 16}}),
+    "llama_linear": ("LlamaConfig", "LlamaForCausalLM",
+                     {**DEC, "rope_parameters": {**ROPE, "rope_type": "linear", "factor": 2.0}}),
+    "llama_dynrope": ("LlamaConfig", "LlamaForCausalLM",
+                      {**DEC, "rope_parameters": {**ROPE, "rope_type": "dynamic", "factor": 2.0}}),
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM",
+                      {**DEC, "pad_token_id": 0, "eos_token_id": 1, "original_max_position_embeddings": 16,
+                       "rope_parameters": {**ROPE, "rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(4)],
+                                           "long_factor": [2.0 + i / 4 for i in range(4)]}}),
+    "qwen3_moe_norm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                       {**DEC, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                        "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "gemma3_mqa": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                   {**DEC, "head_dim": 16, "sliding_window": 4, "num_key_value_heads": 1,
+                    "layer_types": ["sliding_attention", "full_attention"]}),
+}
+DECODERS.update(VARIANTS)
+
+ENC = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           max_position_embeddings=64)
+# name -> (config class, model class, config kwargs, input kind)
+ENCODERS = {
+    "bert": ("BertConfig", "BertModel", ENC, "ids"),
+    "roberta": ("RobertaConfig", "RobertaModel", {**ENC, "pad_token_id": 1}, "ids"),
+    "distilbert": ("DistilBertConfig", "DistilBertModel",
+                   dict(vocab_size=64, dim=32, hidden_dim=64, n_layers=2, n_heads=4, max_position_embeddings=64),
+                   "ids"),
+    "t5_encoder": ("T5Config", "T5EncoderModel",
+                   dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                        relative_attention_num_buckets=8, relative_attention_max_distance=16), "ids"),
+    "vit": ("ViTConfig", "ViTModel", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, image_size=16, patch_size=4, num_channels=3),
+            "image"),
+    "convnext": ("ConvNextConfig", "ConvNextModel",
+                 dict(num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], patch_size=2, image_size=16),
+                 "image"),
+    "resnet": ("ResNetConfig", "ResNetModel",
+               dict(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic"),
+               "image"),
+    "mobilenet_v2": ("MobileNetV2Config", "MobileNetV2Model",
+                     dict(num_channels=3, image_size=16, depth_multiplier=0.25, min_depth=4), "image"),
+    "whisper_encoder": ("WhisperConfig", "WhisperModel",
+                        dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=1, encoder_attention_heads=4,
+                             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+                             max_source_positions=8, max_target_positions=16, pad_token_id=0, bos_token_id=1,
+                             eos_token_id=2, decoder_start_token_id=1), "audio"),
+}
+ARCHS = list(DECODERS) + list(ENCODERS)
+CASES = ("forward", "generate", "dynamic", "batch2", "mask", "eager_attn", "bf16", "long", "long_gen", "wide", "dyn_gen", "fp16", "dyn2")
+
+
+class First(torch.nn.Module):
+    """An encoder / vision model as its input -> first output (last hidden state)."""
+
+    def __init__(self, model, key):
+        super().__init__()
+        self.model, self.key = model, key
+
+    def forward(self, x):
+        return self.model(**{self.key: x}, return_dict=False)[0]
+
+
+WIDE = {"hidden_size": 160, "n_embd": 160, "dim": 160, "d_model": 160, "intermediate_size": 344, "hidden_dim": 344,
+        "d_ff": 344, "ffn_dim": 344, "encoder_ffn_dim": 344, "moe_intermediate_size": 88, "head_dim": 40, "d_kv": 40,
+        "word_embed_proj_dim": 160, "vocab_size": 1000}
+LONG = {"max_position_embeddings": 256, "n_positions": 256, "n_ctx": 256}
+
+
+def _overrides(case, kwargs):
+    """Config changes for the cases that need a bigger model: wide (odd large sizes), long (positions)."""
+    table = {"wide": WIDE, "long": LONG, "long_gen": LONG}.get(case, {})
+    over = {k: v for k, v in table.items() if k in kwargs}
+    if case == "wide" and "hidden_size" not in kwargs and "hidden_sizes" not in kwargs:
+        over.setdefault("hidden_size", 160)  # through the config's attribute_map (n_embd, d_model, ...)
+    return {**kwargs, **over}
+
+
+def _build(name, case="forward"):
+    import transformers
+
+    torch.manual_seed(0)
+    if name in DECODERS:
+        config_cls, model_cls, kwargs = DECODERS[name]
+    else:
+        config_cls, model_cls, kwargs, _ = ENCODERS[name]
+    if not hasattr(transformers, config_cls) or not hasattr(transformers, model_cls):
+        raise Skip(f"transformers {transformers.__version__} lacks {model_cls}")
+    kwargs = _overrides(case, kwargs)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
+    if name == "whisper_encoder":
+        model = model.get_encoder()
+    _scramble(model)
+    return model
+
+
+@torch.no_grad()
+def _scramble(model):
+    """Weights that keep activations O(1) (HF's 0.02-std init makes every output tiny, so a relative
+    error would hide): matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), 1-D weights 1 + N(0, 0.1^2),
+    biases N(0, 0.1^2). Buffers (BatchNorm statistics, rotary tables) are left as they are."""
+    g = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if p.ndim >= 2:
+            fan_in = p[0].numel() if "embed" not in name and "wte" not in name and "wpe" not in name else 1
+            p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+        elif name.endswith("bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+
+
+def _inputs(name, model, batch=1, length=7):
+    """(wrapped module, example args, dim index that may be dynamic, Dim)"""
+    g = torch.Generator().manual_seed(1)
+    if name in DECODERS:
+        return Logits(model), (torch.randint(0, 64, (batch, length), generator=g),), 1
+    kind = ENCODERS[name][3]
+    if kind == "ids":
+        return First(model, "input_ids"), (torch.randint(0, 64, (batch, length), generator=g),), 1
+    if kind == "image":
+        return First(model, "pixel_values"), (torch.randn(batch, 3, 16, 16, generator=g),), 0
+    c = model.config
+    return First(model, "input_features"), (torch.randn(batch, c.num_mel_bins, 2 * c.max_source_positions,
+                                                        generator=g),), 0
+
+
+# ----------------------------------------------------------------------------- cases
+
+def _config():
+    import tritondelegate as td
+
+    return td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
+
+
+def _export(module, args, **kw):
+    try:
+        with torch.no_grad():
+            return torch.export.export(module, args, **kw)
+    except Exception as e:  # the model, not tritondelegate
+        raise Skip(f"torch.export: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def _facts(lowered):
+    """(launches per call over all methods, lowest delegated %, host op counts)"""
+    launches, share, host = 0, 100.0, collections.Counter()
+    for report in lowered.reports.values():
+        launches += sum(report.launches.values())
+        nodes = report.nodes
+        share = min(share, 100.0 * nodes.delegated / max(nodes.total, 1))
+        host.update(str(op).replace("aten.", "") for _, op, _ in nodes.host)
+    return launches, share, host
+
+
+def _diff(out, ref):
+    outs, refs = torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(ref)
+    if len(outs) != len(refs):
+        return float("inf"), f"{len(outs)} outputs, eager {len(refs)}"
+    worst = 0.0
+    for o, r in zip(outs, refs):
+        if o.shape != r.shape:
+            return float("inf"), f"shape {tuple(o.shape)} vs eager {tuple(r.shape)}"
+        o, r = o.float(), r.float()
+        same_nan = o.isnan() & r.isnan()
+        if (o.isnan() != r.isnan()).any():
+            return float("inf"), f"NaN where eager has none ({int((o.isnan() & ~r.isnan()).sum())})"
+        o, r = o.masked_fill(same_nan, 0), r.masked_fill(same_nan, 0)
+        d = (o - r).abs().max().item() / max(1e-6, r.abs().max().item()) if o.numel() else 0.0
+        worst = max(worst, d if d == d else float("inf"))
+    return worst, ""
+
+
+class Masked(torch.nn.Module):
+    """A text model as (input_ids, attention_mask) -> first output."""
+
+    def __init__(self, model, causal):
+        super().__init__()
+        self.model, self.causal = model, causal
+
+    def forward(self, input_ids, attention_mask):
+        extra = {"use_cache": False} if self.causal else {}
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=False, **extra)[0]
+
+
+def _lower_run(module, args, **export):
+    import tritondelegate as td
+
+    lowered = td.lower(_export(module, args, **export), config=_config())
+    out = lowered.load().load_method("forward")(*args)
+    with torch.no_grad():
+        ref = module(*args)
+    return lowered, out, ref
+
+
+def case_batch2(name, model):
+    """Batch 2 at an odd length (13 tokens; vision: batch 2)."""
+    module, args, _ = _inputs(name, model, batch=2, length=13)
+    lowered, out, ref = _lower_run(module, args)
+    return (*_diff(out, ref), *_facts(lowered))
+
+
+def case_mask(name, model):
+    """Text models with a padding attention mask (decoders: left padding; encoders: right padding)."""
+    if name in ENCODERS and ENCODERS[name][3] != "ids":
+        raise Skip("not a text model")
+    causal = name in DECODERS
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    if causal:
+        mask[1, :3] = 0
+    else:
+        mask[1, 6:] = 0
+    module = Masked(model, causal)
+    lowered, out, ref = _lower_run(module, (ids, mask))
+    keep = mask.bool()[..., None]  # padded positions' outputs are not meaningful
+    return (*_diff(out * keep, ref * keep), *_facts(lowered))
+
+
+def case_eager_attn(name, model):
+    """The forward case with transformers' eager attention (matmul + softmax) instead of SDPA."""
+    if getattr(model.config, "_attn_implementation", None) is None:
+        raise Skip("no attention implementation switch")
+    model.config._attn_implementation = "eager"
+    for m in model.modules():
+        if hasattr(m, "config") and m.config is not model.config and hasattr(m.config, "_attn_implementation"):
+            m.config._attn_implementation = "eager"
+    return case_forward(name, model)
+
+
+def case_bf16(name, model, dtype=torch.bfloat16):
+    """bf16 model and program, both judged against the fp32 model: lowered error vs eager bf16's error."""
+    import copy
+
+    module, args, _ = _inputs(name, model, batch=2, length=9)
+    with torch.no_grad():
+        ref = module(*args).float()
+    low = copy.deepcopy(module).to(dtype)
+    low_args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+    lowered, out, eager = _lower_run(low, low_args)
+    scale = max(1.0, ref.abs().max().item())
+    err = (out.float() - ref).abs().max().item() / scale
+    eager_err = (eager.float() - ref).abs().max().item() / scale
+    bad = not err <= 2 * eager_err + 1.6e-2
+    note = f"err {err:.3g} vs eager's {eager_err:.3g}" if bad else ""
+    return (err if bad else 0.0, note, *_facts(lowered))
+
+
+def case_forward(name, model):
+    import tritondelegate as td
+
+    module, args, _ = _inputs(name, model)
+    ep = _export(module, args)
+    lowered = td.lower(ep, config=_config())
+    out = lowered.load().load_method("forward")(*args)
+    with torch.no_grad():
+        ref = module(*args)
+    return (*_diff(out, ref), *_facts(lowered))
+
+
+def case_dynamic(name, model):
+    import tritondelegate as td
+
+    module, args, dim = _inputs(name, model, batch=2)  # batch 1 would specialize a dynamic batch
+    bound = 16 if dim == 1 else 4
+    d = torch.export.Dim("n", min=1 if dim == 0 else 2, max=bound)
+    ep = _export(module, args, dynamic_shapes=({dim: d},))
+    lowered = td.lower(ep, config=_config())
+    method = lowered.load().load_method("forward")
+    worst, note = 0.0, ""
+    for size in ((2, 5, bound) if dim == 1 else (1, 3, bound)):
+        _, call, _ = _inputs(name, model, **({"length": size, "batch": 2} if dim == 1 else {"batch": size}))
+        out = method(*call)
+        with torch.no_grad():
+            ref = module(*call)
+        d_, n_ = _diff(out, ref)
+        if n_ and not note:
+            note = f"{n_} at n={size}"
+        if d_ > worst:
+            worst = d_
+            note = note or (f"worst at n={size}" if d_ >= ATOL else "")
+    return (worst, note, *_facts(lowered))
+
+
+def case_dyn2(name, model):
+    """Text models with dynamic batch (1..4) and sequence length (2..16), with a padding attention_mask
+    (vision/audio: skip); calls at (1, 2), (3, 16), (2, 9)."""
+    import tritondelegate as td
+
+    if name in ENCODERS and ENCODERS[name][3] != "ids":
+        raise Skip("not a text model")
+    module = Masked(model, name in DECODERS)
+    batch, seq = torch.export.Dim("batch", min=1, max=4), torch.export.Dim("seq", min=2, max=16)
+    ids, mask = _masked_inputs(name, 2, 7)
+    ep = _export(module, (ids, mask), dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
+    lowered = td.lower(ep, config=_config())
+    method = lowered.load().load_method("forward")
+    worst, note = 0.0, ""
+    for b, n in ((1, 2), (3, 16), (2, 9)):
+        ids, mask = _masked_inputs(name, b, n)
+        out = method(ids, mask)
+        with torch.no_grad():
+            ref = module(ids, mask)
+        keep = mask.bool()[..., None]
+        d_, n_ = _diff(out * keep, ref * keep)
+        if (n_ or d_ >= ATOL) and not note:
+            note = f"{n_ or 'worst'} at ({b}, {n})"
+        worst = max(worst, d_)
+    return (worst, note, *_facts(lowered))
+
+
+def _masked_inputs(name, batch, length):
+    """Ids and a padding mask: the last row padded (decoders: on the left, 2 tokens; encoders: right)."""
+    ids = torch.randint(0, 64, (batch, length), generator=torch.Generator().manual_seed(batch * 100 + length))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if batch > 1 and length > 3:
+        if name in DECODERS:
+            mask[-1, :2] = 0
+        else:
+            mask[-1, -2:] = 0
+    return ids, mask
+
+
+def case_long_gen(name, model):
+    """Generation with a 130-token prompt and a 200-entry cache (past the attention kernels' blocks)."""
+    prompt = torch.randint(0, 64, (1, 130), generator=torch.Generator().manual_seed(3))
+    return case_generate(name, model, prompt=prompt, cache=200, tokens=6)
+
+
+def case_long(name, model):
+    """Forward at 150 tokens (decoders and text encoders; vision: a 37x37 image)."""
+    if name in ENCODERS and ENCODERS[name][3] == "audio":
+        raise Skip("fixed input length")
+    if name in ENCODERS and ENCODERS[name][3] == "image":
+        if name == "vit":
+            raise Skip("fixed image size")
+        module = First(model, "pixel_values")
+        args = (torch.randn(1, 3, 37, 37, generator=torch.Generator().manual_seed(1)),)
+    else:
+        module, args, _ = _inputs(name, model, length=150)
+    lowered, out, ref = _lower_run(module, args)
+    return (*_diff(out, ref), *_facts(lowered))
+
+
+def case_wide(name, model):
+    """Forward of a wider model: hidden 160, head_dim 40, intermediate 344, vocab 1000, 13 tokens."""
+    if name in ENCODERS and ENCODERS[name][3] == "image":
+        raise Skip("vision models are sized by their stage lists")
+    if "long_factor" in str(getattr(model.config, "rope_parameters", "")):
+        raise Skip("longrope factor lists are sized by head_dim")
+    module, args, _ = _inputs(name, model, length=13)
+    lowered, out, ref = _lower_run(module, args)
+    return (*_diff(out, ref), *_facts(lowered))
+
+
+def case_dyn_gen(name, model):
+    """The static-cache recipe with a dynamic prompt length (Dim 1..16) for prefill; prompts of 1, 16 and 7
+    tokens, 4 greedy tokens each, compared with eager (state reset between prompts)."""
+    import tritondelegate as td
+    from transformers.integrations import executorch
+
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 24}
+    example = torch.tensor([[3, 17, 5, 9, 22]])
+    seq = torch.export.Dim("seq", min=1, max=16)
+    try:
+        eps = {"prefill": executorch.convert_and_export_with_cache(
+                   model, example, torch.arange(5), dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}}),
+               "decode": executorch.convert_and_export_with_cache(model, torch.tensor([[4]]), torch.tensor([5]))}
+    except Exception as e:
+        raise Skip(f"transformers export: {type(e).__name__}: {_first_line(e)}") from e
+    lowered = td.lower(eps, config=_config())
+    program = lowered.load()
+    prefill, decode = program.load_method("prefill"), program.load_method("decode")
+    worst, note = 0.0, ""
+    for length in (1, 16, 7):
+        prompt = torch.randint(0, 64, (1, length), generator=torch.Generator().manual_seed(length))
+        program.reset_state()
+        eager = executorch.TorchExportableModuleWithStaticCache(model)
+        expected, expected_logits = greedy_static_cache(eager, eager, prompt, 4)
+        tokens, logits = greedy_static_cache(prefill, decode, prompt, 4)
+        worst = max(worst, max(_diff(a, b)[0] for a, b in zip(logits, expected_logits)))
+        if tokens != expected and not note:
+            note = f"prompt {length}: tokens {tokens} vs eager {expected}"
+    return (worst, note, *_facts(lowered))
+
+
+def case_fp16(name, model):
+    """As bf16, in fp16."""
+    return case_bf16(name, model, torch.float16)
+
+
+def case_generate(name, model, prompt=None, cache=16, tokens=TOKENS):
+    import tritondelegate as td
+    from transformers.integrations import executorch
+
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": cache}
+    prompt = torch.tensor([[3, 17, 5, 9, 22]]) if prompt is None else prompt
+    n = prompt.shape[1]
+    try:
+        eps = {"prefill": executorch.convert_and_export_with_cache(model, prompt, torch.arange(n)),
+               "decode": executorch.convert_and_export_with_cache(model, torch.tensor([[4]]), torch.tensor([n]))}
+        eager = executorch.TorchExportableModuleWithStaticCache(model)
+        expected, expected_logits = greedy_static_cache(eager, eager, prompt, tokens)
+    except Exception as e:
+        raise Skip(f"transformers export: {type(e).__name__}: {_first_line(e)}") from e
+    lowered = td.lower(eps, config=_config())
+    program = lowered.load()
+    tokens, logits = greedy_static_cache(program.load_method("prefill"), program.load_method("decode"), prompt, tokens)
+    worst = max(_diff(a, b)[0] for a, b in zip(logits, expected_logits))
+    note = "" if tokens == expected else f"tokens {tokens} vs eager {expected}"
+    return (worst, note, *_facts(lowered))
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _first_line(e):
+    text = str(e).strip().splitlines()
+    return (text[0] if text else "")[:160]
+
+
+def _alarm(signum, frame):
+    raise Timeout("timed out")
+
+
+def run_case(name, case, timeout, verbose):
+    start = time.time()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(timeout)
+    if case in ("generate", "long_gen", "dyn_gen") and name not in DECODERS:
+        return None
+    try:
+        model = _build(name, case)
+        worst, note, launches, share, host = CASE_FUNCTIONS[case](name, model)
+        status = f"ok ({worst:.1e})" if worst < ATOL and not note else \
+            f"mismatch ({worst:.3g}{'; ' + note if note else ''})"
+        hosted = ", ".join(f"{op}x{c}" for op, c in host.most_common(4))
+        extra = f"  host: {hosted}" if hosted else ""
+        return f"{status:<40} launches={launches:<4} delegated={share:5.1f}%{extra}", time.time() - start
+    except Skip as e:
+        return f"skip ({e})", time.time() - start
+    except Timeout:
+        return f"error (Timeout: over {timeout}s)", time.time() - start
+    except Exception as e:
+        if verbose:
+            traceback.print_exc()
+        return f"error ({type(e).__name__}: {_first_line(e)})", time.time() - start
+    finally:
+        signal.alarm(0)
+
+
+CASE_FUNCTIONS = {"forward": case_forward, "generate": case_generate, "dynamic": case_dynamic,
+                  "batch2": case_batch2, "mask": case_mask, "eager_attn": case_eager_attn, "bf16": case_bf16,
+                  "long": case_long, "long_gen": case_long_gen, "wide": case_wide,
+                  "dyn_gen": case_dyn_gen, "fp16": case_fp16,
+                  "dyn2": case_dyn2}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--archs", default=",".join(ARCHS), help="comma-separated; known: " + ",".join(ARCHS))
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per (arch, case)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of errors")
+    opts = parser.parse_args(argv)
+    torch.set_num_threads(opts.threads)
+    warnings.filterwarnings("ignore")
+    archs, cases = opts.archs.split(","), opts.cases.split(",")
+    unknown = [a for a in archs if a not in ARCHS] + [c for c in cases if c not in CASES]
+    if unknown:
+        parser.error(f"unknown {unknown}; architectures: {ARCHS}; cases: {list(CASES)}")
+    begin = time.time()
+    for name in archs:
+        for case in cases:
+            result = run_case(name, case, opts.timeout, opts.verbose)
+            if result is None:
+                continue
+            line, seconds = result
+            print(f"{name:<16} {case:<9} {line}  [{seconds:.0f}s]", flush=True)
+    print(f"total {time.time() - begin:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

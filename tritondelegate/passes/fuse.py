@@ -6,6 +6,8 @@ constant folding and partitioning:
   Mistral and Gemma write it) becomes one ``aten.rms_norm`` (one row kernel instead of three launches);
 * ``centered_norm``: an RMSNorm of ``x - mean(x)`` (Cohere's LayerNorm without bias, written out)
   becomes one ``aten.layer_norm``;
+* ``norm_casts``: a norm computed in fp32 on an fp16/bf16 row and cast straight back (OLMo, Cohere,
+  T5 in low precision) becomes that norm of the row (the kernel computes in fp32 anyway);
 * ``fuse_gelu``: a tanh GELU written out (GPT-2's ``0.5 * x * (1 + tanh(...))``) becomes one
   ``aten.gelu(approximate="tanh")``, which runs in the epilogue of the matmul before it;
 * ``fuse_rotary``: a rotary embedding written out (``x * cos + rotate_half(x) * sin``) becomes one
@@ -45,13 +47,14 @@ from .fuse_rope_linear import fuse_rope_linear
 from .head_norm import head_norm
 from .fuse_rms_norm import fuse_rms_norm
 from .fuse_rotary import fuse_rotary
+from .norm_casts import norm_casts
 from .position_mask import position_mask
 
 
 def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool) -> list[str]:
     """All the rewrites, in order; ``fold``: constant folding will run (projections need it to store
     their concatenated weights once)."""
-    done = dedupe(ep) + fuse_rms_norm(ep) + centered_norm(ep) + fuse_gelu(ep) + fuse_rotary(ep, fold) + position_mask(ep)
+    done = dedupe(ep) + fuse_rms_norm(ep) + centered_norm(ep) + norm_casts(ep) + fuse_gelu(ep) + fuse_rotary(ep, fold) + position_mask(ep)
     if fold:  # both store new constants (concatenated or folded weights): folding computes them once
         done += (fuse_glu(ep, state) + fuse_projections(ep, state) + fuse_rope_linear(ep, state)
                  + fuse_batchnorm(ep, state))

@@ -498,3 +498,22 @@ def test_resolve_op():
         resolve_op("tritondelegate::nope")
     with pytest.raises(ProgramError, match="not an ATen operator"):
         resolve_op("other::rotary")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_cast_of_the_result_is_stored_by_the_rotary(dtype, monkeypatch):
+    # OLMo's and Cohere's form: q and k of the model's dtype times fp32 tables (an fp32 result), cast
+    # back: the rotary launch stores the cast's dtype; no launch of its own for either cast.
+    _without_rope_epilogue(monkeypatch)
+    torch.manual_seed(0)
+
+    def olmo(q, k, cos, sin):
+        return written_out(q, cos, sin).to(q.dtype), written_out(k, cos, sin).to(k.dtype)
+
+    args = (torch.randn(1, 4, 5, 8, dtype=dtype), torch.randn(1, 2, 5, 8, dtype=dtype), torch.randn(5, 8), torch.randn(5, 8))
+    lowered = _lower(Fn(olmo), args)
+    assert _kernels(lowered) == ["rotary"]
+    assert sum("the cast of its result" in f for f in lowered.reports["forward"].fused) == 2
+    for got, want in zip(_run(lowered, args), olmo(*args)):
+        assert got.dtype == dtype
+        assert_close(got, want)

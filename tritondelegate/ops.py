@@ -18,7 +18,9 @@ place of a written-out pattern, so one kernel runs them.
         run in the same launch: ``passes/head_norm.py``; each takes ``interleaved=True`` last: ``rotate_every_two(x) = stack((-x[..., 1::2], x[..., 0::2]), -1)
         .flatten(-2)`` in place of rotate_half, GPT-J's, CodeGen's and Cohere's pairs (2i, 2i + 1), with
         tables over the whole last dim as those models repeat_interleave them, or angles
-        ``repeat_interleave(a, 2, -1)`` in place of ``cat(a, a, -1)``)
+        ``repeat_interleave(a, 2, -1)`` in place of ``cat(a, a, -1)``; and ``out_dtype``: the result
+        cast to it, as OLMo and Cohere cast their fp32 rotary results back to the model's dtype; the
+        kernel computes in fp32 and rounds once, to the result's dtype)
 
     tritondelegate::sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale,
                                    bool enable_gqa) -> Tensor
@@ -61,13 +63,14 @@ NAMESPACE = "tritondelegate"
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 _lib.define("rotary(Tensor x, Tensor cos, Tensor sin, Tensor? norm=None, float norm_eps=0.0, "
-            "bool interleaved=False) -> Tensor")
+            "bool interleaved=False, ScalarType? out_dtype=None) -> Tensor")
 _lib.define("rotary_pair(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? q_norm=None, Tensor? k_norm=None, "
-            "float norm_eps=0.0, bool interleaved=False) -> (Tensor, Tensor)")
+            "float norm_eps=0.0, bool interleaved=False, ScalarType? out_dtype=None) -> (Tensor, Tensor)")
 _lib.define("rotary_angles(Tensor x, Tensor angles, float scale, ScalarType dtype, Tensor? norm=None, "
-            "float norm_eps=0.0, bool interleaved=False) -> Tensor")
+            "float norm_eps=0.0, bool interleaved=False, ScalarType? out_dtype=None) -> Tensor")
 _lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, ScalarType dtype, "
-            "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0, bool interleaved=False) -> (Tensor, Tensor)")
+            "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0, bool interleaved=False, "
+            "ScalarType? out_dtype=None) -> (Tensor, Tensor)")
 _lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa) -> Tensor")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
 _lib.define("rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin, "
@@ -104,28 +107,33 @@ def head_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
     return x if weight is None else torch.rms_norm(x, [x.shape[-1]], weight, eps)
 
 
+def _cast(t: torch.Tensor, out_dtype) -> torch.Tensor:
+    return t if out_dtype is None else t.to(out_dtype)
+
+
 @torch.library.impl(_lib, "rotary", "CompositeExplicitAutograd")
-def _rotary(x, cos, sin, norm=None, norm_eps=0.0, interleaved=False):
+def _rotary(x, cos, sin, norm=None, norm_eps=0.0, interleaved=False, out_dtype=None):
     if x.shape[-1] % 2:
         raise ValueError(f"tritondelegate::rotary: the last dim of x ({x.shape[-1]}) is not even")
-    return rotary_reference(head_norm(x, norm, norm_eps), cos, sin, interleaved)
+    return _cast(rotary_reference(head_norm(x, norm, norm_eps), cos, sin, interleaved), out_dtype)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary")
-def _rotary_fake(x, cos, sin, norm=None, norm_eps=0.0, interleaved=False):
+def _rotary_fake(x, cos, sin, norm=None, norm_eps=0.0, interleaved=False, out_dtype=None):
     # The formula itself on fake tensors: the result's shape, dtype and strides are the pattern's.
-    return rotary_reference(head_norm(x, norm, norm_eps), cos, sin, interleaved)
+    return _cast(rotary_reference(head_norm(x, norm, norm_eps), cos, sin, interleaved), out_dtype)
 
 
 @torch.library.impl(_lib, "rotary_pair", "CompositeExplicitAutograd")
-def _rotary_pair(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False):
-    return _rotary(q, cos, sin, q_norm, norm_eps, interleaved), _rotary(k, cos, sin, k_norm, norm_eps, interleaved)
+def _rotary_pair(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False, out_dtype=None):
+    return (_rotary(q, cos, sin, q_norm, norm_eps, interleaved, out_dtype),
+            _rotary(k, cos, sin, k_norm, norm_eps, interleaved, out_dtype))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary_pair")
-def _rotary_pair_fake(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False):
-    return (_rotary_fake(q, cos, sin, q_norm, norm_eps, interleaved),
-            _rotary_fake(k, cos, sin, k_norm, norm_eps, interleaved))
+def _rotary_pair_fake(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False, out_dtype=None):
+    return (_rotary_fake(q, cos, sin, q_norm, norm_eps, interleaved, out_dtype),
+            _rotary_fake(k, cos, sin, k_norm, norm_eps, interleaved, out_dtype))
 
 
 def rotary_tables(angles: torch.Tensor, scale: float, dtype: torch.dtype,
@@ -138,25 +146,27 @@ def rotary_tables(angles: torch.Tensor, scale: float, dtype: torch.dtype,
 
 
 @torch.library.impl(_lib, "rotary_angles", "CompositeExplicitAutograd")
-def _rotary_angles(x, angles, scale, dtype, norm=None, norm_eps=0.0, interleaved=False):
-    return _rotary(x, *rotary_tables(angles, scale, dtype, interleaved), norm, norm_eps, interleaved)
+def _rotary_angles(x, angles, scale, dtype, norm=None, norm_eps=0.0, interleaved=False, out_dtype=None):
+    return _rotary(x, *rotary_tables(angles, scale, dtype, interleaved), norm, norm_eps, interleaved, out_dtype)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary_angles")
-def _rotary_angles_fake(x, angles, scale, dtype, norm=None, norm_eps=0.0, interleaved=False):
-    return _rotary_fake(x, *rotary_tables(angles, scale, dtype, interleaved), norm, norm_eps, interleaved)
+def _rotary_angles_fake(x, angles, scale, dtype, norm=None, norm_eps=0.0, interleaved=False, out_dtype=None):
+    return _rotary_fake(x, *rotary_tables(angles, scale, dtype, interleaved), norm, norm_eps, interleaved, out_dtype)
 
 
 @torch.library.impl(_lib, "rotary_pair_angles", "CompositeExplicitAutograd")
-def _rotary_pair_angles(q, k, angles, scale, dtype, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False):
-    return (_rotary_angles(q, angles, scale, dtype, q_norm, norm_eps, interleaved),
-            _rotary_angles(k, angles, scale, dtype, k_norm, norm_eps, interleaved))
+def _rotary_pair_angles(q, k, angles, scale, dtype, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False,
+                        out_dtype=None):
+    return (_rotary_angles(q, angles, scale, dtype, q_norm, norm_eps, interleaved, out_dtype),
+            _rotary_angles(k, angles, scale, dtype, k_norm, norm_eps, interleaved, out_dtype))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary_pair_angles")
-def _rotary_pair_angles_fake(q, k, angles, scale, dtype, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False):
-    return (_rotary_angles_fake(q, angles, scale, dtype, q_norm, norm_eps, interleaved),
-            _rotary_angles_fake(k, angles, scale, dtype, k_norm, norm_eps, interleaved))
+def _rotary_pair_angles_fake(q, k, angles, scale, dtype, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False,
+                             out_dtype=None):
+    return (_rotary_angles_fake(q, angles, scale, dtype, q_norm, norm_eps, interleaved, out_dtype),
+            _rotary_angles_fake(k, angles, scale, dtype, k_norm, norm_eps, interleaved, out_dtype))
 
 
 def positions_mask(positions: torch.Tensor, length: int) -> torch.Tensor:

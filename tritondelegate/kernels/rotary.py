@@ -314,7 +314,7 @@ def _interleaved_refusal(node, xs: list, first_norm: int) -> str | None:
         return None
     if any(isinstance(x, torch.Tensor) and x.dim() >= MAX_RANK for x in xs):
         return f"interleaved pairs of a rank-{MAX_RANK} tensor (at most {MAX_RANK - 1})"
-    if any(a is not None for a in node.args[first_norm:first_norm + len(xs)]) or node.kwargs.keys() - {"interleaved"}:
+    if any(a is not None for a in node.args[first_norm:first_norm + len(xs)]) or node.kwargs.keys() - {"interleaved", "out_dtype"}:
         return "interleaved pairs take no per-head norm"
     return None
 

@@ -329,10 +329,31 @@ def pair_rotaries(ep: torch.export.ExportedProgram) -> list[str]:
     return done
 
 
+def absorb_casts(ep: torch.export.ExportedProgram) -> list[str]:
+    """A rotary whose only reader casts it to a float dtype (OLMo and Cohere rotate in fp32 tables, then
+    cast back to the model's dtype) stores that dtype itself: ``rotary(..., out_dtype=d)``, the cast's
+    launch gone (the kernel computes in fp32 and rounds once, to its result's dtype)."""
+    graph = ep.graph_module.graph
+    done = []
+    for node in [n for n in graph.nodes if is_call(n, rotary_op) and "out_dtype" not in n.kwargs]:
+        cast = next(iter(node.users)) if len(node.users) == 1 else None
+        if (not is_call(cast, aten._to_copy.default) or set(cast.kwargs) != {"dtype"} or len(cast.args) != 1
+                or cast.kwargs["dtype"] not in (torch.float32, torch.float16, torch.bfloat16)):
+            continue
+        node.kwargs = {**node.kwargs, "out_dtype": cast.kwargs["dtype"]}
+        node.meta["val"] = cast.meta["val"]
+        cast.replace_all_uses_with(node)
+        retarget_outputs(ep, cast, node)
+        graph.erase_node(cast)
+        done.append(f"rotary {node.name}: the cast of its result to {node.kwargs['out_dtype']} in its launch")
+    return done
+
+
 def fuse_rotary(ep: torch.export.ExportedProgram, fold: bool = True) -> list[str]:
     """Rewrite every rotary embedding of ``ep``'s graph into one ``tritondelegate::rotary`` node, those
     whose tables come from angles computed per call into ``tritondelegate::rotary_angles``
     (``rotary_tables.py``; ``fold``: constant folding runs next), then pair those that share their
-    tables (:func:`pair_rotaries`). Returns one description per rewrite
+    tables (:func:`pair_rotaries`), a cast of the result taken into the op (:func:`absorb_casts`).
+    Returns one description per rewrite
     (the caller recompiles the graph module)."""
-    return _rewrite_singles(ep) + rotary_tables(ep, fold) + pair_rotaries(ep)
+    return _rewrite_singles(ep) + absorb_casts(ep) + rotary_tables(ep, fold) + pair_rotaries(ep)

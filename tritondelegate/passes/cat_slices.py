@@ -16,14 +16,12 @@ when a ``view`` reads the cat, the slice is contiguous as the cat's result is.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.fx
 
 from ..kernels.rows import node_arg
 from .fuse_rope_linear import is_view
-from .rewrite import fake, is_call, new_node, tensor_val
+from .rewrite import fake, is_call, new_node, slice_bounds, tensor_val
 
 aten = torch.ops.aten
 _NEEDS_CONTIGUOUS = (aten.view.default, aten._unsafe_view.default)
@@ -32,20 +30,10 @@ _NEEDS_CONTIGUOUS = (aten.view.default, aten._unsafe_view.default)
 def _bounds(part: torch.fx.Node, dim: int):
     """(source, start, end) of ``part`` = ``slice(source, dim, start, end, 1)`` with static bounds
     clamped to the source's static size along ``dim``, else None."""
-    if not is_call(part, aten.slice.Tensor):
+    found = slice_bounds(part)
+    if found is None or found[1] != dim or found[4] != 1:
         return None
-    source = part.args[0]
-    val = tensor_val(source)
-    if val is None or val.dim() == 0 or not isinstance(val.shape[dim], int):
-        return None
-    size = val.shape[dim]
-    d, step = node_arg(part, 1, "dim", 0), node_arg(part, 4, "step", 1)
-    start, end = node_arg(part, 2, "start"), node_arg(part, 3, "end")
-    start, end = 0 if start is None else start, sys.maxsize if end is None else end
-    if not all(isinstance(v, int) for v in (d, step, start, end)) or d % val.dim() != dim or step != 1:
-        return None
-    start, end = (min(max(v + size if v < 0 else v, 0), size) for v in (start, end))
-    return source, start, end
+    return found[0], found[2], found[3]
 
 
 def _root(node: torch.fx.Node) -> torch.fx.Node:

@@ -34,7 +34,6 @@ the first later one that fits.
 from __future__ import annotations
 
 import operator
-import sys
 
 import torch
 import torch.fx
@@ -44,7 +43,7 @@ from ..ops import rotary as rotary_op
 from ..ops import rotary_angles as rotary_angles_op
 from ..ops import rotary_pair as rotary_pair_op
 from ..ops import rotary_pair_angles as rotary_pair_angles_op
-from .rewrite import is_call, new_node, retarget_outputs, same_shape, tensor_val
+from .rewrite import is_call, new_node, retarget_outputs, same_shape, slice_bounds, static_int, tensor_val
 from .rotary_tables import rotary_tables
 
 # A single rotary (tables given, or computed from angles: ``rotary_tables.py``) -> its paired form.
@@ -53,33 +52,14 @@ PAIRS = {rotary_op: rotary_pair_op, rotary_angles_op: rotary_pair_angles_op}
 aten = torch.ops.aten
 
 
-def _static_int(v) -> int | None:
-    if isinstance(v, bool) or not isinstance(v, int):
-        return None
-    return v
-
-
 def _slice_of(node, x: torch.fx.Node | None = None):
-    """(source, start, end) of ``node`` = ``slice(source, last dim, start, end, 1)``, bounds clamped to
-    [0, D] as ATen clamps them; None when it is not such a slice (or a bound is not a static int)."""
-    if not is_call(node, aten.slice.Tensor):
+    """(source, start, end) of ``node`` = ``slice(source, last dim, start, end, 1)`` (of ``x`` when
+    given), bounds clamped to [0, D]; None when it is not such a slice."""
+    found = slice_bounds(node)
+    if found is None or (x is not None and found[0] is not x):
         return None
-    source = node.args[0]
-    val = tensor_val(source)
-    if val is None or val.dim() == 0 or (x is not None and source is not x):
-        return None
-    d = val.shape[-1]
-    if not isinstance(d, int):
-        return None
-    dim = _static_int(node_arg(node, 1, "dim", 0))
-    start, end = node_arg(node, 2, "start"), node_arg(node, 3, "end")
-    step = _static_int(node_arg(node, 4, "step", 1))
-    start = 0 if start is None else _static_int(start)
-    end = sys.maxsize if end is None else _static_int(end)
-    if dim is None or dim % val.dim() != val.dim() - 1 or step != 1 or start is None or end is None:
-        return None
-    start, end = (min(max(v + d if v < 0 else v, 0), d) for v in (start, end))
-    return source, start, end
+    source, dim, start, end, step = found
+    return (source, start, end) if dim == tensor_val(source).dim() - 1 and step == 1 else None
 
 
 def _rotate_half(node):
@@ -103,7 +83,7 @@ def _rotate_half(node):
     low = _slice_of(lo, x)
     if low is None or low[1:] != (0, d // 2):
         return None
-    dim = _static_int(node_arg(node, 1, "dim", 0))
+    dim = static_int(node_arg(node, 1, "dim", 0))
     if dim is None or dim % val.dim() != val.dim() - 1:
         return None
     return x, [node, neg, neg.args[0], lo]
@@ -111,18 +91,12 @@ def _rotate_half(node):
 
 def _step_slice(node, start: int):
     """The source of ``node`` = ``source[..., start::2]`` (a slice of the last dim to its end), or None."""
-    if not is_call(node, aten.slice.Tensor):
+    found = slice_bounds(node)
+    if found is None:
         return None
-    val = tensor_val(node.args[0])
-    if val is None or val.dim() == 0 or not isinstance(val.shape[-1], int):
-        return None
-    dim = _static_int(node_arg(node, 1, "dim", 0))
-    begin, end = node_arg(node, 2, "start"), node_arg(node, 3, "end")
-    end = sys.maxsize if end is None else _static_int(end)
-    if (dim is None or dim % val.dim() != val.dim() - 1 or _static_int(node_arg(node, 4, "step", 1)) != 2
-            or _static_int(0 if begin is None else begin) != start or end is None or end < val.shape[-1]):
-        return None
-    return node.args[0]
+    source, dim, begin, end, step = found
+    val = tensor_val(source)
+    return source if (dim, begin, end, step) == (val.dim() - 1, start, val.shape[-1], 2) else None
 
 
 def _rotate_every_two(node):
@@ -140,7 +114,7 @@ def _rotate_every_two(node):
         if not is_call(part, aten.unsqueeze.default) or part.args[1] % rank != rank - 1:
             return None
         parts.append(part)
-    neg, dim = parts[0].args[0], _static_int(node_arg(cat, 1, "dim", 0))
+    neg, dim = parts[0].args[0], static_int(node_arg(cat, 1, "dim", 0))
     if not is_call(neg, aten.neg.default) or dim is None or dim % rank != rank - 1:
         return None
     x = _step_slice(neg.args[0], 1)

@@ -3,12 +3,15 @@ and the provenance a new node takes from the node it stands for."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.fx
 from torch.export.graph_signature import TensorArgument
 
 from ..kernels import sizes
 from ..kernels.refs import node_value
+from ..kernels.rows import node_arg
 
 # The metadata a new node inherits (what stack traces and module paths point to).
 PROVENANCE = ("stack_trace", "nn_module_stack", "source_fn_stack")
@@ -29,6 +32,34 @@ def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two (fake) tensors have the same shape, dynamic sizes compared as expressions (never
     through a SymInt comparison, which would add a guard to the shape environment)."""
     return a.dim() == b.dim() and sizes.shape(a.shape) == sizes.shape(b.shape)
+
+
+def static_int(v) -> int | None:
+    """``v`` when it is a Python int (not a bool, not a symbolic size), else None."""
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def slice_bounds(node):
+    """(source, dim, start, end, step) when ``node`` is ``aten.slice(source, dim, start, end, step)``
+    with static arguments along a dim of static size: ``dim`` normalized, ``start`` and ``end``
+    clamped to [0, size] as ATen clamps them; None otherwise."""
+    if not is_call(node, torch.ops.aten.slice.Tensor):
+        return None
+    source = node.args[0]
+    val = tensor_val(source)
+    dim = static_int(node_arg(node, 1, "dim", 0))
+    if val is None or val.dim() == 0 or dim is None:
+        return None
+    dim %= val.dim()
+    size = val.shape[dim]
+    start, end = node_arg(node, 2, "start"), node_arg(node, 3, "end")
+    start = 0 if start is None else static_int(start)
+    end = sys.maxsize if end is None else static_int(end)
+    step = static_int(node_arg(node, 4, "step", 1))
+    if not isinstance(size, int) or start is None or end is None or step is None:
+        return None
+    start, end = (min(max(v + size if v < 0 else v, 0), size) for v in (start, end))
+    return source, dim, start, end, step
 
 
 def fake(fn, *vals):

@@ -34,7 +34,7 @@ import torch
 import torch.fx
 
 from ..kernels.refs import node_value
-from .rewrite import is_call, take_provenance
+from .rewrite import cast_input, is_call, take_provenance
 
 aten = torch.ops.aten
 
@@ -51,35 +51,11 @@ def _float_val(node) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) and val.dtype in _MANTISSA else None
 
 
-def _cast_input(node) -> torch.fx.Node | None:
-    """The input of ``node`` when it is a plain dtype cast (``_to_copy`` that keeps layout, device
-    and memory format), else None."""
-    if not is_call(node, aten._to_copy.default) or len(node.args) != 1 or "dtype" not in node.kwargs:
-        return None
-    src = node.args[0]
-    src_val, val = _float_val(src), _float_val(node)
-    if src_val is None or val is None:
-        return None
-    for key, value in node.kwargs.items():
-        if key == "dtype":
-            continue
-        if key == "layout" and value in (None, torch.strided):
-            continue
-        if key == "device" and (value is None or torch.device(value) == src_val.device):
-            continue
-        if key == "memory_format" and value in (None, torch.preserve_format):
-            continue
-        if key == "non_blocking" and not value:
-            continue
-        return None
-    return src
-
-
 def _same_x(a, b) -> bool:
     """``a`` and ``b`` are the same tensor: the same node, or equal casts of the same node."""
     if a is b:
         return True
-    src_a, src_b = _cast_input(a), _cast_input(b)
+    src_a, src_b = cast_input(a), cast_input(b)
     return src_a is not None and src_a is src_b and node_value(a).dtype == node_value(b).dtype
 
 
@@ -161,7 +137,7 @@ def _match(square) -> _Match | None:
         if not extends or len(users) != 1:
             return match
         user = users[0]
-        if _cast_input(user) is not node:
+        if cast_input(user) is not node:
             match.weight, match.weight_at = _other(user, node), len(match.chain)
         match.chain.append(user)
         node = user
@@ -169,7 +145,7 @@ def _match(square) -> _Match | None:
 
 def _extends(match: _Match, node, user, d: int) -> bool:
     """Whether ``user`` continues the norm after ``node``: a cast, or the (first) weight's mul."""
-    if _cast_input(user) is node:
+    if cast_input(user) is node:
         return True
     return (match.weight is None and _binary(user, aten.mul.Tensor) and node in user.args[:2]
             and user.args[0] is not user.args[1] and _weight_ok(_other(user, node), d)
@@ -189,7 +165,7 @@ def _fake_rms_norm(x, d, weight, eps):
 def _plan(match: _Match):
     """(end index in chain, x', weight, value) for the longest chain that can be fused, or None."""
     d = node_value(match.xf).shape[-1]
-    x_root = _cast_input(match.xf)
+    x_root = cast_input(match.xf)
     for end in range(len(match.chain) - 1, -1, -1):
         result = node_value(match.chain[end]).dtype
         weight = match.weight if match.weight_at is not None and match.weight_at <= end else None

@@ -38,12 +38,13 @@ import operator
 import torch
 import torch.fx
 
+from ..kernels.refs import FLOAT_DTYPES
 from ..kernels.rows import node_arg
 from ..ops import rotary as rotary_op
 from ..ops import rotary_angles as rotary_angles_op
 from ..ops import rotary_pair as rotary_pair_op
 from ..ops import rotary_pair_angles as rotary_pair_angles_op
-from .rewrite import is_call, new_node, retarget_outputs, same_shape, slice_bounds, static_int, tensor_val
+from .rewrite import cast_input, is_call, new_node, retarget_outputs, same_shape, slice_bounds, static_int, tensor_val
 from .rotary_tables import rotary_tables
 
 # A single rotary (tables given, or computed from angles: ``rotary_tables.py``) -> its paired form.
@@ -311,8 +312,7 @@ def absorb_casts(ep: torch.export.ExportedProgram) -> list[str]:
     done = []
     for node in [n for n in graph.nodes if is_call(n, rotary_op) and "out_dtype" not in n.kwargs]:
         cast = next(iter(node.users)) if len(node.users) == 1 else None
-        if (not is_call(cast, aten._to_copy.default) or set(cast.kwargs) != {"dtype"} or len(cast.args) != 1
-                or cast.kwargs["dtype"] not in (torch.float32, torch.float16, torch.bfloat16)):
+        if cast_input(cast) is not node or cast.kwargs["dtype"] not in FLOAT_DTYPES:
             continue
         node.kwargs = {**node.kwargs, "out_dtype": cast.kwargs["dtype"]}
         node.meta["val"] = cast.meta["val"]

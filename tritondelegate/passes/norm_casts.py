@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .rewrite import is_call, new_node, tensor_val
+from .rewrite import cast_input, is_call, new_node, tensor_val
 
 aten = torch.ops.aten
 LOW = (torch.float16, torch.bfloat16)
@@ -25,11 +25,10 @@ LOW = (torch.float16, torch.bfloat16)
 NORMS = {aten.layer_norm.default: (2, 3), aten.rms_norm.default: (2, None)}
 
 
-def _cast(node, dtype: torch.dtype | None = None) -> torch.fx.Node | None:
-    """The input of ``node`` = ``_to_copy(input, dtype=dtype)`` (nothing else changed), else None."""
-    if not is_call(node, aten._to_copy.default) or set(node.kwargs) != {"dtype"} or len(node.args) != 1:
-        return None
-    return node.args[0] if dtype is None or node.kwargs["dtype"] == dtype else None
+def _cast(node, dtype: torch.dtype) -> torch.fx.Node | None:
+    """The input of ``node`` = a plain cast of it to ``dtype`` (``rewrite.cast_input``), else None."""
+    source = cast_input(node)
+    return source if source is not None and node.kwargs["dtype"] == dtype else None
 
 
 def _low_operand(arg, dtype: torch.dtype):

@@ -62,6 +62,33 @@ def slice_bounds(node):
     return source, dim, start, end, step
 
 
+CAST_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def cast_input(node) -> torch.fx.Node | None:
+    """The input of ``node`` when it is a plain dtype cast between :data:`CAST_FLOATS` (``_to_copy``
+    that keeps layout, device and memory format), else None."""
+    if not is_call(node, torch.ops.aten._to_copy.default) or len(node.args) != 1 or "dtype" not in node.kwargs:
+        return None
+    src = node.args[0]
+    src_val, val = tensor_val(src), tensor_val(node)
+    if src_val is None or val is None or src_val.dtype not in CAST_FLOATS or val.dtype not in CAST_FLOATS:
+        return None
+    for key, value in node.kwargs.items():
+        if key == "dtype":
+            continue
+        if key == "layout" and value in (None, torch.strided):
+            continue
+        if key == "device" and (value is None or torch.device(value) == src_val.device):
+            continue
+        if key == "memory_format" and value in (None, torch.preserve_format):
+            continue
+        if key == "non_blocking" and not value:
+            continue
+        return None
+    return src
+
+
 def fake(fn, *vals):
     """``fn(*vals)`` on FakeTensors, under their fake mode (symbolic sizes stay symbolic)."""
     mode = getattr(vals[0], "fake_mode", None) or torch._guards.detect_fake_mode(list(vals))

@@ -25,7 +25,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from ..errors import LoweringError
 from ..kernels.registry import lookup
 from ..partitioner import PartitionResult, op_name
-from .rewrite import fake
+from .rewrite import fake, new_node
 
 aten = torch.ops.aten
 HOST = "cpu"
@@ -63,9 +63,7 @@ class MethodGraph:
     fused: list[str] = field(default_factory=list)  # rewrites into bigger ops (passes/fuse.py)
 
     def buffer_nodes(self) -> dict[str, torch.fx.Node]:
-        nodes = {n.name: n for n in self.ep.graph_module.graph.nodes if n.op == "placeholder"}
-        return {spec.target: nodes[spec.arg.name] for spec in self.ep.graph_signature.input_specs
-                if spec.kind == InputKind.BUFFER}
+        return buffer_nodes(self.ep)
 
     def updates(self) -> dict[str, torch.fx.Node | None]:
         """FQN -> the node whose value the method writes back to that buffer."""
@@ -82,6 +80,13 @@ class MethodGraph:
         return self.partition.specs[tag].device if tag is not None else HOST
 
 
+def buffer_nodes(ep: torch.export.ExportedProgram) -> dict[str, torch.fx.Node]:
+    """FQN -> the placeholder of each buffer the program reads."""
+    nodes = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    return {spec.target: nodes[spec.arg.name] for spec in ep.graph_signature.input_specs
+            if spec.kind == InputKind.BUFFER}
+
+
 def cast_state_updates(name: str, ep: torch.export.ExportedProgram) -> list[str]:
     """Give every buffer update its buffer's dtype, as eager's write into the buffer does: a bf16 model
     whose rotary code assigns an fp32 ``inv_freq`` (Phi-3's longrope) writes back fp32 into a bf16
@@ -89,9 +94,7 @@ def cast_state_updates(name: str, ep: torch.export.ExportedProgram) -> list[str]
     shape is a LoweringError naming the buffer. Returns one description per cast."""
     graph = ep.graph_module.graph
     output = next(n for n in graph.nodes if n.op == "output")
-    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
-    buffers = {spec.target: placeholders[spec.arg.name] for spec in ep.graph_signature.input_specs
-               if spec.kind == InputKind.BUFFER}
+    buffers = buffer_nodes(ep)
     values, done = list(output.args[0]), []
     for k, spec in enumerate(ep.graph_signature.output_specs):
         buffer, value = buffers.get(spec.target), values[k]
@@ -104,9 +107,8 @@ def cast_state_updates(name: str, ep: torch.export.ExportedProgram) -> list[str]
             raise LoweringError(f"method {name!r} writes {got.dtype}{list(got.shape)} into state buffer "
                                 f"{spec.target!r}, which is {want.dtype}{list(want.shape)}")
         with graph.inserting_before(output):
-            cast = graph.call_function(torch.ops.aten._to_copy.default, (value,), {"dtype": want.dtype})
-        cast.meta["val"] = fake(lambda t: t.to(want.dtype), got)
-        values[k] = cast
+            values[k] = new_node(graph, torch.ops.aten._to_copy.default, (value,),
+                                 fake(lambda t: t.to(want.dtype), got), value.meta, kwargs={"dtype": want.dtype})
         done.append(f"state {spec.target!r}: its {got.dtype} update cast to the buffer's {want.dtype}")
     if done:
         output.args = (tuple(values),) + tuple(output.args[1:])

@@ -8,6 +8,7 @@ lowering without the rest of the pipeline. End-to-end tests use the public API i
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -249,6 +250,17 @@ def check_dynamic(model, calls, dynamic_shapes, dtype=None, scale=1.0, reference
         # The call moved exactly its own inputs' bytes to the device.
         assert method.stats.call_h2d_bytes == sum(a.numel() * a.element_size() for a in args)
     return lowered, method
+
+
+def lower_resident(model, args, dynamic_shapes=None):
+    """``model`` exported for ``args`` (``dynamic_shapes`` as torch.export takes them) and lowered with
+    the default partitioner and resident constants; export's and lowering's warnings silenced."""
+    import tritondelegate as td
+
+    config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return td.lower(torch.export.export(model, tuple(args), dynamic_shapes=dynamic_shapes), config=config)
 
 
 def plan_launches(lowered, method: int = 0) -> list:

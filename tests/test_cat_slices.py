@@ -3,21 +3,11 @@ a partial rotary's ``cat((q_rot, q_pass), -1)`` once the projection's epilogue r
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-import tritondelegate as td
-from harness import FLOAT_DTYPES, Fn, Logits, assert_close, check_dynamic, plan_launches
+from harness import FLOAT_DTYPES, Fn, Logits, assert_close, check_dynamic, lower_resident, plan_launches
 
-CONFIG = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
-
-
-def _lower(model, args):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return td.lower(torch.export.export(model, tuple(args)), config=CONFIG)
 
 
 def _rewrites(lowered) -> list[str]:
@@ -25,7 +15,7 @@ def _rewrites(lowered) -> list[str]:
 
 
 def _check(fn, args, rewritten: bool, dtype=torch.float32):
-    lowered = _lower(Fn(fn), args)
+    lowered = lower_resident(Fn(fn), args)
     assert bool(_rewrites(lowered)) == rewritten, lowered.reports["forward"].fused
     got = lowered.load().load_method("forward")(*args)
     expected = fn(*args)
@@ -87,7 +77,7 @@ def test_a_buffer_written_later(of_the_buffer):
             self.cache.index_copy_(0, pos, x)
             return before + 0
 
-    lowered = _lower(Cache(), (torch.tensor([1]), torch.randn(1, 4)))
+    lowered = lower_resident(Cache(), (torch.tensor([1]), torch.randn(1, 4)))
     assert bool(_rewrites(lowered)) != of_the_buffer
     model = Cache()
     method = lowered.load().load_method("forward")
@@ -122,7 +112,7 @@ def test_partial_rotary_models_lose_their_cat_copies(kind):
         model = transformers.GPTNeoXForCausalLM(config)
     model = Logits(model.eval())
     ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
-    lowered = _lower(model, (ids,))
+    lowered = lower_resident(model, (ids,))
     assert len(_rewrites(lowered)) == 4  # q and k of each of the 2 layers
     assert sum(lowered.reports["forward"].launches.values()) == 12  # 20 with the copies
     with torch.no_grad():

@@ -3,15 +3,11 @@ bias, written out, becomes one ``aten.layer_norm``: one row kernel, or the prolo
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-import tritondelegate as td
-from harness import FLOAT_DTYPES, Fn, assert_close, plan_launches
+from harness import FLOAT_DTYPES, Fn, assert_close, lower_resident, plan_launches
 
-CONFIG = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
 
 
 class CohereNorm(torch.nn.Module):
@@ -39,12 +35,6 @@ class NormLinear(torch.nn.Module):
         return self.proj(self.norm(x))
 
 
-def _lower(model, args):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return td.lower(torch.export.export(model, tuple(args)), config=CONFIG)
-
-
 def _rewrites(lowered) -> list[str]:
     return [f for f in lowered.reports["forward"].fused if f.startswith("centered RMSNorm")]
 
@@ -54,7 +44,7 @@ def test_written_out_layer_norm_is_one_launch(dtype):
     torch.manual_seed(0)
     model = CohereNorm(24)
     x = (torch.randn(3, 5, 24) * 3 + 1).to(dtype)
-    lowered = _lower(model, (x,))
+    lowered = lower_resident(model, (x,))
     assert len(_rewrites(lowered)) == 1
     assert [launch.kernel for launch in plan_launches(lowered)] == ["norm"]
     with torch.no_grad():
@@ -66,7 +56,7 @@ def test_the_norm_becomes_the_projections_prologue(dtype):
     torch.manual_seed(0)
     model = NormLinear().to(dtype)
     x = torch.randn(2, 7, 24).to(dtype)
-    lowered = _lower(model, (x,))
+    lowered = lower_resident(model, (x,))
     # In fp16/bf16 the fp32 norm cast back is the norm of the row itself (passes/norm_casts.py).
     assert [launch.kernel for launch in plan_launches(lowered)] == ["matmul"]
     with torch.no_grad():
@@ -82,7 +72,7 @@ def test_what_is_not_a_layer_norm_stays(case):
         return (normed, mean) if case == "mean_returned" else normed
 
     args = (torch.randn(4, 16), torch.randn(4, 16))
-    lowered = _lower(Fn(fn), args)
+    lowered = lower_resident(Fn(fn), args)
     assert not _rewrites(lowered)
     got = lowered.load().load_method("forward")(*args)
     expected = fn(*args)

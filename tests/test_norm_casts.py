@@ -3,16 +3,12 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-import tritondelegate as td
-from harness import Fn, assert_close, plan_launches
+from harness import Fn, assert_close, lower_resident, plan_launches
 
-CONFIG = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
 LOW = [torch.float16, torch.bfloat16]
 
 
@@ -38,12 +34,6 @@ class UpcastNorm(torch.nn.Module):
         return self.proj(y.to(x.dtype))
 
 
-def _lower(model, args):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return td.lower(torch.export.export(model, tuple(args)), config=CONFIG)
-
-
 def _rewrites(lowered) -> list[str]:
     return [f for f in lowered.reports["forward"].fused if "fp32 casts dropped" in f]
 
@@ -54,7 +44,7 @@ def test_the_norm_runs_in_the_projections_prologue(kind, dtype):
     torch.manual_seed(0)
     model = UpcastNorm(kind, dtype)
     x = (torch.randn(2, 7, 24) * 2 + 0.5).to(dtype)
-    lowered = _lower(model, (x,))
+    lowered = lower_resident(model, (x,))
     assert len(_rewrites(lowered)) == 1
     assert [launch.kernel for launch in plan_launches(lowered)] == ["matmul"]
     with torch.no_grad():
@@ -73,7 +63,7 @@ def test_what_is_not_a_round_trip_stays():
 
     for fn, x in ((both, torch.randn(3, 16, dtype=torch.bfloat16)), (other, torch.randn(3, 16, dtype=torch.bfloat16)),
                   (lambda x: F.layer_norm(x.double(), (16,)).float(), torch.randn(3, 16))):
-        lowered = _lower(Fn(fn), (x,))
+        lowered = lower_resident(Fn(fn), (x,))
         assert not _rewrites(lowered)
         got, expected = lowered.load().load_method("forward")(x), fn(x)
         for g, e in zip(got if isinstance(got, (list, tuple)) else [got], expected if isinstance(expected, tuple) else [expected]):

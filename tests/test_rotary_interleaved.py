@@ -6,18 +6,14 @@ with k like any rotary, and moves into the Q/K/V projection's epilogue as (2i, 2
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch.export import Dim
 
-import tritondelegate as td
 import tritondelegate.passes.fuse as fuse
-from harness import FLOAT_DTYPES, Fn, Logits, assert_close, check_dynamic
+from harness import FLOAT_DTYPES, Fn, Logits, assert_close, check_dynamic, lower_resident
 from tritondelegate.ops import rotary_reference
 
-CONFIG = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
 ROTARY = torch.ops.tritondelegate.rotary.default
 
 
@@ -38,12 +34,6 @@ def gptj_rotary(x, sin, cos):
 class QK(torch.nn.Module):
     def forward(self, q, k, sin, cos):
         return gptj_rotary(q, sin, cos), gptj_rotary(k, sin, cos)
-
-
-def _lower(model, args, dynamic_shapes=None):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return td.lower(torch.export.export(model, tuple(args), dynamic_shapes=dynamic_shapes), config=CONFIG)
 
 
 def _fused(lowered) -> list[str]:
@@ -67,7 +57,7 @@ def test_q_and_k_rotate_in_one_launch(dtype):
     # GQA-shaped: k has fewer heads; the tables broadcast over heads with stride 0.
     torch.manual_seed(0)
     args = [torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8), torch.randn(2, 5, 4), torch.randn(2, 5, 4)]
-    lowered = _lower(QK(), [a.to(dtype) for a in args])
+    lowered = lower_resident(QK(), [a.to(dtype) for a in args])
     # the two repeat_interleave copies of the tables (inputs here; folded when constant), one rotary
     assert _kernels(lowered) == ["pointwise", "pointwise", "rotary"]
     launch = lowered.program.methods[0].delegates[0].plan.launches[-1]
@@ -80,7 +70,7 @@ def test_q_and_k_rotate_in_one_launch(dtype):
 def test_the_rewrite_names_interleaved_pairs_and_keeps_one_launch():
     torch.manual_seed(0)
     args = (torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4), torch.randn(1, 6, 4))
-    lowered = _lower(Fn(gptj_rotary), args)
+    lowered = lower_resident(Fn(gptj_rotary), args)
     (rewrite,) = [f for f in _fused(lowered) if f.startswith("rotary embedding")]
     assert "interleaved" in rewrite
     assert _kernels(lowered).count("rotary") == 1
@@ -97,7 +87,7 @@ def test_a_transposed_x_and_a_returned_intermediate():
         return x * cos[:, None] + r * sin[:, None], r
 
     args = (torch.randn(1, 4, 3, 8), torch.randn(1, 4, 8), torch.randn(1, 4, 8))
-    lowered = _lower(Fn(kept), args)
+    lowered = lower_resident(Fn(kept), args)
     assert not [f for f in _fused(lowered) if f.startswith("rotary embedding")]
     for got, want in zip(lowered.load().load_method("forward")(*args), kept(*args)):
         assert_close(got, want)
@@ -109,7 +99,7 @@ def test_not_every_two_is_not_rewritten():
         return x * cos + torch.stack((x[..., ::2], -x[..., 1::2]), dim=-1).flatten(-2) * sin
 
     args = (torch.randn(1, 3, 8), torch.randn(3, 8), torch.randn(3, 8))
-    lowered = _lower(Fn(wrong), args)
+    lowered = lower_resident(Fn(wrong), args)
     assert not [f for f in _fused(lowered) if f.startswith("rotary embedding")]
     assert_close(lowered.load().load_method("forward")(*args), wrong(*args))
 
@@ -152,7 +142,7 @@ HF = {"gptj": (32, 12), "codegen": (32, 12), "cohere": (34, 12)}
 def test_hf_models_rotate_in_fewer_launches_and_match_eager(kind, monkeypatch):
     model = Logits(_hf(kind).eval())
     ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
-    lowered = _lower(model, (ids,))
+    lowered = lower_resident(model, (ids,))
     assert sum(lowered.reports["forward"].launches.values()) == HF[kind][1]
     assert lowered.reports["forward"].nodes.host == []
     with torch.no_grad():
@@ -170,11 +160,11 @@ def test_gptj_rotary_in_the_projection_epilogue_or_the_rotary_kernel(monkeypatch
     ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = model(ids)
-    lowered = _lower(model, (ids,))
+    lowered = lower_resident(model, (ids,))
     assert any("rope_linear" in f for f in _fused(lowered)) and "rotary" not in _kernels(lowered)
     assert_close(lowered.load().load_method("forward")(ids), expected)
     monkeypatch.setattr(fuse, "fuse_rope_linear", lambda ep, *a: [])
-    lowered = _lower(model, (ids,))
+    lowered = lower_resident(model, (ids,))
     assert "rotary" in _kernels(lowered)
     assert_close(lowered.load().load_method("forward")(ids), expected)
 
@@ -199,7 +189,7 @@ def test_interleaved_pairs_in_the_projection_epilogue(seq, dtype):
     model = Projection().eval()
     args = (torch.randn(2, seq, 32), torch.randn(2, seq, 4), torch.randn(2, seq, 4))
     low = [a.to(dtype) for a in args]
-    lowered = _lower(model.to(dtype), low)
+    lowered = lower_resident(model.to(dtype), low)
     assert any("rope_linear" in f for f in _fused(lowered))
     assert "rotary" not in _kernels(lowered)
     got = lowered.load().load_method("forward")(*low)
@@ -228,7 +218,7 @@ class CohereStyle(torch.nn.Module):
 def test_tables_from_positions_are_computed_in_the_launch(dtype):
     torch.manual_seed(0)
     args = (torch.randn(2, 5, 4, 8, dtype=dtype), torch.randn(2, 5, 2, 8, dtype=dtype), torch.arange(3, 13).view(2, 5))
-    lowered = _lower(CohereStyle(), args)
+    lowered = lower_resident(CohereStyle(), args)
     assert any("rotary_angles" in f for f in _fused(lowered))
     kernels = _kernels(lowered)
     assert kernels.count("rotary") == 1 and len(kernels) == 2  # the angles' product, then the rotary
@@ -258,7 +248,7 @@ def test_angles_of_interleaved_pairs_in_the_projection_epilogue(seq, dtype):
     torch.manual_seed(0)
     model = ProjectionAngles().eval()
     low = (torch.randn(2, seq, 32).to(dtype), torch.arange(2 * seq).view(2, seq) + 7)
-    lowered = _lower(model.to(dtype), low)
+    lowered = lower_resident(model.to(dtype), low)
     assert any("rope_linear" in f for f in _fused(lowered)) and "rotary" not in _kernels(lowered)
     (rope,) = [x for x in lowered.program.methods[0].delegates[0].plan.launches if x.kernel == "matmul"]
     assert rope.constexprs["ROPE"].value == "angles"

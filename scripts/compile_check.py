@@ -126,6 +126,30 @@ def _int_reductions():
     return Fn(fn), (torch.randint(-9, 9, (300, 77)),)
 
 
+def _int_division():
+    """Floor and truncating division, remainder and fmod of integers (an expert's token index), and of
+    floats at the dtypes below (_pointwise)."""
+    fn = lambda i, j: (i // 3, torch.div(i, j, rounding_mode="trunc"), i % j, torch.fmod(i, 7),  # noqa: E731
+                       torch.floor_divide(i.int(), j.int()))
+    return Fn(fn), (torch.randint(-99, 99, (129, 257)), torch.randint(1, 9, (129, 257)))
+
+
+def _moe_routing(dtype, tokens: int, experts: int = 128, top: int = 8):
+    """A Mixture-of-Experts router as transformers writes it (Qwen3-30B-A3B: 128 experts, 8 per token):
+    softmax, top-k, renormalize, the chosen experts sorted (tokens x top ids), their tokens, and the
+    rows per expert counted and summed into the grouped GEMM's offsets (kernels/ranking.py,
+    histogram.py)."""
+    def route(logits):
+        weights, chosen = torch.topk(torch.softmax(logits.float(), -1), top)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+        order, perm = torch.sort(chosen.reshape(-1))
+        counts = torch.histc(order.float(), experts, 0, experts - 1)
+        spread = torch.histc(logits, 16)  # and a histogram over the data's own range, in its dtype
+        return weights.reshape(-1)[perm], perm // top, torch.cumsum(counts, 0, dtype=torch.int32), spread
+
+    return Fn(route), (_randn(tokens, experts, dtype=dtype),)
+
+
 def _rows(dtype):
     w = torch.randn(8192).to(dtype)
     fn = lambda x, y, z: (  # noqa: E731
@@ -245,7 +269,8 @@ def _pointwise(dtype):
         torch.sin(x), F.gelu(x), F.gelu(x, approximate="tanh"), torch.where(x > 0, x, y),
         torch.clamp(x, -1, 1), torch.clamp(x, min=y), x.clamp_max(0.3), x.to(F32), x.to(torch.int32),
         i & 7, i | 8, i * 3 + 1, i.to(dtype), x[:, None, :] + y[None, :, :1].transpose(0, 1),
-        F.relu6(x), F.hardtanh(x, -0.5, 0.5), x ** 2.5, torch.pow(x, y))
+        F.relu6(x), F.hardtanh(x, -0.5, 0.5), x ** 2.5, torch.pow(x, y), x // y, x % 0.75,
+        torch.fmod(x, y), torch.div(x, y, rounding_mode="trunc"))
     return Fn(fn), (_randn(129, 257, dtype=dtype), _randn(129, 257, dtype=dtype),
                     torch.randint(0, 99, (129, 257)))
 
@@ -345,6 +370,8 @@ def _per_dtype(d) -> dict[str, callable]:
         "matmul": lambda: _matmuls(d),
         "grouped_mm_prefill": lambda: _grouped_mm(d, 600),
         "grouped_mm_decode": lambda: _grouped_mm(d, 2),
+        "moe_routing_prefill": lambda: _moe_routing(d, 600),
+        "moe_routing_decode": lambda: _moe_routing(d, 1),
         "pad": lambda: _pads(d),
         "epilogue_prefill": lambda: _epilogues(d, 384, 384),
         "epilogue_decode": lambda: _epilogues(d, 1, 512),
@@ -472,6 +499,7 @@ def cases() -> dict[str, callable]:
         out.update({f"{name}/{suffix}": make for name, make in _per_dtype(dtype).items()})
     out["reductions/int64"] = _int_reductions
     out["scatter/int64"] = _int_scatter
+    out["division/int64"] = _int_division
     out["decoder_matmul_attention/float16"] = lambda: _decoder(
         F16, 100, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=128, attention="matmul")
     for dtype in (F32, F16):  # bounded dynamic dims: each method compiled at sample sizes of its range

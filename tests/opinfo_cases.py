@@ -167,12 +167,23 @@ def samples(info, per_dtype: dict | None, reference: bool = False) -> list:
 
 
 # --- one module per OpInfo ------------------------------------------------------------------------
+# OpInfos whose index output may order equal values either way (CPU topk, an unstable sort): name ->
+# (that output's position, the position of the dim argument). Their indices are compared by the input
+# values they pick along the dim.
+TIES = {"sort": (1, 0), "argsort": (0, 0), "topk": (1, 1)}
+
+
 class _One(torch.nn.Module):
     """``op(input, *args, **kwargs)`` of one sample, its tensors as the forward's arguments."""
 
-    def __init__(self, op, sample, comparable: bool = True):
+    def __init__(self, op, sample, comparable: bool = True, name: str = ""):
         super().__init__()
         self.comparable = comparable
+        self.ties = None  # (index output, dim) when equal values' indices may come in either order
+        if name in TIES:
+            output, position = TIES[name]
+            args = sample.args
+            self.ties = (output, args[position] if len(args) > position else sample.kwargs.get("dim", -1))
         leaves, self.spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
         self.positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         # copies: OpInfo may hand two samples one tensor, which export would take as one input
@@ -291,8 +302,23 @@ def _eager64(one: _One, tensors: list, like: list) -> list | None:
     return [o.to(e.dtype) if isinstance(o, torch.Tensor) else o for o, e in zip(out, like)]
 
 
+def _same_picks(one: _One, got: list, values: list, eager: list) -> list:
+    """``got`` with its index output taken as eager's where both pick the same input values (NaN
+    where eager picks NaN): for ops whose indices of equal values may come in either order."""
+    output, dim = one.ties
+    x = values[0]
+    if x.ndim == 0 or len(got) <= output or got[output].shape != eager[output].shape:
+        return got
+    picked, expected = (torch.take_along_dim(x, idx, dim) for idx in (got[output], eager[output]))
+    if torch.equal(picked.isnan(), expected.isnan()) and torch.equal(picked.nan_to_num(), expected.nan_to_num()):
+        return got[:output] + [eager[output]] + got[output + 1:]
+    return got
+
+
 def _verdict(one: _One, got: list, values: list, eager: list) -> str:
     """'' when ``got`` matches eager in the sample's dtypes or, failing that, eager in fp64."""
+    if one.ties is not None:
+        got = _same_picks(one, got, values, eager)
     differs = _compare(got, eager, one.comparable)
     if differs and one.comparable:
         wide = _eager64(one, values, eager)
@@ -364,15 +390,19 @@ def _run_split(ones: list[_One], records: list[Sample], expected: list[list]) ->
 
 
 def run_infos(infos: list, per_dtype: dict | None, reference: bool = False, chunk: int = 64,
-              alone: frozenset = frozenset()) -> list[Sample]:
+              alone: frozenset = frozenset(), max_numel: dict | None = None) -> list[Sample]:
     """The chosen samples of every OpInfo of ``infos``, ``chunk`` samples to a module; those whose
-    (OpInfo id, dtype) is in ``alone`` (known to fail) one to a module, so as not to split the others."""
+    (OpInfo id, dtype) is in ``alone`` (known to fail) one to a module, so as not to split the others.
+    ``max_numel``: OpInfo id -> the most elements a sample's input may have to be run."""
     ones, records, expected = [], [], []
     for info in infos:
         for dtype, k, sample in samples(info, per_dtype, reference):
-            one, record = _One(info.op, sample, comparable(info)), Sample(info_id(info), dtype, k)
+            one, record = _One(info.op, sample, comparable(info), info.name), Sample(info_id(info), dtype, k)
             clean = _eager(one, one.tensors)
-            if any(t.layout != torch.strided for t in one.tensors):
+            limit = (max_numel or {}).get(info_id(info))
+            if limit is not None and max(t.numel() for t in one.tensors) > limit:
+                record.status, record.detail = "not run", f"an input of more than {limit} elements"
+            elif any(t.layout != torch.strided for t in one.tensors):
                 record.status, record.detail = "not run", "sparse inputs (programs take dense tensors)"
             elif clean is None or not all(isinstance(t, torch.Tensor) for t in clean):
                 record.status, record.detail = "not run", "eager gives no tensor outputs"

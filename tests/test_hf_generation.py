@@ -24,12 +24,17 @@ MODELS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 12}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "eos_token_id": 1}),  # one gate_up linear
+    # Mixture of Experts: 4 experts, 2 per token, the router's top-k, sort and counts on the device too
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 # Launches per prefill or decode call at 2 layers: 7 per layer (Q/K/V with its norm and, in its epilogue,
 # q and k rotated with their tables computed inline; the position counter, the k/v cache writes, attention
 # with its mask computed inline, the output projection with the residual, gate/up with SwiGLU, down with
 # the residual) and 4 outside (embedding, with Gemma's scale as its epilogue, positions, rotary angles, LM head).
-LAUNCHES = {"llama": 18, "qwen2": 18, "mistral": 18, "gemma": 18, "phi3": 18}
+# Mixtral's layers run 20 more each: the router (linear, softmax, top-k, renormalize), the expert order
+# (sort, token ids, gathers of rows and weights, counts, offsets), the two grouped GEMMs with SwiGLU
+# between them, the weighting, the inverse order and the sum over the chosen experts, the residual.
+LAUNCHES = {"llama": 18, "qwen2": 18, "mistral": 18, "gemma": 18, "phi3": 18, "mixtral": 58}
 CACHE = 32
 PROMPT = torch.tensor([[3, 17, 5, 9, 22]])
 TOKENS = 16
@@ -51,12 +56,14 @@ def _export(model):
     }
 
 
-def _one_scatter_per_layer(program):
-    """Each layer's k and v cache writes run in one (PAIR) scatter launch, in every method."""
+def _one_scatter_per_layer(program, name):
+    """Each layer's k and v cache writes run in one (PAIR) scatter launch, in every method; a Mixture
+    of Experts layer also scatters its router's inverse order (one more, not PAIR)."""
     for method in program.program.methods:
         scatters = [l for d in method.delegates for l in d.plan.launches if l.kernel == "scatter"]
-        assert len(scatters) == COMMON["num_hidden_layers"], method.name
-        assert all(l.constexprs["PAIR"].value for l in scatters), method.name
+        pairs = [l for l in scatters if "PAIR" in l.constexprs and l.constexprs["PAIR"].value]
+        assert len(pairs) == COMMON["num_hidden_layers"], method.name
+        assert len(scatters) == len(pairs) * (2 if "num_local_experts" in MODELS[name][2] else 1), method.name
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -75,7 +82,7 @@ def test_static_cache_generation_matches_eager(name, tmp_path):
     lowered.save(tmp_path / "lm.tdp")
     program = td.load(tmp_path / "lm.tdp", devices="simulated")
     prefill, decode = program.load_method("prefill"), program.load_method("decode")
-    _one_scatter_per_layer(program)
+    _one_scatter_per_layer(program, name)
     # Prefill loaded every weight already: decode loads only the constants it alone reads (folded ones).
     slots = lambda m: {v.slot for v in m.values if v.resident}  # noqa: E731
     prefill_slots, decode_slots = (slots(m) for m in program.program.methods)
@@ -126,7 +133,7 @@ def test_dynamic_prompt_length_shares_the_cache_with_decode(tmp_path):
     lowered.save(tmp_path / "lm.tdp")
     program = td.load(tmp_path / "lm.tdp", devices="simulated")
     prefill, decode = program.load_method("prefill"), program.load_method("decode")
-    _one_scatter_per_layer(program)
+    _one_scatter_per_layer(program, "llama")
     torch.manual_seed(1)
     for length in (1, 16, 7, 11):  # 1, the bound, primes between
         prompt = torch.randint(0, COMMON["vocab_size"], (1, length))

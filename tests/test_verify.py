@@ -28,8 +28,8 @@ RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for
 
 class Zoo(torch.nn.Module):
     """One delegate over most kernel families: gather, norm, matmul, attention, softmax, cumsum, conv
-    with an epilogue, batch norm, pooling, padding, a pointwise chain, a norm with a prologue, a reduction
-    and a scatter."""
+    with an epilogue, batch norm, pooling, padding, a pointwise chain, a norm with a prologue, a reduction,
+    a scatter, a top-k and a histogram."""
 
     def __init__(self):
         super().__init__()
@@ -45,7 +45,8 @@ class Zoo(torch.nn.Module):
         y = F.max_pool2d(torch.relu(self.conv(img)), 2)
         p = F.layer_norm(torch.sigmoid(F.pad(self.bn(img), (1, 1))) * 3.0 + 1.0, (8,))
         z = torch.zeros(6, 8).index_copy(0, ids[:2], h[0, :2])
-        return s, torch.cumsum(ids, 0), y, p, s.amax(-1) * 2.0 - 1.0, z  # p's chain is the norm's prologue
+        # p's chain is the norm's prologue
+        return s, torch.cumsum(ids, 0), y, p, s.amax(-1) * 2.0 - 1.0, z, *torch.topk(s[0], 3), torch.histc(p, 5, -1, 1)
 
 
 def _zoo_args():
@@ -98,7 +99,7 @@ def test_the_undamaged_program_loads_and_runs(zoo):
     model, lowered = zoo
     assert {launch.kernel for _, _, launch in _launches(lowered.program)} >= {
         "gather", "norm", "matmul", "attention", "softmax", "cumsum", "conv2d", "batch_norm", "pool2d", "pad",
-        "pointwise_chain", "reduce", "scatter"}
+        "pointwise_chain", "reduce", "scatter", "rank", "histc"}
     args = _zoo_args()
     with torch.no_grad():
         expected = model(*args)
@@ -192,7 +193,7 @@ def test_a_kernel_that_writes_a_constant_is_refused(zoo):
 SIZES = {"pointwise": "n", "pointwise_chain": "n", "matmul": "M", "conv2d": "M", "attention": "Lq",
          "reduce": "rows", "softmax": "rows", "norm": "rows", "gather": "n", "scatter": "n", "cumsum": "rows",
          "pool2d": "total", "batch_norm": "numel", "pad": "total", "arange": "n", "rotary": "rows",
-         "grouped_mm": "S", "attention_combine": "S"}
+         "grouped_mm": "S", "attention_combine": "S", "rank": "length", "histc": "n"}
 
 
 def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):

@@ -54,6 +54,57 @@ def _pow(a, b):
 
 
 @triton.jit
+def _nonzero(a, b):
+    """b, with an integer 0 divisor replaced by 1 (an error in PyTorch; masked-off lanes load 0)."""
+    if not a.dtype.is_floating():
+        b = tl.where(b == 0, 1, b)
+    return b
+
+
+@triton.jit
+def _remainder(a, b):
+    """fmod(a, b) moved to b's sign, as ATen computes it for floats and integers."""
+    b = _nonzero(a, b)
+    m = a % b  # fmod for floats, C's truncated remainder for integers
+    return tl.where((m != 0) & ((m < 0) != (b < 0)), m + b, m)
+
+
+@triton.jit
+def _div_trunc(a, b):
+    """a / b rounded towards zero: trunc(a / b) for floats, C's integer division for integers."""
+    if a.dtype.is_floating():
+        q = a / b
+        r = tl.where(q < 0, tl.ceil(q), tl.floor(q))
+    else:
+        r = a // _nonzero(a, b)
+    return r
+
+
+@triton.jit
+def _div_floor(a, b):
+    """a / b rounded towards -inf. Floats as ATen's div_floor_floating: (a - fmod(a, b)) / b, one less
+    where fmod's sign differs from b's, then floored and rounded back up past .5; a zero keeps the sign
+    of a / b, and b == 0 gives IEEE a / b. Integers: C's division, one less where the remainder's sign
+    differs from b's."""
+    if a.dtype.is_floating():
+        mod = a % b
+        div = (a - mod) / b
+        div = tl.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1.0, div)
+        floor = tl.floor(div)
+        floor = tl.where(div - floor > 0.5, floor + 1.0, floor)
+        q = a / b
+        negative = (q < 0) | ((q == 0) & ((1.0 / q) < 0))
+        r = tl.where(div != 0, floor, tl.where(negative, -0.0, 0.0))
+        r = tl.where(b == 0, q, r)
+    else:
+        b = _nonzero(a, b)
+        q = a // b
+        m = a % b
+        r = tl.where((m != 0) & ((m < 0) != (b < 0)), q - 1, q)
+    return r
+
+
+@triton.jit
 def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
     """One pointwise op on a (and b, c): the ops of one operand here, the rest in _binary_formula."""
     if OP == "copy":
@@ -112,6 +163,14 @@ def _binary_formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = a * b
     elif OP == "div":
         r = a / b
+    elif OP == "div_floor":
+        r = _div_floor(a, b)
+    elif OP == "div_trunc":
+        r = _div_trunc(a, b)
+    elif OP == "remainder":  # Python's %: the sign of b
+        r = _remainder(a, b)
+    elif OP == "fmod":  # C's fmod: the sign of a
+        r = a % _nonzero(a, b)
     elif OP == "pow":  # a ** b, b a scalar or tensor
         r = _pow(a, b)
     elif OP == "maximum":
@@ -444,6 +503,27 @@ def binary(op):
         launch_pointwise(b, op, b.out(node), _operands(b, node, 2), alpha=alpha)
 
     return lower
+
+
+def div_mode(b, node):
+    """div.Tensor_mode / div.Scalar_mode(a, b, *, rounding_mode): true, floor or trunc division."""
+    op = {None: "div", "floor": "div_floor", "trunc": "div_trunc"}[node.kwargs.get("rounding_mode")]
+    launch_pointwise(b, op, b.out(node), _operands(b, node, 2))
+
+
+def supported_div_mode(node) -> str | None:
+    mode = node.kwargs.get("rounding_mode")
+    if mode not in (None, "floor", "trunc"):
+        return f"rounding_mode {mode!r} is not one of None, 'floor', 'trunc'"
+    return supported_numeric(node)
+
+
+def supported_numeric(node) -> str | None:
+    """:func:`supported`, and no bool tensor (integer division and remainders of bools are errors)."""
+    reason = supported(node)
+    if reason is None and any(a.meta["val"].dtype == torch.bool for a in _tensor_args(node)):
+        return "a bool operand (division and remainders take numbers)"
+    return reason
 
 
 def rsub(b, node):  # rsub(a, b, alpha) = b - alpha * a

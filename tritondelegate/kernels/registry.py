@@ -20,11 +20,13 @@ from . import creation
 from . import index as idx
 from . import elementwise as ew
 from . import grouped_mm as gmm
+from . import histogram as hist
 from . import layout
 from . import matmul as mm
 from . import norm
 from . import pad
 from . import pool
+from . import ranking
 from . import reduce as red
 from . import rotary as rot
 from . import scatter as sc
@@ -56,6 +58,12 @@ OPS: dict[object, OpSpec] = {
     aten.mul.Scalar: OpSpec(ew.binary("mul")),
     aten.div.Tensor: OpSpec(ew.binary("div")),
     aten.div.Scalar: OpSpec(ew.binary("div")),
+    aten.div.Tensor_mode: OpSpec(ew.div_mode, ew.supported_div_mode),
+    aten.div.Scalar_mode: OpSpec(ew.div_mode, ew.supported_div_mode),
+    aten.remainder.Tensor: OpSpec(ew.binary("remainder"), ew.supported_numeric),
+    aten.remainder.Scalar: OpSpec(ew.binary("remainder"), ew.supported_numeric),
+    aten.fmod.Tensor: OpSpec(ew.binary("fmod"), ew.supported_numeric),
+    aten.fmod.Scalar: OpSpec(ew.binary("fmod"), ew.supported_numeric),
     aten.pow.Tensor_Scalar: OpSpec(ew.binary("pow"), ew.supported_float),
     aten.pow.Tensor_Tensor: OpSpec(ew.binary("pow"), ew.supported_float),
     aten.pow.Scalar: OpSpec(ew.pow_scalar_base, ew.supported_float),
@@ -141,6 +149,12 @@ OPS: dict[object, OpSpec] = {
     aten.gather.default: OpSpec(idx.gather, idx.supported_gather),
     aten.index.Tensor: OpSpec(idx.index, idx.supported_index),
     aten.cumsum.default: OpSpec(idx.cumsum, idx.supported_cumsum),
+    # sorting and counting (a Mixture-of-Experts router's top-k, expert order and tokens per expert):
+    # ranking.py, histogram.py
+    aten.topk.default: OpSpec(ranking.topk, ranking.supported),
+    aten.sort.default: OpSpec(ranking.sort, ranking.supported),
+    aten.sort.stable: OpSpec(ranking.sort, ranking.supported),
+    aten.histc.default: OpSpec(hist.histc, hist.supported),
     # scatter (KV-cache updates; functional, or in place when the node is marked td_inplace): scatter.py
     aten.index_put.default: OpSpec(sc.index_put, sc.supported_index_put),
     aten.index_copy.default: OpSpec(sc.index_copy, sc.supported_index_copy),

@@ -77,7 +77,7 @@ def _not(name: str) -> Callable[[Args], bool]:
 # cast is 0; a transcendental counts as one op.
 POINTWISE_FLOPS = {
     "copy": 0, "sigmoid": 3, "silu": 4, "tanh": 4, "gelu": 5, "gelu_tanh": 9, "pow": 4, "clamp": 2,
-    "logical_and": 2, "logical_or": 2,
+    "logical_and": 2, "logical_or": 2, "div_floor": 6, "div_trunc": 2, "remainder": 3,
 }
 
 
@@ -217,6 +217,12 @@ TRAFFIC: dict[str, KernelTraffic] = {
     ),
     "cumsum": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
                             flops=lambda a: a["rows"] * a["length"]),
+    # every element of a row compared with every other (two compares and a sum each); ranks below k stored
+    "rank": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("values_ptr"), Access("indices_ptr")),
+                          flops=lambda a: 3 * a["rows"] * a["length"] * a["length"]),
+    # each element's bin (4 ops) compared with every bin
+    "histc": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
+                           flops=lambda a: a["n"] * (4 + a["bins"])),
     # dst[direct(o) + index terms] = src[o] (+= atomically: ACCUMULATE reads dst too); a scalar source
     # passes dst as a stand-in
     # with PAIR also dst2 from src2 at the same indices (grid axis 1)

@@ -348,6 +348,26 @@ def _cumsum(x: LaunchArgs) -> Footprint:
     return Footprint(acc, (_cdiv(rows, x.c["BLOCK_R"]),), {"rows": rows, "length": length})
 
 
+def _rank(x: LaunchArgs) -> Footprint:
+    """Program (row, block), rows over (n0, n1, n2); ranks below min(k, length) are stored (ranking.py)."""
+    rows, length, k = x.i("rows"), x.i("length"), x.i("k")
+    r = _unravel(rows, x.d("n1", "n2"))
+    kept = min(k, length)
+    acc = [Access("x_ptr", _walk(r, x.ints("xs", 3)) + ((length, x.i("xs3")),)),
+           Access("values_ptr", _walk(r, x.ints("vs", 3)) + ((kept, x.i("vs3")),), write=True),
+           Access("indices_ptr", _walk(r, x.ints("is", 3)) + ((kept, x.i("is3")),), write=True)]
+    return Footprint(acc, (rows, _cdiv(length, x.c["BLOCK_I"])), {"rows x length": rows * length,
+                                                                  "length": length})
+
+
+def _histc(x: LaunchArgs) -> Footprint:
+    n, bins = x.i("n"), x.i("bins")
+    idx = _unravel(n, x.d("d1", "d2", "d3", "d4"))
+    acc = [Access("x_ptr", _walk(idx, x.ints("xs", 5))),
+           Access("out_ptr", ((bins, x.i("out_stride")),), write=True)]
+    return Footprint(acc, (_cdiv(bins, x.c["BLOCK_B"]),), {"bins": bins, "elements": n})
+
+
 def _pool2d(x: LaunchArgs) -> Footprint:
     total, H, W = x.i("total"), x.i("H"), x.i("W")
     n, c, oh, ow = _unravel(total, x.d("C", "OH", "OW"))
@@ -465,6 +485,10 @@ RULES: dict[str, KernelRule] = {
     "gather": KernelRule(_gather, {"NUM_INDICES": in_range(1, 3), "BLOCK": BLOCK, **_epilogue_constexprs()}),
     "cumsum": KernelRule(_cumsum, {"IS_FLOAT": FLAG, "BLOCK_R": pow2(1, 4096), "BLOCK_L": pow2(1, 4096)},
                          (("BLOCK_R", "BLOCK_L"),)),
+    "rank": KernelRule(_rank, {"DESCENDING": FLAG, "BLOCK_I": pow2(1, 4096), "BLOCK_J": pow2(1, 4096)},
+                       (("BLOCK_I", "BLOCK_J"),)),
+    "histc": KernelRule(_histc, {"FROM_DATA": FLAG, "BLOCK_B": pow2(1, 4096), "BLOCK_N": pow2(1, 4096)},
+                        (("BLOCK_N", "BLOCK_B"),)),
     "scatter": KernelRule(_scatter, {"NUM_INDICES": in_range(1, 3), "ACCUMULATE": FLAG, "SRC_SCALAR": FLAG,
                                      "BLOCK": BLOCK, "PAIR": FLAG}),
     "matmul": KernelRule(_matmul, {

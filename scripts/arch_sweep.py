@@ -135,6 +135,23 @@ VARIANTS = {
     "qwen3_moe_norm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                        {**DEC, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                         "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # more Mixture-of-Experts routers: a shared expert with a sigmoid gate (Qwen2-MoE), sparsemixer
+    # (PhiMoE), a router with a bias and sinks in attention (GPT-OSS), group-limited top-k over
+    # sigmoid scores with a correction bias and MLA attention (DeepSeek-V3), and no renormalization (OLMoE)
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {**DEC, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 48}),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   {**DEC, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {**DEC, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                {**DEC, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {**DEC, "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                     "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
+                     "qk_nope_head_dim": 8, "v_head_dim": 8, "rope_scaling": None}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {**DEC, "num_experts": 4, "num_experts_per_tok": 2}),
     "gemma3_mqa": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                    {**DEC, "head_dim": 16, "sliding_window": 4, "num_key_value_heads": 1,
                     "layer_types": ["sliding_attention", "full_attention"]}),

@@ -117,19 +117,35 @@ def test_division_modes_match_eager_on_signs_zeros_and_infinities():
     assert torch.equal(got[0].signbit(), expected[0].signbit())  # -0.0 where eager has it
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe"])
-def test_a_moe_router_runs_whole_on_the_device(name):
+def _deepseek_v3(transformers):
+    """DeepSeek-V3's router: sigmoid scores plus a correction bias, the top 1 of 2 expert groups by their
+    top-2 sum, the other group masked out (``masked_fill(~mask)``), then the top 2 of 8 experts; layer 0
+    dense, layer 1 routed with a shared expert."""
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, rope_scaling=None))
+
+
+# (name, top-k and sort launches, histc launches): DeepSeek-V3's one routed layer ranks three times
+# (groups' top 2, top group, top experts) before its sort
+MOES = [("mixtral", 4, 2), ("qwen3_moe", 4, 2), ("olmoe", 4, 2), ("deepseek_v3", 4, 1)]
+
+
+@pytest.mark.parametrize("name, ranks, counts", MOES)
+def test_a_moe_router_runs_whole_on_the_device(name, ranks, counts):
     transformers = pytest.importorskip("transformers")
     from test_grouped_mm import _moe
 
     torch.manual_seed(0)
-    model = _moe(transformers, name).eval()
+    model = (_deepseek_v3(transformers) if name == "deepseek_v3" else _moe(transformers, name)).eval()
     args = (torch.randint(0, 96, (1, 9)),)
     lowered = lower_resident(Fn(lambda ids: model(ids, use_cache=False).logits), args)
     report = lowered.reports["forward"]
     assert report.nodes.delegated == report.nodes.total and len(report.launches) == 1  # one delegate, no sync
     kernels = [launch.kernel for launch in plan_launches(lowered)]
-    assert kernels.count("rank") == kernels.count("histc") * 2 == 4  # top-k and sort, counts per layer
+    assert (kernels.count("rank"), kernels.count("histc")) == (ranks, counts)
     with torch.no_grad():
         expected = model(*args, use_cache=False).logits
     torch.testing.assert_close(lowered.load().load_method()(*args), expected, atol=1e-4, rtol=1e-4)

@@ -141,6 +141,8 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = tl.sin(a)
     elif OP == "logical_not":
         r = a == 0
+    elif OP == "bitwise_not":  # integers and bools (logical not)
+        r = ~a
     else:
         r = _binary_formula(a, b, c, OP, ALPHA)
     return r
@@ -197,6 +199,8 @@ def _binary_formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = a & b
     elif OP == "bitwise_or":
         r = a | b
+    elif OP == "bitwise_xor":
+        r = a ^ b
     elif OP == "clamp":  # min(max(a, b), c); a NaN in a or a bound gives NaN
         r = tl.minimum(tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL), c, propagate_nan=tl.PropagateNan.ALL)
     elif OP == "where":  # a ? b : c
@@ -516,6 +520,14 @@ def supported_div_mode(node) -> str | None:
     if mode not in (None, "floor", "trunc"):
         return f"rounding_mode {mode!r} is not one of None, 'floor', 'trunc'"
     return supported_numeric(node)
+
+
+def supported_integer(node) -> str | None:
+    """:func:`supported`, for integer and bool tensors only (bitwise ops)."""
+    reason = supported(node)
+    if reason is None and any(a.meta["val"].dtype.is_floating_point for a in [node] + _tensor_args(node)):
+        return "a floating-point tensor (bitwise ops take integers and bools)"
+    return reason
 
 
 def supported_numeric(node) -> str | None:

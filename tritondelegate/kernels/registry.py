@@ -85,6 +85,8 @@ OPS: dict[object, OpSpec] = {
     aten.logical_or.default: OpSpec(ew.binary("logical_or")),
     aten.bitwise_and.Tensor: OpSpec(ew.binary("bitwise_and")),
     aten.bitwise_or.Tensor: OpSpec(ew.binary("bitwise_or")),
+    aten.bitwise_xor.Tensor: OpSpec(ew.binary("bitwise_xor"), ew.supported_integer),
+    aten.bitwise_not.default: OpSpec(ew.unary("bitwise_not"), ew.supported_integer),
     aten.neg.default: OpSpec(ew.unary("neg")),
     aten.exp.default: OpSpec(ew.unary("exp"), ew.supported_float),
     aten.log.default: OpSpec(ew.unary("log"), ew.supported_float),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness import (FLOAT_DTYPES, Buffered, Fn, check_dynamic, check_model, check_state_updates, export_decomposed,
-                     run_delegated)
+                     lower_resident, plan_launches, run_delegated)
 from tritondelegate.backend import build_plan
 from tritondelegate.dtypes import parse_dtype
 from tritondelegate.kernels import registry
@@ -341,3 +341,15 @@ def test_kv_pair_with_a_dynamic_prompt_length():
     (method,) = lowered.program.methods
     (pair,) = _scatters(method.delegates[0].plan)
     assert pair.constexprs["PAIR"].value and pair.grid[1] == 2
+
+
+def test_an_index_put_into_an_empty_tensor_copies_nothing():
+    """A Mixture-of-Experts router's inverse order: ``empty_like(perm).index_put_((perm,), arange)``.
+    The empty tensor's contents are undefined, so neither folded into a constant nor copied: one
+    scatter launch (arange is folded)."""
+    perm = torch.randperm(11, generator=torch.Generator().manual_seed(0))
+    fn = lambda p: torch.empty_like(p).index_put_((p,), torch.arange(11))  # noqa: E731
+    lowered = lower_resident(Fn(fn), (perm,))
+    assert [launch.kernel for launch in plan_launches(lowered)] == ["scatter"]
+    assert lowered.reports["forward"].folded == ["arange"]
+    torch.testing.assert_close(lowered.load().load_method()(perm), torch.argsort(perm))

@@ -89,6 +89,17 @@ def full_like(b, node):  # full_like(x, value) / fill.Scalar(x, value): x's shap
     launch_fill(b, b.out(node), b.size(value) if is_size_node(value) else value)
 
 
+# Ops whose result's contents are undefined: nothing to compute, to fold or to copy.
+EMPTY_OPS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_permuted.default,
+             torch.ops.aten.empty_like.default, torch.ops.aten.empty_strided.default,
+             torch.ops.aten.new_empty.default)
+
+
+def is_empty(arg) -> bool:
+    """Whether fx argument ``arg`` is the result of an ``empty`` op (undefined contents)."""
+    return isinstance(arg, torch.fx.Node) and arg.op == "call_function" and arg.target in EMPTY_OPS
+
+
 def empty(b, node):
     """The contents of an empty tensor are undefined: a fresh output is all it takes."""
     b.out(node)

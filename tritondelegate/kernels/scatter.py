@@ -35,6 +35,7 @@ import triton.language as tl
 
 from . import elementwise as ew
 from . import sizes as size_fns
+from .creation import is_empty
 from .index import MAX_INDICES, _dtype_reason, broadcast_shape, index_reason, indexed_offsets
 from .layout import view_of
 from ..errors import LoweringError
@@ -174,14 +175,16 @@ def _in_place(node) -> bool:
 
 def _destination(b, node, copy_self: bool = True) -> TRef:
     """Where ``node``'s update goes, bound as its result: ``self``'s own memory when the node is
-    marked in place, else a fresh output, holding a copy of ``self`` when ``copy_self``."""
+    marked in place, else a fresh output, holding a copy of ``self`` when ``copy_self`` and ``self``
+    has contents (not an ``empty`` tensor: a Mixture-of-Experts router's inverse order is an
+    ``index_put`` into one)."""
     if _in_place(node):
         dst = b.ref(node.args[0])
         b.writes_in_place(dst)
         b.bind(node, dst)
         return dst
     out = b.out(node)
-    if copy_self:
+    if copy_self and not is_empty(node.args[0]):
         ew.launch_pointwise(b, "copy", out, [b.ref(node.args[0])])
     return out
 

@@ -7,7 +7,7 @@ constant values and replaces the nodes other work reads by new lifted constants 
 other constant). It runs on the decomposed graph before partitioning.
 
 Not folded: anything that reads a method input or program state (state changes between calls),
-random or side-effecting ops, subgraphs of views only (a view of a weight costs nothing at run time,
+random or side-effecting ops, ``empty`` tensors (undefined contents: nothing to store), subgraphs of views only (a view of a weight costs nothing at run time,
 and folding it would store a copy), and results larger than ``max(inputs read, 1 MiB)`` (a big mask
 computed from two ``arange`` is cheaper to compute than to hold and load).
 """
@@ -20,6 +20,7 @@ import torch
 import torch.fx
 from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
+from ..kernels.creation import EMPTY_OPS
 from ..kernels.registry import lookup
 
 MAX_GROWTH_BYTES = 1 << 20
@@ -46,8 +47,8 @@ def constant_inputs(ep, state: set[str]) -> dict[torch.fx.Node, torch.Tensor]:
 
 def _foldable_op(node: torch.fx.Node) -> bool:
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target in EMPTY_OPS:
+        return False  # (an empty tensor's contents are undefined: nothing to compute once or to store)
     schema = target._schema
     if schema.is_mutable or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return False

@@ -309,6 +309,27 @@ def _grouped_mm(dtype, rows):
                     counts.cumsum(0).to(torch.int32))
 
 
+class _Experts(nn.Module):
+    """A Mixture-of-Experts layer's experts as transformers runs them (8 experts, 512 -> 2 x 704 -> 512):
+    gate/up as one grouped GEMM with SwiGLU in its epilogue (passes/fuse_grouped_glu.py), then down."""
+
+    def __init__(self, dtype, experts=8, dim=512, hidden=704):
+        super().__init__()
+        self.gate_up = nn.Parameter(_randn(experts, 2 * hidden, dim, dtype=dtype))
+        self.down = nn.Parameter(_randn(experts, dim, hidden, dtype=dtype))
+
+    def forward(self, x, offs):
+        op = torch.ops.transformers.grouped_mm_fallback
+        gate, up = op(x, self.gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
+        return op(F.silu(gate) * up, self.down.transpose(1, 2), offs)
+
+
+def _moe_experts(dtype, rows):
+    importlib.import_module("transformers.integrations.moe")  # registers the op
+    counts = torch.tensor([rows - rows // 2 - rows // 4, rows // 2, 0, rows // 4, 0, 0, 0, 0])
+    return _Experts(dtype), (_randn(rows, 512, dtype=dtype), counts.cumsum(0).to(torch.int32))
+
+
 def _epilogues(dtype, seq, kv):
     """Decoder-shaped GEMMs (TinyLlama's 2048 -> 5632 MLP, 16 heads of 128) with what fusion folds into
     their epilogues: SiLU(gate) * up, the residual add after down, bias + GELU, attention scores * scale
@@ -370,6 +391,8 @@ def _per_dtype(d) -> dict[str, callable]:
         "matmul": lambda: _matmuls(d),
         "grouped_mm_prefill": lambda: _grouped_mm(d, 600),
         "grouped_mm_decode": lambda: _grouped_mm(d, 2),
+        "moe_experts_prefill": lambda: _moe_experts(d, 600),
+        "moe_experts_decode": lambda: _moe_experts(d, 2),
         "moe_routing_prefill": lambda: _moe_routing(d, 600),
         "moe_routing_decode": lambda: _moe_routing(d, 1),
         "pad": lambda: _pads(d),

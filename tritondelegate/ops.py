@@ -32,6 +32,11 @@ place of a written-out pattern, so one kernel runs them.
         y = linear(x, weight, bias);  act(y[..., 0::2]) * y[..., 1::2]
         (a gated MLP's gate and up projections as one GEMM: their weight rows interleaved, gate first;
         act one of GLU_ACTS: SwiGLU is "silu", GeGLU "gelu" or "gelu_tanh", ReGLU "relu")
+    tritondelegate::glu_grouped_mm(Tensor x, Tensor weight, Tensor offs, str act) -> Tensor
+        y = grouped_mm(x [S, K], weight [E, K, 2N], offs [E]);  act(y[:, 0::2]) * y[:, 1::2]
+        (a Mixture-of-Experts layer's gate_up experts and their gating in one grouped GEMM: each
+        expert's gate and up columns interleaved, gate first; rows of expert e are offs[e-1] <= r <
+        offs[e], rows past offs[E-1] give act(0) * 0 = 0)
     tritondelegate::rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin,
                                 int[] cos_dims, float scale, ScalarType? dtype, Tensor? norm_weight=None,
                                 int norm_dim=0, float norm_eps=0.0) -> Tensor
@@ -73,6 +78,7 @@ _lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, 
             "ScalarType? out_dtype=None) -> (Tensor, Tensor)")
 _lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa) -> Tensor")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
+_lib.define("glu_grouped_mm(Tensor x, Tensor weight, Tensor offs, str act) -> Tensor")
 _lib.define("rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin, "
             "int[] cos_dims, float scale, ScalarType? dtype, Tensor? norm_weight=None, int norm_dim=0, "
             "float norm_eps=0.0) -> Tensor")
@@ -212,6 +218,39 @@ def _glu_linear_fake(x, weight, bias, act):
     return glu_linear_reference(x, weight, bias, act)
 
 
+def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``x[r] @ weight[e]`` for the rows offs[e-1] <= r < offs[e] of each expert e, 0 past offs[E-1]:
+    what transformers' ``grouped_mm_fallback`` computes (one ``mm`` per expert, in x's dtype)."""
+    out = x.new_zeros(x.shape[0], weight.shape[2])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        end = min(max(end, start), x.shape[0])
+        if end > start:
+            torch.mm(x[start:end], weight[e], out=out[start:end])
+        start = end
+    return out
+
+
+def _check_glu_grouped(weight, act: str) -> None:
+    if act not in GLU_ACTS:
+        raise ValueError(f"tritondelegate::glu_grouped_mm: act {act!r} is not one of {sorted(GLU_ACTS)}")
+    if weight.dim() != 3 or weight.shape[2] % 2:
+        raise ValueError(f"tritondelegate::glu_grouped_mm: the weight {list(weight.shape)} is not [E, K, 2N]")
+
+
+@torch.library.impl(_lib, "glu_grouped_mm", "CompositeExplicitAutograd")
+def _glu_grouped_mm(x, weight, offs, act):
+    _check_glu_grouped(weight, act)
+    y = grouped_mm_reference(x, weight, offs)
+    return GLU_ACTS[act](y[:, 0::2]) * y[:, 1::2]
+
+
+@torch.library.register_fake(f"{NAMESPACE}::glu_grouped_mm")
+def _glu_grouped_mm_fake(x, weight, offs, act):
+    _check_glu_grouped(weight, act)
+    return x.new_empty(x.shape[0], weight.shape[2] // 2)
+
+
 def _table_at(table: torch.Tensor, cos_dims, outer, inner, cols) -> torch.Tensor:
     """``table`` [..., W] at each row's (outer, inner) indices along ``cos_dims`` and at ``cols``
     (clamped to 0: the caller masks pass-through pairs): [rows, pairs]."""
@@ -295,6 +334,7 @@ OPS: dict[str, torch._ops.OpOverload] = {
     "tritondelegate::rotary_pair_angles": torch.ops.tritondelegate.rotary_pair_angles.default,
     "tritondelegate::sdpa_positions": torch.ops.tritondelegate.sdpa_positions.default,
     "tritondelegate::glu_linear": torch.ops.tritondelegate.glu_linear.default,
+    "tritondelegate::glu_grouped_mm": torch.ops.tritondelegate.glu_grouped_mm.default,
     "tritondelegate::rope_linear": torch.ops.tritondelegate.rope_linear.default,
 }
 
@@ -304,4 +344,5 @@ rotary_angles = torch.ops.tritondelegate.rotary_angles.default
 rotary_pair_angles = torch.ops.tritondelegate.rotary_pair_angles.default
 sdpa_positions = torch.ops.tritondelegate.sdpa_positions.default
 glu_linear = torch.ops.tritondelegate.glu_linear.default
+glu_grouped_mm = torch.ops.tritondelegate.glu_grouped_mm.default
 rope_linear = torch.ops.tritondelegate.rope_linear.default

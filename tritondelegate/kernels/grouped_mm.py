@@ -37,8 +37,11 @@ import triton
 import triton.language as tl
 
 from . import sizes, target
+from ..dtypes import dtype_name
+from ..ops import GLU_ACTS
+from .matmul import _glu_tile
 from .matmul import choose_config as matmul_config
-from .refs import node_value
+from .refs import TRef, node_value
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 OFFS_DTYPES = (torch.int32, torch.int64)
@@ -130,9 +133,10 @@ def grouped_mm_kernel(
     S, N, K, E,
     stride_xs, stride_xk, stride_we, stride_wk, stride_wn, stride_o, stride_os, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    PER_ROW: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    PER_ROW: tl.constexpr, DOT_UPCAST: tl.constexpr, GLU: tl.constexpr = "", GLU_ROUND: tl.constexpr = "",
 ):
-    # out[r] = x[r] @ w[e(r)], offs[e-1] <= r < offs[e]; 0 past offs[E-1]
+    # out[r] = x[r] @ w[e(r)], offs[e-1] <= r < offs[e]; 0 past offs[E-1]. GLU: w's N columns alternate
+    # gate and up, and out[r] (N / 2 columns) = GLU(gate) * up, each rounded to GLU_ROUND first
     pid_n = tl.program_id(1)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -148,8 +152,13 @@ def grouped_mm_kernel(
         acc = _segment_product(x_ptr, w_ptr, rows, mask_m, offs_n, mask_n, expert, K, E,
                                stride_xs, stride_xk, stride_we, stride_wk, stride_wn,
                                BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST)
-    out_ptrs = out_ptr + rows[:, None] * stride_os + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    if GLU != "":
+        h, offs_h, mask = _glu_tile(acc, pid_n, mask_m[:, None], N, GLU, GLU_ROUND, BLOCK_M, BLOCK_N)
+        tl.store(out_ptr + rows[:, None] * stride_os + offs_h[None, :] * stride_on,
+                 h.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        out_ptrs = out_ptr + rows[:, None] * stride_os + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 # --- host launcher --------------------------------------------------------------------------------
@@ -188,29 +197,43 @@ def choose_config(S, E: int, N, K, dtype: torch.dtype) -> Config:
     return Config(block_m, block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, per_row=False)
 
 
-def grouped_mm(b, node):
-    """``out = grouped_mm(x [S, K], w [E, K, N], offs [E])``: one launch."""
-    x, w, offs = (b.ref(a) for a in _operands(node)[:3])
-    out = b.out(node)
+def launch_grouped_mm(b, x: TRef, w: TRef, offs: TRef, out: TRef, glu: str = "") -> None:
+    """``out = x [S, K] @ w [E, K, N]`` grouped by offs: one launch; with ``glu`` (an activation of
+    ``GLU_ACTS``) w's columns alternate gate and up, and out holds act(gate) * up (N / 2 columns)."""
     S, K = x.shape
     E, _, N = w.shape
     cfg = choose_config(S, E, N, K, x.dtype)
     rows = triton.cdiv(S, cfg.block_m) if cfg.per_row else triton.cdiv(S, cfg.block_m) + E
+    rounding = dtype_name(x.dtype) if glu and x.dtype in (torch.float16, torch.bfloat16) else ""
     b.launch("grouped_mm", (rows, triton.cdiv(N, cfg.block_n)), x, w, offs, out, S, N, K, E,
              *x.strides, *w.strides, offs.strides[0], *out.strides,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
              BLOCK_E=sizes.next_power_of_2(sizes.upper(E) + 1), PER_ROW=cfg.per_row, DOT_UPCAST=False,
-             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+             GLU=glu, GLU_ROUND=rounding, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def grouped_mm(b, node):
+    """``out = grouped_mm(x [S, K], w [E, K, N], offs [E])``: one launch."""
+    x, w, offs = (b.ref(a) for a in operands(node)[:3])
+    launch_grouped_mm(b, x, w, offs, b.out(node))
+
+
+def glu_grouped_mm(b, node):
+    """``tritondelegate::glu_grouped_mm(x, weight, offs, act)``: the gating in the kernel's epilogue."""
+    x, w, offs = (b.ref(a) for a in node.args[:3])
+    launch_grouped_mm(b, x, w, offs, b.out(node), glu=node.args[3])
 
 
 # --- support check --------------------------------------------------------------------------------
 def supported(node) -> str | None:
     """``transformers::grouped_mm_fallback(input, weight, offs)`` and ``aten._grouped_mm(self, mat2,
     offs, bias=None, out_dtype=None)`` with a 2-D input, a 3-D weight and offs: None, or why not."""
-    x, w, offs, bias = (node_value(a) for a in _operands(node))
+    return _supported(*(node_value(a) for a in operands(node)), node.meta.get("val"))
+
+
+def _supported(x, w, offs, bias, out) -> str | None:
     if bias is not None:
         return "a bias is not supported; only input [S, K] @ weight[E, K, N] grouped by offs"
-    out = node.meta.get("val")
     for name, v in (("input", x), ("weight", w), ("result", out)):
         if not isinstance(v, torch.Tensor):
             return f"{name} is not a tensor"
@@ -232,7 +255,17 @@ def supported(node) -> str | None:
     return None
 
 
-def _operands(node) -> tuple:
+def supported_glu(node) -> str | None:
+    """glu_grouped_mm(x [S, K], weight [E, K, 2N], offs [E], act): as grouped_mm, and a known act."""
+    if node.args[3] not in GLU_ACTS:
+        return f"act {node.args[3]!r} is not one of {', '.join(sorted(GLU_ACTS))}"
+    w = node_value(node.args[1])
+    if not isinstance(w, torch.Tensor) or w.dim() != 3 or not isinstance(w.shape[2], int) or w.shape[2] % 2:
+        return "the weight is not [E, K, 2N] with a static, even N"
+    return _supported(node_value(node.args[0]), w, node_value(node.args[2]), None, node.meta.get("val"))
+
+
+def operands(node) -> tuple:
     """(input, weight, offs, bias) fx arguments of either op, positional or by keyword; None if absent
     (``aten._grouped_mm`` names them self, mat2, offs, bias)."""
     names = ("input", "weight", "offs", "bias") if node.target.namespace != "aten" else ("self", "mat2", "offs", "bias")

@@ -221,6 +221,7 @@ OPS: dict[object, OpSpec] = {
     td_ops.rotary_angles: OpSpec(rot.rotary_angles, rot.supported_angles),  # rotary.py
     td_ops.rotary_pair_angles: OpSpec(rot.rotary_pair_angles, rot.supported_pair_angles),  # rotary.py
     td_ops.glu_linear: OpSpec(mm.glu_linear, mm.supported_glu),  # matmul.py
+    td_ops.glu_grouped_mm: OpSpec(gmm.glu_grouped_mm, gmm.supported_glu),  # grouped_mm.py
     td_ops.rope_linear: OpSpec(mm.rope_linear, mm.supported_rope),  # matmul.py
 }
 

@@ -17,6 +17,8 @@ constant folding and partitioning:
   KV-cache decoder's) becomes ``tritondelegate::sdpa_positions``, whose kernel compares indices;
 * ``fuse_glu``: a gated MLP's ``act(linear(x, Wg)) * linear(x, Wu)`` becomes one
   ``tritondelegate::glu_linear`` over the two weights interleaved (one GEMM, the gating in its epilogue);
+* ``fuse_grouped_glu``: a Mixture-of-Experts layer's grouped gate/up GEMM split in halves and gated
+  becomes one ``tritondelegate::glu_grouped_mm`` over the experts' weights interleaved;
 * ``fuse_projections``: linears that read the same input (Q/K/V; gate/up) become one linear over
   their weights concatenated (folded into one constant by ``lower()``), and views of its result;
 * ``fuse_rope_linear``: a rotary embedding whose query and key are views of one projection (after
@@ -42,6 +44,7 @@ from .dedupe import dedupe
 from .fuse_batchnorm import fuse_batchnorm
 from .fuse_gelu import fuse_gelu
 from .fuse_glu import fuse_glu
+from .fuse_grouped_glu import fuse_grouped_glu
 from .fuse_projections import fuse_projections
 from .fuse_rope_linear import fuse_rope_linear
 from .head_norm import head_norm
@@ -55,9 +58,9 @@ def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool)
     """All the rewrites, in order; ``fold``: constant folding will run (projections need it to store
     their concatenated weights once)."""
     done = dedupe(ep) + fuse_rms_norm(ep) + centered_norm(ep) + norm_casts(ep) + fuse_gelu(ep) + fuse_rotary(ep, fold) + position_mask(ep)
-    if fold:  # both store new constants (concatenated or folded weights): folding computes them once
-        done += (fuse_glu(ep, state) + fuse_projections(ep, state) + fuse_rope_linear(ep, state)
-                 + fuse_batchnorm(ep, state))
+    if fold:  # these store new constants (concatenated or folded weights): folding computes them once
+        done += (fuse_glu(ep, state) + fuse_grouped_glu(ep, state) + fuse_projections(ep, state)
+                 + fuse_rope_linear(ep, state) + fuse_batchnorm(ep, state))
     done += cat_slices(ep) + head_norm(ep)
     if done:
         ep.graph_module.recompile()

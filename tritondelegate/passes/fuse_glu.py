@@ -42,7 +42,7 @@ from .rewrite import fake, is_call, new_node, retarget_outputs, same_shape, tens
 aten = torch.ops.aten
 
 
-def _act(node) -> str | None:
+def glu_act(node) -> str | None:
     """The GLU activation name (``ops.GLU_ACTS``) ``node`` computes on its one tensor input, or None."""
     if is_call(node, aten.silu.default):
         return "silu"
@@ -54,27 +54,36 @@ def _act(node) -> str | None:
     return None
 
 
-def _only_read_by(node: torch.fx.Node, reader: torch.fx.Node) -> bool:
+def only_read_by(node: torch.fx.Node, reader: torch.fx.Node) -> bool:
     return list(node.users) == [reader]
 
 
-def _halves(gate: torch.fx.Node, up: torch.fx.Node, constants: set[torch.fx.Node]):
-    """(linear, index of the gate's half) when ``gate`` and ``up`` are the two halves of one linear's
-    result split along its last dim (``chunk(2, -1)``), read by nothing else; else None."""
+def split_halves(gate: torch.fx.Node, up: torch.fx.Node):
+    """(the split tensor, index of the gate's half) when ``gate`` and ``up`` are the two halves of one
+    result split along its last dim (``chunk(2, -1)``), the split read by nothing else; else None."""
     if not (is_call(gate, operator.getitem) and is_call(up, operator.getitem)) or gate.args[0] is not up.args[0]:
         return None
     split, index = gate.args[0], gate.args[1]
     if not is_call(split, aten.split_with_sizes.default, aten.split.Tensor) or {index, up.args[1]} != {0, 1}:
         return None
-    linear, val = split.args[0], tensor_val(split.args[0])
+    source, val = split.args[0], tensor_val(split.args[0])
     if val is None or val.dim() == 0 or not isinstance(val.shape[-1], int) or val.shape[-1] % 2:
         return None
     half, dim, parts = val.shape[-1] // 2, node_arg(split, 2, "dim", 0), split.args[1]
     if dim % val.dim() != val.dim() - 1 or parts not in (half, [half, half]) or len(split.users) != 2:
         return None
-    if linear_candidate(linear, constants) is None or list(linear.users) != [split]:
+    if list(source.users) != [split]:
         return None
-    return linear, index
+    return source, index
+
+
+def _halves(gate: torch.fx.Node, up: torch.fx.Node, constants: set[torch.fx.Node]):
+    """(linear, index of the gate's half) when ``gate`` and ``up`` are the two halves of one linear's
+    result (:func:`split_halves`); else None."""
+    halves = split_halves(gate, up)
+    if halves is None or linear_candidate(halves[0], constants) is None:
+        return None
+    return halves
 
 
 def _match(mul: torch.fx.Node, constants: set[torch.fx.Node]):
@@ -83,13 +92,13 @@ def _match(mul: torch.fx.Node, constants: set[torch.fx.Node]):
     if not is_call(mul, aten.mul.Tensor) or len(mul.args) != 2 or mul.kwargs:
         return None
     for gated, up in (mul.args, mul.args[::-1]):
-        act = _act(gated)
+        act = glu_act(gated)
         if act is None or up is gated or not isinstance(up, torch.fx.Node):
             continue  # (the other operand may be a Python scalar)
         gate = gated.args[0]
         halves = _halves(gate, up, constants)
         if halves is not None and same_shape(tensor_val(mul), tensor_val(up)):
-            if _only_read_by(gate, gated) and _only_read_by(gated, mul) and _only_read_by(up, mul):
+            if only_read_by(gate, gated) and only_read_by(gated, mul) and only_read_by(up, mul):
                 return act, gate, gated, up
         g, u = linear_candidate(gate, constants), linear_candidate(up, constants)
         if g is None or u is None or gate is up or g[0] is not u[0] or (g[2] is None) != (u[2] is None):
@@ -99,7 +108,7 @@ def _match(mul: torch.fx.Node, constants: set[torch.fx.Node]):
             continue
         if not same_shape(tensor_val(mul), tensor_val(up)):
             continue  # the product broadcasts: not a gated MLP
-        if _only_read_by(gate, gated) and _only_read_by(gated, mul) and _only_read_by(up, mul):
+        if only_read_by(gate, gated) and only_read_by(gated, mul) and only_read_by(up, mul):
             return act, gate, gated, up
     return None
 

@@ -368,6 +368,10 @@ def _per_dtype(d) -> dict[str, callable]:
         "mlp_decode": lambda: (MLP([2048, 4096, 2048]).eval().to(d), (_randn(1, 2048, dtype=d),)),
         "resnet_tiny": lambda: _resnet(d),
         "convnet": lambda: (ConvNet().eval().to(d), (_randn(2, 3, 224, 224, dtype=d),)),
+        # Whisper-base's front end: two 1-D convs with GELU epilogues (the second strided) over 3000 frames
+        "conv1d_whisper": lambda: (nn.Sequential(nn.Conv1d(80, 512, 3, padding=1), nn.GELU(),
+                                                 nn.Conv1d(512, 512, 3, stride=2, padding=1), nn.GELU()).eval().to(d),
+                                   (_randn(1, 80, 3000, dtype=d),)),
         "attn_causal": lambda: _sdpa((2, 8, 512, 64), (2, 8, 512, 64), d, is_causal=True),
         "attn_gqa_causal_h128": lambda: _sdpa((1, 32, 300, 128), (1, 8, 300, 128), d, is_causal=True,
                                               enable_gqa=True),

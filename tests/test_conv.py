@@ -52,6 +52,25 @@ def test_conv2d_strided_input_needs_no_copy():
     assert [launch.kernel for launch in plan.launches] == ["conv2d"]
 
 
+# (C_in, C_out, kernel, stride, padding, dilation, groups, bias, (N, L)): 1-D, as a 2-D conv of height 1
+CASES_1D = {
+    "k3_pad1_bias": (3, 17, 3, 1, 1, 1, 1, True, (2, 37)),  # Whisper's first conv
+    "stride2_dilation2_groups2": (6, 4, 5, 2, 3, 2, 2, False, (1, 40)),
+    "depthwise_k4": (8, 8, 4, 1, 3, 1, 8, True, (2, 19)),  # wav2vec-style grouped positional conv
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("case", sorted(CASES_1D))
+def test_conv1d(case, dtype):
+    c_in, c_out, k, stride, padding, dilation, groups, bias, (n, length) = CASES_1D[case]
+    model = torch.nn.Sequential(torch.nn.Conv1d(c_in, c_out, k, stride, padding, dilation, groups, bias),
+                                torch.nn.GELU()).eval()
+    model, x, reference = _low_precision(model, torch.randn(n, c_in, length), dtype)
+    _, plan = check_model(model, (x.transpose(1, 2).contiguous().transpose(1, 2),), reference_args=reference)
+    assert [launch.kernel for launch in plan.launches] == ["conv2d"]  # the GELU in its epilogue, no copy
+
+
 def _conv_node(model, x):
     ep = export_decomposed(model, (x,))
     return next(n for n in ep.graph.nodes if n.target is torch.ops.aten.convolution.default)
@@ -59,7 +78,7 @@ def _conv_node(model, x):
 
 @pytest.mark.parametrize("model, x, reason", [
     (torch.nn.ConvTranspose2d(3, 4, 3), torch.randn(1, 3, 5, 5), "transposed convolution is not supported"),
-    (torch.nn.Conv1d(3, 4, 3), torch.randn(1, 3, 9), "1-D convolution is not supported"),
+    (torch.nn.ConvTranspose1d(3, 4, 3), torch.randn(1, 3, 9), "transposed convolution is not supported"),
     (torch.nn.Conv3d(3, 4, 3), torch.randn(1, 3, 5, 5, 5), "3-D convolution is not supported"),
     (torch.nn.Conv2d(3, 4, 3).double(), torch.randn(1, 3, 5, 5, dtype=torch.float64),
      "dtype torch.float64 is not supported"),

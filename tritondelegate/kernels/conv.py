@@ -124,6 +124,13 @@ def _block(size, lo: int, hi: int) -> int:
     return max(lo, min(hi, next_power_of_2(size)))
 
 
+def _nchw(shape, strides) -> tuple[tuple, tuple]:
+    """(shape, strides) of an operand as NCHW: a 1-D convolution's [N, C, L] as [N, C, 1, L]."""
+    if len(shape) == 3:
+        return (shape[0], shape[1], 1, shape[2]), (strides[0], strides[1], 0, strides[2])
+    return tuple(shape), tuple(strides)
+
+
 @dataclass(frozen=True)
 class ConvOp:
     """One ``conv2d`` launch; its launch record carries it (``LaunchRecord.op``, as a matmul's does) so that
@@ -145,12 +152,13 @@ class ConvOp:
     def launch(self, out: TRef | None = None, steps=(), operands=()) -> tuple[tuple, list, dict]:
         """(grid, arguments, constexprs): storing into ``out`` (default: the result) after an epilogue
         of ``steps`` ((op, arity, swap)) reading ``operands`` (a (TRef, its (n, c, h, w) strides) pair,
-        a Python scalar, or None where the step is unary)."""
+        a Python scalar, or None where the step is unary). 1-D operands ([N, C, L], strides (n, c, l))
+        run as NCHW of height 1."""
         out = self.c if out is None else out
         x, weight = self.x, self.weight
-        n, _, h, w = x.shape
-        c_out, cin_g, kh, kw = weight.shape
-        _, _, oh, ow = self.c.shape
+        (n, _, h, w), x_strides = _nchw(x.shape, x.strides)
+        (c_out, cin_g, kh, kw), w_strides = _nchw(weight.shape, weight.strides)
+        (_, _, oh, ow), out_strides = _nchw(out.shape, out.strides)
         cout_g, m = c_out // self.groups, n * oh * ow
         block_m, block_n, block_k = _block(m, 16, 64), _block(cout_g, 16, 64), _block(cin_g * kh * kw, 16, 32)
         grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
@@ -159,9 +167,9 @@ class ConvOp:
             tensor = isinstance(operand, tuple)
             ptrs.append(operand[0] if tensor else out)  # a scalar or no operand: out stands in, never read
             scalars.append(0.0 if tensor or operand is None else float(operand))
-            strides.extend(operand[1] if tensor else (0, 0, 0, 0))
+            strides.extend(_nchw(operand[1], operand[1])[1] if tensor else (0, 0, 0, 0))
         args = [x, weight, self.bias if self.bias is not None else out, out,  # out stands in for a missing bias
-                m, h, w, oh, ow, cin_g, cout_g, *x.strides, *weight.strides, *out.strides,
+                m, h, w, oh, ow, cin_g, cout_g, *x_strides, *w_strides, *out_strides,
                 *self.stride, *self.padding, *self.dilation, *ptrs, *scalars, *strides]
         # 8 warps: the gathered A tile's int64 addresses and masks ([BLOCK_M, BLOCK_K] each) next to the
         # accumulator spill at 4 warps on sm_90 (scripts/compile_check.py); spread over 256 threads they fit.
@@ -177,7 +185,8 @@ class ConvOp:
 
 
 def launch_conv2d(b, out, x, weight, bias, stride, padding, dilation, groups: int) -> None:
-    """``out = conv2d(x, weight, bias)``; every operand a 4-D NCHW TRef (bias 1-D or None)."""
+    """``out = conv2d(x, weight, bias)``; every operand a 4-D NCHW TRef, or all 3-D NCL (a 1-D
+    convolution, stride, padding and dilation given for (1, L)); bias 1-D or None."""
     op = ConvOp(x, weight, bias, out, tuple(stride), tuple(padding), tuple(dilation), groups)
     grid, args, constexprs = op.launch()
     record = b.launch("conv2d", grid, *args, **constexprs)
@@ -205,10 +214,10 @@ def supported(node) -> str | None:
     x, weight, bias = (node_value(t) for t in (a["input"], a["weight"], a.get("bias")))
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return "input or weight is not a tensor"
-    if weight.dim() != 4:
-        return f"{weight.dim() - 2}-D convolution is not supported (2-D only)"
-    if x.dim() != 4:
-        return f"convolution input of rank {x.dim()} is not supported (NCHW only)"
+    if weight.dim() not in (3, 4):
+        return f"{weight.dim() - 2}-D convolution is not supported (1-D and 2-D only)"
+    if x.dim() != weight.dim():
+        return f"convolution input of rank {x.dim()} with a {weight.dim()}-D weight (NCL or NCHW, batched)"
     for name, t in (("input", x), ("weight", weight), ("bias", bias), ("output", node.meta.get("val"))):
         if t is None and name == "bias" and a.get("bias") is None:
             continue
@@ -223,10 +232,12 @@ def supported(node) -> str | None:
 
 
 def convolution(b, node):
+    """2-D convolution, and 1-D (Whisper's, wav2vec's front ends) as 2-D over a height of 1."""
     a = _args(node)
     bias = a.get("bias")
-    launch_conv2d(
-        b, b.out(node), b.ref(a["input"]), b.ref(a["weight"]),
-        b.ref(bias) if bias is not None else None,
-        _pair(a["stride"]), _pair(a["padding"]), _pair(a["dilation"]), int(a["groups"]),
-    )
+    out, x, weight = b.out(node), b.ref(a["input"]), b.ref(a["weight"])
+    stride, padding, dilation = _pair(a["stride"]), _pair(a["padding"]), _pair(a["dilation"])
+    if weight.ndim == 3:  # a 2-D convolution of height 1 (ConvOp walks [N, C, L] as [N, C, 1, L])
+        stride, padding, dilation = (1, stride[0]), (0, padding[0]), (1, dilation[0])
+    launch_conv2d(b, out, x, weight, b.ref(bias) if bias is not None else None, stride, padding, dilation,
+                  int(a["groups"]))

@@ -65,6 +65,12 @@ class Logits(torch.nn.Module):
         return self.model(input_ids=input_ids, use_cache=False, return_dict=False)[0]
 
 
+def on_host(x: torch.Tensor) -> torch.Tensor:
+    """``x`` reversed along its last dim by an op with no Triton kernel (``aten.flip``): how a test puts
+    a node on the host."""
+    return torch.flip(x, [-1])
+
+
 def greedy_static_cache(prefill, decode, prompt: torch.Tensor, tokens: int):
     """Greedy generation through transformers' static-cache recipe (``prefill``/``decode`` take
     ``input_ids`` and ``cache_position``): the tokens and every step's last logits."""

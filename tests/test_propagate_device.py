@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tritondelegate as td
+from harness import on_host
 from tritondelegate.program import InstrKind
 
 aten = torch.ops.aten
@@ -114,13 +115,13 @@ def test_cross_device_bounce_stays():
 class Fan(torch.nn.Module):
     def forward(self, a, b):
         x = a + b
-        return x + 1, x + 2, torch.sort(x, dim=-1).values
+        return x + 1, x + 2, on_host(x)
 
 
 def test_delegate_output_read_by_two_same_device_delegates_and_a_host_op():
     lowered, _ = lower(Fan(), ARGS2, OpPartitioner(aten.add.Tensor, ["cuda:0"] * 3))
     got = copies(lowered)
-    # x goes to the host once, for the sort; the two delegates read it where it is.
+    # x goes to the host once, for the host op; the two delegates read it where it is.
     assert ("d2h", "d0.out0", "cuda:0") in got
     assert not [c for c in got if c[0] == "h2d" and c[1].startswith("d0")]
     assert sorted(c for c in got if c[0] == "h2d") == [("h2d", "a", "cuda:0"), ("h2d", "b", "cuda:0")]
@@ -146,14 +147,14 @@ def test_skip_flags(inputs, outputs):
 
 class HostFirst(torch.nn.Module):
     def forward(self, a, b):
-        return torch.sort(a, dim=-1).values + b
+        return on_host(a) + b
 
 
 def test_input_through_a_host_op_is_still_copied():
     cfg = td.PropagateDeviceConfig(skip_h2d_for_method_inputs=True)
     lowered, _ = lower(HostFirst(), ARGS2, OpPartitioner(aten.add.Tensor, ["cuda:0"]), cfg)
     got = copies(lowered)
-    assert ("h2d", "sort.0", "cuda:0") in got  # the host op's result is copied
+    assert ("h2d", "flip", "cuda:0") in got  # the host op's result is copied
     assert ("h2d", "b", "cuda:0") not in got  # b is read only by the delegate: skipped
     run_and_check(lowered, HostFirst(), ARGS2)
 
@@ -202,18 +203,18 @@ class SharedWithHost(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.randn(4, 5))
 
     def forward(self, x):
-        return x + self.w, torch.sort(self.w, dim=-1).values
+        return x + self.w, on_host(self.w)
 
 
 def test_constant_also_read_by_a_host_op_is_copied_without_hint():
     model = SharedWithHost()
-    # sort(w) reads no input: constant folding would compute it once in lower(); here it must run.
+    # flip(w) reads no input: constant folding would compute it once in lower(); here it must run.
     config = td.LowerConfig(propagate_device=RESIDENT, fold_constants=False)
     lowered, messages = lower(model, ARGS1, OpPartitioner(aten.add.Tensor, ["cuda:0"]), lower_config=config)
     assert resident(lowered) == []
     assert ("h2d", "w", "cuda:0") in copies(lowered)
     (msg,) = messages
-    assert "'w'" in msg and "host op 'sort'" in msg and "aten::sort" in msg
+    assert "'w'" in msg and "host op 'flip'" in msg and "aten::flip" in msg
     assert "skip_h2d_for_constants=True" not in msg  # the option would not help
     run_and_check(lowered, model, ARGS1)
 
@@ -280,7 +281,7 @@ def test_error_on_per_call_copies_raises_for_constants_only():
     assert ("h2d", "a", "cuda:0") in copies(lowered)
     # skip_h2d_for_constants without skip_h2d_for_method_inputs: a constant still copied raises.
     cfg = td.PropagateDeviceConfig(skip_h2d_for_constants=True, error_on_per_call_copies=True)
-    with pytest.raises(td.PerCallCopyError, match="host op 'sort'"):
+    with pytest.raises(td.PerCallCopyError, match="host op 'flip'"):
         lower(SharedWithHost(), ARGS1, OpPartitioner(aten.add.Tensor, ["cuda:0"]),
               lower_config=td.LowerConfig(propagate_device=cfg, fold_constants=False))
 

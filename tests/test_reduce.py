@@ -167,3 +167,19 @@ def test_support_reasons():
     assert "order 3" in red.supported_norm(_node(lambda x: x.norm(3, dim=0), x, aten.linalg_vector_norm.default))
     dyn = _node(lambda x: x.sum(-1), x, aten.sum.dim_IntList, dynamic_shapes=(({0: torch.export.Dim("rows")},),))
     assert red.supported_sum(dyn) is None  # a dynamic dim is the plan's business (test_dynamic_kernels.py)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + (torch.int64, torch.bool))
+def test_any_and_all_over_dims_keepdim_and_nothing(dtype):
+    """T5's fp16 overflow guard (``isinf(h).any()``) and friends: True where some (every) element is
+    nonzero; over no element any is False and all is True."""
+    x = torch.randint(0, 3, (5, 7)).to(dtype)
+    x[3] = 0
+    if dtype.is_floating_point:
+        x[1, 2], x[4, 1] = float("inf"), float("nan")  # NaN is nonzero
+    empty = torch.zeros(0, 3, dtype=dtype)
+    fn = lambda x, e: (x.any(), x.all(), x.any(1), x.all(0, keepdim=True), x.any((0, 1)), e.any(0), e.all(0),  # noqa: E731
+                       e.any(), e.all(), torch.isinf(x).any(-1), torch.isnan(x))
+    got, _ = run_delegated(Fn(fn), (x, empty))
+    for g, e in zip(got, fn(x, empty)):
+        assert torch.equal(g, e)

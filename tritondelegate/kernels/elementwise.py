@@ -143,6 +143,10 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = a == 0
     elif OP == "bitwise_not":  # integers and bools (logical not)
         r = ~a
+    elif OP == "isinf":
+        r = (a == float("inf")) | (a == float("-inf"))
+    elif OP == "isnan":
+        r = a != a
     else:
         r = _binary_formula(a, b, c, OP, ALPHA)
     return r

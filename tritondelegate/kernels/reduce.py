@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import elementwise as ew
 from . import rows as rw
 from . import sizes
 from .refs import FLOAT_DTYPES, TRef, node_value
@@ -276,6 +277,11 @@ def supported_extreme(node) -> str | None:
     return _check(node, FLOAT_DTYPES + (torch.int64, torch.int32), FLOAT_DTYPES + (torch.int64, torch.int32))
 
 
+def supported_logical(node) -> str | None:
+    """any / all: of floating, int64, int32 or bool inputs, a bool result."""
+    return _check(node, FLOAT_DTYPES + INT_DTYPES, (torch.bool,))
+
+
 def supported_norm(node) -> str | None:
     ord_ = rw.node_arg(node, 1, "ord", 2)
     if ord_ not in NORM_ORDS:
@@ -311,6 +317,24 @@ def extreme(combine):
     def lower(b, node):
         x = b.ref(node.args[0])
         dims = rw.normalize_dims(rw.node_arg(node, 1, "dim"), x.ndim)
+        launch_reduce(b, x, dims, b.out(node), combine=combine)
+
+    return lower
+
+
+def logical(combine):
+    """any / all (dim=None, an int or a list of them, keepdim): the sum ("any") or product ("all") of
+    ``x != 0`` in the integer accumulator, stored as a bool (!= 0): no element gives False for any, True
+    for all, as their identities 0 and 1 do."""
+
+    def lower(b, node):
+        x = b.ref(node.args[0])
+        dims = rw.normalize_dims(None if node.target._overloadname == "default" else rw.node_arg(node, 1, "dim"),
+                                 x.ndim)
+        if x.dtype != torch.bool:
+            nonzero = b.alloc(x.shape, torch.bool)
+            ew.launch_pointwise(b, "ne", nonzero, [x, 0])
+            x = nonzero
         launch_reduce(b, x, dims, b.out(node), combine=combine)
 
     return lower

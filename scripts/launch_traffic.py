@@ -107,9 +107,10 @@ def _kv_hf(kind: str, layers: int) -> dict:
         model = transformers.GPTJForCausalLM(transformers.GPTJConfig(
             vocab_size=97, n_embd=48, n_layer=layers, n_head=4, rotary_dim=6, n_positions=64))
     else:
+        experts = dict(num_local_experts=4, num_experts_per_tok=2) if kind == "Mixtral" else {}  # MoE: 4, top 2
         config = getattr(transformers, f"{kind}Config")(
             hidden_size=48, intermediate_size=80, num_hidden_layers=layers, num_attention_heads=4,
-            num_key_value_heads=2, **common)
+            num_key_value_heads=2, **common, **experts)
         model = getattr(transformers, f"{kind}ForCausalLM")(config)
     model = model.eval()
     model.generation_config.cache_implementation = "static"
@@ -123,7 +124,8 @@ def _kv_hf(kind: str, layers: int) -> dict:
 
 KV_MODELS = {"demo KVCacheDecoder": _kv_demo, "HF Llama, static cache": lambda n: _kv_hf("Llama", n),
              "HF Cohere, static cache": lambda n: _kv_hf("Cohere", n),
-             "HF GPT-J, static cache": lambda n: _kv_hf("gptj", n)}
+             "HF GPT-J, static cache": lambda n: _kv_hf("gptj", n),
+             "HF Mixtral, static cache": lambda n: _kv_hf("Mixtral", n)}
 
 
 def _kv_steps() -> None:

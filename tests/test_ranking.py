@@ -32,15 +32,17 @@ def _equal(got, expected):
 
 def _values(dtype, *shape):
     """Random values with repeats (ties), a NaN, an inf and a -inf."""
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
     if not dtype.is_floating_point:
-        return torch.randint(-5, 6, shape, dtype=dtype)
+        return torch.randint(0 if dtype == torch.uint8 else -5, 6, shape, dtype=dtype)
     x = torch.randint(-20, 20, shape).to(dtype) / 4
     flat = x.view(-1)
     flat[1], flat[-2], flat[len(flat) // 2] = float("nan"), float("inf"), float("-inf")
     return x
 
 
-@pytest.mark.parametrize("dtype", FLOATS + (torch.int64, torch.int32))
+@pytest.mark.parametrize("dtype", FLOATS + (torch.int64, torch.int32, torch.uint8, torch.bool))
 def test_sort_is_stable_along_any_dim_both_ways(dtype):
     torch.manual_seed(0)
     x = _values(dtype, 3, 37, 5)

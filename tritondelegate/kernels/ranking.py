@@ -29,7 +29,7 @@ from .sizes import next_power_of_2, upper
 MAX_LENGTH = 1 << 16  # elements per sorted row: a row costs length^2 comparisons
 BLOCK_I = 64  # elements ranked per program
 BLOCK_J = 128  # elements compared against per loop step (a [BLOCK_I, BLOCK_J] tile of comparisons)
-DTYPES = FLOAT_DTYPES + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+DTYPES = FLOAT_DTYPES + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 
 # --- kernel ---------------------------------------------------------------------------------------

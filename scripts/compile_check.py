@@ -351,6 +351,19 @@ def _epilogues(dtype, seq, kv):
     return Fn(fn), tuple(_randn(*s, dtype=dtype) for s in shapes)
 
 
+def _moe_cases(d) -> dict[str, callable]:
+    """Mixture-of-Experts layers in dtype ``d``: the grouped GEMMs alone, the experts with SwiGLU in the
+    gate/up epilogue, and the router, each at prefill and decode sizes."""
+    return {
+        "grouped_mm_prefill": lambda: _grouped_mm(d, 600),
+        "grouped_mm_decode": lambda: _grouped_mm(d, 2),
+        "moe_experts_prefill": lambda: _moe_experts(d, 600),
+        "moe_experts_decode": lambda: _moe_experts(d, 2),
+        "moe_routing_prefill": lambda: _moe_routing(d, 600),
+        "moe_routing_decode": lambda: _moe_routing(d, 1),
+    }
+
+
 def _per_dtype(d) -> dict[str, callable]:
     """The cases run in each float dtype ``d``."""
     llama = dict(dim=512, n_layers=1, hidden_dim=1376)
@@ -393,12 +406,7 @@ def _per_dtype(d) -> dict[str, callable]:
         "creation": lambda: _creation(d),
         "pointwise": lambda: _pointwise(d),
         "matmul": lambda: _matmuls(d),
-        "grouped_mm_prefill": lambda: _grouped_mm(d, 600),
-        "grouped_mm_decode": lambda: _grouped_mm(d, 2),
-        "moe_experts_prefill": lambda: _moe_experts(d, 600),
-        "moe_experts_decode": lambda: _moe_experts(d, 2),
-        "moe_routing_prefill": lambda: _moe_routing(d, 600),
-        "moe_routing_decode": lambda: _moe_routing(d, 1),
+        **_moe_cases(d),
         "pad": lambda: _pads(d),
         "epilogue_prefill": lambda: _epilogues(d, 384, 384),
         "epilogue_decode": lambda: _epilogues(d, 1, 512),

@@ -178,8 +178,8 @@ def test_any_and_all_over_dims_keepdim_and_nothing(dtype):
     if dtype.is_floating_point:
         x[1, 2], x[4, 1] = float("inf"), float("nan")  # NaN is nonzero
     empty = torch.zeros(0, 3, dtype=dtype)
-    fn = lambda x, e: (x.any(), x.all(), x.any(1), x.all(0, keepdim=True), x.any((0, 1)), e.any(0), e.all(0),  # noqa: E731
-                       e.any(), e.all(), torch.isinf(x).any(-1), torch.isnan(x))
+    fn = lambda x, e: (x.any(), x.all(), x.any(1), x.all(0, keepdim=True), x.any((0, 1)),  # noqa: E731
+                       e.any(0), e.all(0), e.any(), e.all(), torch.isinf(x).any(-1), torch.isnan(x))
     got, _ = run_delegated(Fn(fn), (x, empty))
     for g, e in zip(got, fn(x, empty)):
         assert torch.equal(g, e)

@@ -7,9 +7,10 @@ constant values and replaces the nodes other work reads by new lifted constants 
 other constant). It runs on the decomposed graph before partitioning.
 
 Not folded: anything that reads a method input or program state (state changes between calls),
-random or side-effecting ops, ``empty`` tensors (undefined contents: nothing to store), subgraphs of views only (a view of a weight costs nothing at run time,
-and folding it would store a copy), and results larger than ``max(inputs read, 1 MiB)`` (a big mask
-computed from two ``arange`` is cheaper to compute than to hold and load).
+random or side-effecting ops, ``empty`` tensors (undefined contents: nothing to store), subgraphs of
+views only (a view of a weight costs nothing at run time, and folding it would store a copy), and
+results larger than ``max(inputs read, 1 MiB)`` (a big mask computed from two ``arange`` is cheaper
+to compute than to hold and load).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from .. import ops
 from .fold_constants import constant_inputs
 from .fuse_projections import linear_candidate
 from ..kernels.rows import node_arg
-from .rewrite import fake, is_call, new_node, retarget_outputs, same_shape, tensor_val
+from .rewrite import fake, is_call, new_node, retarget_outputs, rewrite_matches, same_shape, tensor_val
 
 aten = torch.ops.aten
 
@@ -167,14 +167,5 @@ def fuse_glu(ep: torch.export.ExportedProgram, state: set[str] = frozenset()) ->
     """Rewrite every gated MLP of ``ep``'s graph into one ``tritondelegate::glu_linear``, in place.
     ``state``: FQNs of program state, never treated as constants. Returns one description per rewrite;
     relies on constant folding to interleave the weights once."""
-    graph = ep.graph_module.graph
     constants = set(constant_inputs(ep, set(state)))
-    done = []
-    for node in list(graph.nodes):
-        found = _match(node, constants)
-        if found is not None:
-            done.append(_fuse(graph, ep, node, *found))
-    if done:
-        graph.lint()
-        ep.graph_module.recompile()
-    return done
+    return rewrite_matches(ep, lambda node: _match(node, constants), _fuse)

@@ -32,7 +32,7 @@ from ..kernels import grouped_mm as gmm
 from ..kernels.registry import external_name
 from .fold_constants import constant_inputs, foldable_nodes
 from .fuse_glu import glu_act, only_read_by, split_halves
-from .rewrite import fake, is_call, new_node, retarget_outputs, same_shape, tensor_val
+from .rewrite import fake, is_call, new_node, retarget_outputs, rewrite_matches, same_shape, tensor_val
 
 aten = torch.ops.aten
 FALLBACK = "transformers::grouped_mm_fallback.default"
@@ -102,14 +102,5 @@ def fuse_grouped_glu(ep: torch.export.ExportedProgram, state: set[str] = frozens
     """Rewrite every grouped gated MLP of ``ep``'s graph into ``tritondelegate::glu_grouped_mm``, in
     place. ``state``: FQNs of program state, never treated as constants. Returns one description per
     rewrite; relies on constant folding to interleave the weights once."""
-    graph = ep.graph_module.graph
-    foldable = foldable_nodes(graph, constant_inputs(ep, set(state)))
-    done = []
-    for node in list(graph.nodes):
-        found = _match(node, foldable)
-        if found is not None:
-            done.append(_fuse(graph, ep, node, *found))
-    if done:
-        graph.lint()
-        ep.graph_module.recompile()
-    return done
+    foldable = foldable_nodes(ep.graph_module.graph, constant_inputs(ep, set(state)))
+    return rewrite_matches(ep, lambda node: _match(node, foldable), _fuse)

@@ -133,3 +133,19 @@ def erase_unused(graph: torch.fx.Graph, roots) -> None:
         graph.erase_node(node)
         erased.add(node)
         stack.extend(inputs)
+
+
+def rewrite_matches(ep: torch.export.ExportedProgram, match, rewrite) -> list[str]:
+    """``rewrite(graph, ep, node, *found)`` for every node of ``ep``'s graph (a snapshot, in order) where
+    ``match(node)`` finds something (a tuple; None: no match); the graph is linted and recompiled when
+    anything was rewritten. Returns each rewrite's description."""
+    graph = ep.graph_module.graph
+    done = []
+    for node in list(graph.nodes):
+        found = match(node)
+        if found is not None:
+            done.append(rewrite(graph, ep, node, *found))
+    if done:
+        graph.lint()
+        ep.graph_module.recompile()
+    return done

@@ -311,23 +311,25 @@ def _grouped_mm(dtype, rows):
 
 class _Experts(nn.Module):
     """A Mixture-of-Experts layer's experts as transformers runs them (8 experts, 512 -> 2 x 704 -> 512):
-    gate/up as one grouped GEMM with SwiGLU in its epilogue (passes/fuse_grouped_glu.py), then down."""
+    gate/up as one grouped GEMM with SwiGLU in its epilogue (passes/fuse_grouped_glu.py), then down with
+    each row's routing weight in its epilogue."""
 
     def __init__(self, dtype, experts=8, dim=512, hidden=704):
         super().__init__()
         self.gate_up = nn.Parameter(_randn(experts, 2 * hidden, dim, dtype=dtype))
         self.down = nn.Parameter(_randn(experts, dim, hidden, dtype=dtype))
 
-    def forward(self, x, offs):
+    def forward(self, x, offs, weights):
         op = torch.ops.transformers.grouped_mm_fallback
         gate, up = op(x, self.gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
-        return op(F.silu(gate) * up, self.down.transpose(1, 2), offs)
+        return op(F.silu(gate) * up, self.down.transpose(1, 2), offs) * weights[:, None]
 
 
 def _moe_experts(dtype, rows):
     importlib.import_module("transformers.integrations.moe")  # registers the op
     counts = torch.tensor([rows - rows // 2 - rows // 4, rows // 2, 0, rows // 4, 0, 0, 0, 0])
-    return _Experts(dtype), (_randn(rows, 512, dtype=dtype), counts.cumsum(0).to(torch.int32))
+    return _Experts(dtype), (_randn(rows, 512, dtype=dtype), counts.cumsum(0).to(torch.int32),
+                             _randn(rows, dtype=dtype))
 
 
 def _epilogues(dtype, seq, kv):

@@ -86,3 +86,29 @@ def test_a_weight_that_is_an_input_or_a_result_read_twice_stays_written_out():
         assert ("grouped_mm", "") in _kernels(lowered) and ("grouped_mm", "silu") not in _kernels(lowered)
         got, expected = lowered.load().load_method()(*args), f(*args)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+class Weighted(Experts):
+    """The experts' outputs weighted per row (each token's routing weight), as transformers' MoE blocks
+    do after down: a chain that reads the grouped GEMM's whole result runs in its epilogue."""
+
+    def forward(self, x, offs, weights):
+        gate, up = GMM(x, self.gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
+        h = (F.silu(gate) * up) * 0.5 + 1.0  # a chain after the gating: the GLU launch's epilogue too
+        return GMM(h, self.down.transpose(1, 2), offs) * weights[:, None]
+
+
+@pytest.mark.parametrize("rows, counts", [(3, [1, 0, 2]), (37, [0, 17, 3, 9])])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_chains_that_read_a_grouped_result_run_in_its_epilogue(rows, counts, dtype):
+    torch.manual_seed(3)
+    model = Weighted(len(counts), 24, 20, dtype).eval()
+    args = (torch.randn(rows, 24).to(dtype), torch.tensor(counts).cumsum(0).to(torch.int32), torch.rand(rows).to(dtype))
+    lowered = lower_resident(model, args)
+    launches = plan_launches(lowered)
+    assert [(l.kernel, l.constexprs["GLU"].value, l.constexprs["EPILOGUE"].value) for l in launches] == [
+        ("grouped_mm", "silu", 2), ("grouped_mm", "", 1)]
+    with torch.no_grad():
+        expected = copy.deepcopy(model).float()(args[0].float(), args[1], args[2].float())
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(lowered.load().load_method()(*args).float(), expected, atol=atol, rtol=rtol)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import elementwise as ew
 from .elementwise import MAX_CHAIN, _epilogue
 from ..dtypes import dtype_name
 from .refs import TRef, node_value
@@ -162,25 +163,15 @@ class ConvOp:
         cout_g, m = c_out // self.groups, n * oh * ow
         block_m, block_n, block_k = _block(m, 16, 64), _block(cout_g, 16, 64), _block(cin_g * kh * kw, 16, 32)
         grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
-        ptrs, scalars, strides = [], [], []
-        for operand in list(operands) + [None] * (EPILOGUE_STEPS - len(operands)):
-            tensor = isinstance(operand, tuple)
-            ptrs.append(operand[0] if tensor else out)  # a scalar or no operand: out stands in, never read
-            scalars.append(0.0 if tensor or operand is None else float(operand))
-            strides.extend(_nchw(operand[1], operand[1])[1] if tensor else (0, 0, 0, 0))
+        operands = [(o[0], _nchw(o[1], o[1])[1]) if isinstance(o, tuple) else o for o in operands]
+        epilogue, constexprs = ew.epilogue_args(out, steps, operands, 4, dtype_name(self.c.dtype))
         args = [x, weight, self.bias if self.bias is not None else out, out,  # out stands in for a missing bias
                 m, h, w, oh, ow, cin_g, cout_g, *x_strides, *w_strides, *out_strides,
-                *self.stride, *self.padding, *self.dilation, *ptrs, *scalars, *strides]
+                *self.stride, *self.padding, *self.dilation, *epilogue]
         # 8 warps: the gathered A tile's int64 addresses and masks ([BLOCK_M, BLOCK_K] each) next to the
         # accumulator spill at 4 warps on sm_90 (scripts/compile_check.py); spread over 256 threads they fit.
-        constexprs = dict(KH=kh, KW=kw, HAS_BIAS=self.bias is not None,
+        constexprs.update(KH=kh, KW=kw, HAS_BIAS=self.bias is not None,
                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_UPCAST=False, num_warps=8)
-        if steps:
-            padded = list(zip(steps, operands)) + [(("copy", 1, False), None)] * (EPILOGUE_STEPS - len(steps))
-            for k, ((name, arity, swap), operand) in enumerate(padded):
-                constexprs.update({f"EOP{k}": name, f"EARITY{k}": arity, f"ESWAP{k}": swap,
-                                   f"EIS_SCALAR{k}": operand is not None and not isinstance(operand, tuple)})
-            constexprs.update(EPILOGUE=len(steps), ROUND_TO=dtype_name(self.c.dtype))
         return grid, args, constexprs
 
 

@@ -437,6 +437,27 @@ def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | No
         record.op = PointwiseOp(op, out, tuple(operands), alpha, compute)
 
 
+def epilogue_args(out: TRef, steps, operands, dims: int, round_to: str) -> tuple[list, dict]:
+    """A GEMM-like kernel's epilogue arguments (``_epilogue``; conv.py, grouped_mm.py): the operands'
+    pointers, scalars and strides over ``dims`` output coordinates (``out`` stands in for a scalar or
+    absent operand, never read), and the constexprs of ``steps`` ((op, arity, swap)), none without
+    steps. Each operand is a (TRef, its strides) pair, a Python scalar, or None where the step is unary."""
+    ptrs, scalars, strides = [], [], []
+    for operand in list(operands) + [None] * (MAX_CHAIN - len(operands)):
+        tensor = isinstance(operand, tuple)
+        ptrs.append(operand[0] if tensor else out)
+        scalars.append(0.0 if tensor or operand is None else float(operand))
+        strides.extend(operand[1] if tensor else (0,) * dims)
+    constexprs = {}
+    if steps:
+        padded = list(zip(steps, operands)) + [(("copy", 1, False), None)] * (MAX_CHAIN - len(steps))
+        for k, ((name, arity, swap), operand) in enumerate(padded):
+            constexprs.update({f"EOP{k}": name, f"EARITY{k}": arity, f"ESWAP{k}": swap,
+                               f"EIS_SCALAR{k}": operand is not None and not isinstance(operand, tuple)})
+        constexprs.update(EPILOGUE=len(steps), ROUND_TO=round_to)
+    return ptrs + scalars + strides, constexprs
+
+
 def chain_launch(out: TRef, steps, slots, compute: str):
     """The arguments of a ``pointwise_chain`` launch: (grid, args, constexprs), or None when its
     operands cannot be walked in MAX_RANK dims.

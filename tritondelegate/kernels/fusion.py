@@ -90,6 +90,7 @@ import torch
 
 from ..plan import Launch
 from . import conv as cv
+from . import grouped_mm as gmm
 from . import elementwise as ew
 from . import fuse_gather, fuse_rows
 from . import sizes as size_fns
@@ -203,8 +204,8 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     their consumers, then chains into matmul epilogues.
 
     ``records`` are a delegate's launches with what each computes (``LaunchRecord.op``: an
-    ``elementwise.PointwiseOp`` for a ``pointwise`` launch, a ``matmul.MatmulOp`` or ``conv.ConvOp``
-    for a ``matmul`` or ``conv2d`` launch, a ``norm.RowNorm`` for a ``norm`` launch, a
+    ``elementwise.PointwiseOp`` for a ``pointwise`` launch, a ``matmul.MatmulOp``, ``conv.ConvOp`` or
+    ``grouped_mm.GroupedOp`` for a ``matmul``, ``conv2d`` or ``grouped_mm`` launch, a ``norm.RowNorm`` for a ``norm`` launch, a
     ``scatter.ScatterOp`` for a plain ``scatter`` launch, an ``index.GatherOp`` for a ``gather``;
     None: left alone). ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may
     write (``LaunchBuilder.effects``); buffers in ``keep`` (delegate inputs and outputs) are never fused
@@ -215,7 +216,7 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     records, touched, writes, paired = pair_scatters(records, touched, writes)
     launches = [r.launch for r in records]
     ops = {kind: {i: r.op for i, r in enumerate(records) if r.op is not None and r.launch.kernel in kernels}
-           for kind, kernels in (("pointwise", {"pointwise"}), ("matmul", {"matmul", "conv2d"}),
+           for kind, kernels in (("pointwise", {"pointwise"}), ("matmul", {"matmul", "conv2d", "grouped_mm"}),
                                  ("norm", {"norm"}), ("rows", {"norm", "softmax"}), ("gather", {"gather"}))}
     users: dict[int, set[int]] = defaultdict(set)
     for position, buffers in enumerate(touched):
@@ -400,12 +401,13 @@ def _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away
     return epilogues
 
 
-def _conv_epilogue_launch(op, chain: _Chain, conv: Launch) -> Launch | None:
-    """``conv`` (computing ``op``, a ``conv.ConvOp``) relaunched with ``chain`` as its epilogue, or None
-    unless the chain starts from the whole result, read as itself, over the result's own shape."""
+def _whole_result_epilogue_launch(op, chain: _Chain, launch: Launch) -> Launch | None:
+    """``launch`` (computing ``op``, a ``conv.ConvOp`` or a ``grouped_mm.GroupedOp``) relaunched with
+    ``chain`` as its epilogue, or None unless the chain starts from the whole result, read as itself,
+    over the result's own shape."""
     t = op.c
     at = [k for k, s in enumerate(chain.slots) if isinstance(s, TRef) and s.buffer == t.buffer]
-    if (chain.compute != "f32" or len(chain.steps) > cv.EPILOGUE_STEPS or len(at) != 1 or at[0] > 1
+    if (chain.compute != "f32" or len(chain.steps) > ew.MAX_CHAIN or len(at) != 1 or at[0] > 1
             or any(r.buffer == chain.out.buffer for r in op.reads)):
         return None
     k = at[0]
@@ -415,14 +417,14 @@ def _conv_epilogue_launch(op, chain: _Chain, conv: Launch) -> Launch | None:
     steps, others = chain.from_slot(k)
     operands = [(slot, broadcast_strides(slot, shape)) if isinstance(slot, TRef) else slot for slot in others]
     grid, args, constexprs = op.launch(chain.out, steps, operands)
-    return new_launch(conv.kernel, grid, args, constexprs, "+".join([conv.op] + chain.names))
+    return new_launch(launch.kernel, grid, args, constexprs, "+".join([launch.op] + chain.names))
 
 
 def _epilogue_launch(op, chain: _Chain, matmul: Launch) -> Launch | None:
     """``matmul`` (computing ``op``) relaunched with ``chain`` as its epilogue, or None when the chain
     does not start from the product or cannot be addressed in the product's [Z, M, N] walk."""
-    if isinstance(op, cv.ConvOp):
-        return _conv_epilogue_launch(op, chain, matmul)
+    if isinstance(op, (cv.ConvOp, gmm.GroupedOp)):
+        return _whole_result_epilogue_launch(op, chain, matmul)
     t = op.c
     at = [k for k, s in enumerate(chain.slots) if isinstance(s, TRef) and s.buffer == t.buffer]
     if (

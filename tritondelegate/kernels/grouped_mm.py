@@ -39,6 +39,7 @@ import triton.language as tl
 from . import sizes, target
 from ..dtypes import dtype_name
 from ..ops import GLU_ACTS
+from .elementwise import _epilogue, epilogue_args
 from .matmul import _glu_tile
 from .matmul import choose_config as matmul_config
 from .refs import TRef, node_value
@@ -132,8 +133,18 @@ def grouped_mm_kernel(
     x_ptr, w_ptr, offs_ptr, out_ptr,
     S, N, K, E,
     stride_xs, stride_xk, stride_we, stride_wk, stride_wn, stride_o, stride_os, stride_on,
+    # epilogue operands per step k < EPILOGUE: pointer, scalar, (row, column) strides (else stand-ins)
+    e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+    e0s0, e0s1, e1s0, e1s1, e2s0, e2s1, e3s0, e3s1,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     PER_ROW: tl.constexpr, DOT_UPCAST: tl.constexpr, GLU: tl.constexpr = "", GLU_ROUND: tl.constexpr = "",
+    EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
+    EOP0: tl.constexpr = "copy", EARITY0: tl.constexpr = 1, ESWAP0: tl.constexpr = False,
+    EOP1: tl.constexpr = "copy", EARITY1: tl.constexpr = 1, ESWAP1: tl.constexpr = False,
+    EOP2: tl.constexpr = "copy", EARITY2: tl.constexpr = 1, ESWAP2: tl.constexpr = False,
+    EOP3: tl.constexpr = "copy", EARITY3: tl.constexpr = 1, ESWAP3: tl.constexpr = False,
+    EIS_SCALAR0: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
+    EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
 ):
     # out[r] = x[r] @ w[e(r)], offs[e-1] <= r < offs[e]; 0 past offs[E-1]. GLU: w's N columns alternate
     # gate and up, and out[r] (N / 2 columns) = GLU(gate) * up, each rounded to GLU_ROUND first
@@ -153,12 +164,17 @@ def grouped_mm_kernel(
                                stride_xs, stride_xk, stride_we, stride_wk, stride_wn,
                                BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST)
     if GLU != "":
-        h, offs_h, mask = _glu_tile(acc, pid_n, mask_m[:, None], N, GLU, GLU_ROUND, BLOCK_M, BLOCK_N)
-        tl.store(out_ptr + rows[:, None] * stride_os + offs_h[None, :] * stride_on,
-                 h.to(out_ptr.dtype.element_ty), mask=mask)
+        acc, offs_n, mask = _glu_tile(acc, pid_n, mask_m[:, None], N, GLU, GLU_ROUND, BLOCK_M, BLOCK_N)
     else:
-        out_ptrs = out_ptr + rows[:, None] * stride_os + offs_n[None, :] * stride_on
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        mask = mask_m[:, None] & mask_n[None, :]
+    if EPILOGUE > 0:  # a chain that reads the result (a MoE router's weights), operands by (row, column)
+        acc = _epilogue(acc, mask, rows[:, None], offs_n[None, :], 0, 0,
+                        e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+                        e0s0, e0s1, 0, 0, e1s0, e1s1, 0, 0, e2s0, e2s1, 0, 0, e3s0, e3s1, 0, 0,
+                        EPILOGUE, ROUND_TO, EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1, EIS_SCALAR1,
+                        EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
+    tl.store(out_ptr + rows[:, None] * stride_os + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 # --- host launcher --------------------------------------------------------------------------------
@@ -197,19 +213,49 @@ def choose_config(S, E: int, N, K, dtype: torch.dtype) -> Config:
     return Config(block_m, block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, per_row=False)
 
 
+@dataclass(frozen=True)
+class GroupedOp:
+    """One ``grouped_mm`` launch; its launch record carries it (``LaunchRecord.op``) so that
+    ``fusion.py`` can relaunch it with an epilogue, as a matmul's or a convolution's."""
+
+    x: TRef
+    w: TRef
+    offs: TRef
+    c: TRef  # the result
+    glu: str = ""
+
+    @property
+    def reads(self) -> tuple[TRef, ...]:
+        return (self.x, self.w, self.offs)
+
+    def launch(self, out: TRef | None = None, steps=(), operands=()) -> tuple[tuple, list, dict]:
+        """(grid, arguments, constexprs): storing into ``out`` (default: the result) after an epilogue
+        of ``steps`` ((op, arity, swap)) reading ``operands`` (a (TRef, its (row, column) strides) pair,
+        a Python scalar, or None where the step is unary)."""
+        out = self.c if out is None else out
+        x, w = self.x, self.w
+        S, K = x.shape
+        E, _, N = w.shape
+        cfg = choose_config(S, E, N, K, x.dtype)
+        rows = triton.cdiv(S, cfg.block_m) if cfg.per_row else triton.cdiv(S, cfg.block_m) + E
+        rounding = dtype_name(x.dtype) if self.glu and x.dtype in (torch.float16, torch.bfloat16) else ""
+        epilogue, constexprs = epilogue_args(out, steps, operands, 2, dtype_name(self.c.dtype))
+        args = [x, w, self.offs, out, S, N, K, E, *x.strides, *w.strides, self.offs.strides[0], *out.strides,
+                *epilogue]
+        constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          BLOCK_E=sizes.next_power_of_2(sizes.upper(E) + 1), PER_ROW=cfg.per_row, DOT_UPCAST=False,
+                          GLU=self.glu, GLU_ROUND=rounding, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return (rows, triton.cdiv(N, cfg.block_n)), args, constexprs
+
+
 def launch_grouped_mm(b, x: TRef, w: TRef, offs: TRef, out: TRef, glu: str = "") -> None:
     """``out = x [S, K] @ w [E, K, N]`` grouped by offs: one launch; with ``glu`` (an activation of
     ``GLU_ACTS``) w's columns alternate gate and up, and out holds act(gate) * up (N / 2 columns)."""
-    S, K = x.shape
-    E, _, N = w.shape
-    cfg = choose_config(S, E, N, K, x.dtype)
-    rows = triton.cdiv(S, cfg.block_m) if cfg.per_row else triton.cdiv(S, cfg.block_m) + E
-    rounding = dtype_name(x.dtype) if glu and x.dtype in (torch.float16, torch.bfloat16) else ""
-    b.launch("grouped_mm", (rows, triton.cdiv(N, cfg.block_n)), x, w, offs, out, S, N, K, E,
-             *x.strides, *w.strides, offs.strides[0], *out.strides,
-             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-             BLOCK_E=sizes.next_power_of_2(sizes.upper(E) + 1), PER_ROW=cfg.per_row, DOT_UPCAST=False,
-             GLU=glu, GLU_ROUND=rounding, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    op = GroupedOp(x, w, offs, out, glu)
+    grid, args, constexprs = op.launch()
+    record = b.launch("grouped_mm", grid, *args, **constexprs)
+    if record is not None:
+        record.op = op  # fusion may give it an epilogue
 
 
 def grouped_mm(b, node):

@@ -57,6 +57,7 @@ import triton.language as tl
 
 from ..ops import GLU_ACTS
 from . import sizes, target
+from . import elementwise as ew
 from .elementwise import MAX_CHAIN, _epilogue, _formula
 from ..dtypes import dtype_name
 from ..errors import LoweringError
@@ -471,23 +472,14 @@ class MatmulOp:
         x_strides = self.x.strides if self.has_bias else (0, 0, 0)
         _, M, K = self.a.shape
         N = self.n
-        ptrs, scalars, strides = [], [], []
-        for operand in list(operands) + [None] * (EPILOGUE_STEPS - len(operands)):
-            if isinstance(operand, tuple):  # (tensor, its [Z, M, N] strides)
-                ptrs.append(operand[0])
-                scalars.append(0.0)
-                strides.extend(operand[1])
-            else:  # a scalar, or no operand: C stands in for the pointer, never read
-                ptrs.append(c)
-                scalars.append(0.0 if operand is None else float(operand))
-                strides.extend((0, 0, 0))
+        epilogue, _ = ew.epilogue_args(c, (), operands, 3, "")  # operands: (tensor, its [Z, M, N] strides)
         _, weight, bias, eps = self.prologue if self.prologue is not None else ("", None, None, 0.0)
         given = weight if weight is not None else bias
         prologue = [self.a if weight is None else weight, self.a if bias is None else bias,
                     0 if given is None else given.strides[0], float(eps)]
         rope = Rope.stand_in(self.a) if self.rope is None else self.rope.args()
         return [self.a, self.bmat, c, x, M, N, K, self.alpha, self.beta,
-                *self.a.strides, *self.bmat.strides, *c_strides, *x_strides, *ptrs, *scalars, *strides,
+                *self.a.strides, *self.bmat.strides, *c_strides, *x_strides, *epilogue,
                 *prologue, *rope]
 
     def grid(self) -> tuple[int, int]:
@@ -585,12 +577,7 @@ def epilogue_launch(op: MatmulOp, out: TRef, out_strides, steps, operands) -> tu
         raise LoweringError(f"an epilogue has 1 to {EPILOGUE_STEPS} steps, one operand each")
     tiles = op.has_bias + sum(isinstance(o, tuple) for o in operands)
     op = replace(op, cfg=epilogue_config(op.cfg, op.a.dtype, tiles))
-    constexprs = op.constexprs()
-    padded = list(zip(steps, operands)) + [(("copy", 1, False), None)] * (EPILOGUE_STEPS - len(steps))
-    for k, ((name, arity, swap), operand) in enumerate(padded):
-        constexprs.update({f"EOP{k}": name, f"EARITY{k}": arity, f"ESWAP{k}": swap,
-                           f"EIS_SCALAR{k}": operand is not None and not isinstance(operand, tuple)})
-    constexprs.update(EPILOGUE=len(steps), ROUND_TO=dtype_name(op.c.dtype))
+    constexprs = {**op.constexprs(), **ew.epilogue_args(out, steps, operands, 3, dtype_name(op.c.dtype))[1]}
     return op.grid(), op.args(out, out_strides, operands), constexprs
 
 

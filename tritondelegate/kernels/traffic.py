@@ -248,12 +248,14 @@ TRAFFIC: dict[str, KernelTraffic] = {
         flops=_matmul_flops,
     ),
     # out[r] = x[r] @ w[e(r)], e(r) from offs: the experts' weights are reached through offs, so at most
-    # the min(E, S) experts that have rows count (K x N each); 2 FLOPs per (row, column, k)
+    # the min(E, S) experts that have rows count (K x N each); 2 FLOPs per (row, column, k), then the
+    # EPILOGUE steps per output element (each reading e<k> when binary)
     "grouped_mm": KernelTraffic(
         reads=(Access("x_ptr"), Access("w_ptr", at_most=lambda a: min(a["E"], a["S"]) * a["K"] * a["N"]),
-               Access("offs_ptr")),
+               Access("offs_ptr"), *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
         writes=(Access("out_ptr"),),
-        flops=lambda a: 2 * a["S"] * a["N"] * a["K"],
+        flops=lambda a: 2 * a["S"] * a["N"] * a["K"] + a["S"] * a["N"] // (2 if a["GLU"] else 1) * sum(
+            _pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0)),
     ),
     # without a bias bias_ptr is out, never read
     "conv2d": KernelTraffic(

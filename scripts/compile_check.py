@@ -134,6 +134,14 @@ def _int_division():
     return Fn(fn), (torch.randint(-99, 99, (129, 257)), torch.randint(1, 9, (129, 257)))
 
 
+def _int_ranking():
+    """sort and topk at the edges the specializer sees: one-element rows (length 1 a constexpr), k = 1,
+    bool and int32 keys, a 300-long row across programs, a row along a strided dim."""
+    fn = lambda i, one, b: (*torch.sort(one), *torch.topk(i, 1), *torch.sort(b, stable=True),  # noqa: E731
+                            *torch.sort(i.int(), dim=0, descending=True), *torch.topk(i.float(), 5, dim=0))
+    return Fn(fn), (torch.randint(-9, 9, (300, 77)), torch.randint(0, 9, (5, 1)), torch.rand(4, 33) > 0.5)
+
+
 def _moe_routing(dtype, tokens: int, experts: int = 128, top: int = 8):
     """A Mixture-of-Experts router as transformers writes it (Qwen3-30B-A3B: 128 experts, 8 per token):
     softmax, top-k, renormalize, the chosen experts sorted (tokens x top ids), their tokens, and the
@@ -537,6 +545,7 @@ def cases() -> dict[str, callable]:
     out["reductions/int64"] = _int_reductions
     out["scatter/int64"] = _int_scatter
     out["division/int64"] = _int_division
+    out["ranking/int64"] = _int_ranking
     out["decoder_matmul_attention/float16"] = lambda: _decoder(
         F16, 100, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=128, attention="matmul")
     for dtype in (F32, F16):  # bounded dynamic dims: each method compiled at sample sizes of its range

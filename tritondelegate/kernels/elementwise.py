@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import sizes as size_fns
 from .sizes import is_size_node
-from .refs import FLOAT_DTYPES, MAX_RANK, TRef, broadcast_strides, collapse
+from .refs import FLOAT_DTYPES, MAX_RANK, TRef, broadcast_strides, collapse_padded
 
 BLOCK = 1024
 MAX_CHAIN = 4  # ops in one pointwise_chain launch; operand slots: 2 for the first op, 1 per further op
@@ -385,12 +385,10 @@ def _operand_args(out: TRef, operands, compute: str):
     shape = out.shape
     tensors = [o for o in operands if isinstance(o, TRef)]
     stride_sets = [out.strides] + [broadcast_strides(t, shape) for t in tensors]
-    sizes, strides = collapse(shape, stride_sets)
-    if len(sizes) > MAX_RANK:
+    walk = collapse_padded(shape, stride_sets, MAX_RANK)
+    if walk is None:
         return None
-    pad = MAX_RANK - len(sizes)
-    sizes = [1] * pad + sizes
-    strides = [[0] * pad + s for s in strides]
+    sizes, strides = walk
     out_strides, tensor_strides = strides[0], iter(strides[1:])
     ptrs, scalars, operand_strides, flags = [], [], [], []
     for o in operands:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .elementwise import unravel5
-from .refs import FLOAT_DTYPES, MAX_RANK, TRef, collapse
+from .refs import FLOAT_DTYPES, MAX_RANK, TRef, collapse_padded
 from .sizes import next_power_of_2, upper
 
 BLOCK_B = 128  # bins per program at most
@@ -94,11 +94,10 @@ def histc_kernel(
 def launch_histc(b, out: TRef, x: TRef, bins: int, low: float, high: float) -> None:
     """``out`` (``bins`` elements) = the counts of ``x``'s elements in ``bins`` bins over [low, high]
     (the data's range when low == high)."""
-    sizes, (strides,) = collapse(x.shape, [x.strides])
-    if len(sizes) > MAX_RANK:
-        raise NotImplementedError(f"histc over {len(sizes)} non-mergeable dims (at most {MAX_RANK})")
-    pad = MAX_RANK - len(sizes)
-    sizes, strides = [1] * pad + sizes, [0] * pad + strides
+    walk = collapse_padded(x.shape, [x.strides], MAX_RANK)
+    if walk is None:
+        raise NotImplementedError(f"histc over more than {MAX_RANK} non-mergeable dims")
+    sizes, (strides,) = walk
     # the edges as the input's dtype holds them (ATen converts min and max to it)
     low, high = (float(torch.tensor(v, dtype=x.dtype)) for v in (low, high))
     block_b = min(next_power_of_2(bins), BLOCK_B)

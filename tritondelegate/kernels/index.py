@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import elementwise as ew
-from .refs import TRef, broadcast_strides, collapse, node_value
+from .refs import TRef, broadcast_strides, collapse_padded, node_value
 from .sizes import SymbolicShapeError, is_static, next_power_of_2
 
 MAX_RANK = 5
@@ -233,12 +233,10 @@ class GatherOp:
         tensors = [o for o in operands if isinstance(o, TRef)]
         stride_sets = ([list(dst.strides), list(self.direct)] + [list(t) for _, t, _, _ in self.indices]
                        + [list(broadcast_strides(o, self.out.shape)) for o in tensors])
-        sizes, strides = collapse(self.out.shape, stride_sets)
-        if len(sizes) > MAX_RANK:
+        walk = collapse_padded(self.out.shape, stride_sets, MAX_RANK)
+        if walk is None:
             return None
-        pad = MAX_RANK - len(sizes)
-        sizes = [1] * pad + sizes
-        strides = iter([[0] * pad + s for s in strides])
+        sizes, strides = walk[0], iter(walk[1])
         out_strides, direct_strides = next(strides), next(strides)
         index_strides = [next(strides) for _ in self.indices] + [[0] * MAX_RANK] * (MAX_INDICES - len(self.indices))
         padded = list(self.indices) + [self.indices[0]] * (MAX_INDICES - len(self.indices))  # unused, never read
@@ -284,12 +282,11 @@ def launch_gather(b, out: TRef, src: TRef, direct, indices) -> None:
 
 def launch_cumsum(b, out: TRef, x: TRef, dim: int) -> None:
     other = [d for d in range(x.ndim) if d != dim]
-    sizes, (x_strides, out_strides) = collapse(
-        [x.shape[d] for d in other], [[x.strides[d] for d in other], [out.strides[d] for d in other]])
-    if len(sizes) > 4:
-        raise NotImplementedError(f"cumsum over rows of {len(sizes)} non-mergeable dims (at most 4)")
-    pad = 4 - len(sizes)
-    sizes, x_strides, out_strides = [1] * pad + sizes, [0] * pad + x_strides, [0] * pad + out_strides
+    walk = collapse_padded([x.shape[d] for d in other],
+                           [[x.strides[d] for d in other], [out.strides[d] for d in other]], 4)
+    if walk is None:
+        raise NotImplementedError("cumsum over rows of more than 4 non-mergeable dims")
+    sizes, (x_strides, out_strides) = walk
     length = x.shape[dim] if x.ndim else 1
     rows = math.prod(sizes)
     block_l = min(next_power_of_2(length), 256)

@@ -91,6 +91,16 @@ def broadcast_strides(ref: TRef, shape) -> tuple[int, ...]:
     return tuple(strides)
 
 
+def collapse_padded(shape, stride_sets, rank: int):
+    """:func:`collapse`, then left-padded to ``rank`` dims (size 1, stride 0) for a kernel that walks
+    exactly ``rank`` dims: (sizes, strides per set), or None when more than ``rank`` dims remain."""
+    sizes, strides = collapse(shape, stride_sets)
+    if len(sizes) > rank:
+        return None
+    pad = rank - len(sizes)
+    return [1] * pad + sizes, [[0] * pad + s for s in strides]
+
+
 def collapse(shape, stride_sets):
     """Merge adjacent dims that every operand walks contiguously; drop size-1 dims."""
     dims = [(size, [s[d] for s in stride_sets]) for d, size in enumerate(shape) if size != 1]

@@ -29,12 +29,10 @@ import triton
 import triton.language as tl
 
 from . import elementwise as ew
-from .elementwise import MAX_CHAIN, _epilogue
+from .elementwise import _epilogue
 from ..dtypes import dtype_name
 from .refs import TRef, node_value
 from .sizes import next_power_of_2
-
-EPILOGUE_STEPS = MAX_CHAIN
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -128,8 +126,13 @@ def _block(size, lo: int, hi: int) -> int:
 def _nchw(shape, strides) -> tuple[tuple, tuple]:
     """(shape, strides) of an operand as NCHW: a 1-D convolution's [N, C, L] as [N, C, 1, L]."""
     if len(shape) == 3:
-        return (shape[0], shape[1], 1, shape[2]), (strides[0], strides[1], 0, strides[2])
-    return tuple(shape), tuple(strides)
+        shape = (shape[0], shape[1], 1, shape[2])
+    return tuple(shape), _nchw_strides(strides)
+
+
+def _nchw_strides(strides) -> tuple:
+    """Strides over [N, C, L] as over [N, C, 1, L] (4-D strides unchanged)."""
+    return (strides[0], strides[1], 0, strides[2]) if len(strides) == 3 else tuple(strides)
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ class ConvOp:
         cout_g, m = c_out // self.groups, n * oh * ow
         block_m, block_n, block_k = _block(m, 16, 64), _block(cout_g, 16, 64), _block(cin_g * kh * kw, 16, 32)
         grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
-        operands = [(o[0], _nchw(o[1], o[1])[1]) if isinstance(o, tuple) else o for o in operands]
+        operands = [(o[0], _nchw_strides(o[1])) if isinstance(o, tuple) else o for o in operands]
         epilogue, constexprs = ew.epilogue_args(out, steps, operands, 4, dtype_name(self.c.dtype))
         args = [x, weight, self.bias if self.bias is not None else out, out,  # out stands in for a missing bias
                 m, h, w, oh, ow, cin_g, cout_g, *x_strides, *w_strides, *out_strides,

@@ -113,20 +113,21 @@ def _match(mul: torch.fx.Node, constants: set[torch.fx.Node]):
     return None
 
 
-def _interleave(graph, a: torch.fx.Node, b: torch.fx.Node, meta: dict, name: str) -> torch.fx.Node:
-    """``stack([a, b], 1)`` viewed with its first two dims merged: rows of ``a`` and ``b`` alternate."""
+def interleave(graph, a: torch.fx.Node, b: torch.fx.Node, dim: int, meta: dict, name: str) -> torch.fx.Node:
+    """``stack([a, b], dim + 1)`` viewed with dims ``dim`` and ``dim + 1`` merged: the entries of ``a``
+    and ``b`` alternate along ``dim`` (rows for 0)."""
     av, bv = tensor_val(a), tensor_val(b)
-    shape = [2 * av.shape[0], *av.shape[1:]]
-    stacked = new_node(graph, aten.stack.default, ([a, b], 1),
-                       fake(lambda s, t: aten.stack.default([s, t], 1), av, bv), meta)
+    shape = [*av.shape[:dim], 2 * av.shape[dim], *av.shape[dim + 1:]]
+    stacked = new_node(graph, aten.stack.default, ([a, b], dim + 1),
+                       fake(lambda s, t: aten.stack.default([s, t], dim + 1), av, bv), meta)
     return new_node(graph, aten.view.default, (stacked, shape),
                     fake(lambda t: aten.view.default(t, shape), stacked.meta["val"]), meta, name)
 
 
-def _rows(graph, t: torch.fx.Node, start: int, end: int, meta: dict) -> torch.fx.Node:
-    """Rows [start, end) of ``t`` (a slice node)."""
-    return new_node(graph, aten.slice.Tensor, (t, 0, start, end),
-                    fake(lambda v: aten.slice.Tensor(v, 0, start, end), tensor_val(t)), meta)
+def span(graph, t: torch.fx.Node, dim: int, start: int, end: int, meta: dict) -> torch.fx.Node:
+    """Entries [start, end) of ``t`` along ``dim`` (a slice node)."""
+    return new_node(graph, aten.slice.Tensor, (t, dim, start, end),
+                    fake(lambda v: aten.slice.Tensor(v, dim, start, end), tensor_val(t)), meta)
 
 
 def _split_weights(graph, gate: torch.fx.Node, mul: torch.fx.Node):
@@ -137,8 +138,8 @@ def _split_weights(graph, gate: torch.fx.Node, mul: torch.fx.Node):
     n = tensor_val(w).shape[0] // 2
     spans = ((0, n), (n, 2 * n)) if index == 0 else ((n, 2 * n), (0, n))
     with graph.inserting_before(mul):
-        wg, wu = (_rows(graph, w, *span, linear.meta) for span in spans)
-        bg, bu = (None, None) if b is None else (_rows(graph, b, *span, linear.meta) for span in spans)
+        wg, wu = (span(graph, w, 0, *rows, linear.meta) for rows in spans)
+        bg, bu = (None, None) if b is None else (span(graph, b, 0, *rows, linear.meta) for rows in spans)
     return x, wg, bg, wu, bu, [split, linear]
 
 
@@ -150,8 +151,8 @@ def _fuse(graph: torch.fx.Graph, ep, mul, act: str, gate, gated, up) -> str:
         _, wu, bu = (*up.args, None)[:3]
         dead = []
     with graph.inserting_before(mul):  # x and the weights are defined before both linears
-        w = _interleave(graph, wg, wu, gate.meta, f"{gate.name}_glu_weight")
-        b = None if bg is None else _interleave(graph, bg, bu, gate.meta, f"{gate.name}_glu_bias")
+        w = interleave(graph, wg, wu, 0, gate.meta, f"{gate.name}_glu_weight")
+        b = None if bg is None else interleave(graph, bg, bu, 0, gate.meta, f"{gate.name}_glu_bias")
         val = fake(lambda xv, wv, *bv: ops.glu_linear(xv, wv, bv[0] if bv else None, act),
                    tensor_val(x), w.meta["val"], *([] if b is None else [b.meta["val"]]))
         node = new_node(graph, ops.glu_linear, (x, w, b, act), val, mul.meta)

@@ -31,7 +31,7 @@ from .. import ops
 from ..kernels import grouped_mm as gmm
 from ..kernels.registry import external_name
 from .fold_constants import constant_inputs, foldable_nodes
-from .fuse_glu import glu_act, only_read_by, split_halves
+from .fuse_glu import glu_act, interleave, only_read_by, span, split_halves
 from .rewrite import fake, is_call, new_node, retarget_outputs, rewrite_matches, same_shape, tensor_val
 
 aten = torch.ops.aten
@@ -70,15 +70,8 @@ def _match(mul: torch.fx.Node, foldable: set):
 def _interleaved(graph, w: torch.fx.Node, gate_first: bool, meta: dict, name: str) -> torch.fx.Node:
     """``w`` [E, K, 2N] with its two column halves interleaved, the gate's first."""
     n = tensor_val(w).shape[2] // 2
-    halves = []
-    for start in ((0, n) if gate_first else (n, 0)):
-        halves.append(new_node(graph, aten.slice.Tensor, (w, 2, start, start + n),
-                               fake(lambda v, s=start: aten.slice.Tensor(v, 2, s, s + n), tensor_val(w)), meta))
-    stacked = new_node(graph, aten.stack.default, (halves, -1),
-                       fake(lambda a, b: aten.stack.default([a, b], -1), *(h.meta["val"] for h in halves)), meta)
-    shape = list(tensor_val(w).shape)
-    return new_node(graph, aten.view.default, (stacked, shape),
-                    fake(lambda t: aten.view.default(t, shape), stacked.meta["val"]), meta, name)
+    gate, up = (span(graph, w, 2, start, start + n, meta) for start in ((0, n) if gate_first else (n, 0)))
+    return interleave(graph, gate, up, 2, meta, name)
 
 
 def _fuse(graph: torch.fx.Graph, ep, mul, act: str, operands, index: int, gate, gated, up) -> str:

@@ -306,38 +306,42 @@ def _grouped_mm(dtype, rows):
     """A Mixture-of-Experts layer's expert products as transformers exports them
     (``transformers::grouped_mm_fallback``, weights a transposed view): gate/up and down of 8 experts,
     ``rows`` = tokens x experts per token, spread unevenly with one expert left without rows. A few
-    rows take the per-row variant, more the segment tiles (kernels/grouped_mm.py)."""
+    rows take the per-row variant, more the segment tiles (kernels/grouped_mm.py). gate/up reads its
+    rows through the token order (``ROWS``: x[perm // 2], passes/expert_dispatch.py)."""
     importlib.import_module("transformers.integrations.moe")  # registers the op
 
     op, experts, dim, hidden = torch.ops.transformers.grouped_mm_fallback, 8, 512, 1408
     counts = torch.tensor([rows - rows // 2 - rows // 4, rows // 2, 0, rows // 4, 0, 0, 0, 0])
-    fn = lambda x, h, wg, wd, offs: (op(x, wg.transpose(1, 2), offs), op(h, wd.transpose(1, 2), offs))  # noqa: E731
-    return Fn(fn), (_randn(rows, dim, dtype=dtype), _randn(rows, hidden, dtype=dtype),
+    perm = torch.randperm(rows)
+    fn = lambda x, h, wg, wd, offs: (op(x[perm // 2], wg.transpose(1, 2), offs),  # noqa: E731
+                                     op(h, wd.transpose(1, 2), offs))
+    return Fn(fn), (_randn(-(-rows // 2), dim, dtype=dtype), _randn(rows, hidden, dtype=dtype),
                     _randn(experts, 2 * hidden, dim, dtype=dtype), _randn(experts, dim, hidden, dtype=dtype),
                     counts.cumsum(0).to(torch.int32))
 
 
 class _Experts(nn.Module):
     """A Mixture-of-Experts layer's experts as transformers runs them (8 experts, 512 -> 2 x 704 -> 512):
-    gate/up as one grouped GEMM with SwiGLU in its epilogue (passes/fuse_grouped_glu.py), then down with
-    each row's routing weight in its epilogue."""
+    gate/up as one grouped GEMM with SwiGLU in its epilogue (passes/fuse_grouped_glu.py) reading the
+    token rows through the expert order (passes/expert_dispatch.py), then down with each row's routing
+    weight in its epilogue."""
 
     def __init__(self, dtype, experts=8, dim=512, hidden=704):
         super().__init__()
         self.gate_up = nn.Parameter(_randn(experts, 2 * hidden, dim, dtype=dtype))
         self.down = nn.Parameter(_randn(experts, dim, hidden, dtype=dtype))
 
-    def forward(self, x, offs, weights):
+    def forward(self, hidden, perm, offs, weights):
         op = torch.ops.transformers.grouped_mm_fallback
-        gate, up = op(x, self.gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
+        gate, up = op(hidden[perm // 2], self.gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
         return op(F.silu(gate) * up, self.down.transpose(1, 2), offs) * weights[:, None]
 
 
 def _moe_experts(dtype, rows):
     importlib.import_module("transformers.integrations.moe")  # registers the op
     counts = torch.tensor([rows - rows // 2 - rows // 4, rows // 2, 0, rows // 4, 0, 0, 0, 0])
-    return _Experts(dtype), (_randn(rows, 512, dtype=dtype), counts.cumsum(0).to(torch.int32),
-                             _randn(rows, dtype=dtype))
+    return _Experts(dtype), (_randn(-(-rows // 2), 512, dtype=dtype), torch.randperm(rows),
+                             counts.cumsum(0).to(torch.int32), _randn(rows, dtype=dtype))
 
 
 def _epilogues(dtype, seq, kv):

@@ -31,12 +31,12 @@ MODELS = {
 # q and k rotated with their tables computed inline; the position counter, the k/v cache writes, attention
 # with its mask computed inline, the output projection with the residual, gate/up with SwiGLU, down with
 # the residual) and 4 outside (embedding, with Gemma's scale as its epilogue, positions, rotary angles, LM head).
-# Mixtral's layers run 24 each: attention's 5, the norm, the router (linear, softmax, top-k, sum, divide),
-# the expert order (sort, token ids, gathers of rows and weights, the ids cast for histc, counts, offsets),
-# gate/up as one grouped GEMM with SwiGLU in its epilogue, down with the routing weights in its epilogue,
-# the inverse order (a scatter into an empty tensor, no copy of it), the gather back, the sum over the
-# chosen experts, the residual.
-LAUNCHES = {"llama": 18, "qwen2": 18, "mistral": 18, "gemma": 18, "phi3": 18, "mixtral": 52}
+# Mixtral's layers run 19 each: attention's 5, the norm, the router (linear, softmax, top-k, sum, divide),
+# the expert order (sort, the gather of the routing weights, the offsets per expert in one launch), gate/up
+# as one grouped GEMM reading the token rows in the expert order in its loads, with SwiGLU in its epilogue,
+# down with the routing weights in its epilogue, the rows put back in token order (one scatter), the sum
+# over the chosen experts, the residual.
+LAUNCHES = {"llama": 18, "qwen2": 18, "mistral": 18, "gemma": 18, "phi3": 18, "mixtral": 42}
 CACHE = 32
 PROMPT = torch.tensor([[3, 17, 5, 9, 22]])
 TOKENS = 16

@@ -36,7 +36,16 @@ place of a written-out pattern, so one kernel runs them.
         y = grouped_mm(x [S, K], weight [E, K, 2N], offs [E]);  act(y[:, 0::2]) * y[:, 1::2]
         (a Mixture-of-Experts layer's gate_up experts and their gating in one grouped GEMM: each
         expert's gate and up columns interleaved, gate first; rows of expert e are offs[e-1] <= r <
-        offs[e], rows past offs[E-1] give act(0) * 0 = 0)
+        offs[e], rows past offs[E-1] give act(0) * 0 = 0; with ``rows``: x's rows gathered first,
+        x[floor_divide(rows, rows_divisor)], as transformers gathers ``hidden[perm // k]``)
+    tritondelegate::gathered_grouped_mm(Tensor x, Tensor rows, int rows_divisor, Tensor weight, Tensor offs)
+        -> Tensor
+        grouped_mm(x[floor_divide(rows, rows_divisor)], weight, offs): the experts' inputs read through
+        the token order, never gathered into a tensor of their own (``passes/expert_dispatch.py``)
+    tritondelegate::cumulative_histc(Tensor x, int bins, float min, float max, ScalarType? cast,
+                                     ScalarType dtype) -> Tensor
+        cumsum(histc(x.to(cast), bins, min, max), 0, dtype=dtype): a router's offsets per expert from
+        its sorted expert ids in one launch (``cast`` None: x as it is)
     tritondelegate::rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin,
                                 int[] cos_dims, float scale, ScalarType? dtype, Tensor? norm_weight=None,
                                 int norm_dim=0, float norm_eps=0.0) -> Tensor
@@ -78,7 +87,11 @@ _lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, 
             "ScalarType? out_dtype=None) -> (Tensor, Tensor)")
 _lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa) -> Tensor")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
-_lib.define("glu_grouped_mm(Tensor x, Tensor weight, Tensor offs, str act) -> Tensor")
+_lib.define("glu_grouped_mm(Tensor x, Tensor weight, Tensor offs, str act, Tensor? rows=None, "
+            "int rows_divisor=1) -> Tensor")
+_lib.define("gathered_grouped_mm(Tensor x, Tensor rows, int rows_divisor, Tensor weight, Tensor offs) -> Tensor")
+_lib.define("cumulative_histc(Tensor x, int bins, float min, float max, ScalarType? cast, ScalarType dtype) "
+            "-> Tensor")
 _lib.define("rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin, "
             "int[] cos_dims, float scale, ScalarType? dtype, Tensor? norm_weight=None, int norm_dim=0, "
             "float norm_eps=0.0) -> Tensor")
@@ -238,17 +251,49 @@ def _check_glu_grouped(weight, act: str) -> None:
         raise ValueError(f"tritondelegate::glu_grouped_mm: the weight {list(weight.shape)} is not [E, K, 2N]")
 
 
+def gathered_rows(x: torch.Tensor, rows: torch.Tensor | None, divisor: int) -> torch.Tensor:
+    """``x[floor_divide(rows, divisor)]`` (``x`` itself when ``rows`` is None): each token's row once per
+    expert it goes to, in the experts' order (``rows`` a sort's indices over tokens x k, ``divisor`` k)."""
+    return x if rows is None else x[torch.div(rows, divisor, rounding_mode="floor")]
+
+
 @torch.library.impl(_lib, "glu_grouped_mm", "CompositeExplicitAutograd")
-def _glu_grouped_mm(x, weight, offs, act):
+def _glu_grouped_mm(x, weight, offs, act, rows=None, rows_divisor=1):
     _check_glu_grouped(weight, act)
-    y = grouped_mm_reference(x, weight, offs)
+    y = grouped_mm_reference(gathered_rows(x, rows, rows_divisor), weight, offs)
     return GLU_ACTS[act](y[:, 0::2]) * y[:, 1::2]
 
 
 @torch.library.register_fake(f"{NAMESPACE}::glu_grouped_mm")
-def _glu_grouped_mm_fake(x, weight, offs, act):
+def _glu_grouped_mm_fake(x, weight, offs, act, rows=None, rows_divisor=1):
     _check_glu_grouped(weight, act)
-    return x.new_empty(x.shape[0], weight.shape[2] // 2)
+    return x.new_empty(x.shape[0] if rows is None else rows.shape[0], weight.shape[2] // 2)
+
+
+@torch.library.impl(_lib, "gathered_grouped_mm", "CompositeExplicitAutograd")
+def _gathered_grouped_mm(x, rows, rows_divisor, weight, offs):
+    return grouped_mm_reference(gathered_rows(x, rows, rows_divisor), weight, offs)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::gathered_grouped_mm")
+def _gathered_grouped_mm_fake(x, rows, rows_divisor, weight, offs):
+    return x.new_empty(rows.shape[0], weight.shape[2])
+
+
+def cumulative_histc_reference(x, bins: int, low: float, high: float, cast, dtype) -> torch.Tensor:
+    """``cumsum(histc(x.to(cast), bins, low, high), 0, dtype=dtype)`` (no cast when ``cast`` is None)."""
+    counts = torch.histc(x if cast is None else x.to(cast), bins, low, high)
+    return torch.cumsum(counts, 0, dtype=dtype)
+
+
+@torch.library.impl(_lib, "cumulative_histc", "CompositeExplicitAutograd")
+def _cumulative_histc(x, bins, min, max, cast, dtype):
+    return cumulative_histc_reference(x, bins, min, max, cast, dtype)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::cumulative_histc")
+def _cumulative_histc_fake(x, bins, min, max, cast, dtype):
+    return x.new_empty(bins, dtype=dtype)
 
 
 def _table_at(table: torch.Tensor, cos_dims, outer, inner, cols) -> torch.Tensor:
@@ -335,6 +380,8 @@ OPS: dict[str, torch._ops.OpOverload] = {
     "tritondelegate::sdpa_positions": torch.ops.tritondelegate.sdpa_positions.default,
     "tritondelegate::glu_linear": torch.ops.tritondelegate.glu_linear.default,
     "tritondelegate::glu_grouped_mm": torch.ops.tritondelegate.glu_grouped_mm.default,
+    "tritondelegate::gathered_grouped_mm": torch.ops.tritondelegate.gathered_grouped_mm.default,
+    "tritondelegate::cumulative_histc": torch.ops.tritondelegate.cumulative_histc.default,
     "tritondelegate::rope_linear": torch.ops.tritondelegate.rope_linear.default,
 }
 
@@ -345,4 +392,6 @@ rotary_pair_angles = torch.ops.tritondelegate.rotary_pair_angles.default
 sdpa_positions = torch.ops.tritondelegate.sdpa_positions.default
 glu_linear = torch.ops.tritondelegate.glu_linear.default
 glu_grouped_mm = torch.ops.tritondelegate.glu_grouped_mm.default
+gathered_grouped_mm = torch.ops.tritondelegate.gathered_grouped_mm.default
+cumulative_histc = torch.ops.tritondelegate.cumulative_histc.default
 rope_linear = torch.ops.tritondelegate.rope_linear.default

@@ -104,16 +104,16 @@ def _segment_product(x_ptr, w_ptr, rows, mask_m, offs_n, mask_n, expert, K, E,
 
 
 @triton.jit
-def _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, mask_m, offs_n, mask_n, S, K, E,
+def _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n, mask_n, S, K, E,
                  stride_xs, stride_xk, stride_we, stride_wk, stride_wn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """x[r] @ w[e(r)] row by row, in fp32 (0 for rows past the last segment)."""
+    """x[x_rows[r]] @ w[e(r)] row by row, in fp32 (0 for rows past the last segment)."""
     e, starts, ends = _bounds(offs_ptr, stride_o, S, E, BLOCK_E)
     ended = (ends[None, :] <= rows[:, None]) & (e[None, :] < E)  # segments that end at or before row r
     expert = tl.sum(ended.to(tl.int32), 1)
     live = mask_m & (expert < E)
     offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
-    x_ptrs = x_ptr + rows[:, None] * stride_xs + offs_k[None, :] * stride_xk
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xs + offs_k[None, :] * stride_xk
     w_ptrs = (w_ptr + tl.minimum(expert, E - 1).to(tl.int64)[:, None, None] * stride_we
               + offs_k[None, :, None] * stride_wk + offs_n[None, None, :] * stride_wn)
     step = tl.full((), BLOCK_K, tl.int64)
@@ -129,10 +129,25 @@ def _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, mask_m, offs_n, mask_n,
 
 
 @triton.jit
+def _x_rows(rows_ptr, stride_r, rows, mask_m, T, rows_div, ROWS: tl.constexpr):
+    """The rows of x that output rows ``rows`` read: themselves, or with ROWS floor(rows[r] / rows_div)
+    (negative: from the end, as indexing counts), clamped to [0, T)."""
+    if ROWS:
+        src = tl.load(rows_ptr + rows * stride_r, mask=mask_m, other=0).to(tl.int64)
+        q = src // rows_div
+        q = tl.where(src - q * rows_div < 0, q - 1, q)  # floor, where integer division truncates
+        q = tl.where(q < 0, q + T, q)
+        x_rows = tl.minimum(tl.maximum(q, 0), T - 1)
+    else:
+        x_rows = rows
+    return x_rows
+
+
+@triton.jit
 def grouped_mm_kernel(
-    x_ptr, w_ptr, offs_ptr, out_ptr,
-    S, N, K, E,
-    stride_xs, stride_xk, stride_we, stride_wk, stride_wn, stride_o, stride_os, stride_on,
+    x_ptr, w_ptr, offs_ptr, out_ptr, rows_ptr,
+    S, N, K, E, T, rows_div,
+    stride_xs, stride_xk, stride_we, stride_wk, stride_wn, stride_o, stride_os, stride_on, stride_r,
     # epilogue operands per step k < EPILOGUE: pointer, scalar, (row, column) strides (else stand-ins)
     e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
     e0s0, e0s1, e1s0, e1s1, e2s0, e2s1, e3s0, e3s1,
@@ -144,23 +159,26 @@ def grouped_mm_kernel(
     EOP2: tl.constexpr = "copy", EARITY2: tl.constexpr = 1, ESWAP2: tl.constexpr = False,
     EOP3: tl.constexpr = "copy", EARITY3: tl.constexpr = 1, ESWAP3: tl.constexpr = False,
     EIS_SCALAR0: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
-    EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
+    EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False, ROWS: tl.constexpr = False,
 ):
     # out[r] = x[r] @ w[e(r)], offs[e-1] <= r < offs[e]; 0 past offs[E-1]. GLU: w's N columns alternate
-    # gate and up, and out[r] (N / 2 columns) = GLU(gate) * up, each rounded to GLU_ROUND first
+    # gate and up, and out[r] (N / 2 columns) = GLU(gate) * up, each rounded to GLU_ROUND first. ROWS:
+    # x (T rows) is read at rows[r] // rows_div in place of r (the experts' inputs gathered in the load)
     pid_n = tl.program_id(1)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     if PER_ROW:
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = rows < S
-        acc = _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, mask_m, offs_n, mask_n, S, K, E,
+        x_rows = _x_rows(rows_ptr, stride_r, rows, mask_m, T, rows_div, ROWS)
+        acc = _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n, mask_n, S, K, E,
                            stride_xs, stride_xk, stride_we, stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E)
     else:
         expert, first, end = _segment_tile(offs_ptr, stride_o, tl.program_id(0), S, E, BLOCK_M, BLOCK_E)
         rows = first + tl.arange(0, BLOCK_M)
         mask_m = (rows >= 0) & (rows < end)
-        acc = _segment_product(x_ptr, w_ptr, rows, mask_m, offs_n, mask_n, expert, K, E,
+        x_rows = _x_rows(rows_ptr, stride_r, rows, mask_m, T, rows_div, ROWS)
+        acc = _segment_product(x_ptr, w_ptr, x_rows, mask_m, offs_n, mask_n, expert, K, E,
                                stride_xs, stride_xk, stride_we, stride_wk, stride_wn,
                                BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST)
     if GLU != "":
@@ -223,35 +241,41 @@ class GroupedOp:
     offs: TRef
     c: TRef  # the result
     glu: str = ""
+    rows: TRef | None = None  # x read at rows[r] // rows_divisor (else at r)
+    rows_divisor: int = 1
 
     @property
     def reads(self) -> tuple[TRef, ...]:
-        return (self.x, self.w, self.offs)
+        return (self.x, self.w, self.offs) + (() if self.rows is None else (self.rows,))
 
     def launch(self, out: TRef | None = None, steps=(), operands=()) -> tuple[tuple, list, dict]:
         """(grid, arguments, constexprs): storing into ``out`` (default: the result) after an epilogue
         of ``steps`` ((op, arity, swap)) reading ``operands`` (a (TRef, its (row, column) strides) pair,
         a Python scalar, or None where the step is unary)."""
         out = self.c if out is None else out
-        x, w = self.x, self.w
-        S, K = x.shape
+        x, w, gather = self.x, self.w, self.rows
+        T, K = x.shape
+        S = T if gather is None else gather.shape[0]
         E, _, N = w.shape
         cfg = choose_config(S, E, N, K, x.dtype)
         rows = triton.cdiv(S, cfg.block_m) if cfg.per_row else triton.cdiv(S, cfg.block_m) + E
         rounding = dtype_name(x.dtype) if self.glu and x.dtype in (torch.float16, torch.bfloat16) else ""
         epilogue, constexprs = epilogue_args(out, steps, operands, 2, dtype_name(self.c.dtype))
-        args = [x, w, self.offs, out, S, N, K, E, *x.strides, *w.strides, self.offs.strides[0], *out.strides,
+        args = [x, w, self.offs, out, x if gather is None else gather, S, N, K, E, T, self.rows_divisor,
+                *x.strides, *w.strides, self.offs.strides[0], *out.strides, 1 if gather is None else gather.strides[0],
                 *epilogue]
         constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                           BLOCK_E=sizes.next_power_of_2(sizes.upper(E) + 1), PER_ROW=cfg.per_row, DOT_UPCAST=False,
-                          GLU=self.glu, GLU_ROUND=rounding, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                          GLU=self.glu, GLU_ROUND=rounding, ROWS=gather is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return (rows, triton.cdiv(N, cfg.block_n)), args, constexprs
 
 
-def launch_grouped_mm(b, x: TRef, w: TRef, offs: TRef, out: TRef, glu: str = "") -> None:
+def launch_grouped_mm(b, x: TRef, w: TRef, offs: TRef, out: TRef, glu: str = "", rows: TRef | None = None,
+                      rows_divisor: int = 1) -> None:
     """``out = x [S, K] @ w [E, K, N]`` grouped by offs: one launch; with ``glu`` (an activation of
-    ``GLU_ACTS``) w's columns alternate gate and up, and out holds act(gate) * up (N / 2 columns)."""
-    op = GroupedOp(x, w, offs, out, glu)
+    ``GLU_ACTS``) w's columns alternate gate and up, and out holds act(gate) * up (N / 2 columns);
+    with ``rows`` [S], x [T, K] is read at floor(rows[r] / rows_divisor) for row r."""
+    op = GroupedOp(x, w, offs, out, glu, rows, rows_divisor)
     grid, args, constexprs = op.launch()
     record = b.launch("grouped_mm", grid, *args, **constexprs)
     if record is not None:
@@ -265,9 +289,25 @@ def grouped_mm(b, node):
 
 
 def glu_grouped_mm(b, node):
-    """``tritondelegate::glu_grouped_mm(x, weight, offs, act)``: the gating in the kernel's epilogue."""
+    """``tritondelegate::glu_grouped_mm(x, weight, offs, act, rows=None, rows_divisor=1)``: the gating in
+    the kernel's epilogue, x's rows gathered in its loads."""
     x, w, offs = (b.ref(a) for a in node.args[:3])
-    launch_grouped_mm(b, x, w, offs, b.out(node), glu=node.args[3])
+    rows, divisor = _rows(node, 4)
+    launch_grouped_mm(b, x, w, offs, b.out(node), glu=node.args[3], rows=None if rows is None else b.ref(rows),
+                      rows_divisor=divisor)
+
+
+def gathered_grouped_mm(b, node):
+    """``tritondelegate::gathered_grouped_mm(x, rows, rows_divisor, weight, offs)``."""
+    x, rows, divisor, w, offs = node.args
+    launch_grouped_mm(b, b.ref(x), b.ref(w), b.ref(offs), b.out(node), rows=b.ref(rows), rows_divisor=divisor)
+
+
+def _rows(node, at: int) -> tuple:
+    """(rows, rows_divisor) of a glu_grouped_mm node, positional from ``at`` or by keyword."""
+    given = dict(zip(("rows", "rows_divisor"), node.args[at:]))
+    given.update({k: v for k, v in node.kwargs.items() if k in ("rows", "rows_divisor")})
+    return given.get("rows"), given.get("rows_divisor", 1)
 
 
 # --- support check --------------------------------------------------------------------------------
@@ -277,7 +317,12 @@ def supported(node) -> str | None:
     return _supported(*(node_value(a) for a in operands(node)), node.meta.get("val"))
 
 
-def _supported(x, w, offs, bias, out) -> str | None:
+def _supported(x, w, offs, bias, out, rows=None, divisor=1) -> str | None:
+    if rows is not None:
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32):
+            return "rows must be a 1-D int64 or int32 tensor"
+        if not isinstance(divisor, int) or divisor < 1:
+            return f"rows_divisor {divisor!r} is not a positive int"
     if bias is not None:
         return "a bias is not supported; only input [S, K] @ weight[E, K, N] grouped by offs"
     for name, v in (("input", x), ("weight", w), ("result", out)):
@@ -308,7 +353,15 @@ def supported_glu(node) -> str | None:
     w = node_value(node.args[1])
     if not isinstance(w, torch.Tensor) or w.dim() != 3 or not isinstance(w.shape[2], int) or w.shape[2] % 2:
         return "the weight is not [E, K, 2N] with a static, even N"
-    return _supported(node_value(node.args[0]), w, node_value(node.args[2]), None, node.meta.get("val"))
+    rows, divisor = _rows(node, 4)
+    return _supported(node_value(node.args[0]), w, node_value(node.args[2]), None, node.meta.get("val"),
+                      node_value(rows), divisor)
+
+
+def supported_gathered(node) -> str | None:
+    """gathered_grouped_mm(x [T, K], rows [S], rows_divisor, weight [E, K, N], offs [E])."""
+    x, rows, divisor, w, offs = node.args
+    return _supported(*(node_value(a) for a in (x, w, offs)), None, node.meta.get("val"), node_value(rows), divisor)
 
 
 def operands(node) -> tuple:

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import ranking
 from .elementwise import unravel5
 from .refs import FLOAT_DTYPES, MAX_RANK, TRef, collapse_padded
 from .sizes import next_power_of_2, upper
@@ -68,7 +69,10 @@ def histc_kernel(
     xs0, xs1, xs2, xs3, xs4,
     bins, lo, hi, out_stride,
     FROM_DATA: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+    CUMULATIVE: tl.constexpr = False, CAST: tl.constexpr = False,
 ):
+    # CUMULATIVE: out[b] counts the elements of bins <= b (cumsum of the counts); CAST: the elements
+    # are converted to fp32 first (histc of ``x.float()``), so each step rounds in fp32
     b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     if FROM_DATA:  # min == max: the data's range, widened by 1 each side when that is one value
         lo, hi = _data_range(x_ptr, n, d1, d2, d3, d4, xs0, xs1, xs2, xs3, xs4, BLOCK_N)
@@ -81,29 +85,37 @@ def histc_kernel(
         offs = start + tl.arange(0, BLOCK_N).to(tl.int64)
         mask = offs < n
         x = _element(x_ptr, offs, mask, d1, d2, d3, d4, xs0, xs1, xs2, xs3, xs4)
+        if CAST:
+            x = x.to(tl.float32)
         xf = x.to(tl.float32)
         inside = mask & (xf >= lo) & (xf <= hi)
         pos = _round(_round(_round(xf - lo, x) * bins, x) / _round(span, x), x).to(tl.int32)
         pos = tl.minimum(pos, bins - 1)
-        hit = inside[:, None] & (pos[:, None] == b[None, :])
+        if CUMULATIVE:
+            hit = inside[:, None] & (pos[:, None] <= b[None, :])
+        else:
+            hit = inside[:, None] & (pos[:, None] == b[None, :])
         counts += tl.sum(hit.to(tl.int32), axis=0)
     tl.store(out_ptr + b * out_stride, counts.to(tl.float32).to(out_ptr.dtype.element_ty), mask=b < bins)
 
 
 # --- host launcher and lowering -------------------------------------------------------------------
-def launch_histc(b, out: TRef, x: TRef, bins: int, low: float, high: float) -> None:
+def launch_histc(b, out: TRef, x: TRef, bins: int, low: float, high: float, cumulative: bool = False,
+                 cast: bool = False) -> None:
     """``out`` (``bins`` elements) = the counts of ``x``'s elements in ``bins`` bins over [low, high]
-    (the data's range when low == high)."""
+    (the data's range when low == high); ``cumulative``: their running sums; ``cast``: of ``x``
+    converted to fp32."""
     walk = collapse_padded(x.shape, [x.strides], MAX_RANK)
     if walk is None:
         raise NotImplementedError(f"histc over more than {MAX_RANK} non-mergeable dims")
     sizes, (strides,) = walk
     # the edges as the input's dtype holds them (ATen converts min and max to it)
-    low, high = (float(torch.tensor(v, dtype=x.dtype)) for v in (low, high))
+    low, high = (float(torch.tensor(v, dtype=torch.float32 if cast else x.dtype)) for v in (low, high))
     block_b = min(next_power_of_2(bins), BLOCK_B)
     block_n = min(next_power_of_2(upper(math.prod(x.shape))), BLOCK_N)
     b.launch("histc", (triton.cdiv(bins, block_b),), out, x, math.prod(x.shape), *sizes[1:], *strides,
-             bins, low, high, out.strides[0], FROM_DATA=low == high, BLOCK_B=block_b, BLOCK_N=block_n)
+             bins, low, high, out.strides[0], FROM_DATA=low == high, BLOCK_B=block_b, BLOCK_N=block_n,
+             CUMULATIVE=cumulative, CAST=cast)
 
 
 def _arguments(node) -> list:
@@ -128,3 +140,43 @@ def histc(b, node):
     """histc(x, bins=100, min=0, max=0)."""
     args = _arguments(node)
     launch_histc(b, b.out(node), b.ref(node.args[0]), int(args[0]), float(args[1]), float(args[2]))
+
+
+# Counts are exact integers; as fp32 running sums they stay exact below 2^24 elements.
+EXACT_COUNT = 1 << 24
+CAST_DTYPES = ranking.DTYPES
+
+
+def supported_cumulative(node) -> str | None:
+    """cumulative_histc(x, bins, min, max, cast, dtype): histc's checks on x (cast to fp32 first)."""
+    return cumulative_refusal(node.args[0].meta.get("val"), *node.args[1:])
+
+
+def cumulative_refusal(x, bins, low, high, cast, dtype) -> str | None:
+    """Why the kernel cannot take ``cumsum(histc(x.to(cast), bins, low, high), 0, dtype=dtype)``;
+    None when it can."""
+    if not isinstance(bins, int) or not isinstance(low, (int, float)) or not isinstance(high, (int, float)):
+        return f"bins, min and max {[bins, low, high]} are not constants"
+    if not isinstance(x, torch.Tensor):
+        return "the input is not a tensor"
+    if cast not in (None, torch.float32):
+        return f"a cast to {cast} first is not supported (only to torch.float32)"
+    if cast is None and x.dtype not in (torch.float32, torch.float64):
+        return f"input dtype {x.dtype}: running sums of its counts are exact in fp32 and fp64 only"
+    if cast is not None and x.dtype not in CAST_DTYPES:
+        return f"input dtype {x.dtype} is not supported"
+    if dtype not in (torch.int32, torch.int64, torch.float32, torch.float64):
+        return f"result dtype {dtype} is not supported"
+    n = upper(math.prod(x.shape))
+    if not isinstance(n, int) or n >= EXACT_COUNT:
+        return f"{n} elements: running counts are exact below {EXACT_COUNT}"
+    if low > high or any(math.isinf(a) or math.isnan(a) for a in (low, high)):
+        return f"the range [{low}, {high}] is not finite and ordered"
+    return None
+
+
+def cumulative_histc(b, node):
+    """``tritondelegate::cumulative_histc``: the counts' running sums, one launch."""
+    x, bins, low, high, cast, _ = node.args
+    launch_histc(b, b.out(node), b.ref(x), int(bins), float(low), float(high), cumulative=True,
+                 cast=cast is not None)

@@ -147,6 +147,8 @@ OPS: dict[object, OpSpec] = {
     aten.arange.start_step: OpSpec(creation.arange, creation.supported_arange),
     aten.empty.memory_format: OpSpec(creation.empty, creation.supported),
     aten.empty_permuted.default: OpSpec(creation.empty, creation.supported),
+    aten.empty_like.default: OpSpec(creation.empty, creation.supported),
+    aten.new_empty.default: OpSpec(creation.empty, creation.supported),
     # indexing: index.py
     aten.embedding.default: OpSpec(idx.embedding, idx.supported_embedding),
     aten.index_select.default: OpSpec(idx.index_select, idx.supported_index_select),
@@ -230,6 +232,8 @@ OPS: dict[object, OpSpec] = {
     td_ops.rotary_pair_angles: OpSpec(rot.rotary_pair_angles, rot.supported_pair_angles),  # rotary.py
     td_ops.glu_linear: OpSpec(mm.glu_linear, mm.supported_glu),  # matmul.py
     td_ops.glu_grouped_mm: OpSpec(gmm.glu_grouped_mm, gmm.supported_glu),  # grouped_mm.py
+    td_ops.gathered_grouped_mm: OpSpec(gmm.gathered_grouped_mm, gmm.supported_gathered),  # grouped_mm.py
+    td_ops.cumulative_histc: OpSpec(hist.cumulative_histc, hist.supported_cumulative),  # histogram.py
     td_ops.rope_linear: OpSpec(mm.rope_linear, mm.supported_rope),  # matmul.py
 }
 

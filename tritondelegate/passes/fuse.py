@@ -19,6 +19,9 @@ constant folding and partitioning:
   ``tritondelegate::glu_linear`` over the two weights interleaved (one GEMM, the gating in its epilogue);
 * ``fuse_grouped_glu``: a Mixture-of-Experts layer's grouped gate/up GEMM split in halves and gated
   becomes one ``tritondelegate::glu_grouped_mm`` over the experts' weights interleaved;
+* ``expert_dispatch``: a Mixture-of-Experts layer's bookkeeping around its grouped GEMMs in fewer
+  launches: the gathered token rows read in the GEMM's loads, the offsets per expert (cast, histc,
+  cumsum) one ``tritondelegate::cumulative_histc``, the unsort (inverse order, gather) one scatter;
 * ``fuse_projections``: linears that read the same input (Q/K/V; gate/up) become one linear over
   their weights concatenated (folded into one constant by ``lower()``), and views of its result;
 * ``fuse_rope_linear``: a rotary embedding whose query and key are views of one projection (after
@@ -41,6 +44,7 @@ import torch
 from .cat_slices import cat_slices
 from .centered_norm import centered_norm
 from .dedupe import dedupe
+from .expert_dispatch import expert_dispatch
 from .fuse_batchnorm import fuse_batchnorm
 from .fuse_gelu import fuse_gelu
 from .fuse_glu import fuse_glu
@@ -61,7 +65,7 @@ def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool)
     if fold:  # these store new constants (concatenated or folded weights): folding computes them once
         done += (fuse_glu(ep, state) + fuse_grouped_glu(ep, state) + fuse_projections(ep, state)
                  + fuse_rope_linear(ep, state) + fuse_batchnorm(ep, state))
-    done += cat_slices(ep) + head_norm(ep)
+    done += expert_dispatch(ep) + cat_slices(ep) + head_norm(ep)
     if done:
         ep.graph_module.recompile()
     return done

@@ -68,11 +68,20 @@ CAST_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 def cast_input(node) -> torch.fx.Node | None:
     """The input of ``node`` when it is a plain dtype cast between :data:`CAST_FLOATS` (``_to_copy``
     that keeps layout, device and memory format), else None."""
+    src = plain_cast(node)
+    if src is None or tensor_val(src).dtype not in CAST_FLOATS or tensor_val(node).dtype not in CAST_FLOATS:
+        return None
+    return src
+
+
+def plain_cast(node) -> torch.fx.Node | None:
+    """The input of ``node`` when it is a plain dtype cast (``_to_copy`` to a dtype that keeps layout,
+    device and memory format), between any dtypes; else None."""
     if not is_call(node, torch.ops.aten._to_copy.default) or len(node.args) != 1 or "dtype" not in node.kwargs:
         return None
     src = node.args[0]
-    src_val, val = tensor_val(src), tensor_val(node)
-    if src_val is None or val is None or src_val.dtype not in CAST_FLOATS or val.dtype not in CAST_FLOATS:
+    src_val = tensor_val(src)
+    if src_val is None or tensor_val(node) is None:
         return None
     for key, value in node.kwargs.items():
         if key == "dtype":

@@ -1,0 +1,198 @@
+"""A Mixture-of-Experts layer's dispatch in fewer launches (passes/expert_dispatch.py): the token rows
+read through the expert order in the grouped GEMM's loads (``ROWS`` in kernels/grouped_mm.py), the
+offsets per expert as one cumulative histogram (``CUMULATIVE``/``CAST`` in kernels/histogram.py), and
+the unsort as one scatter. Each against eager on the same inputs: every dtype, both GEMM variants,
+negative and repeated rows, values outside the bins; and what must stay as it is stays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import FLOAT_DTYPES, TOLERANCES, Fn, lower_resident, plan_launches
+
+pytest.importorskip("transformers.integrations.moe")
+GMM = torch.ops.transformers.grouped_mm_fallback
+F = torch.nn.functional
+
+
+def _kernels(lowered) -> list[str]:
+    return [launch.kernel for launch in plan_launches(lowered)]
+
+
+def _fused(lowered) -> str:
+    return "\n".join(d for report in lowered.reports.values() for d in report.fused)
+
+
+def _run(fn, args, expected=None, atol=0.0, rtol=0.0):
+    lowered = lower_resident(Fn(fn), args)
+    out = lowered.load().load_method()(*args)
+    torch.testing.assert_close(out, fn(*args) if expected is None else expected, atol=atol, rtol=rtol)
+    return lowered
+
+
+# --- rows read through the expert order ------------------------------------------------------------
+class Dispatch(torch.nn.Module):
+    """transformers' grouped_mm experts: tokens sorted by expert, rows gathered, gate/up, down."""
+
+    def __init__(self, E, K, N, dtype, k=2, gated=True):
+        super().__init__()
+        self.gate_up = torch.nn.Parameter(torch.randn(E, (2 if gated else 1) * N, K).to(dtype) / K ** 0.5)
+        self.down = torch.nn.Parameter(torch.randn(E, K, N).to(dtype) / N ** 0.5)
+        self.E, self.k, self.gated = E, k, gated
+
+    def forward(self, hidden, top_k_index, offs):
+        ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)  # ties in token order, as the kernel
+        rows = hidden[perm // self.k]
+        y = GMM(rows, self.gate_up.transpose(1, 2), offs)
+        if self.gated:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = torch.clamp(y, -1, 1) * torch.sigmoid(y)  # GPT-OSS gates its own way: no GLU match
+        return GMM(y, self.down.transpose(1, 2), offs), ids
+
+
+def _routing(tokens, E, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    offs = torch.bincount(index.reshape(-1), minlength=E).cumsum(0).to(torch.int32)
+    return index, offs
+
+
+@pytest.mark.parametrize("tokens", [2, 19])  # per-row tiles (decode) and segment tiles (prefill)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_the_experts_read_token_rows_in_place(tokens, gated, dtype):
+    torch.manual_seed(0)
+    model = Dispatch(4, 16, 12, dtype, gated=gated).eval()
+    index, offs = _routing(tokens, 4, 2, seed=tokens)
+    args = (torch.randn(tokens, 16).to(dtype), index, offs)
+    lowered = lower_resident(model, args)
+    assert "grouped_mm" in _kernels(lowered) and "gather" not in _kernels(lowered), _kernels(lowered)
+    kind = "glu_grouped_mm" if gated else "gathered_grouped_mm"
+    assert f"// 2 -> " in _fused(lowered) and f"tritondelegate::{kind}" in _fused(lowered), _fused(lowered)
+    grouped = [l for l in plan_launches(lowered) if l.kernel == "grouped_mm"]
+    assert [l.constexprs["ROWS"].value for l in grouped] == [True, False]
+    with torch.no_grad():  # against the same rounded operands in fp32
+        expected = Dispatch(4, 16, 12, torch.float32, gated=gated)
+        expected.load_state_dict({n: p.float() for n, p in model.state_dict().items()})
+        want = expected(args[0].float(), index, offs)
+    out, ids = lowered.load().load_method()(*args)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), want[0], atol=atol, rtol=rtol)
+    torch.testing.assert_close(ids, want[1])
+
+
+def test_rows_as_given_negative_ones_from_the_end():
+    torch.manual_seed(1)
+    w = torch.randn(3, 8, 5)
+
+    def fn(hidden, rows, offs):  # rows straight from an input: -1 is the last row, rows repeat
+        return GMM(hidden[rows], w, offs)
+
+    args = (torch.randn(6, 8), torch.tensor([-1, 0, 5, -6, 2, 2, -3]), torch.tensor([2, 2, 7], dtype=torch.int32))
+    lowered = _run(fn, args, atol=1e-5, rtol=1e-5)
+    assert _kernels(lowered) == ["grouped_mm"]
+
+
+def test_gathered_rows_read_twice_stay_gathered():
+    torch.manual_seed(2)
+    w = torch.randn(2, 8, 4)
+
+    def fn(hidden, rows, offs):  # the gathered rows are also returned: they must be written
+        x = hidden[rows // 3]
+        return GMM(x, w, offs), x
+
+    args = (torch.randn(5, 8), torch.tensor([0, 14, 3, 7]), torch.tensor([1, 4], dtype=torch.int32))
+    lowered = _run(fn, args, atol=1e-5, rtol=1e-5)
+    assert "expert rows" not in _fused(lowered)
+    assert _kernels(lowered).count("gather") == 1
+
+
+# --- offsets per expert in one launch -----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_offsets_per_expert_are_one_cumulative_histogram(dtype):
+    def fn(ids):  # transformers' offsets from the sorted expert ids; -1 and 300 fall outside the bins
+        return torch.cumsum(torch.histc(ids.float(), bins=200, min=0, max=199), dim=0, dtype=dtype)
+
+    ids = torch.cat([torch.randint(0, 200, (517,)), torch.tensor([-1, 300, 199, 0])]).sort().values
+    lowered = _run(fn, (ids,))
+    assert _kernels(lowered) == ["histc"]  # the cast, the counts and the running sum: one launch
+    (launch,) = plan_launches(lowered)
+    assert launch.constexprs["CUMULATIVE"].value and launch.constexprs["CAST"].value
+    assert launch.grid == (2,)  # 200 bins over two programs, each counting the bins up to its own
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.histc(x, 7, -1.5, 2).cumsum(0),  # no cast: fp32 running sums
+    lambda x: torch.histc(x.double(), 5).cumsum(-1, dtype=torch.int64),  # the data's own range
+    lambda x: torch.histc(x[::2].abs().float(), 4, 0, 1).cumsum(0),  # a strided, computed input
+])
+def test_cumulative_histograms_of_floats_match_eager(fn):
+    x = torch.randn(41)
+    lowered = _run(fn, (x,))
+    assert "expert offsets in one launch" in _fused(lowered)
+
+
+def test_counts_read_elsewhere_or_in_half_precision_stay_apart():
+    def shared(x):  # the counts are returned too
+        h = torch.histc(x, 4, -1, 1)
+        return h.cumsum(0), h
+
+    def half(x):  # fp16 running sums round: the kernel counts exactly, so no merge
+        return torch.histc(x.half(), 4, -1, 1).cumsum(0)
+
+    x = torch.randn(30)
+    for fn in (shared, half):
+        lowered = _run(fn, (x,))
+        assert "expert offsets" not in _fused(lowered), fn.__name__
+        assert _kernels(lowered).count("cumsum") == 1
+
+
+# --- the unsort as one scatter --------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(6,), (6, 5), (6, 2, 3)])
+def test_rows_go_back_in_token_order_by_one_scatter(shape):
+    def fn(keys, y):
+        _, perm = torch.sort(keys)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        return y[inv]
+
+    args = (torch.tensor([3, 0, 2, 3, 1, 0]), torch.randn(shape))
+    lowered = _run(fn, args)
+    assert "expert unsort" in _fused(lowered)
+    assert _kernels(lowered) == ["rank", "scatter"]
+
+
+def test_an_inverse_of_indices_that_are_not_a_sort_stays_an_inverse():
+    def fn(perm, y):  # perm is an input: nothing says it is a permutation, so y[inv] keeps its meaning
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        return y[inv], inv
+
+    perm = torch.tensor([2, 0, 3, 1])
+    lowered = _run(fn, (perm, torch.randn(4, 3)))
+    assert "expert unsort" not in _fused(lowered)
+
+
+# --- a whole layer ---------------------------------------------------------------------------------
+def test_a_transformers_moe_layer_dispatches_without_gathers_counts_or_inverse():
+    """Qwen3-MoE: per layer the sort, the routing weights' gather, one offsets launch and one scatter
+    remain of the dispatch; no rows gathered, no cast, histc or cumsum apart, no inverse order."""
+    transformers = pytest.importorskip("transformers")
+    from harness import Logits
+    from test_grouped_mm import _moe
+
+    torch.manual_seed(3)
+    model = Logits(_moe(transformers, "qwen3_moe").eval())
+    args = (torch.randint(0, 96, (1, 9)),)
+    lowered = lower_resident(model, args)
+    fused = _fused(lowered)
+    for what in ("expert rows read in place", "expert offsets in one launch", "expert unsort as one scatter"):
+        assert fused.count(what) == 2, fused  # each of the 2 layers
+    kernels = _kernels(lowered)
+    assert (kernels.count("histc"), kernels.count("cumsum"), kernels.count("scatter")) == (2, 0, 2 + 0), kernels
+    with torch.no_grad():
+        expected = model(*args)
+    torch.testing.assert_close(lowered.load().load_method()(*args), expected, atol=1e-4, rtol=1e-4)

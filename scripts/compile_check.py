@@ -145,17 +145,19 @@ def _int_ranking():
 def _moe_routing(dtype, tokens: int, experts: int = 128, top: int = 8):
     """A Mixture-of-Experts router as transformers writes it (Qwen3-30B-A3B: 128 experts, 8 per token):
     softmax, top-k, renormalize, the chosen experts sorted (tokens x top ids), their tokens, and the
-    rows per expert counted and summed into the grouped GEMM's offsets (kernels/ranking.py,
-    histogram.py)."""
-    def route(logits):
+    rows per expert counted and summed into the grouped GEMM's offsets (kernels/router.py, ranking.py,
+    histogram.py); and GPT-OSS's form over 512 experts (the top k logits, then their softmax)."""
+    def route(logits, wide):
         weights, chosen = torch.topk(torch.softmax(logits.float(), -1), top)
         weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
         order, perm = torch.sort(chosen.reshape(-1))
         counts = torch.histc(order.float(), experts, 0, experts - 1)
         spread = torch.histc(logits, 16)  # and a histogram over the data's own range, in its dtype
-        return weights.reshape(-1)[perm], perm // top, torch.cumsum(counts, 0, dtype=torch.int32), spread
+        top_logits, picked = torch.topk(wide, 4)
+        return (weights.reshape(-1)[perm], perm // top, torch.cumsum(counts, 0, dtype=torch.int32), spread,
+                torch.softmax(top_logits, -1, dtype=wide.dtype), picked)
 
-    return Fn(route), (_randn(tokens, experts, dtype=dtype),)
+    return Fn(route), (_randn(tokens, experts, dtype=dtype), _randn(tokens, 512, dtype=dtype))
 
 
 def _rows(dtype):

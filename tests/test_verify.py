@@ -29,7 +29,7 @@ RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for
 class Zoo(torch.nn.Module):
     """One delegate over most kernel families: gather, norm, matmul, attention, softmax, cumsum, conv
     with an epilogue, batch norm, pooling, padding, a pointwise chain, a norm with a prologue, a reduction,
-    a scatter, a top-k and a histogram."""
+    a scatter, a top-k, a histogram and a router's top-k of a softmax."""
 
     def __init__(self):
         super().__init__()
@@ -46,7 +46,8 @@ class Zoo(torch.nn.Module):
         p = F.layer_norm(torch.sigmoid(F.pad(self.bn(img), (1, 1))) * 3.0 + 1.0, (8,))
         z = torch.zeros(6, 8).index_copy(0, ids[:2], h[0, :2])
         # p's chain is the norm's prologue
-        return s, torch.cumsum(ids, 0), y, p, s.amax(-1) * 2.0 - 1.0, z, *torch.topk(s[0], 3), torch.histc(p, 5, -1, 1)
+        return (s, torch.cumsum(ids, 0), y, p, s.amax(-1) * 2.0 - 1.0, z, *torch.topk(s[0], 3), torch.histc(p, 5, -1, 1),
+                *torch.topk(torch.softmax(h[0], -1), 2))
 
 
 def _zoo_args():
@@ -99,7 +100,7 @@ def test_the_undamaged_program_loads_and_runs(zoo):
     model, lowered = zoo
     assert {launch.kernel for _, _, launch in _launches(lowered.program)} >= {
         "gather", "norm", "matmul", "attention", "softmax", "cumsum", "conv2d", "batch_norm", "pool2d", "pad",
-        "pointwise_chain", "reduce", "scatter", "rank", "histc"}
+        "pointwise_chain", "reduce", "scatter", "rank", "histc", "router"}
     args = _zoo_args()
     with torch.no_grad():
         expected = model(*args)
@@ -193,7 +194,8 @@ def test_a_kernel_that_writes_a_constant_is_refused(zoo):
 SIZES = {"pointwise": "n", "pointwise_chain": "n", "matmul": "M", "conv2d": "M", "attention": "Lq",
          "reduce": "rows", "softmax": "rows", "norm": "rows", "gather": "n", "scatter": "n", "cumsum": "rows",
          "pool2d": "total", "batch_norm": "numel", "pad": "total", "arange": "n", "rotary": "rows",
-         "grouped_mm": "S", "attention_combine": "S", "rank": "length", "histc": "n"}
+         "grouped_mm": "S", "attention_combine": "S", "rank": "length", "histc": "n",
+         "router": "length"}
 
 
 def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):

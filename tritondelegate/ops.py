@@ -46,6 +46,12 @@ place of a written-out pattern, so one kernel runs them.
                                      ScalarType dtype) -> Tensor
         cumsum(histc(x.to(cast), bins, min, max), 0, dtype=dtype): a router's offsets per expert from
         its sorted expert ids in one launch (``cast`` None: x as it is)
+    tritondelegate::router_topk(Tensor x, int k, bool softmax_first, bool renormalize, ScalarType? dtype,
+                                ScalarType? out_dtype) -> (Tensor, Tensor)
+        a Mixture-of-Experts router's choice along the last dim, (values, indices):
+        softmax_first: topk(softmax(x, -1, dtype=dtype), k), the values divided by their sum when
+        renormalize; else topk(x, k) with softmax(values, -1, dtype=dtype); values cast to out_dtype
+        (``passes/fuse_router.py``; one launch, ``kernels/router.py``)
     tritondelegate::rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin,
                                 int[] cos_dims, float scale, ScalarType? dtype, Tensor? norm_weight=None,
                                 int norm_dim=0, float norm_eps=0.0) -> Tensor
@@ -90,6 +96,8 @@ _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tenso
 _lib.define("glu_grouped_mm(Tensor x, Tensor weight, Tensor offs, str act, Tensor? rows=None, "
             "int rows_divisor=1) -> Tensor")
 _lib.define("gathered_grouped_mm(Tensor x, Tensor rows, int rows_divisor, Tensor weight, Tensor offs) -> Tensor")
+_lib.define("router_topk(Tensor x, int k, bool softmax_first, bool renormalize, ScalarType? dtype, "
+            "ScalarType? out_dtype) -> (Tensor, Tensor)")
 _lib.define("cumulative_histc(Tensor x, int bins, float min, float max, ScalarType? cast, ScalarType dtype) "
             "-> Tensor")
 _lib.define("rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin, "
@@ -280,6 +288,29 @@ def _gathered_grouped_mm_fake(x, rows, rows_divisor, weight, offs):
     return x.new_empty(rows.shape[0], weight.shape[2])
 
 
+def router_topk_reference(x, k: int, softmax_first: bool, renormalize: bool, dtype, out_dtype):
+    """A router's top k along the last dim, as ``router_topk`` defines it (module docstring)."""
+    if softmax_first:
+        values, indices = torch.topk(torch.softmax(x, -1, dtype=dtype), k)
+        if renormalize:
+            values = values / values.sum(-1, keepdim=True)
+    else:
+        values, indices = torch.topk(x, k)
+        values = torch.softmax(values, -1, dtype=dtype)
+    return (values if out_dtype is None else values.to(out_dtype)), indices
+
+
+@torch.library.impl(_lib, "router_topk", "CompositeExplicitAutograd")
+def _router_topk(x, k, softmax_first, renormalize, dtype, out_dtype):
+    return router_topk_reference(x, k, softmax_first, renormalize, dtype, out_dtype)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::router_topk")
+def _router_topk_fake(x, k, softmax_first, renormalize, dtype, out_dtype):
+    shape = (*x.shape[:-1], k)
+    return x.new_empty(shape, dtype=out_dtype or dtype or x.dtype), x.new_empty(shape, dtype=torch.int64)
+
+
 def cumulative_histc_reference(x, bins: int, low: float, high: float, cast, dtype) -> torch.Tensor:
     """``cumsum(histc(x.to(cast), bins, low, high), 0, dtype=dtype)`` (no cast when ``cast`` is None)."""
     counts = torch.histc(x if cast is None else x.to(cast), bins, low, high)
@@ -382,6 +413,7 @@ OPS: dict[str, torch._ops.OpOverload] = {
     "tritondelegate::glu_grouped_mm": torch.ops.tritondelegate.glu_grouped_mm.default,
     "tritondelegate::gathered_grouped_mm": torch.ops.tritondelegate.gathered_grouped_mm.default,
     "tritondelegate::cumulative_histc": torch.ops.tritondelegate.cumulative_histc.default,
+    "tritondelegate::router_topk": torch.ops.tritondelegate.router_topk.default,
     "tritondelegate::rope_linear": torch.ops.tritondelegate.rope_linear.default,
 }
 
@@ -394,4 +426,5 @@ glu_linear = torch.ops.tritondelegate.glu_linear.default
 glu_grouped_mm = torch.ops.tritondelegate.glu_grouped_mm.default
 gathered_grouped_mm = torch.ops.tritondelegate.gathered_grouped_mm.default
 cumulative_histc = torch.ops.tritondelegate.cumulative_histc.default
+router_topk = torch.ops.tritondelegate.router_topk.default
 rope_linear = torch.ops.tritondelegate.rope_linear.default

@@ -28,6 +28,7 @@ from . import pad
 from . import pool
 from . import ranking
 from . import reduce as red
+from . import router
 from . import rotary as rot
 from . import scatter as sc
 from . import softmax as sm
@@ -234,6 +235,7 @@ OPS: dict[object, OpSpec] = {
     td_ops.glu_grouped_mm: OpSpec(gmm.glu_grouped_mm, gmm.supported_glu),  # grouped_mm.py
     td_ops.gathered_grouped_mm: OpSpec(gmm.gathered_grouped_mm, gmm.supported_gathered),  # grouped_mm.py
     td_ops.cumulative_histc: OpSpec(hist.cumulative_histc, hist.supported_cumulative),  # histogram.py
+    td_ops.router_topk: OpSpec(router.router_topk, router.supported),  # router.py
     td_ops.rope_linear: OpSpec(mm.rope_linear, mm.supported_rope),  # matmul.py
 }
 

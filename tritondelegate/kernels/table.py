@@ -7,7 +7,7 @@ ATen ops). Each kernel's footprint rule (``runtime/footprints.py``) and traffic 
 from __future__ import annotations
 
 from . import attention, batchnorm, conv, creation, elementwise, index, matmul, norm, pad, pool, reduce, rotary
-from . import grouped_mm, histogram, ranking, scatter, softmax
+from . import grouped_mm, histogram, ranking, router, scatter, softmax
 
 KERNELS: dict[str, object] = {
     "pointwise": elementwise.pointwise_kernel,
@@ -18,6 +18,7 @@ KERNELS: dict[str, object] = {
     "cumsum": index.cumsum_kernel,
     "rank": ranking.rank_kernel,
     "histc": histogram.histc_kernel,
+    "router": router.router_kernel,
     "scatter": scatter.scatter_kernel,
     "matmul": matmul.matmul_kernel,
     "grouped_mm": grouped_mm.grouped_mm_kernel,

@@ -220,6 +220,9 @@ TRAFFIC: dict[str, KernelTraffic] = {
     # every element of a row compared with every other (two compares and a sum each); ranks below k stored
     "rank": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("values_ptr"), Access("indices_ptr")),
                           flops=lambda a: 3 * a["rows"] * a["length"] * a["length"]),
+    # a row's softmax (about 4 ops an element), then as "rank", then the renormalization
+    "router": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("values_ptr"), Access("indices_ptr")),
+                            flops=lambda a: a["rows"] * a["length"] * (3 * a["length"] + 4)),
     # each element's bin (4 ops) compared with every bin
     "histc": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
                            flops=lambda a: a["n"] * (4 + a["bins"])),

@@ -22,6 +22,8 @@ constant folding and partitioning:
 * ``expert_dispatch``: a Mixture-of-Experts layer's bookkeeping around its grouped GEMMs in fewer
   launches: the gathered token rows read in the GEMM's loads, the offsets per expert (cast, histc,
   cumsum) one ``tritondelegate::cumulative_histc``, the unsort (inverse order, gather) one scatter;
+* ``fuse_router``: a router's softmax, top-k and renormalization (or top-k, then softmax) become one
+  ``tritondelegate::router_topk`` (one program per row of logits);
 * ``fuse_projections``: linears that read the same input (Q/K/V; gate/up) become one linear over
   their weights concatenated (folded into one constant by ``lower()``), and views of its result;
 * ``fuse_rope_linear``: a rotary embedding whose query and key are views of one projection (after
@@ -50,6 +52,7 @@ from .fuse_gelu import fuse_gelu
 from .fuse_glu import fuse_glu
 from .fuse_grouped_glu import fuse_grouped_glu
 from .fuse_projections import fuse_projections
+from .fuse_router import fuse_router
 from .fuse_rope_linear import fuse_rope_linear
 from .head_norm import head_norm
 from .fuse_rms_norm import fuse_rms_norm
@@ -65,7 +68,7 @@ def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool)
     if fold:  # these store new constants (concatenated or folded weights): folding computes them once
         done += (fuse_glu(ep, state) + fuse_grouped_glu(ep, state) + fuse_projections(ep, state)
                  + fuse_rope_linear(ep, state) + fuse_batchnorm(ep, state))
-    done += expert_dispatch(ep) + cat_slices(ep) + head_norm(ep)
+    done += expert_dispatch(ep) + fuse_router(ep) + cat_slices(ep) + head_norm(ep)
     if done:
         ep.graph_module.recompile()
     return done

@@ -365,6 +365,17 @@ def _rank(x: LaunchArgs) -> Footprint:
                                                                   "length": length})
 
 
+def _router(x: LaunchArgs) -> Footprint:
+    """One program per row (rows over n0 x n1 x n2); the first min(k, length) ranks stored (router.py)."""
+    rows, length, k = x.i("rows"), x.i("length"), x.i("k")
+    r = _unravel(rows, x.d("n1", "n2"))
+    kept = min(k, length)
+    acc = [Access("x_ptr", _walk(r, x.ints("xs", 3)) + ((length, x.i("xs3")),)),
+           Access("values_ptr", _walk(r, x.ints("vs", 3)) + ((kept, x.i("vs3")),), write=True),
+           Access("indices_ptr", _walk(r, x.ints("is", 3)) + ((kept, x.i("is3")),), write=True)]
+    return Footprint(acc, (rows,), {"rows x length": rows * length, "length": length})
+
+
 def _histc(x: LaunchArgs) -> Footprint:
     n, bins = x.i("n"), x.i("bins")
     idx = _unravel(n, x.d("d1", "d2", "d3", "d4"))
@@ -492,6 +503,8 @@ RULES: dict[str, KernelRule] = {
                          (("BLOCK_R", "BLOCK_L"),)),
     "rank": KernelRule(_rank, {"DESCENDING": FLAG, "BLOCK_I": pow2(1, 4096), "BLOCK_J": pow2(1, 4096)},
                        (("BLOCK_I", "BLOCK_J"),)),
+    "router": KernelRule(_router, {"SOFTMAX_FIRST": FLAG, "RENORMALIZE": FLAG, "ROUND": one_of("", "float16", "bfloat16"),
+                                   "BLOCK_E": pow2(1, 1024), "BLOCK_J": pow2(1, 4096)}, (("BLOCK_E", "BLOCK_J"),)),
     "histc": KernelRule(_histc, {"FROM_DATA": FLAG, "CUMULATIVE": FLAG, "CAST": FLAG,
                                  "BLOCK_B": pow2(1, 4096), "BLOCK_N": pow2(1, 4096)},
                         (("BLOCK_N", "BLOCK_B"),)),

@@ -1,0 +1,138 @@
+"""A Mixture-of-Experts router's softmax, top-k and renormalization as one ``tritondelegate::router_topk``.
+
+transformers' routers choose each token's experts as
+
+    p = softmax(logits, -1 [, dtype])            Mixtral, Qwen2/3-MoE, OLMoE, PhiMoE, ...
+    v, i = topk(p, k)
+    v = v / v.sum(-1, keepdim=True)              (when they renormalize: norm_topk_prob)
+    v = v.to(dtype)                              (optional)
+
+or, taking the top k of the logits first (GPT-OSS, GraniteMoE, JetMoe),
+
+    v, i = topk(logits, k);  v = softmax(v, -1 [, dtype]) [.to(dtype)]
+
+two to five launches over a row of E logits. As ``router_topk(logits, k, softmax_first, renormalize,
+dtype, out_dtype)`` one program per row does all of it in registers (``kernels/router.py``). A cast of
+the logits to fp32 read only by the softmax runs in the kernel's loads (``dtype``).
+
+The pattern matches when each intermediate is read by nothing but the next step (the probabilities by
+the top-k; the values by the sum and the division; the sum by the division; the value before a cast
+by the cast), the top-k is the largest k along the last dim, k a constant, and the kernel takes the row
+(``router.refusal``: at most ``router.MAX_EXPERTS`` logits).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from .. import ops
+from ..kernels import router
+from ..kernels.rows import node_arg
+from .fuse_glu import only_read_by
+from .rewrite import (erase_unused, fake, is_call, new_node, plain_cast, retarget_outputs, rewrite_matches,
+                      static_int, tensor_val)
+
+aten = torch.ops.aten
+SOFTMAXES = (aten.softmax.int, aten._softmax.default)
+
+
+def _last_dim(node, at: int, default=-1) -> bool:
+    dim, val = node_arg(node, at, "dim", default), tensor_val(node.args[0])
+    return val is not None and isinstance(dim, int) and dim % max(val.dim(), 1) == val.dim() - 1
+
+
+def _softmax_input(node) -> torch.fx.Node | None:
+    """x of ``softmax(x, -1)`` (either overload); None for anything else."""
+    return node.args[0] if is_call(node, *SOFTMAXES) and _last_dim(node, 1) else None
+
+
+def _outputs(topk) -> tuple | None:
+    """(values, indices) getitems of a top-k (either may be None); None if it is read otherwise."""
+    found = {0: None, 1: None}
+    for user in topk.users:
+        if not is_call(user, operator.getitem) or found.get(user.args[1], 1) is not None:
+            return None
+        found[user.args[1]] = user
+    return found[0], found[1]
+
+
+def _largest_k(topk) -> int | None:
+    """k of a ``topk`` of the largest k along the last dim, when k is a constant; else None."""
+    if not is_call(topk, aten.topk.default) or not node_arg(topk, 3, "largest", True) or not _last_dim(topk, 2):
+        return None
+    return static_int(topk.args[1])
+
+
+def _renormalized(values) -> torch.fx.Node | None:
+    """``values / values.sum(-1, keepdim=True)`` when that is all that reads ``values``; else None."""
+    users = list(values.users)
+    if len(users) != 2:
+        return None
+    total = next((u for u in users if is_call(u, aten.sum.dim_IntList)), None)
+    div = next((u for u in users if is_call(u, aten.div.Tensor)), None)
+    if total is None or div is None or div.args != (values, total) or not only_read_by(total, div):
+        return None
+    dims, keepdim = node_arg(total, 1, "dim"), node_arg(total, 2, "keepdim", False)
+    ndim = tensor_val(values).dim()
+    if total.kwargs.get("dtype") is not None or not keepdim or list(dims or []) not in ([-1], [ndim - 1]):
+        return None
+    return div
+
+
+def _cast_after(node) -> tuple:
+    """(what stands for ``node``'s result, out_dtype): a float cast that alone reads it, folded."""
+    users = list(node.users)
+    if len(users) == 1 and plain_cast(users[0]) is node and tensor_val(users[0]).dtype.is_floating_point:
+        return users[0], tensor_val(users[0]).dtype
+    return node, None
+
+
+def _match(topk) -> tuple | None:
+    """(x, k, softmax_first, renormalize, dtype, out_dtype, what the values stand for, indices)."""
+    k = _largest_k(topk)
+    outputs = _outputs(topk) if k is not None else None
+    if outputs is None or outputs[0] is None:
+        return None
+    values, indices = outputs
+    if router.refusal(tensor_val(topk.args[0]), k) is not None:
+        return None
+    x = _softmax_input(topk.args[0])
+    if x is not None and only_read_by(topk.args[0], topk):  # softmax first
+        dtype = tensor_val(topk.args[0]).dtype
+        src = plain_cast(x)
+        if src is not None and dtype == torch.float32 and only_read_by(x, topk.args[0]):
+            x = src  # the fp32 cast of the logits in the kernel's loads
+        div = _renormalized(values)
+        result, out_dtype = _cast_after(values if div is None else div)
+        return x, k, True, div is not None, dtype, out_dtype, result, indices
+    users = list(values.users)
+    if len(users) == 1 and _softmax_input(users[0]) is values:  # top-k first
+        result, out_dtype = _cast_after(users[0])
+        x = topk.args[0]
+        return x, k, False, False, tensor_val(users[0]).dtype, out_dtype, result, indices
+    return None
+
+
+def _fuse(graph, ep, topk, x, k, softmax_first, renormalize, dtype, out_dtype, result, indices) -> str:
+    args = (x, k, softmax_first, renormalize, dtype, out_dtype)
+    with graph.inserting_before(topk):
+        val = fake(lambda v: ops.router_topk(v, *args[1:]), tensor_val(x))
+        node = new_node(graph, ops.router_topk, args, val, topk.meta)
+        picks = [new_node(graph, operator.getitem, (node, j), val[j], topk.meta) for j in (0, 1)]
+    for old, new in ((result, picks[0]), (indices, picks[1])):
+        if old is not None:
+            old.replace_all_uses_with(new)
+            retarget_outputs(ep, old, new)
+    erase_unused(graph, [n for n in (result, indices) if n is not None])
+    erase_unused(graph, [picks[1]])
+    steps = ("softmax, top-k" if softmax_first else "top-k, softmax") + (", renormalize" if renormalize else "")
+    return f"router top-k: {steps} of {x.name} -> {node.name} (tritondelegate::router_topk, one launch)"
+
+
+def fuse_router(ep: torch.export.ExportedProgram) -> list[str]:
+    """Rewrite every router top-k of ``ep``'s graph into ``tritondelegate::router_topk``, in place;
+    one description per rewrite."""
+    return rewrite_matches(ep, _match, _fuse)

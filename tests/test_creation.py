@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import tritondelegate.decompose
-from harness import FLOAT_DTYPES, Fn, check_model, run_delegated
+from harness import FLOAT_DTYPES, Fn, check_model, lower_resident, plan_launches, run_delegated
 from tritondelegate.kernels import creation
 
 aten = torch.ops.aten
@@ -104,3 +104,26 @@ def test_support_refusals():
     node = _node(lambda x: torch.arange(0, 5, 1.5, dtype=torch.int64), torch.ones(1))
     assert "non-integer" in creation.supported_arange(node)
     assert creation.supported_arange(_node(lambda x: torch.arange(7), torch.ones(1))) is None
+
+
+@pytest.mark.parametrize("fn, shape, launches", [
+    (lambda x: x.repeat(2, 3), (3, 4), 1),
+    (lambda x: x.repeat(2, 1, 3, 1), (2, 5, 3), 1),  # new leading dims
+    (lambda x: x.t().repeat(1, 2), (3, 4), 1),  # a strided operand
+    (lambda x: x[:, None].expand(4, 3, 2).repeat(2, 1, 1, 2), (4, 2), 1),  # an expanded one
+    (lambda x: x.repeat(1, 1), (3, 4), 1),
+    (lambda x: x.repeat(2, 2, 2, 2), (2, 3, 4), 4),  # too many dims for one walk: a copy per repeated dim
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int64])
+def test_repeat(fn, shape, launches, dtype):
+    x = torch.randn(shape).mul(10).to(dtype)
+    lowered = lower_resident(Fn(fn), (x,))
+    assert [launch.kernel for launch in plan_launches(lowered)] == ["pointwise"] * launches
+    assert torch.equal(lowered.load().load_method()(x), fn(x))
+
+
+def test_repeat_over_too_many_dims_stays_on_the_host_with_a_reason():
+    x = torch.randn(2, 2)
+    lowered = lower_resident(Fn(lambda t: t.repeat(1, 2, 1, 2, 1)), (x,))
+    (host,) = lowered.reports["forward"].nodes.host
+    assert "repeats over 5 dims" in host[2]

@@ -11,6 +11,8 @@ UNARY = {
     "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
     "cos": torch.cos, "sin": torch.sin, "abs": torch.abs, "log": lambda x: torch.log(x.abs() + 1),
     "reciprocal": lambda x: 1.0 / (x.abs() + 1),
+    "log1p": lambda x: torch.log1p(x.abs() * 1e-3 - 5e-4),  # small arguments, where log(1 + x) loses them
+    "expm1": lambda x: torch.expm1(x * 1e-3) + torch.expm1(x * 2),  # tiny arguments, and larger ones
 }
 
 

@@ -115,6 +115,15 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = tl.exp(a)
     elif OP == "log":
         r = tl.log(a)
+    elif OP == "log1p":  # log(1 + a) without losing a small a: log(u) * a / (u - 1), u = 1 + a rounded
+        u = 1.0 + a
+        r = tl.where(u == 1.0, a, tl.log(u) * (a / (u - 1.0)))
+        r = tl.where(u == float("inf"), u, r)
+    elif OP == "expm1":  # exp(a) - 1 without losing a small a: (u - 1) * a / log(u), u = exp(a)
+        u = tl.exp(a)
+        r = tl.where(u == 1.0, a, (u - 1.0) * (a / tl.log(u)))
+        r = tl.where(u - 1.0 == -1.0, -1.0, r)
+        r = tl.where(u == float("inf"), u, r)
     elif OP == "sqrt":
         r = tl.sqrt(a)
     elif OP == "rsqrt":
@@ -414,7 +423,7 @@ def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | No
         dtypes = [o.dtype for o in operands if isinstance(o, TRef)] + [out.dtype] * (op in {"copy"})
         if any(isinstance(o, float) for o in operands):
             dtypes.append(torch.float32)
-        if op in {"div", "pow", "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "tanh", "gelu",
+        if op in {"div", "pow", "exp", "expm1", "log", "log1p", "sqrt", "rsqrt", "sigmoid", "silu", "tanh", "gelu",
                   "gelu_tanh", "cos", "sin", "reciprocal"}:
             dtypes.append(torch.float32)
         if op == "where":

@@ -3,7 +3,8 @@
 The shape, strides and offset of a view are computed by running the real ATen view op on a meta
 tensor with the operand's strides, so every view op agrees with PyTorch by construction. A
 ``view``/``reshape`` of a layout that cannot be viewed falls back to a contiguous copy first
-(``elementwise`` copy kernel). ``cat`` copies each operand into a slice of its output.
+(``elementwise`` copy kernel). ``cat`` copies each operand into a slice of its output; ``repeat`` copies
+its operand, read through zero strides, into its output viewed as (copies, size) per dim.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.fx
 
 from . import elementwise as ew
 from . import sizes
-from .refs import TRef, node_value
+from .refs import MAX_RANK, TRef, collapse_padded, node_value
 
 aten = torch.ops.aten
 
@@ -139,3 +140,46 @@ def supported_split(node) -> str | None:
     if vals and vals[0].dtype not in ew.DTYPES:
         return f"dtype {vals[0].dtype} is not supported"
     return None
+
+
+def repeat(b, node):
+    """repeat(x, repeats): out viewed as [r0, s0, r1, s1, ...] (s the sizes of x, left-padded with 1s to
+    len(repeats)) is one copy of x read with stride 0 along each r; when that walk has more dims than
+    a copy takes, one copy per repeated dim, each into scratch but the last."""
+    x = b.ref(node.args[0])
+    reps = b.sizes(node.args[1])
+    out = b.out(node)
+    pad = len(reps) - x.ndim
+    src = b.view(x, [1] * pad + list(x.shape), [0] * pad + list(x.strides))
+    if collapse_padded(*_repeated(src, out, reps, range(len(reps))), MAX_RANK) is not None:
+        _copy_repeated(b, src, out, reps, range(len(reps)))
+        return
+    dims = [d for d, r in enumerate(reps) if r != 1]
+    base = src.shape
+    for n, d in enumerate(dims):
+        shape = [reps[k] * base[k] if k in dims[:n + 1] else base[k] for k in range(len(reps))]
+        dst = out if n == len(dims) - 1 else b.alloc(shape, out.dtype)
+        _copy_repeated(b, src, dst, reps, [d])
+        src = dst
+
+
+def _repeated(src: TRef, dst: TRef, reps, dims) -> tuple:
+    """(shape, [dst strides, src strides]) of ``dst`` viewed as (copies, size) along ``dims`` of ``src``."""
+    shape, dst_strides, src_strides = [], [], []
+    for k, (n, s, o) in enumerate(zip(src.shape, src.strides, dst.strides)):
+        r = reps[k] if k in dims else 1
+        shape += [r, n]
+        dst_strides += [n * o, o]
+        src_strides += [0, s]
+    return shape, [dst_strides, src_strides]
+
+
+def _copy_repeated(b, src: TRef, dst: TRef, reps, dims) -> None:
+    shape, (dst_strides, src_strides) = _repeated(src, dst, reps, dims)
+    ew.launch_pointwise(b, "copy", b.view(dst, shape, dst_strides), [b.view(src, shape, src_strides)])
+
+
+def supported_repeat(node) -> str | None:
+    if len(node.args[1]) > MAX_RANK - 1:
+        return f"repeats over {len(node.args[1])} dims: a copy walks at most {MAX_RANK - 1} repeated dims"
+    return supported(node)

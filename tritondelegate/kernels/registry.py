@@ -91,6 +91,8 @@ OPS: dict[object, OpSpec] = {
     aten.neg.default: OpSpec(ew.unary("neg")),
     aten.exp.default: OpSpec(ew.unary("exp"), ew.supported_float),
     aten.log.default: OpSpec(ew.unary("log"), ew.supported_float),
+    aten.log1p.default: OpSpec(ew.unary("log1p"), ew.supported_float),
+    aten.expm1.default: OpSpec(ew.unary("expm1"), ew.supported_float),
     aten.sqrt.default: OpSpec(ew.unary("sqrt"), ew.supported_float),
     aten.rsqrt.default: OpSpec(ew.unary("rsqrt"), ew.supported_float),
     aten.reciprocal.default: OpSpec(ew.unary("reciprocal"), ew.supported_float),
@@ -129,6 +131,7 @@ OPS: dict[object, OpSpec] = {
     aten.squeeze.dims: _view(layout.squeeze),
     aten.squeeze.default: _view(layout.squeeze),
     aten.cat.default: OpSpec(layout.cat, layout.supported_cat),
+    aten.repeat.default: OpSpec(layout.repeat, layout.supported_repeat),
     aten.split_with_sizes.default: _view(layout.split_with_sizes, layout.supported_split),
     # padding: pad.py
     aten.constant_pad_nd.default: OpSpec(pad.pad, pad.supported),

@@ -77,7 +77,7 @@ def _not(name: str) -> Callable[[Args], bool]:
 # cast is 0; a transcendental counts as one op.
 POINTWISE_FLOPS = {
     "copy": 0, "sigmoid": 3, "silu": 4, "tanh": 4, "gelu": 5, "gelu_tanh": 9, "pow": 4, "clamp": 2,
-    "logical_and": 2, "logical_or": 2, "div_floor": 6, "div_trunc": 2, "remainder": 3,
+    "logical_and": 2, "logical_or": 2, "div_floor": 6, "div_trunc": 2, "remainder": 3, "log1p": 4, "expm1": 4,
 }
 
 

@@ -32,14 +32,8 @@ BLOCK_N = 128  # elements per loop step
 @triton.jit
 def _round(v, like):
     """``v`` rounded to nearest even in ``like``'s dtype, back in fp32 (c10::Half and BFloat16
-    arithmetic rounds every step). bf16 by its bits: the interpreter truncates a cast to bf16."""
-    if like.dtype == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        r = bits.to(tl.float32, bitcast=True)
-    else:
-        r = v.to(like.dtype).to(tl.float32)
-    return r
+    arithmetic rounds every step)."""
+    return v.to(like.dtype).to(tl.float32)
 
 
 @triton.jit

@@ -27,6 +27,7 @@ def interpreted_kernel(kernel):
     (Triton's ``InterpretedFunction`` over the same Python function), or itself when Triton already
     interprets everything."""
     _fix_interpreter_index()
+    _fix_bf16_rounding()
     if interpreted():
         return kernel
     from triton.runtime.interpreter import InterpretedFunction
@@ -125,3 +126,38 @@ def _fix_interpreter_index() -> bool:
     interp._patch_lang_tensor = patch_lang_tensor
     return True
 
+
+
+def _fix_bf16_rounding() -> bool:
+    """Round fp32 -> bf16 conversions to nearest even under the interpreter, as the GPU does.
+
+    The interpreter converts fp32 to bf16 by truncating the mantissa for a plain cast (``x.to(tl.bfloat16)``,
+    whose default rounding on a GPU is round-to-nearest-even), and its round-to-nearest-even mode rounds
+    ties up and can carry into the sign. Every bf16 store on the simulated device then differed from eager
+    (and from the GPU) by an ulp, enough to flip a router's top-k in bf16. This replaces that one
+    conversion with exact bit arithmetic (NaN stays a quiet NaN, overflow rounds to inf, round-toward-zero
+    still truncates); every other conversion is the interpreter's own. Returns whether it was installed
+    (False once it is, or for another interpreter layout)."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton._C.libtriton import ir
+        from triton.runtime import interpreter as interp
+
+        original = interp._convert_float
+    except (ImportError, AttributeError):
+        return False
+    if getattr(original, "_tritondelegate_rne", False):
+        return False
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype != tl.float32 or output_dtype != tl.bfloat16 or rounding_mode == ir.ROUNDING_MODE.RTZ:
+            return original(input, input_dtype, output_dtype, rounding_mode)
+        bits = np.ascontiguousarray(input).view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        return np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)
+
+    convert_float._tritondelegate_rne = True
+    interp._convert_float = convert_float
+    return True

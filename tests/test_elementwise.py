@@ -13,6 +13,9 @@ UNARY = {
     "reciprocal": lambda x: 1.0 / (x.abs() + 1),
     "log1p": lambda x: torch.log1p(x.abs() * 1e-3 - 5e-4),  # small arguments, where log(1 + x) loses them
     "expm1": lambda x: torch.expm1(x * 1e-3) + torch.expm1(x * 2),  # tiny arguments, and larger ones
+    # halves (ties: round to even), negative zeros, large values
+    "floor": lambda x: torch.floor(x * 4), "ceil": lambda x: torch.ceil(x * 4),
+    "trunc": lambda x: torch.trunc(x * 4), "round": lambda x: torch.round(torch.round(x * 8) / 2),
 }
 
 

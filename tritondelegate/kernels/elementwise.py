@@ -126,6 +126,18 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = tl.where(u == float("inf"), u, r)
     elif OP == "sqrt":
         r = tl.sqrt(a)
+    elif OP == "floor":
+        r = tl.floor(a)
+    elif OP == "ceil":
+        r = tl.ceil(a)
+    elif OP == "trunc":
+        r = tl.where(a < 0, tl.ceil(a), tl.floor(a))
+    elif OP == "round":  # half to even, as torch.round
+        f = tl.floor(a)
+        d = a - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+        r = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+        r = tl.where(r == 0.0, a * 0.0, r)  # a zero keeps the sign: round(-0.4) = -0.0
     elif OP == "rsqrt":
         r = tl.rsqrt(a)
     elif OP == "reciprocal":

@@ -13,6 +13,9 @@ constant folding and partitioning:
 * ``fuse_rotary``: a rotary embedding written out (``x * cos + rotate_half(x) * sin``) becomes one
   ``tritondelegate::rotary`` op (one launch instead of four per tensor), and two that share their cos
   and sin tables (q and k) one ``tritondelegate::rotary_pair`` (one launch for both);
+* ``complex_rotary``: a rotary written with complex numbers (``view_as_real(view_as_complex(x) *
+  polar(1, a))``: Llama 4, DeepSeek-V2) becomes ``tritondelegate::rotary_angles`` of interleaved
+  pairs, before the rotary passes pair and fuse it like any other;
 * ``position_mask``: an attention mask built per call from positions (``arange(S) <= positions``, a
   KV-cache decoder's) becomes ``tritondelegate::sdpa_positions``, whose kernel compares indices;
 * ``fuse_glu``: a gated MLP's ``act(linear(x, Wg)) * linear(x, Wu)`` becomes one
@@ -45,6 +48,7 @@ import torch
 
 from .cat_slices import cat_slices
 from .centered_norm import centered_norm
+from .complex_rotary import complex_rotary
 from .dedupe import dedupe
 from .expert_dispatch import expert_dispatch
 from .fuse_batchnorm import fuse_batchnorm
@@ -64,7 +68,8 @@ from .position_mask import position_mask
 def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool) -> list[str]:
     """All the rewrites, in order; ``fold``: constant folding will run (projections need it to store
     their concatenated weights once)."""
-    done = dedupe(ep) + fuse_rms_norm(ep) + centered_norm(ep) + norm_casts(ep) + fuse_gelu(ep) + fuse_rotary(ep, fold) + position_mask(ep)
+    done = (dedupe(ep) + fuse_rms_norm(ep) + centered_norm(ep) + norm_casts(ep) + fuse_gelu(ep) + complex_rotary(ep)
+            + fuse_rotary(ep, fold) + position_mask(ep))
     if fold:  # these store new constants (concatenated or folded weights): folding computes them once
         done += (fuse_glu(ep, state) + fuse_grouped_glu(ep, state) + fuse_projections(ep, state)
                  + fuse_rope_linear(ep, state) + fuse_batchnorm(ep, state))

@@ -67,7 +67,7 @@ def _half_view(node: torch.fx.Node, width: int):
     return (sizes[:-1] + [width // 2 if sizes[-1] == width else -1],) + tuple(rest[1:])
 
 
-def _scale_operand(node: torch.fx.Node):
+def scale_operand(node: torch.fx.Node):
     """(tensor operand, number) of ``tensor * number``, else None."""
     if not is_call(node, *_SCALES) or node.kwargs:
         return None
@@ -88,7 +88,7 @@ def _table(node):
         node = node.args[0]
     if is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"} and len(node.args) == 1:
         cast, node = node.kwargs.get("dtype"), node.args[0]
-    while (found := _scale_operand(node)) is not None:
+    while (found := scale_operand(node)) is not None:
         node, factor = found
         scale *= factor
     if not is_call(node, aten.cos.default, aten.sin.default):

@@ -107,11 +107,18 @@ def _replay(graph, views, source, meta) -> torch.fx.Node:
     return source
 
 
-def _rewrite(graph, ep, real, prod, pairs, flat, own, views, angles, scale) -> str:
-    with graph.inserting_before(real):
+def _rewrite(graph, ep, real, prod, pairs, flat, own, views, angles, scale, replayed: dict) -> str:
+    """``replayed``: the angles' views made so far, by the complex views they replay (q and k share
+    theirs, so that the rotary passes pair them)."""
+    key = (angles, repr([(v.target, v.args[1:]) for v in views]))
+    with graph.inserting_after(pairs):  # early, so that q's rotary and k's can pair
         x = new_node(graph, aten.view.default, (pairs, flat), fake(lambda v: v.reshape(_static(v, flat)),
                                                                    tensor_val(pairs)), real.meta)
-        a = _replay(graph, views, angles, real.meta)
+    with graph.inserting_before(real):
+        if key not in replayed:
+            with graph.inserting_after(views[-1] if views else angles):
+                replayed[key] = _replay(graph, views, angles, real.meta)
+        a = replayed[key]
         kwargs = {"interleaved": True}
         val = fake(lambda xv, av: ops.rotary_angles(xv, av, scale, torch.float32, interleaved=True),
                    tensor_val(x), tensor_val(a))
@@ -131,4 +138,5 @@ def _static(v: torch.Tensor, sizes) -> list:
 
 def complex_rotary(ep: torch.export.ExportedProgram) -> list[str]:
     """Rewrite every complex-number rotary of ``ep``'s graph, in place; one description per rewrite."""
-    return rewrite_matches(ep, _match, _rewrite)
+    replayed: dict = {}
+    return rewrite_matches(ep, _match, lambda *found: _rewrite(*found, replayed))

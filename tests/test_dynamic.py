@@ -16,7 +16,7 @@ from torch.export import Dim
 import tritondelegate as td
 from tritondelegate import models
 
-from harness import Fn, check_dynamic
+from harness import Fn, check_dynamic, lower_resident
 
 
 def test_mlp_dynamic_batch():
@@ -239,3 +239,26 @@ def test_views_of_min_max_sizes_are_delegated():
     with torch.no_grad():
         lowered, _ = check_dynamic(Conv1D(), [(torch.randn(2, k, 32),) for k in (7, 2, 16)], ({1: n},))
     assert len(lowered.program.methods[0].delegates) == 1
+
+
+def test_a_dim_of_size_one_over_the_whole_range_broadcasts():
+    """MPT's ALiBi bias ``bias[:, max(0, 1 - s):, max(0, 64 - s):]`` of a [4, 1, 64] constant has dims
+    1 - max(0, 1 - s) and s: the first is 1 for every s the program takes (s >= 2), so the sum
+    broadcasts it over the queries, not walks it with its stride (the plan read past the constant at
+    the largest size before)."""
+    class Alibi(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("bias", torch.randn(4, 1, 64))
+
+        def forward(self, scores):
+            s = scores.shape[-1]
+            return scores + self.bias[:, max(0, 1 - s):, max(0, 64 - s):]
+
+    model = Alibi()
+    seq = torch.export.Dim("seq", min=2, max=16)
+    lowered = lower_resident(model, (torch.randn(2, 4, 5, 5),), dynamic_shapes=({2: seq, 3: seq},))
+    method = lowered.load().load_method()
+    for n in (2, 16, 9):
+        scores = torch.randn(2, 4, n, n)
+        torch.testing.assert_close(method(scores), model(scores))

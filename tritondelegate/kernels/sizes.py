@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import sympy
 import torch
@@ -53,10 +54,30 @@ def size(x):
             return int(x)
         if x.is_number:
             raise SymbolicShapeError(f"size {x} is not an integer")
-        return x
+        fixed = _constant_over_ranges(x, tuple(_RANGES.get().items()))
+        return x if fixed is None else fixed
     if isinstance(x, bool):
         raise TypeError(f"expected a size, got {x!r}")
     return int(x)
+
+
+@functools.lru_cache(maxsize=4096)
+def _constant_over_ranges(x: sympy.Basic, ranges: tuple) -> int | None:
+    """The value of ``x`` when it takes one value over the symbols' ranges (``1 - Max(0, 1 - s)`` for
+    s >= 1: a slice's size that is 1 wherever the program runs), else None. A size-1 dim must read as
+    1, or broadcasting would walk it with its stride."""
+    from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+
+    known = dict(ranges)
+    if not x.free_symbols or not all(s in known for s in x.free_symbols):
+        return None
+    try:
+        bound = bound_sympy(x, {s: ValueRanges(*known[s]) for s in x.free_symbols})
+    except Exception:  # an expression the range analysis does not take: leave it symbolic
+        return None
+    if bound.lower == bound.upper and getattr(bound.lower, "is_Integer", False):
+        return int(bound.lower)
+    return None
 
 
 def is_size_node(arg) -> bool:

@@ -116,3 +116,64 @@ def test_rows_longer_than_a_program_holds_stay_softmax_and_rank():
     x = torch.randn(1, 1100)
     lowered = lower_resident(Fn(_softmax_topk(2)), (x,))
     assert "router" not in [launch.kernel for launch in plan_launches(lowered)]
+
+
+# --- group-limited routers (DeepSeek-V3) ----------------------------------------------------------
+class GroupRouter(torch.nn.Module):
+    """transformers' DeepseekV3TopkRouter after its linear: sigmoid scores, a bias for the choice, the
+    best groups by the sum of their two best, the best experts of those, weights from the scores."""
+
+    def __init__(self, experts, n_group, topk_group, k, norm=True, scale=2.5):
+        super().__init__()
+        self.register_buffer("bias", torch.randn(experts) * 0.05)
+        self.n_group, self.topk_group, self.k, self.norm, self.scale = n_group, topk_group, k, norm, scale
+
+    def forward(self, logits):
+        scores = logits.sigmoid()
+        choice = scores + self.bias
+        groups = choice.view(-1, self.n_group, choice.shape[-1] // self.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(groups, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(groups)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, self.n_group, choice.shape[-1] // self.n_group)
+        choice = choice.masked_fill(~score_mask.reshape(-1, choice.shape[-1]).bool(), float("-inf"))
+        indices = torch.topk(choice, k=self.k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, indices)
+        if self.norm:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        return weights * self.scale, indices
+
+
+def _by_expert(weights, indices):
+    """Each row's (expert, weight) pairs in expert order: top-k with sorted=False promises no order."""
+    order = indices.argsort(-1)
+    return weights.gather(-1, order), indices.gather(-1, order)
+
+
+@pytest.mark.parametrize("experts, n_group, topk_group, k, norm", [
+    (8, 2, 1, 2, True), (64, 8, 4, 6, True), (256, 8, 4, 8, False), (40, 4, 2, 3, True)])
+def test_group_limited_routing_is_one_launch(experts, n_group, topk_group, k, norm):
+    torch.manual_seed(experts)
+    model = GroupRouter(experts, n_group, topk_group, k, norm)
+    logits = torch.randn(5, experts) * 2
+    lowered = lower_resident(model, (logits,))
+    assert [launch.kernel for launch in plan_launches(lowered)] == ["pointwise", "group_router"]  # sigmoid
+    got = _by_expert(*lowered.load().load_method()(logits))
+    want = _by_expert(*model(logits))
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+
+
+def test_a_group_router_without_its_mask_is_left_to_the_rank_kernels():
+    class Plain(GroupRouter):  # no groups: the plain sigmoid router of a top-k, weights gathered
+        def forward(self, logits):
+            scores = logits.sigmoid()
+            indices = torch.topk(scores + self.bias, k=self.k, dim=-1)[1]
+            return scores.gather(1, indices), indices
+
+    model = Plain(8, 2, 1, 2)
+    logits = torch.randn(3, 8)
+    lowered = lower_resident(model, (logits,))
+    assert "group_router" not in [launch.kernel for launch in plan_launches(lowered)]
+    for got, want in zip(lowered.load().load_method()(logits), model(logits)):
+        torch.testing.assert_close(got, want)

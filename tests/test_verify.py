@@ -195,7 +195,7 @@ SIZES = {"pointwise": "n", "pointwise_chain": "n", "matmul": "M", "conv2d": "M",
          "reduce": "rows", "softmax": "rows", "norm": "rows", "gather": "n", "scatter": "n", "cumsum": "rows",
          "pool2d": "total", "batch_norm": "numel", "pad": "total", "arange": "n", "rotary": "rows",
          "grouped_mm": "S", "attention_combine": "S", "rank": "length", "histc": "n",
-         "router": "length"}
+         "router": "length", "group_router": "length"}
 
 
 def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):

@@ -52,6 +52,12 @@ place of a written-out pattern, so one kernel runs them.
         softmax_first: topk(softmax(x, -1, dtype=dtype), k), the values divided by their sum when
         renormalize; else topk(x, k) with softmax(values, -1, dtype=dtype); values cast to out_dtype
         (``passes/fuse_router.py``; one launch, ``kernels/router.py``)
+    tritondelegate::group_router(Tensor scores, Tensor bias, int n_group, int topk_group, int k,
+                                 bool renormalize, float eps, float scale) -> (Tensor, Tensor)
+        DeepSeek-V3's group-limited choice over scores [T, E] (a sigmoid's): c = scores + bias; each
+        of n_group groups scores the sum of its two largest c; c outside the topk_group best groups
+        is -inf; indices = topk(c, k); weights = scores at indices, divided by (their sum + eps) when
+        renormalize, times scale (``passes/fuse_router.py``; one launch, ``kernels/router.py``)
     tritondelegate::rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin,
                                 int[] cos_dims, float scale, ScalarType? dtype, Tensor? norm_weight=None,
                                 int norm_dim=0, float norm_eps=0.0) -> Tensor
@@ -98,6 +104,8 @@ _lib.define("glu_grouped_mm(Tensor x, Tensor weight, Tensor offs, str act, Tenso
 _lib.define("gathered_grouped_mm(Tensor x, Tensor rows, int rows_divisor, Tensor weight, Tensor offs) -> Tensor")
 _lib.define("router_topk(Tensor x, int k, bool softmax_first, bool renormalize, ScalarType? dtype, "
             "ScalarType? out_dtype) -> (Tensor, Tensor)")
+_lib.define("group_router(Tensor scores, Tensor bias, int n_group, int topk_group, int k, bool renormalize, "
+            "float eps, float scale) -> (Tensor, Tensor)")
 _lib.define("cumulative_histc(Tensor x, int bins, float min, float max, ScalarType? cast, ScalarType dtype) "
             "-> Tensor")
 _lib.define("rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin, "
@@ -311,6 +319,32 @@ def _router_topk_fake(x, k, softmax_first, renormalize, dtype, out_dtype):
     return x.new_empty(shape, dtype=out_dtype or dtype or x.dtype), x.new_empty(shape, dtype=torch.int64)
 
 
+def group_router_reference(scores, bias, n_group: int, topk_group: int, k: int, renormalize: bool, eps: float,
+                           scale: float):
+    """DeepSeek-V3's group-limited top-k, as ``group_router`` defines it (module docstring)."""
+    choice = scores + bias
+    groups = choice.view(-1, n_group, choice.shape[-1] // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(groups, k=topk_group, dim=-1)[1]
+    mask = torch.zeros_like(groups).scatter_(1, group_idx, 1)
+    mask = mask.unsqueeze(-1).expand(-1, n_group, choice.shape[-1] // n_group).reshape(choice.shape)
+    indices = torch.topk(choice.masked_fill(~mask.bool(), float("-inf")), k=k, dim=-1)[1]
+    weights = scores.gather(1, indices)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    return weights * scale, indices
+
+
+@torch.library.impl(_lib, "group_router", "CompositeExplicitAutograd")
+def _group_router(scores, bias, n_group, topk_group, k, renormalize, eps, scale):
+    return group_router_reference(scores, bias, n_group, topk_group, k, renormalize, eps, scale)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::group_router")
+def _group_router_fake(scores, bias, n_group, topk_group, k, renormalize, eps, scale):
+    shape = (scores.shape[0], k)
+    return scores.new_empty(shape), scores.new_empty(shape, dtype=torch.int64)
+
+
 def cumulative_histc_reference(x, bins: int, low: float, high: float, cast, dtype) -> torch.Tensor:
     """``cumsum(histc(x.to(cast), bins, low, high), 0, dtype=dtype)`` (no cast when ``cast`` is None)."""
     counts = torch.histc(x if cast is None else x.to(cast), bins, low, high)
@@ -414,6 +448,7 @@ OPS: dict[str, torch._ops.OpOverload] = {
     "tritondelegate::gathered_grouped_mm": torch.ops.tritondelegate.gathered_grouped_mm.default,
     "tritondelegate::cumulative_histc": torch.ops.tritondelegate.cumulative_histc.default,
     "tritondelegate::router_topk": torch.ops.tritondelegate.router_topk.default,
+    "tritondelegate::group_router": torch.ops.tritondelegate.group_router.default,
     "tritondelegate::rope_linear": torch.ops.tritondelegate.rope_linear.default,
 }
 
@@ -427,4 +462,5 @@ glu_grouped_mm = torch.ops.tritondelegate.glu_grouped_mm.default
 gathered_grouped_mm = torch.ops.tritondelegate.gathered_grouped_mm.default
 cumulative_histc = torch.ops.tritondelegate.cumulative_histc.default
 router_topk = torch.ops.tritondelegate.router_topk.default
+group_router = torch.ops.tritondelegate.group_router.default
 rope_linear = torch.ops.tritondelegate.rope_linear.default

@@ -243,6 +243,7 @@ OPS: dict[object, OpSpec] = {
     td_ops.gathered_grouped_mm: OpSpec(gmm.gathered_grouped_mm, gmm.supported_gathered),  # grouped_mm.py
     td_ops.cumulative_histc: OpSpec(hist.cumulative_histc, hist.supported_cumulative),  # histogram.py
     td_ops.router_topk: OpSpec(router.router_topk, router.supported),  # router.py
+    td_ops.group_router: OpSpec(router.group_router, router.supported_group),  # router.py
     td_ops.rope_linear: OpSpec(mm.rope_linear, mm.supported_rope),  # matmul.py
 }
 

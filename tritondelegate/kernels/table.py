@@ -19,6 +19,7 @@ KERNELS: dict[str, object] = {
     "rank": ranking.rank_kernel,
     "histc": histogram.histc_kernel,
     "router": router.router_kernel,
+    "group_router": router.group_router_kernel,
     "scatter": scatter.scatter_kernel,
     "matmul": matmul.matmul_kernel,
     "grouped_mm": grouped_mm.grouped_mm_kernel,

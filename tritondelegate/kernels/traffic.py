@@ -223,6 +223,10 @@ TRAFFIC: dict[str, KernelTraffic] = {
     # a row's softmax (about 4 ops an element), then as "rank", then the renormalization
     "router": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("values_ptr"), Access("indices_ptr")),
                             flops=lambda a: a["rows"] * a["length"] * (3 * a["length"] + 4)),
+    # the groups' top two and ranks, then every expert ranked against the row (3 ops a pair)
+    "group_router": KernelTraffic(reads=(Access("s_ptr"), Access("b_ptr")),
+                                  writes=(Access("values_ptr"), Access("indices_ptr")),
+                                  flops=lambda a: a["rows"] * a["length"] * (3 * a["length"] + 8)),
     # each element's bin (4 ops) compared with every bin
     "histc": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
                            flops=lambda a: a["n"] * (4 + a["bins"])),

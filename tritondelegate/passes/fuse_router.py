@@ -34,6 +34,7 @@ from ..kernels.rows import node_arg
 from .fuse_glu import only_read_by
 from .rewrite import (erase_unused, fake, is_call, new_node, plain_cast, retarget_outputs, rewrite_matches,
                       static_int, tensor_val)
+from .rotary_tables import scale_operand
 
 aten = torch.ops.aten
 SOFTMAXES = (aten.softmax.int, aten._softmax.default)
@@ -132,7 +133,110 @@ def _fuse(graph, ep, topk, x, k, softmax_first, renormalize, dtype, out_dtype, r
     return f"router top-k: {steps} of {x.name} -> {node.name} (tritondelegate::router_topk, one launch)"
 
 
+# --- group-limited routers (DeepSeek-V3 and its copies: Dots1, GLM-4.5 MoE, Solar-Open, Mistral 4) ---------
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _through(node, *targets):
+    """``node``'s first argument when ``node`` calls one of ``targets``, else None."""
+    return node.args[0] if is_call(node, *targets) else None
+
+
+def _group_scores(gs) -> tuple | None:
+    """(c, n_group) when ``gs`` is ``view(c, [-1, G, E / G]).topk(2)[0].sum(-1)``."""
+    top2 = _through(gs, aten.sum.dim_IntList)
+    if top2 is None or list(node_arg(gs, 1, "dim") or []) != [-1] or node_arg(gs, 2, "keepdim", False):
+        return None
+    topk = _through(top2, operator.getitem) if top2.args[1] == 0 else None
+    if topk is None or _largest_k(topk) != 2:
+        return None
+    view = topk.args[0]
+    c = _through(view, *_RESHAPES)
+    shape = tensor_val(view).shape if c is not None else ()
+    return (c, shape[1]) if len(shape) == 3 and isinstance(shape[1], int) else None
+
+
+def _group_mask(mask) -> tuple | None:
+    """(c, n_group, topk_group) when ``mask`` is True outside the chosen groups: ``~(zeros.scatter(1,
+    topk(gs, topk_group)[1], 1)[..., None].expand(...).reshape(T, E).bool())``."""
+    flag = _through(mask, aten.bitwise_not.default, aten.logical_not.default)
+    flat = _through(flag, aten._to_copy.default) if flag is not None and tensor_val(flag).dtype == torch.bool else None
+    wide = _through(flat, *_RESHAPES)
+    wide = _through(wide, aten.clone.default) or wide
+    groups = _through(_through(wide, aten.expand.default), aten.unsqueeze.default)
+    if not is_call(groups, aten.scatter.value) or groups.args[1] != 1 or groups.args[3] != 1:
+        return None
+    zeros, picked = groups.args[0], groups.args[2]
+    if not is_call(zeros, aten.full_like.default) or zeros.args[1] != 0:
+        return None
+    chooser = _through(picked, operator.getitem) if picked.args[1] == 1 else None
+    topk_group = _largest_k(chooser) if chooser is not None else None
+    found = _group_scores(chooser.args[0]) if topk_group is not None else None
+    return None if found is None or chooser.args[0] is not zeros.args[0] else (*found, topk_group)
+
+
+def _weights(gathered) -> tuple:
+    """(result node, renormalize, eps, scale): ``w / (w.sum(-1, keepdim=True) + eps)`` and ``* scale``
+    after the gathered weights, where they are there and read by nothing else."""
+    node, renormalize, eps, scale = gathered, False, 0.0, 1.0
+    users = list(gathered.users)
+    total = next((u for u in users if is_call(u, aten.sum.dim_IntList)), None)
+    if len(users) == 2 and total is not None and node_arg(total, 2, "keepdim", False) and len(total.users) == 1:
+        shifted = next(iter(total.users))
+        found = scale_operand_add(shifted)
+        div = next(iter(shifted.users)) if found is not None and len(shifted.users) == 1 else None
+        if div is not None and is_call(div, aten.div.Tensor) and div.args == (gathered, shifted) and div in users:
+            node, renormalize, eps = div, True, found
+    if len(node.users) == 1 and (found := scale_operand(next(iter(node.users)))) is not None and found[0] is node:
+        node, scale = next(iter(node.users)), found[1]
+    return node, renormalize, eps, scale
+
+
+def scale_operand_add(node) -> float | None:
+    """The number of ``t + number``; None for anything else."""
+    if not is_call(node, aten.add.Tensor, aten.add.Scalar) or node.kwargs:
+        return None
+    a, b = node.args[:2]
+    return float(b) if isinstance(a, torch.fx.Node) and isinstance(b, (int, float)) and not isinstance(b, bool) else None
+
+
+def _match_group(gathered) -> tuple | None:
+    """(scores, bias, n_group, topk_group, k, indices, result, renormalize, eps, scale)."""
+    if not is_call(gathered, aten.gather.default) or gathered.args[1] not in (1, -1) or len(gathered.args) > 3:
+        return None
+    scores, indices = gathered.args[0], gathered.args[2]
+    topk = _through(indices, operator.getitem) if indices.args[1] == 1 else None
+    k = _largest_k(topk) if topk is not None else None
+    masked = topk.args[0] if k is not None else None
+    if not is_call(masked, aten.where.self) or masked.args[1] is None:
+        return None
+    mask, fill, c = masked.args
+    fill_val = fill.args[0] if is_call(fill, aten.scalar_tensor.default) else fill
+    found = _group_mask(mask) if fill_val == float("-inf") else None
+    if found is None or found[0] is not c or not is_call(c, aten.add.Tensor) or scores not in c.args:
+        return None
+    bias = c.args[1] if c.args[0] is scores else c.args[0]
+    if router.group_refusal(tensor_val(scores), tensor_val(bias), found[1], found[2], k) is not None:
+        return None
+    return (scores, bias, found[1], found[2], k, indices, *_weights(gathered))
+
+
+def _fuse_group(graph, ep, gathered, scores, bias, n_group, topk_group, k, indices, result, renormalize, eps,
+                scale) -> str:
+    args = (scores, bias, n_group, topk_group, k, renormalize, eps, scale)
+    with graph.inserting_before(gathered):
+        val = fake(lambda s, b: ops.group_router(s, b, *args[2:]), tensor_val(scores), tensor_val(bias))
+        node = new_node(graph, ops.group_router, args, val, gathered.meta)
+        picks = [new_node(graph, operator.getitem, (node, j), val[j], gathered.meta) for j in (0, 1)]
+    for old, new in ((result, picks[0]), (indices, picks[1])):
+        old.replace_all_uses_with(new)
+        retarget_outputs(ep, old, new)
+    erase_unused(graph, [result, indices])
+    return (f"router top-k: group-limited ({n_group} groups, top {topk_group}, top {k}) of {scores.name} -> "
+            f"{node.name} (tritondelegate::group_router, one launch)")
+
+
 def fuse_router(ep: torch.export.ExportedProgram) -> list[str]:
     """Rewrite every router top-k of ``ep``'s graph into ``tritondelegate::router_topk``, in place;
     one description per rewrite."""
-    return rewrite_matches(ep, _match, _fuse)
+    return rewrite_matches(ep, _match, _fuse) + rewrite_matches(ep, _match_group, _fuse_group)

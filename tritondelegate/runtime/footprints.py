@@ -376,6 +376,16 @@ def _router(x: LaunchArgs) -> Footprint:
     return Footprint(acc, (rows,), {"rows x length": rows * length, "length": length})
 
 
+def _group_router(x: LaunchArgs) -> Footprint:
+    """One program per row of scores [rows, length]; the bias [length]; k of each row stored."""
+    rows, length, k = x.i("rows"), x.i("length"), x.i("k")
+    kept = min(k, length)
+    acc = [Access("s_ptr", ((rows, x.i("ss0")), (length, x.i("ss1")))), Access("b_ptr", ((length, x.i("bs")),)),
+           Access("values_ptr", ((rows, x.i("vs0")), (kept, x.i("vs1"))), write=True),
+           Access("indices_ptr", ((rows, x.i("is0")), (kept, x.i("is1"))), write=True)]
+    return Footprint(acc, (rows,), {"rows x length": rows * length, "length": length})
+
+
 def _histc(x: LaunchArgs) -> Footprint:
     n, bins = x.i("n"), x.i("bins")
     idx = _unravel(n, x.d("d1", "d2", "d3", "d4"))
@@ -505,6 +515,9 @@ RULES: dict[str, KernelRule] = {
                        (("BLOCK_I", "BLOCK_J"),)),
     "router": KernelRule(_router, {"SOFTMAX_FIRST": FLAG, "RENORMALIZE": FLAG, "ROUND": one_of("", "float16", "bfloat16"),
                                    "BLOCK_E": pow2(1, 1024), "BLOCK_J": pow2(1, 4096)}, (("BLOCK_E", "BLOCK_J"),)),
+    "group_router": KernelRule(_group_router, {
+        "RENORMALIZE": FLAG, "BLOCK_E": pow2(1, 1024), "BLOCK_G": pow2(1, 64), "BLOCK_EG": pow2(1, 1024),
+        "BLOCK_J": pow2(1, 4096)}, (("BLOCK_E", "BLOCK_J"), ("BLOCK_E", "BLOCK_G"), ("BLOCK_G", "BLOCK_EG"))),
     "histc": KernelRule(_histc, {"FROM_DATA": FLAG, "CUMULATIVE": FLAG, "CAST": FLAG,
                                  "BLOCK_B": pow2(1, 4096), "BLOCK_N": pow2(1, 4096)},
                         (("BLOCK_N", "BLOCK_B"),)),

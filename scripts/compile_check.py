@@ -160,6 +160,24 @@ def _moe_routing(dtype, tokens: int, experts: int = 128, top: int = 8):
     return Fn(route), (_randn(tokens, experts, dtype=dtype), _randn(tokens, 512, dtype=dtype))
 
 
+def _group_routing(dtype, tokens: int, experts: int = 256, n_group: int = 8, topk_group: int = 4, top: int = 8):
+    """DeepSeek-V3's group-limited router (256 experts in 8 groups, the best 4 groups, 8 experts) on fp32
+    sigmoid scores of ``dtype`` logits (kernels/router.py ``group_router``)."""
+    bias = torch.randn(experts) * 0.01
+
+    def route(logits):
+        scores = logits.float().sigmoid()
+        choice = scores + bias
+        groups = choice.view(-1, n_group, experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        mask = torch.zeros_like(groups).scatter(1, torch.topk(groups, k=topk_group, dim=-1, sorted=False)[1], 1)
+        mask = mask.unsqueeze(-1).expand(-1, n_group, experts // n_group).reshape(-1, experts)
+        indices = torch.topk(choice.masked_fill(~mask.bool(), float("-inf")), k=top, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, indices)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * 2.5, indices
+
+    return Fn(route), (_randn(tokens, experts, dtype=dtype),)
+
+
 def _rows(dtype):
     w = torch.randn(8192).to(dtype)
     fn = lambda x, y, z: (  # noqa: E731
@@ -377,6 +395,8 @@ def _moe_cases(d) -> dict[str, callable]:
         "moe_experts_decode": lambda: _moe_experts(d, 2),
         "moe_routing_prefill": lambda: _moe_routing(d, 600),
         "moe_routing_decode": lambda: _moe_routing(d, 1),
+        "moe_group_routing_prefill": lambda: _group_routing(d, 600),
+        "moe_group_routing_decode": lambda: _group_routing(d, 1),
     }
 
 

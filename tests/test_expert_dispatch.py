@@ -71,7 +71,7 @@ def test_the_experts_read_token_rows_in_place(tokens, gated, dtype):
     lowered = lower_resident(model, args)
     assert "grouped_mm" in _kernels(lowered) and "gather" not in _kernels(lowered), _kernels(lowered)
     kind = "glu_grouped_mm" if gated else "gathered_grouped_mm"
-    assert f"// 2 -> " in _fused(lowered) and f"tritondelegate::{kind}" in _fused(lowered), _fused(lowered)
+    assert "// 2 -> " in _fused(lowered) and f"tritondelegate::{kind}" in _fused(lowered), _fused(lowered)
     grouped = [l for l in plan_launches(lowered) if l.kernel == "grouped_mm"]
     assert [l.constexprs["ROWS"].value for l in grouped] == [True, False]
     with torch.no_grad():  # against the same rounded operands in fp32

@@ -46,8 +46,8 @@ class Zoo(torch.nn.Module):
         p = F.layer_norm(torch.sigmoid(F.pad(self.bn(img), (1, 1))) * 3.0 + 1.0, (8,))
         z = torch.zeros(6, 8).index_copy(0, ids[:2], h[0, :2])
         # p's chain is the norm's prologue
-        return (s, torch.cumsum(ids, 0), y, p, s.amax(-1) * 2.0 - 1.0, z, *torch.topk(s[0], 3), torch.histc(p, 5, -1, 1),
-                *torch.topk(torch.softmax(h[0], -1), 2))
+        return (s, torch.cumsum(ids, 0), y, p, s.amax(-1) * 2.0 - 1.0, z, *torch.topk(s[0], 3),
+                torch.histc(p, 5, -1, 1), *torch.topk(torch.softmax(h[0], -1), 2))
 
 
 def _zoo_args():

@@ -266,7 +266,8 @@ class GroupedOp:
                 *epilogue]
         constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                           BLOCK_E=sizes.next_power_of_2(sizes.upper(E) + 1), PER_ROW=cfg.per_row, DOT_UPCAST=False,
-                          GLU=self.glu, GLU_ROUND=rounding, ROWS=gather is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                          GLU=self.glu, GLU_ROUND=rounding, ROWS=gather is not None, num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages)
         return (rows, triton.cdiv(N, cfg.block_n)), args, constexprs
 
 

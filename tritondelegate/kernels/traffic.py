@@ -261,7 +261,8 @@ TRAFFIC: dict[str, KernelTraffic] = {
     "grouped_mm": KernelTraffic(
         reads=(Access("x_ptr", at_most=lambda a: a["S"] * a["K"]),
                Access("w_ptr", at_most=lambda a: min(a["E"], a["S"]) * a["K"] * a["N"]),
-               Access("offs_ptr"), Access("rows_ptr", _flag("ROWS")), *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
+               Access("offs_ptr"), Access("rows_ptr", _flag("ROWS")),
+               *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
         writes=(Access("out_ptr"),),
         flops=lambda a: 2 * a["S"] * a["N"] * a["K"] + a["S"] * a["N"] // (2 if a["GLU"] else 1) * sum(
             _pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0)),

@@ -197,7 +197,8 @@ def scale_operand_add(node) -> float | None:
     if not is_call(node, aten.add.Tensor, aten.add.Scalar) or node.kwargs:
         return None
     a, b = node.args[:2]
-    return float(b) if isinstance(a, torch.fx.Node) and isinstance(b, (int, float)) and not isinstance(b, bool) else None
+    number = isinstance(b, (int, float)) and not isinstance(b, bool)
+    return float(b) if isinstance(a, torch.fx.Node) and number else None
 
 
 def _match_group(gathered) -> tuple | None:

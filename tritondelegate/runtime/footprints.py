@@ -513,7 +513,8 @@ RULES: dict[str, KernelRule] = {
                          (("BLOCK_R", "BLOCK_L"),)),
     "rank": KernelRule(_rank, {"DESCENDING": FLAG, "BLOCK_I": pow2(1, 4096), "BLOCK_J": pow2(1, 4096)},
                        (("BLOCK_I", "BLOCK_J"),)),
-    "router": KernelRule(_router, {"SOFTMAX_FIRST": FLAG, "RENORMALIZE": FLAG, "ROUND": one_of("", "float16", "bfloat16"),
+    "router": KernelRule(_router, {"SOFTMAX_FIRST": FLAG, "RENORMALIZE": FLAG,
+                                   "ROUND": one_of("", "float16", "bfloat16"),
                                    "BLOCK_E": pow2(1, 1024), "BLOCK_J": pow2(1, 4096)}, (("BLOCK_E", "BLOCK_J"),)),
     "group_router": KernelRule(_group_router, {
         "RENORMALIZE": FLAG, "BLOCK_E": pow2(1, 1024), "BLOCK_G": pow2(1, 64), "BLOCK_EG": pow2(1, 1024),

@@ -353,26 +353,28 @@ def _cumsum(x: LaunchArgs) -> Footprint:
     return Footprint(acc, (_cdiv(rows, x.c["BLOCK_R"]),), {"rows": rows, "length": length})
 
 
-def _rank(x: LaunchArgs) -> Footprint:
-    """Program (row, block), rows over (n0, n1, n2); ranks below min(k, length) are stored (ranking.py)."""
+def _ranked_rows(x: LaunchArgs) -> tuple[list, int, int]:
+    """(accesses, rows, length) of a ranking launch: rows over (n0, n1, n2) of x read whole, the first
+    min(k, length) ranks of each stored into values and indices (ranking.py, router.py)."""
     rows, length, k = x.i("rows"), x.i("length"), x.i("k")
     r = _unravel(rows, x.d("n1", "n2"))
     kept = min(k, length)
     acc = [Access("x_ptr", _walk(r, x.ints("xs", 3)) + ((length, x.i("xs3")),)),
            Access("values_ptr", _walk(r, x.ints("vs", 3)) + ((kept, x.i("vs3")),), write=True),
            Access("indices_ptr", _walk(r, x.ints("is", 3)) + ((kept, x.i("is3")),), write=True)]
+    return acc, rows, length
+
+
+def _rank(x: LaunchArgs) -> Footprint:
+    """Program (row, block)."""
+    acc, rows, length = _ranked_rows(x)
     return Footprint(acc, (rows, _cdiv(length, x.c["BLOCK_I"])), {"rows x length": rows * length,
                                                                   "length": length})
 
 
 def _router(x: LaunchArgs) -> Footprint:
-    """One program per row (rows over n0 x n1 x n2); the first min(k, length) ranks stored (router.py)."""
-    rows, length, k = x.i("rows"), x.i("length"), x.i("k")
-    r = _unravel(rows, x.d("n1", "n2"))
-    kept = min(k, length)
-    acc = [Access("x_ptr", _walk(r, x.ints("xs", 3)) + ((length, x.i("xs3")),)),
-           Access("values_ptr", _walk(r, x.ints("vs", 3)) + ((kept, x.i("vs3")),), write=True),
-           Access("indices_ptr", _walk(r, x.ints("is", 3)) + ((kept, x.i("is3")),), write=True)]
+    """One program per row."""
+    acc, rows, length = _ranked_rows(x)
     return Footprint(acc, (rows,), {"rows x length": rows * length, "length": length})
 
 

@@ -111,3 +111,16 @@ def test_clamp_one_bound_keeps_int64_extremes():
     results, _ = run_delegated(Fn(fn), (i,))
     for got, want in zip(results, fn(i)):
         assert got.dtype == torch.int64 and got.tolist() == want.tolist()
+
+
+def test_a_copy_over_more_dims_than_a_launch_walks_splits_into_launches():
+    """A 6-D permuted copy (Hiera's unrolling) and a broadcast sum over it: one launch per index of the
+    outermost dim, each over five dims (elementwise._peeled)."""
+    from harness import lower_resident, plan_launches
+
+    x = torch.randn(2 * 3 * 2 * 5 * 2 * 7)
+    y = torch.randn(7, 5, 3, 2, 1, 1)
+    fn = lambda x, y: (x.view(2, 3, 2, 5, 2, 7).permute(5, 3, 1, 4, 2, 0) + y).contiguous()  # noqa: E731
+    lowered = lower_resident(Fn(fn), (x, y))
+    assert [launch.kernel for launch in plan_launches(lowered)] == ["pointwise"] * 7
+    assert torch.equal(lowered.load().load_method()(x, y), fn(x, y))

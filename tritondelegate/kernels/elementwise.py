@@ -443,7 +443,8 @@ def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | No
         compute = compute_type(dtypes)
     walk = _operand_args(out, list(operands) + [0] * (3 - len(operands)), compute)
     if walk is None:
-        raise NotImplementedError(f"pointwise op over more than {MAX_RANK} non-mergeable dims")
+        _peeled(b, op, out, operands, alpha, compute)
+        return
     n, sizes, out_strides, ptrs, scalars, strides, flags = walk
     record = b.launch(
         "pointwise", (triton.cdiv(n, BLOCK),),
@@ -454,6 +455,36 @@ def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | No
     )
     if record is not None and size_fns.is_static([o for o in operands if not isinstance(o, TRef)]):
         record.op = PointwiseOp(op, out, tuple(operands), alpha, compute)
+
+
+MAX_PEELED = 256  # launches one pointwise op may split into
+
+
+def _peeled(b, op: str, out: TRef, operands, alpha, compute: str) -> None:
+    """``out = op(*operands)`` over more dims than one launch walks (a 6-D permuted copy: Hiera's
+    unrolling): one launch per index of the outermost static dim of size > 1, each over the rest,
+    split again as needed, at most MAX_PEELED launches in all."""
+    shape = out.shape
+    dim = next((d for d, n in enumerate(shape) if size_fns.is_static(n) and n > 1), None)
+    count = math.prod(n for n in shape[:dim + 1] if size_fns.is_static(n)) if dim is not None else 0
+    if dim is None or count > MAX_PEELED or not size_fns.is_static(shape[:dim]):
+        raise NotImplementedError(f"pointwise op over more than {MAX_RANK} non-mergeable dims of {shape}")
+    rest = tuple(shape[:dim]) + tuple(shape[dim + 1:])
+
+    def part(ref, i):
+        strides = broadcast_strides(ref, shape)
+        return b.view(ref, rest, strides[:dim] + strides[dim + 1:], ref.offset + i * strides[dim])
+
+    for i in range(shape[dim]):
+        parts = [part(o, i) if isinstance(o, TRef) else o for o in operands]
+        walk = _operand_args(part(out, i), list(parts) + [0] * (3 - len(parts)), compute)
+        if walk is None:
+            _peeled(b, op, part(out, i), parts, alpha, compute)
+            continue
+        n, sizes, out_strides, ptrs, scalars, strides, flags = walk
+        b.launch("pointwise", (triton.cdiv(n, BLOCK),), part(out, i), *ptrs, *scalars, n, *sizes, *out_strides,
+                 *strides, OP=op, ALPHA=alpha, NARGS=len(parts), A_SCALAR=flags[0], B_SCALAR=flags[1],
+                 C_SCALAR=flags[2], CT=compute, BLOCK=BLOCK)
 
 
 def epilogue_args(out: TRef, steps, operands, dims: int, round_to: str) -> tuple[list, dict]:

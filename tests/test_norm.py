@@ -131,3 +131,31 @@ def test_support_reasons():
     assert "float64" in norm.supported(node(ln, torch.randn(2, 3, dtype=torch.float64)))
     dyn = node(ln, torch.randn(4, 3), dynamic_shapes=(({0: torch.export.Dim("rows")},),))
     assert norm.supported(dyn) is None  # a dynamic dim is the plan's business (test_dynamic_kernels.py)
+
+
+@pytest.mark.parametrize("shape, groups", [((2, 12, 5, 3), 4), ((3, 8, 17), 8), ((1, 6, 2, 3, 4), 1)])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_group_norm(shape, groups, affine, dtype):
+    """GroupNorm (wav2vec2's feature extractor, BiT, diffusion UNets): a layer norm over each group's
+    channels and positions, then the per-channel affine as one chain (rounded once)."""
+    from harness import TOLERANCES, lower_resident, plan_launches
+
+    torch.manual_seed(len(shape) + groups)
+    model = torch.nn.GroupNorm(groups, shape[1], affine=affine).eval()
+    if affine:
+        torch.nn.init.normal_(model.weight)
+        torch.nn.init.normal_(model.bias)
+    x = torch.randn(shape) * 3 + 1
+    lowered = lower_resident(model.to(dtype), (x.to(dtype),))
+    assert "norm" not in [launch.kernel for launch in plan_launches(lowered)]  # welford, scale and shift, one chain
+    with torch.no_grad():  # against the same rounded operands in fp32
+        expected = model.float()(x.to(dtype).float())
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(lowered.load().load_method()(x.to(dtype)).float(), expected, atol=atol, rtol=rtol)
+
+
+def test_group_norm_statistics_when_read():
+    fn = lambda x, w, b: torch.ops.aten.native_group_norm(x, w, b, 2, 6, 20, 3, 1e-5)  # noqa: E731
+    args = (torch.randn(2, 6, 4, 5), torch.randn(6), torch.randn(6))
+    check_model(Fn(fn), args)

@@ -239,3 +239,4 @@ class RowNorm:
     @property
     def reads(self) -> tuple[TRef, ...]:
         return tuple(t for t in (self.x, self.weight, self.bias) if t is not None)
+

@@ -19,6 +19,7 @@ from . import conv
 from . import creation
 from . import index as idx
 from . import elementwise as ew
+from . import group_norm as gn
 from . import grouped_mm as gmm
 from . import histogram as hist
 from . import layout
@@ -208,6 +209,7 @@ OPS: dict[object, OpSpec] = {
     # normalization: norm.py
     aten.layer_norm.default: OpSpec(norm.layer_norm, norm.supported),
     aten.native_layer_norm.default: OpSpec(norm.native_layer_norm, norm.supported),
+    aten.native_group_norm.default: OpSpec(gn.native_group_norm, gn.supported),  # group_norm.py
     aten.rms_norm.default: OpSpec(norm.rms_norm, norm.supported),
     # reductions: reduce.py (mean.dim over any dims, global average pooling included)
     aten.sum.dim_IntList: OpSpec(red.sum_, red.supported_sum),

@@ -127,3 +127,20 @@ def test_repeat_over_too_many_dims_stays_on_the_host_with_a_reason():
     lowered = lower_resident(Fn(lambda t: t.repeat(1, 2, 1, 2, 1)), (x,))
     (host,) = lowered.reports["forward"].nodes.host
     assert "repeats over 5 dims" in host[2]
+
+
+def test_as_strided_restrides_within_its_operand():
+    """Adaptive pooling to 1 x 1 on channels-last: the mean restrided (DINOv3-ConvNeXt); an as_strided
+    that reads outside its operand stays on the host with the reason."""
+    fn = lambda x: torch.as_strided(x.mean((-1, -2), keepdim=True), (2, 6, 1, 1), (6, 1, 6, 6)) * 2  # noqa: E731
+    x = torch.randn(2, 6, 3, 3)
+    lowered = lower_resident(Fn(fn), (x,))
+    assert not lowered.reports["forward"].nodes.host
+    torch.testing.assert_close(lowered.load().load_method()(x), fn(x))
+    window = lambda x: torch.as_strided(x * 1, (3, 4), (2, 1)) + 1  # noqa: E731  overlapping rows of 4
+    lowered = lower_resident(Fn(window), (torch.randn(10),))
+    assert not lowered.reports["forward"].nodes.host
+    torch.testing.assert_close(lowered.load().load_method()(torch.arange(10.0)), window(torch.arange(10.0)))
+    beyond = lambda x: torch.as_strided(x * 1, (4, 4), (3, 1)) + 1  # noqa: E731  reaches element 12 of 10
+    (host,) = lower_resident(Fn(beyond), (torch.randn(10),)).reports["forward"].nodes.host
+    assert "outside its operand" in host[2]

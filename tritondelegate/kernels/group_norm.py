@@ -7,9 +7,9 @@ per-channel affine, computed as eager's CPU kernel computes it:
     shift     = bias[c] - mean[n, g(c)] * scale[n, c]        (-mean * scale without a bias)
     out       = x * scale[n, c] + shift[n, c]
 
-so an inf or NaN in x, weight or bias gives eager's NaNs. Launches: the statistics (``reduce``'s
-welford over x seen as [N * G, C / G * HxW]), rstd, scale and shift (chains over [N, C]: tiny), and one
-chain over x that reads each element once and rounds once to the result's dtype. GroupNorm is
+so an inf or NaN in x, weight or bias gives eager's NaNs. Four launches: the statistics (``reduce``'s
+welford over x seen as [N * G, C / G * HxW]), rstd with the scale and then the shift (chains over
+[N, C]: tiny), and one chain over x that reads each element once and rounds once to the result's dtype. GroupNorm is
 wav2vec2's feature extractor's, BiT's and diffusion UNets' norm.
 """
 
@@ -34,12 +34,11 @@ def native_group_norm(b, node):
     weight, bias = (None if t is None else b.ref(t) for t in (weight, bias))
     n, per = x.shape[0], channels // groups
     positions = math.prod(x.shape[2:])
-    var, mean = (b.alloc((n, groups), STATS) for _ in range(2))
+    # [N, G, 1]: they broadcast over [N, G, C / G] as right-aligned operands, so their chains fuse
+    var, mean, rstd, shifted = (b.alloc((n, groups, 1), STATS) for _ in range(4))
     red.launch_reduce(b, b.view(x, (n * groups, per * positions), (per * positions, 1)), [1],
                       b.view(var, (n * groups,), (1,)), b.view(mean, (n * groups,), (1,)), combine="welford",
                       divisor=per * positions)
-    rstd = b.alloc((n, groups), STATS)
-    shifted = b.alloc((n, groups), STATS)
     ew.launch_pointwise(b, "add", shifted, [var, float(eps)])
     ew.launch_pointwise(b, "rsqrt", rstd, [shifted])
     scale, shift = _scale_shift(b, rstd, mean, weight, bias, n, groups, per)
@@ -50,21 +49,21 @@ def native_group_norm(b, node):
     ew.launch_pointwise(b, "add", b.view(b.out(node, 0), grid, flat), [scaled, _per_channel(b, shift, grid)])
     read = {u.args[1] for u in node.users if u.target is operator.getitem}
     if read & {1, 2} or any(u.target is not operator.getitem for u in node.users):
-        ew.launch_pointwise(b, "copy", b.out(node, 1), [mean])
-        ew.launch_pointwise(b, "copy", b.out(node, 2), [rstd])
+        ew.launch_pointwise(b, "copy", b.out(node, 1), [b.view(mean, (n, groups), (groups, 1))])
+        ew.launch_pointwise(b, "copy", b.out(node, 2), [b.view(rstd, (n, groups), (groups, 1))])
 
 
 def _scale_shift(b, rstd, mean, weight, bias, n: int, groups: int, per: int):
-    """(scale, shift) [N, G, C / G] in fp32 (scratch, or broadcast views of rstd without a weight)."""
+    """(scale, shift) [N, G, C / G] in fp32 (scratch, or a broadcast view of rstd without a weight);
+    rstd and mean are [N, G, 1]."""
     shape = (n, groups, per)
-    per_group = (groups, 1, 0)  # rstd and mean [N, G] over [N, G, C / G]
     if weight is None:
-        scale = b.view(rstd, shape, per_group)
+        scale = b.view(rstd, shape, (groups, 1, 0))
     else:
         scale = b.alloc(shape, STATS)
-        ew.launch_pointwise(b, "mul", scale, [b.view(rstd, shape, per_group), _channel(b, weight, shape)])
+        ew.launch_pointwise(b, "mul", scale, [rstd, _channel(b, weight, shape)])
     product = b.alloc(shape, STATS)
-    ew.launch_pointwise(b, "mul", product, [b.view(mean, shape, per_group), scale])
+    ew.launch_pointwise(b, "mul", product, [scale, mean])
     shift = b.alloc(shape, STATS)
     if bias is None:
         ew.launch_pointwise(b, "neg", shift, [product])

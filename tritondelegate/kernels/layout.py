@@ -9,6 +9,8 @@ its operand, read through zero strides, into its output viewed as (copies, size)
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import torch.fx
@@ -182,4 +184,35 @@ def _copy_repeated(b, src: TRef, dst: TRef, reps, dims) -> None:
 def supported_repeat(node) -> str | None:
     if len(node.args[1]) > MAX_RANK - 1:
         return f"repeats over {len(node.args[1])} dims: a copy walks at most {MAX_RANK - 1} repeated dims"
+    return supported(node)
+
+
+def _strided_args(node) -> tuple:
+    """(size, stride, storage_offset or None) of ``as_strided``, positional or by keyword."""
+    return tuple(node.args[k] if len(node.args) > k else node.kwargs.get(name)
+                 for k, name in ((1, "size"), (2, "stride"), (3, "storage_offset")))
+
+
+def as_strided(b, node):
+    """as_strided(x, size, stride, storage_offset=None) of a contiguous x, within its own elements
+    (``supported_strided``): a view of x's contiguous buffer (adaptive pooling's restride of its
+    [N, C, 1, 1] mean)."""
+    x = b.contiguous(b.ref(node.args[0]))
+    size, stride, offset = _strided_args(node)
+    own = node.args[0].meta["val"].storage_offset()
+    start = x.offset + (0 if offset is None else offset - own)
+    b.bind(node, b.view(x, b.sizes(size), b.sizes(stride), start))
+
+
+def supported_strided(node) -> str | None:
+    x = node_value(node.args[0])
+    size, stride, offset = _strided_args(node)
+    if not isinstance(x, torch.Tensor) or not sizes.is_static(list(x.shape)) or not x.is_contiguous():
+        return "as_strided of a tensor that is not contiguous with static sizes"
+    if not all(isinstance(v, int) for v in (*size, *stride)) or not isinstance(offset, (int, type(None))):
+        return "as_strided with dynamic sizes or strides"
+    start = 0 if offset is None else offset - x.storage_offset()
+    reach = start + sum((n - 1) * s for n, s in zip(size, stride) if n > 0)
+    if start < 0 or min(stride, default=0) < 0 or (math.prod(size) and reach >= x.numel()):
+        return f"as_strided reaches outside its operand's {x.numel()} elements"
     return supported(node)

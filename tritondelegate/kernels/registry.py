@@ -129,6 +129,7 @@ OPS: dict[object, OpSpec] = {
     aten.transpose.int: _view(layout.transpose),
     aten.t.default: _view(layout.t),
     aten.expand.default: _view(layout.expand),
+    aten.as_strided.default: _view(layout.as_strided, layout.supported_strided),
     aten.slice.Tensor: _view(layout.slice_),
     aten.select.int: _view(layout.select),
     aten.unsqueeze.default: _view(layout.unsqueeze),

@@ -16,6 +16,7 @@ UNARY = {
     # halves (ties: round to even), negative zeros, large values
     "floor": lambda x: torch.floor(x * 4), "ceil": lambda x: torch.ceil(x * 4),
     "trunc": lambda x: torch.trunc(x * 4), "round": lambda x: torch.round(torch.round(x * 8) / 2),
+    "sign": lambda x: torch.sign(torch.round(x)),  # zeros too
 }
 
 

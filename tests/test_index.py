@@ -157,3 +157,20 @@ def test_split_with_sizes_is_a_view():
 def test_split_outputs_need_no_copy_kernel_of_their_own():
     results, _ = run_delegated(Fn(lambda x: torch.split(x, [1, 4])), (torch.randn(5, 3),))
     assert [r.shape for r in results] == [(1, 3), (4, 3)]
+
+
+def test_indexing_results_with_more_dims_of_size_one_than_a_launch_walks():
+    """``unfold`` (ConvBERT's, MobileViTv2's) decomposes into an index whose result is 6-D with size-1
+    dims, and an index_put of the same; size-1 dims are dropped from the walk, so both run on the device."""
+    from harness import lower_resident
+
+    fn = lambda x: torch.nn.functional.unfold(x, (3, 1), padding=(1, 0)) * 2  # noqa: E731
+    x = torch.randn(1, 16, 7, 1)
+    lowered = lower_resident(Fn(fn), (x,))
+    assert not lowered.reports["forward"].nodes.host
+    torch.testing.assert_close(lowered.load().load_method()(x), fn(x))
+    fold = lambda x: torch.nn.functional.fold(x, (7, 1), (3, 1), padding=(1, 0))  # noqa: E731
+    y = torch.randn(1, 48, 7)
+    lowered = lower_resident(Fn(fold), (y,))
+    assert not lowered.reports["forward"].nodes.host
+    torch.testing.assert_close(lowered.load().load_method()(y), fold(y))

@@ -144,6 +144,8 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = 1.0 / a
     elif OP == "abs":
         r = tl.abs(a)
+    elif OP == "sign":  # (0 < a) - (a < 0): 0 for NaN and both zeros, as ATen
+        r = (a > 0).to(a.dtype) - (a < 0).to(a.dtype)
     elif OP == "sigmoid":
         r = tl.sigmoid(a)
     elif OP == "silu":

@@ -387,8 +387,9 @@ def index_reason(index_args, out) -> str | None:
         reason = _dtype_reason(node_value(arg), "an index", INDEX_DTYPES)
         if reason:
             return reason
-    if out.ndim > MAX_RANK:
-        return f"result has {out.ndim} dims (at most {MAX_RANK})"
+    walked = sum(1 for n in out.shape if not (isinstance(n, int) and n == 1))  # size-1 dims are dropped
+    if walked > MAX_RANK:
+        return f"result has {walked} dims of size other than 1 (at most {MAX_RANK})"
     return None
 
 

@@ -102,6 +102,7 @@ OPS: dict[object, OpSpec] = {
     aten.rsqrt.default: OpSpec(ew.unary("rsqrt"), ew.supported_float),
     aten.reciprocal.default: OpSpec(ew.unary("reciprocal"), ew.supported_float),
     aten.abs.default: OpSpec(ew.unary("abs")),
+    aten.sign.default: OpSpec(ew.unary("sign")),
     aten.sigmoid.default: OpSpec(ew.unary("sigmoid"), ew.supported_float),
     aten.silu.default: OpSpec(ew.unary("silu"), ew.supported_float),
     aten.relu.default: OpSpec(ew.unary("relu")),

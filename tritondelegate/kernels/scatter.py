@@ -386,8 +386,11 @@ def supported_index_put(node) -> str | None:
     except (RuntimeError, ValueError, size_fns.SymbolicShapeError):
         return f"index tensors of shapes {[tuple(s) for s in shapes]} do not broadcast together"
     rank = self_val.ndim - len(tensors) + len(bshape)
-    if rank > MAX_RANK:
-        return f"the indexing result has {rank} dims (at most {MAX_RANK})"
+    indexed = {d for d, t in enumerate(node.args[1]) if t is not None}
+    kept = [n for d, n in enumerate(size_fns.shape(self_val.shape)) if d not in indexed]
+    walked = sum(1 for n in (*kept, *bshape) if not (isinstance(n, int) and n == 1))  # size-1 dims are dropped
+    if walked > MAX_RANK:
+        return f"the indexing result has {walked} dims of size other than 1 (at most {MAX_RANK})"
     leading = size_fns.shape(values.shape[: max(values.ndim - rank, 0)])
     if any(s != 1 for s in leading):
         return f"values of shape {tuple(values.shape)} do not broadcast to the {rank}-dim indexing result"

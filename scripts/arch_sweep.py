@@ -331,6 +331,163 @@ ENCODERS = {
                              max_source_positions=8, max_target_positions=16, pad_token_id=0, bos_token_id=1,
                              eos_token_id=2, decoder_start_token_id=1), "audio"),
 }
+
+# More encoders, vision and audio models of transformers (2026-12): text encoders, vision backbones at
+# the input size each needs (IMAGE_SHAPE), raw audio (kind "wave"), spectrograms ("ast"), and the
+# encoders of sequence-to-sequence models (GET_ENCODER: run as model.get_encoder()).
+VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+           patch_size=4, num_channels=3)
+S2S = dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=1, encoder_attention_heads=4,
+           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+W2V = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+           conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+           num_conv_pos_embedding_groups=4, feat_extract_norm="group", do_stable_layer_norm=False)
+
+TEXT = {
+    "albert": ("AlbertConfig", "AlbertModel", {**ENC, "embedding_size": 16, **TOK}, "ids"),
+    "electra": ("ElectraConfig", "ElectraModel", {**ENC, "embedding_size": 16}, "ids"),
+    "deberta_v2": ("DebertaV2Config", "DebertaV2Model",
+                   {**ENC, "relative_attention": True, "position_buckets": 8, "max_relative_positions": 16,
+                    "pos_att_type": ["p2c", "c2p"], "position_biased_input": False}, "ids"),
+    "mpnet": ("MPNetConfig", "MPNetModel", {**ENC, "relative_attention_num_buckets": 32}, "ids"),
+    "xlm_roberta": ("XLMRobertaConfig", "XLMRobertaModel", {**ENC, "pad_token_id": 1}, "ids"),
+    "camembert": ("CamembertConfig", "CamembertModel", {**ENC, "pad_token_id": 1}, "ids"),
+    "mobilebert": ("MobileBertConfig", "MobileBertModel",
+                   {**ENC, "embedding_size": 16, "intra_bottleneck_size": 16, "true_hidden_size": 16,
+                    "num_feedforward_networks": 2, "pad_token_id": 0}, "ids"),
+    "convbert": ("ConvBertConfig", "ConvBertModel",
+                 {**ENC, "embedding_size": 32, "head_ratio": 2, "conv_kernel_size": 3, "num_groups": 1,
+                  **TOK}, "ids"),
+    "squeezebert": ("SqueezeBertConfig", "SqueezeBertModel",
+                    {**ENC, "embedding_size": 32, "q_groups": 4, "k_groups": 4, "v_groups": 4,
+                     "post_attention_groups": 1, "intermediate_groups": 4, "output_groups": 4, "pad_token_id": 0},
+                    "ids"),
+    "funnel": ("FunnelConfig", "FunnelModel",
+               dict(vocab_size=64, block_sizes=[1, 1], num_decoder_layers=1, d_model=32, n_head=4, d_head=8,
+                    d_inner=64, max_position_embeddings=64), "ids"),
+    "roformer": ("RoFormerConfig", "RoFormerModel", {**ENC, "embedding_size": 32, "pad_token_id": 0}, "ids"),
+    # Nystromformer's landmark path reshapes by config.segment_means_seq_len (the padded length, fixed);
+    # num_landmarks == segment_means_seq_len selects its exact-softmax path, the only one that takes any length
+    "nystromformer": ("NystromformerConfig", "NystromformerModel",
+                      {**ENC, "num_landmarks": 64, "segment_means_seq_len": 64, "conv_kernel_size": 3, **TOK},
+                      "ids"),
+    "modernbert": ("ModernBertConfig", "ModernBertModel",
+                   dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64, global_attn_every_n_layers=2,
+                        local_attention=4, pad_token_id=0, eos_token_id=1, bos_token_id=2, cls_token_id=2,
+                        sep_token_id=1), "ids"),
+    "ernie": ("ErnieConfig", "ErnieModel", ENC, "ids"),
+    "megatron_bert": ("MegatronBertConfig", "MegatronBertModel", ENC, "ids"),
+    "data2vec_text": ("Data2VecTextConfig", "Data2VecTextModel", {**ENC, "pad_token_id": 1}, "ids"),
+    "xlm_roberta_xl": ("XLMRobertaXLConfig", "XLMRobertaXLModel", {**ENC, "pad_token_id": 1}, "ids"),
+    "layoutlm": ("LayoutLMConfig", "LayoutLMModel", {**ENC, "max_2d_position_embeddings": 64}, "ids"),
+    "canine": ("CanineConfig", "CanineModel",
+               dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                    max_position_embeddings=64, downsampling_rate=2, num_hash_functions=2, num_hash_buckets=64,
+                    local_transformer_stride=4, upsampling_kernel_size=3), "ids"),
+    "clip_text": ("CLIPTextConfig", "CLIPTextModel", {**ENC, **TOK}, "ids"),
+    "siglip_text": ("SiglipTextConfig", "SiglipTextModel", {**ENC, **TOK}, "ids"),
+}
+
+VISION = {
+    "swin": ("SwinConfig", "SwinModel",
+             dict(image_size=32, patch_size=2, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+                  window_size=4, mlp_ratio=2.0), "image"),
+    "swinv2": ("Swinv2Config", "Swinv2Model",
+               dict(image_size=32, patch_size=2, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+                    window_size=4, mlp_ratio=2.0), "image"),
+    "deit": ("DeiTConfig", "DeiTModel", VIT, "image"),
+    "beit": ("BeitConfig", "BeitModel", {**VIT, "vocab_size": 64, "use_relative_position_bias": True}, "image"),
+    "dinov2": ("Dinov2Config", "Dinov2Model", {**{k: v for k, v in VIT.items() if k != "intermediate_size"},
+                                               "mlp_ratio": 2}, "image"),
+    "dinov2_reg": ("Dinov2WithRegistersConfig", "Dinov2WithRegistersModel",
+                   {**{k: v for k, v in VIT.items() if k != "intermediate_size"}, "mlp_ratio": 2,
+                    "num_register_tokens": 2}, "image"),
+    "data2vec_vision": ("Data2VecVisionConfig", "Data2VecVisionModel",
+                        {**VIT, "use_relative_position_bias": True}, "image"),
+    "segformer": ("SegformerConfig", "SegformerModel",
+                  dict(num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                       patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+                       decoder_hidden_size=32), "image"),
+    "poolformer": ("PoolFormerConfig", "PoolFormerModel",
+                   dict(num_channels=3, num_encoder_blocks=2, depths=[1, 1], hidden_sizes=[16, 32],
+                        patch_sizes=[3, 3], strides=[2, 2], padding=[1, 1], pool_size=3, mlp_ratio=2.0), "image"),
+    "efficientnet": ("EfficientNetConfig", "EfficientNetModel",
+                     dict(image_size=32, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320,
+                          kernel_sizes=[3, 5], in_channels=[32, 16], out_channels=[16, 24], strides=[1, 2],
+                          num_block_repeats=[1, 2], expand_ratios=[1, 6], depthwise_padding=[]), "image"),
+    "regnet": ("RegNetConfig", "RegNetModel",
+               dict(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=8,
+                    layer_type="y"), "image"),
+    "mobilevit": ("MobileViTConfig", "MobileViTModel",
+                  dict(num_channels=3, image_size=64, patch_size=2, hidden_sizes=[16, 24, 32],
+                       neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32], num_attention_heads=4, mlp_ratio=2.0,
+                       expand_ratio=2.0), "image"),
+    "mobilevitv2": ("MobileViTV2Config", "MobileViTV2Model",
+                    dict(num_channels=3, image_size=64, width_multiplier=0.25, n_attn_blocks=[1, 1, 1]), "image"),
+    "convnextv2": ("ConvNextV2Config", "ConvNextV2Model",
+                   dict(num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], patch_size=2,
+                        image_size=16), "image"),
+    "focalnet": ("FocalNetConfig", "FocalNetModel",
+                 dict(image_size=32, patch_size=2, embed_dim=16, hidden_sizes=[16, 32], depths=[1, 1],
+                      focal_levels=[2, 2], focal_windows=[3, 3], mlp_ratio=2.0, drop_path_rate=0.0), "image"),
+    "pvt_v2": ("PvtV2Config", "PvtV2Model",
+               dict(image_size=32, num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                    hidden_sizes=[16, 32], patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[1, 2],
+                    mlp_ratios=[2, 2]), "image"),
+    "hiera": ("HieraConfig", "HieraModel",
+              dict(embed_dim=16, image_size=[64, 64], depths=[1, 1], num_heads=[1, 2], mlp_ratio=2.0,
+                   num_query_pool=1, masked_unit_attention=[True, False]), "image"),
+    "vit_msn": ("ViTMSNConfig", "ViTMSNModel", VIT, "image"),
+    "clip_vision": ("CLIPVisionConfig", "CLIPVisionModel", VIT, "image"),
+    "siglip_vision": ("SiglipVisionConfig", "SiglipVisionModel", VIT, "image"),
+    "dinov3_vit": ("DINOv3ViTConfig", "DINOv3ViTModel",
+                   dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        image_size=16, patch_size=4, num_register_tokens=2), "image"),
+    "dinov3_convnext": ("DINOv3ConvNextConfig", "DINOv3ConvNextModel",
+                        dict(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], image_size=16), "image"),
+    "bit": ("BitConfig", "BitModel",
+            dict(num_channels=3, embedding_size=8, hidden_sizes=[16, 32], depths=[1, 1], num_groups=4,
+                 layer_type="preactivation"), "image"),
+}
+
+AUDIO = {
+    "wav2vec2": ("Wav2Vec2Config", "Wav2Vec2Model", W2V, "wave"),
+    "hubert": ("HubertConfig", "HubertModel", W2V, "wave"),
+    "wavlm": ("WavLMConfig", "WavLMModel", {**W2V, "num_buckets": 8, "max_bucket_distance": 16}, "wave"),
+    "data2vec_audio": ("Data2VecAudioConfig", "Data2VecAudioModel",
+                       {**{k: v for k, v in W2V.items() if k not in ("num_conv_pos_embeddings",
+                                                                      "feat_extract_norm",
+                                                                      "do_stable_layer_norm")},
+                        "conv_pos_kernel_size": 5, "num_conv_pos_embeddings": 2}, "wave"),
+    "ast": ("ASTConfig", "ASTModel",
+            dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, patch_size=4,
+                 frequency_stride=4, time_stride=4, max_length=16, num_mel_bins=16), "ast"),
+}
+
+SEQ2SEQ = {
+    "bart_encoder": ("BartConfig", "BartModel",
+                     {**S2S, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "decoder_start_token_id": 2},
+                     "ids"),
+    "mbart_encoder": ("MBartConfig", "MBartModel",
+                      {**S2S, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
+                       "decoder_start_token_id": 2}, "ids"),
+    "pegasus_encoder": ("PegasusConfig", "PegasusModel",
+                        {**S2S, "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0}, "ids"),
+    "marian_encoder": ("MarianConfig", "MarianModel",
+                       {**S2S, "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0}, "ids"),
+    "m2m100_encoder": ("M2M100Config", "M2M100Model",
+                       {**S2S, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
+                        "decoder_start_token_id": 2}, "ids"),
+}
+
+ENCODERS.update({**TEXT, **VISION, **AUDIO, **SEQ2SEQ})
+GET_ENCODER = set(SEQ2SEQ) | {"whisper_encoder"}
+IMAGE_SHAPE = {"swin": (3, 32, 32), "swinv2": (3, 32, 32), "segformer": (3, 32, 32), "poolformer": (3, 32, 32),
+               "efficientnet": (3, 32, 32), "regnet": (3, 32, 32), "mobilevit": (3, 64, 64),
+               "mobilevitv2": (3, 64, 64), "focalnet": (3, 32, 32), "pvt_v2": (3, 32, 32), "hiera": (3, 64, 64),
+               "bit": (3, 32, 32)}  # (channels, height, width); 3 x 16 x 16 otherwise
+WAVE_LEN = 400  # audio samples: 79 frames after the stride-5 conv, 39 after the stride-2 one
 ARCHS = list(DECODERS) + list(ENCODERS)
 CASES = ("forward", "generate", "dynamic", "batch2", "mask", "eager_attn", "bf16", "long", "long_gen", "wide", "dyn_gen", "fp16", "dyn2")
 
@@ -373,7 +530,7 @@ def _build(name, case="forward"):
         raise Skip(f"transformers {transformers.__version__} lacks {model_cls}")
     kwargs = _overrides(case, kwargs)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
-    if name == "whisper_encoder":
+    if name in GET_ENCODER:
         model = model.get_encoder()
     _scramble(model)
     return model
@@ -404,8 +561,12 @@ def _inputs(name, model, batch=1, length=7):
     if kind == "ids":
         return First(model, "input_ids"), (torch.randint(0, 64, (batch, length), generator=g),), 1
     if kind == "image":
-        return First(model, "pixel_values"), (torch.randn(batch, 3, 16, 16, generator=g),), 0
+        return First(model, "pixel_values"), (torch.randn(batch, *IMAGE_SHAPE.get(name, (3, 16, 16)), generator=g),), 0
+    if kind == "wave":
+        return First(model, "input_values"), (torch.randn(batch, WAVE_LEN, generator=g),), 0
     c = model.config
+    if kind == "ast":
+        return First(model, "input_values"), (torch.randn(batch, c.max_length, c.num_mel_bins, generator=g),), 0
     return First(model, "input_features"), (torch.randn(batch, c.num_mel_bins, 2 * c.max_source_positions,
                                                         generator=g),), 0
 

@@ -142,12 +142,17 @@ def _through(node, *targets):
     return node.args[0] if is_call(node, *targets) else None
 
 
+def _item(node, index: int):
+    """The tuple node that ``node`` takes element ``index`` of (``getitem``), else None."""
+    return node.args[0] if is_call(node, operator.getitem) and node.args[1] == index else None
+
+
 def _group_scores(gs) -> tuple | None:
     """(c, n_group) when ``gs`` is ``view(c, [-1, G, E / G]).topk(2)[0].sum(-1)``."""
     top2 = _through(gs, aten.sum.dim_IntList)
     if top2 is None or list(node_arg(gs, 1, "dim") or []) != [-1] or node_arg(gs, 2, "keepdim", False):
         return None
-    topk = _through(top2, operator.getitem) if top2.args[1] == 0 else None
+    topk = _item(top2, 0)
     if topk is None or _largest_k(topk) != 2:
         return None
     view = topk.args[0]
@@ -169,7 +174,7 @@ def _group_mask(mask) -> tuple | None:
     zeros, picked = groups.args[0], groups.args[2]
     if not is_call(zeros, aten.full_like.default) or zeros.args[1] != 0:
         return None
-    chooser = _through(picked, operator.getitem) if picked.args[1] == 1 else None
+    chooser = _item(picked, 1)
     topk_group = _largest_k(chooser) if chooser is not None else None
     found = _group_scores(chooser.args[0]) if topk_group is not None else None
     return None if found is None or chooser.args[0] is not zeros.args[0] else (*found, topk_group)
@@ -183,7 +188,7 @@ def _weights(gathered) -> tuple:
     total = next((u for u in users if is_call(u, aten.sum.dim_IntList)), None)
     if len(users) == 2 and total is not None and node_arg(total, 2, "keepdim", False) and len(total.users) == 1:
         shifted = next(iter(total.users))
-        found = scale_operand_add(shifted)
+        found = _added_number(shifted)
         div = next(iter(shifted.users)) if found is not None and len(shifted.users) == 1 else None
         if div is not None and is_call(div, aten.div.Tensor) and div.args == (gathered, shifted) and div in users:
             node, renormalize, eps = div, True, found
@@ -192,7 +197,7 @@ def _weights(gathered) -> tuple:
     return node, renormalize, eps, scale
 
 
-def scale_operand_add(node) -> float | None:
+def _added_number(node) -> float | None:
     """The number of ``t + number``; None for anything else."""
     if not is_call(node, aten.add.Tensor, aten.add.Scalar) or node.kwargs:
         return None
@@ -206,7 +211,7 @@ def _match_group(gathered) -> tuple | None:
     if not is_call(gathered, aten.gather.default) or gathered.args[1] not in (1, -1) or len(gathered.args) > 3:
         return None
     scores, indices = gathered.args[0], gathered.args[2]
-    topk = _through(indices, operator.getitem) if indices.args[1] == 1 else None
+    topk = _item(indices, 1)
     k = _largest_k(topk) if topk is not None else None
     masked = topk.args[0] if k is not None else None
     if not is_call(masked, aten.where.self) or masked.args[1] is None:

@@ -160,10 +160,13 @@ def test_conv_bn_relu(folding, dtype):
     lowered = _lower(model, (x,))
     assert len(_folded(lowered)) == 1
     kernels = _launches(lowered)
-    assert "batch_norm" not in kernels and kernels.count("conv2d") == 1
-    # Only the folded weight and bias are stored (no bn parameters or running statistics).
-    assert sorted(tuple(c.shape) for c in lowered.program.constants) == [(6,), (6, 3, 3, 3)]
-    assert {c.dtype for c in lowered.program.constants} == {dtype_name(dtype)}
+    assert kernels == ["conv2d"]  # the affine (half precision) and the relu in its epilogue
+    constants = sorted((tuple(c.shape), c.dtype) for c in lowered.program.constants)
+    if dtype == torch.float32:  # only the folded weight and bias (no bn parameters or statistics)
+        assert constants == [((6,), "float32"), ((6, 3, 3, 3), "float32")]
+    else:  # the weight and bias as they are, and the scale and shift per channel in fp32
+        name = dtype_name(dtype)
+        assert constants == [((6,), name), ((6, 1, 1), "float32"), ((6, 1, 1), "float32"), ((6, 3, 3, 3), name)]
     _check(lowered, model, x, dtype)
 
 

@@ -16,8 +16,10 @@ constant placeholders, so constant folding (which runs next, and without which t
 run) computes them once at lower time and stores them in place of ``W`` and the batch norm's
 operands, which are dropped when nothing else reads them. One launch per convolution less, and the
 batch norm's pass over the activation with it. The arithmetic runs in fp32 (fp64 for an fp64
-weight) whatever the weight's dtype, and ``W'``/``b'`` are cast back to it (one rounding, as close
-to eager as a conv of that dtype gets).
+weight). An fp16/bf16 convolution keeps its weight: its result, rounded to its dtype as eager stores
+it, is scaled and shifted per channel in fp32 (``(y * scale + shift).to(dtype)``, the convolution's
+epilogue), as eager's batch norm computes in fp32 (rounding ``W'`` and ``b'`` to half precision lost
+what the normalization's cancellation needs).
 
 Folded when the convolution is 2-D and not transposed, the batch norm reads its result and nothing
 else does (a convolution whose output is also used elsewhere keeps it, and its batch norm), the
@@ -160,6 +162,8 @@ def _fold(graph: torch.fx.Graph, conv, bn, outs, weight, bias, operands) -> str:
         scale = new(aten.rsqrt.default, new(aten.add.Tensor, up(var), eps))
         if gamma is not None:
             scale = new(aten.mul.Tensor, scale, up(gamma))
+        if dtype != compute:  # fp16/bf16: an fp32 scale and shift after the convolution (its epilogue)
+            return _affine_after(graph, new, conv, bn, outs, operands, scale, up, channels, dtype)
         # The last node of each is named, for the summary's list of what constant folding computed.
         names = (f"{conv.name}_bn_weight", f"{conv.name}_bn_bias")
         last = (lambda i: names[i]) if dtype == compute else (lambda i: None)
@@ -178,6 +182,27 @@ def _fold(graph: torch.fx.Graph, conv, bn, outs, weight, bias, operands) -> str:
     graph.erase_node(bn)
     graph.erase_node(conv)
     return f"batch norm -> conv weights: {bn.name} into {conv.name}"
+
+
+def _affine_after(graph, new, conv, bn, outs, operands, scale, up, channels: int, dtype) -> str:
+    """``(conv(x) * scale + shift).to(dtype)`` with scale and shift per channel in fp32 for a half
+    precision convolution: eager rounds the convolution's result to its dtype, then normalizes in fp32;
+    rounding ``W * scale`` and ``b'`` to fp16/bf16 instead loses what the normalization's cancellation
+    needs (LeViT in bf16: 12x eager's error). The chain runs in the convolution's epilogue."""
+    _, beta, mean, _, _ = operands
+    shift = new(aten.mul.Tensor, up(mean), scale)
+    shift = new(aten.sub.Tensor, up(beta), shift) if beta is not None else new(aten.neg.default, shift)
+    scale = new(aten.view.default, scale, [channels, 1, 1], name=f"{conv.name}_bn_scale")
+    shift = new(aten.view.default, shift, [channels, 1, 1], name=f"{conv.name}_bn_shift")
+    with graph.inserting_before(bn):
+        after = _Builder(graph, bn.meta)
+        z = after.cast(after(aten.add.Tensor, after(aten.mul.Tensor, conv, scale), shift), dtype)
+    for out in outs:
+        out.replace_all_uses_with(z)
+    for user in list(bn.users):
+        graph.erase_node(user)
+    graph.erase_node(bn)
+    return f"batch norm -> conv epilogue (fp32 scale and shift): {bn.name} after {conv.name}"
 
 
 def fuse_batchnorm(ep: torch.export.ExportedProgram, state: set[str] = frozenset()) -> list[str]:

@@ -144,3 +144,15 @@ def test_as_strided_restrides_within_its_operand():
     beyond = lambda x: torch.as_strided(x * 1, (4, 4), (3, 1)) + 1  # noqa: E731  reaches element 12 of 10
     (host,) = lower_resident(Fn(beyond), (torch.randn(10),)).reports["forward"].nodes.host
     assert "outside its operand" in host[2]
+
+
+def test_a_restride_of_size_one_dims_with_a_dynamic_batch_is_a_view():
+    pool = torch.nn.AdaptiveAvgPool2d(1)
+    x = torch.randn(2, 6, 3, 3).to(memory_format=torch.channels_last)
+    batch = torch.export.Dim("batch", max=4)
+    lowered = lower_resident(Fn(lambda t: pool(t) * 2), (x,), dynamic_shapes={"args": ({0: batch},)})
+    assert not lowered.reports["forward"].nodes.host
+    method = lowered.load().load_method()
+    for n in (1, 3):
+        y = torch.randn(n, 6, 3, 3).to(memory_format=torch.channels_last)
+        torch.testing.assert_close(method(y), pool(y) * 2)

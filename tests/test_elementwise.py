@@ -125,3 +125,16 @@ def test_a_copy_over_more_dims_than_a_launch_walks_splits_into_launches():
     lowered = lower_resident(Fn(fn), (x, y))
     assert [launch.kernel for launch in plan_launches(lowered)] == ["pointwise"] * 7
     assert torch.equal(lowered.load().load_method()(x, y), fn(x, y))
+
+
+def test_a_split_copy_keeps_a_dynamic_batch_walked():
+    """Hiera's unrolling under a dynamic batch: the static dims are split, the batch is walked."""
+    from harness import lower_resident
+
+    fn = lambda x: x.view(-1, 2, 3, 2, 5, 2).permute(0, 5, 3, 1, 4, 2).contiguous() + 1  # noqa: E731
+    batch = torch.export.Dim("batch", max=3)
+    lowered = lower_resident(Fn(fn), (torch.randn(2, 120),), dynamic_shapes={"args": ({0: batch},)})
+    method = lowered.load().load_method()
+    for n in (1, 3):
+        x = torch.randn(n, 120)
+        assert torch.equal(method(x), fn(x))

@@ -160,3 +160,18 @@ def test_group_norm_statistics_when_read():
     fn = lambda x, w, b: torch.ops.aten.native_group_norm(x, w, b, 2, 6, 20, 3, 1e-5)  # noqa: E731
     args = (torch.randn(2, 6, 4, 5), torch.randn(6), torch.randn(6))
     check_model(Fn(fn), args)
+
+
+def test_group_norm_with_a_dynamic_batch():
+    from harness import lower_resident
+
+    torch.manual_seed(5)
+    model = torch.nn.GroupNorm(2, 8).eval()
+    torch.nn.init.normal_(model.weight)
+    batch = torch.export.Dim("batch", max=4)
+    lowered = lower_resident(model, (torch.randn(2, 8, 3, 3),), dynamic_shapes=({0: batch},))
+    assert not lowered.reports["forward"].nodes.host
+    method = lowered.load().load_method()
+    for n in (1, 4):
+        x = torch.randn(n, 8, 3, 3)
+        torch.testing.assert_close(method(x), model(x), atol=1e-5, rtol=1e-5)

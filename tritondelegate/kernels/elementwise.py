@@ -462,14 +462,13 @@ def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | No
 MAX_PEELED = 256  # launches one pointwise op may split into
 
 
-def _peeled(b, op: str, out: TRef, operands, alpha, compute: str) -> None:
+def _peeled(b, op: str, out: TRef, operands, alpha, compute: str, budget: int = MAX_PEELED) -> None:
     """``out = op(*operands)`` over more dims than one launch walks (a 6-D permuted copy: Hiera's
-    unrolling): one launch per index of the outermost static dim of size > 1, each over the rest,
-    split again as needed, at most MAX_PEELED launches in all."""
+    unrolling): one launch per index of the outermost static dim of size > 1 (a dynamic batch stays
+    walked), each over the rest, split again as needed, at most ``budget`` launches in all."""
     shape = out.shape
     dim = next((d for d, n in enumerate(shape) if size_fns.is_static(n) and n > 1), None)
-    count = math.prod(n for n in shape[:dim + 1] if size_fns.is_static(n)) if dim is not None else 0
-    if dim is None or count > MAX_PEELED or not size_fns.is_static(shape[:dim]):
+    if dim is None or shape[dim] > budget:
         raise NotImplementedError(f"pointwise op over more than {MAX_RANK} non-mergeable dims of {shape}")
     rest = tuple(shape[:dim]) + tuple(shape[dim + 1:])
 
@@ -481,7 +480,7 @@ def _peeled(b, op: str, out: TRef, operands, alpha, compute: str) -> None:
         parts = [part(o, i) if isinstance(o, TRef) else o for o in operands]
         walk = _operand_args(part(out, i), list(parts) + [0] * (3 - len(parts)), compute)
         if walk is None:
-            _peeled(b, op, part(out, i), parts, alpha, compute)
+            _peeled(b, op, part(out, i), parts, alpha, compute, budget // shape[dim])
             continue
         n, sizes, out_strides, ptrs, scalars, strides, flags = walk
         b.launch("pointwise", (triton.cdiv(n, BLOCK),), part(out, i), *ptrs, *scalars, n, *sizes, *out_strides,

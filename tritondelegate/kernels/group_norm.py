@@ -22,7 +22,7 @@ import torch
 
 from . import elementwise as ew
 from . import reduce as red
-from .norm import supported as supported_norm
+from .refs import FLOAT_DTYPES, node_value
 
 STATS = torch.float32  # the statistics and the per-channel scale and shift, as eager's opmath
 
@@ -89,4 +89,9 @@ def supported(node) -> str | None:
     groups = node.args[6]
     if not isinstance(groups, int) or not isinstance(x.shape[1], int) or x.shape[1] % groups:
         return f"{x.shape[1]} channels in {groups} groups"
-    return supported_norm(node)
+    tensors = [node_value(a) for a in node.args[:3] if a is not None]
+    outs = node.meta.get("val")
+    for t in [*tensors, *(outs if isinstance(outs, (tuple, list)) else [outs])]:
+        if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
+            return f"operand or result {getattr(t, 'dtype', t)} is not a floating-point tensor"
+    return None

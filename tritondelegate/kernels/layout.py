@@ -204,9 +204,22 @@ def as_strided(b, node):
     b.bind(node, b.view(x, b.sizes(size), b.sizes(stride), start))
 
 
+def _restride(x, size, stride, offset) -> bool:
+    """Whether ``as_strided`` only changes the strides of x's size-1 dims (its elements stay put):
+    adaptive pooling's restride of its [N, C, 1, 1] mean, with a dynamic N too."""
+    size, stride = ([node_value(v) if isinstance(v, torch.fx.Node) else v for v in vs] for vs in (size, stride))
+    if len(size) != x.dim() or len(stride) != x.dim():
+        return False
+    same = sizes.shape(size) == sizes.shape(x.shape) and offset in (None, x.storage_offset())
+    return same and all(sizes.size(n) == 1 or sizes.size(s) == sizes.size(t)
+                        for n, s, t in zip(size, stride, x.stride()))
+
+
 def supported_strided(node) -> str | None:
     x = node_value(node.args[0])
     size, stride, offset = _strided_args(node)
+    if isinstance(x, torch.Tensor) and x.is_contiguous() and _restride(x, size, stride, offset):
+        return supported(node)
     if not isinstance(x, torch.Tensor) or not sizes.is_static(list(x.shape)) or not x.is_contiguous():
         return "as_strided of a tensor that is not contiguous with static sizes"
     if not all(isinstance(v, int) for v in (*size, *stride)) or not isinstance(offset, (int, type(None))):

@@ -145,6 +145,7 @@ def launch_pool2d(b, mode: str, out, x, kernel=(1, 1), stride=(1, 1), padding=(0
         MODE=mode, KH=kh, KW=kw, COUNT_INCLUDE_PAD=bool(count_include_pad),
         DIVISOR_OVERRIDE=bool(divisor_override), WRITE_INDICES=indices is not None,
         BLOCK_M=block_m, BLOCK_K=block_k,
+        num_warps=8 if block_m * block_k > 2048 else 4,  # 4 warps over [256, 16] max taps spilled (sm_90)
     )
 
 

@@ -105,6 +105,17 @@ def _div_floor(a, b):
 
 
 @triton.jit
+def round_as(v, ROUND: tl.constexpr):
+    """``v`` (fp32) rounded to the 16-bit float ROUND names and back to fp32, as eager stores a value of
+    that dtype; "" (or any other name): ``v`` as it is."""
+    if ROUND == "float16":
+        v = v.to(tl.float16).to(tl.float32)
+    elif ROUND == "bfloat16":
+        v = v.to(tl.bfloat16).to(tl.float32)
+    return v
+
+
+@triton.jit
 def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
     """One pointwise op on a (and b, c): the ops of one operand here, the rest in _binary_formula."""
     if OP == "copy":
@@ -322,10 +333,7 @@ def _epilogue(acc, mask, i0, i1, i2, i3,
               EOP1: tl.constexpr, EARITY1: tl.constexpr, ESWAP1: tl.constexpr, EIS_SCALAR1: tl.constexpr,
               EOP2: tl.constexpr, EARITY2: tl.constexpr, ESWAP2: tl.constexpr, EIS_SCALAR2: tl.constexpr,
               EOP3: tl.constexpr, EARITY3: tl.constexpr, ESWAP3: tl.constexpr, EIS_SCALAR3: tl.constexpr):
-    if ROUND_TO == "float16":
-        acc = acc.to(tl.float16).to(tl.float32)
-    elif ROUND_TO == "bfloat16":
-        acc = acc.to(tl.bfloat16).to(tl.float32)
+    acc = round_as(acc, ROUND_TO)
     acc = _chain_step(acc, e0_ptr, e0_scalar, i0, i1, i2, i3, 0, e0s0, e0s1, e0s2, e0s3, 0, mask,
                       EOP0, EARITY0, ESWAP0, EIS_SCALAR0, "f32")
     if EPILOGUE >= 2:

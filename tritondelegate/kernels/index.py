@@ -88,11 +88,7 @@ def _gather_epilogue(r, mask, i0, i1, i2, i3, i4,
                      EOP3: tl.constexpr, EARITY3: tl.constexpr, ESWAP3: tl.constexpr, EIS_SCALAR3: tl.constexpr):
     """The gathered values as eager stores them (rounded to ROUND_TO), then EPILOGUE chain steps in fp32,
     operand k at ek_ptr + i0*eks0 + ... + i4*eks4."""
-    r = r.to(tl.float32)
-    if ROUND_TO == "float16":
-        r = r.to(tl.float16).to(tl.float32)
-    elif ROUND_TO == "bfloat16":
-        r = r.to(tl.bfloat16).to(tl.float32)
+    r = ew.round_as(r.to(tl.float32), ROUND_TO)
     r = ew._chain_step(r, e0_ptr, e0_scalar, i0, i1, i2, i3, i4, e0s0, e0s1, e0s2, e0s3, e0s4, mask,
                        EOP0, EARITY0, ESWAP0, EIS_SCALAR0, "f32")
     if EPILOGUE >= 2:

@@ -58,11 +58,10 @@ import triton.language as tl
 from ..ops import GLU_ACTS
 from . import sizes, target
 from . import elementwise as ew
-from .elementwise import MAX_CHAIN, _epilogue, _formula
+from .elementwise import MAX_CHAIN, _epilogue, _formula, round_as
 from ..dtypes import dtype_name
 from ..errors import LoweringError
 from .refs import TRef, broadcast_strides, collapse, node_value
-from .rotary import _round
 
 # CUDA caps grid axis 1 (the batch axis here) at 65535 programs; larger batches launch in chunks.
 MAX_GRID_Y = 65535
@@ -148,12 +147,8 @@ def _glu_tile(acc, pid_n, mask_m, N, ACT: tl.constexpr, ROUND: tl.constexpr, BLO
     output columns and mask."""
     offs_n = pid_n.to(tl.int64) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-    if ROUND == "float16":
-        g = g.to(tl.float16).to(tl.float32)
-        u = u.to(tl.float16).to(tl.float32)
-    elif ROUND == "bfloat16":
-        g = g.to(tl.bfloat16).to(tl.float32)
-        u = u.to(tl.bfloat16).to(tl.float32)
+    g = round_as(g, ROUND)
+    u = round_as(u, ROUND)
     return _formula(g, g, g, ACT, 1) * u, offs_n, mask_m & (offs_n[None, :] < N // 2)
 
 
@@ -203,8 +198,8 @@ def _rope_store(acc, z, offs_m, pid_n, M, N, c_ptr, stride_cz, stride_cm, stride
     c_row = (t // r_inner) * rc0 + (t % r_inner) * rc1
     if ROPE == "angles":  # one angle per pair; the tables as the model rounds them
         angle = tl.load(rc_ptr + c_row[:, None] + j_a[None, :] * rcj, mask=load, other=0.0).to(tl.float32)
-        c1 = _round(tl.cos(angle) * r_scale, ROPE_ROUND)
-        s1 = _round(tl.sin(angle) * r_scale, ROPE_ROUND)
+        c1 = round_as(tl.cos(angle) * r_scale, ROPE_ROUND)
+        s1 = round_as(tl.sin(angle) * r_scale, ROPE_ROUND)
         c2 = c1
         s2 = s1
     else:

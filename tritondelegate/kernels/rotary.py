@@ -36,6 +36,7 @@ import triton.language as tl
 from . import sizes
 from ..dtypes import dtype_name
 from ..errors import LoweringError
+from .elementwise import round_as
 from .refs import FLOAT_DTYPES, TRef, broadcast_strides, collapse, node_value
 from .rows import row_offsets
 from .sizes import next_power_of_2
@@ -52,16 +53,6 @@ def _row4(r, n1, n2, n3, s0, s1, s2, s3):
     """Element offset of row ``r`` (int64) of a [n0, n1, n2, n3] grid of rows with strides s0..s3:
     ``rows.row_offsets`` with one more inner dim."""
     return row_offsets(r // n3, n1, n2, s0, s1, s2) + (r % n3) * s3
-
-
-@triton.jit
-def _round(v, ROUND: tl.constexpr):
-    """``v`` (fp32) rounded to a half-precision dtype and back, as eager stores a table of that dtype."""
-    if ROUND == "float16":
-        v = v.to(tl.float16).to(tl.float32)
-    elif ROUND == "bfloat16":
-        v = v.to(tl.bfloat16).to(tl.float32)
-    return v
 
 
 @triton.jit
@@ -97,8 +88,8 @@ def _rotate(
         x2 = ((x2 * rstd).to(tx).to(tl.float32) * w2).to(tx).to(tl.float32)
     if ANGLES:  # cos_ptr: the angles; positions c and c + h share one
         a = tl.load(c_row + lo * csd, mask=mask, other=0.0).to(tl.float32)
-        c1 = _round(tl.cos(a) * scale, ROUND)
-        s1 = _round(tl.sin(a) * scale, ROUND)
+        c1 = round_as(tl.cos(a) * scale, ROUND)  # as eager stores a table of that dtype
+        s1 = round_as(tl.sin(a) * scale, ROUND)
         c2 = c1
         s2 = s1
     else:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..dtypes import dtype_name
-from .histogram import _round
+from .elementwise import round_as
 from .ranking import _precedes
 from .refs import FLOAT_DTYPES, TRef
 from .rows import lay_out, row_offsets
@@ -29,21 +29,11 @@ TILE = 4096  # rank comparisons per loop step: [BLOCK_E, BLOCK_J]
 
 # --- kernel ---------------------------------------------------------------------------------------
 @triton.jit
-def _rounded(v, ROUND: tl.constexpr):
-    """``v`` (fp32) rounded to ROUND's dtype ("" for fp32: as it is)."""
-    if ROUND == "float16":
-        v = _round(v, tl.zeros([1], tl.float16))
-    elif ROUND == "bfloat16":
-        v = _round(v, tl.zeros([1], tl.bfloat16))
-    return v
-
-
-@triton.jit
 def _key(x_row, j, jmask, xs, m, s, SOFTMAX_FIRST: tl.constexpr, ROUND: tl.constexpr):
     """What is ranked at positions ``j``: the rounded probability, or the logit itself."""
     x = tl.load(x_row + j.to(tl.int64) * xs, mask=jmask, other=float("-inf")).to(tl.float32)
     if SOFTMAX_FIRST:
-        x = _rounded(tl.exp(x - m) / s, ROUND)
+        x = round_as(tl.exp(x - m) / s, ROUND)
     return x
 
 
@@ -76,10 +66,10 @@ def router_kernel(
     if SOFTMAX_FIRST:
         v = key
         if RENORMALIZE:  # each step rounded as eager rounds the sum and the quotient
-            v = _rounded(v / _rounded(tl.sum(tl.where(keep, v, 0.0), 0), ROUND), ROUND)
+            v = round_as(v / round_as(tl.sum(tl.where(keep, v, 0.0), 0), ROUND), ROUND)
     else:  # the kept logits' softmax: their max is the row's
         e = tl.where(keep, tl.exp(key - m), 0.0)
-        v = _rounded(e / tl.sum(e, 0), ROUND)
+        v = round_as(e / tl.sum(e, 0), ROUND)
     place = rank.to(tl.int64)
     tl.store(values_ptr + row_offsets(row, n1, n2, vs0, vs1, vs2) + place * vs3,
              v.to(values_ptr.dtype.element_ty), mask=keep)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..dtypes import dtype_name
 from ..errors import LoweringError
-from .elementwise import _epilogue
+from .elementwise import _epilogue, round_as
 from .refs import TRef, collapse
 from .sizes import next_power_of_2, upper
 
@@ -100,11 +100,7 @@ def row_load(x_ptr, ix, c, mask, xs, OTHER: tl.constexpr, pro, PRO: tl.constexpr
     x = tl.load(x_ptr + ix[0] * xs[0] + ix[1] * xs[1] + ix[2] * xs[2] + c * xs[3], mask=mask,
                 other=OTHER).to(tl.float32)
     if PRO[0] > 0:
-        x = _chain(x, mask, ix, c, pro, PRO)
-        if PRO_ROUND == "float16":
-            x = x.to(tl.float16).to(tl.float32)
-        elif PRO_ROUND == "bfloat16":
-            x = x.to(tl.bfloat16).to(tl.float32)
+        x = round_as(_chain(x, mask, ix, c, pro, PRO), PRO_ROUND)
         x = tl.where(mask, x, OTHER)
     return x
 

@@ -29,7 +29,7 @@ import torch.fx
 
 from .. import ops
 from .fuse_glu import only_read_by
-from .rewrite import erase_unused, fake, is_call, new_node, rewrite_matches, tensor_val
+from .rewrite import erase_unused, fake, is_call, new_node, replace_node, rewrite_matches, tensor_val
 from .rotary_tables import scale_operand
 
 aten = torch.ops.aten
@@ -124,7 +124,7 @@ def _rewrite(graph, ep, real, prod, pairs, flat, own, views, angles, scale, repl
                    tensor_val(x), tensor_val(a))
         rot = new_node(graph, ops.rotary_angles, (x, a, scale, torch.float32), val, real.meta, kwargs=kwargs)
         out = new_node(graph, aten.view.default, (rot, own), tensor_val(real), real.meta)
-    real.replace_all_uses_with(out)
+    replace_node(ep, real, out)
     graph.erase_node(real)
     erase_unused(graph, [prod])
     return (f"complex rotary: view_as_real(view_as_complex({pairs.name}) * polar) -> {rot.name} "

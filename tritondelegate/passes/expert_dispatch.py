@@ -41,7 +41,7 @@ from ..kernels.registry import external_name
 from ..kernels.rows import node_arg
 from .fuse_glu import only_read_by
 from .fuse_grouped_glu import FALLBACK
-from .rewrite import (erase_unused, fake, is_call, new_node, plain_cast, retarget_outputs, rewrite_matches,
+from .rewrite import (erase_unused, fake, is_call, new_node, plain_cast, replace_node, rewrite_matches,
                       static_int, tensor_val)
 
 aten = torch.ops.aten
@@ -92,19 +92,16 @@ def _match_rows(node) -> tuple | None:
 
 
 def _read_rows(graph, ep, node, x, hidden, rows, divisor) -> str:
-    w, offs = node.args[1:3] if is_call(node, ops.glu_grouped_mm) else gmm.operands(node)[1:3]
+    if is_call(node, ops.glu_grouped_mm):
+        target, kind = ops.glu_grouped_mm, "glu_grouped_mm"
+        args = (hidden, *node.args[1:4], rows, divisor)
+    else:
+        target, kind = ops.gathered_grouped_mm, "gathered_grouped_mm"
+        args = (hidden, rows, divisor, *gmm.operands(node)[1:3])
     with graph.inserting_before(node):
-        if is_call(node, ops.glu_grouped_mm):
-            args = (hidden, w, offs, node.args[3], rows, divisor)
-            target, kind = ops.glu_grouped_mm, "glu_grouped_mm"
-        else:
-            args = (hidden, rows, divisor, w, offs)
-            target, kind = ops.gathered_grouped_mm, "gathered_grouped_mm"
-        val = fake(lambda *vals: target(*vals), *(tensor_val(a) if isinstance(a, torch.fx.Node) else a
-                                                   for a in args))
+        val = fake(target, *(tensor_val(a) if isinstance(a, torch.fx.Node) else a for a in args))
         new = new_node(graph, target, args, val, node.meta)
-    node.replace_all_uses_with(new)
-    retarget_outputs(ep, node, new)
+    replace_node(ep, node, new)
     graph.erase_node(node)
     erase_unused(graph, [x])
     source = f"{rows.name} // {divisor}" if divisor != 1 else rows.name
@@ -134,8 +131,7 @@ def _offsets(graph, ep, node, counts, x, args) -> str:
     with graph.inserting_before(node):
         val = fake(lambda v: ops.cumulative_histc(v, *args), tensor_val(x))
         new = new_node(graph, ops.cumulative_histc, (x, *args), val, node.meta)
-    node.replace_all_uses_with(new)
-    retarget_outputs(ep, node, new)
+    replace_node(ep, node, new)
     graph.erase_node(node)
     erase_unused(graph, [counts])
     cast = ", its fp32 cast in the loads" if args[3] is not None else ""
@@ -189,8 +185,7 @@ def _unsort(graph, ep, node, y, inv, perm) -> str:
         dest = new_node(graph, aten.empty_like.default, (y,), fake(torch.empty_like, tensor_val(y)), node.meta)
         val = fake(lambda d, p, v: aten.index_put(d, [p], v), tensor_val(dest), tensor_val(perm), tensor_val(y))
         new = new_node(graph, aten.index_put.default, (dest, [perm], y), val, node.meta)
-    node.replace_all_uses_with(new)
-    retarget_outputs(ep, node, new)
+    replace_node(ep, node, new)
     graph.erase_node(node)
     erase_unused(graph, [inv])
     return f"expert unsort as one scatter: {y.name} rows to {perm.name} -> {new.name} (no inverse order)"

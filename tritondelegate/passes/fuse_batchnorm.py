@@ -36,7 +36,7 @@ import torch
 import torch.fx
 
 from .fold_constants import constant_inputs
-from .rewrite import fake, take_provenance, tensor_val
+from .rewrite import fake, replace_node, take_provenance, tensor_val
 
 aten = torch.ops.aten
 
@@ -151,7 +151,8 @@ class _Builder:
         return self(aten._to_copy.default, node, dtype=dtype, name=name)
 
 
-def _fold(graph: torch.fx.Graph, conv, bn, outs, weight, bias, operands) -> str:
+def _fold(ep: torch.export.ExportedProgram, conv, bn, outs, weight, bias, operands) -> str:
+    graph = ep.graph_module.graph
     gamma, beta, mean, var, eps = operands
     dtype = tensor_val(weight).dtype
     channels = tensor_val(weight).shape[0]
@@ -163,7 +164,7 @@ def _fold(graph: torch.fx.Graph, conv, bn, outs, weight, bias, operands) -> str:
         if gamma is not None:
             scale = new(aten.mul.Tensor, scale, up(gamma))
         if dtype != compute:  # fp16/bf16: an fp32 scale and shift after the convolution (its epilogue)
-            return _affine_after(graph, new, conv, bn, outs, operands, scale, up, channels, dtype)
+            return _affine_after(ep, new, conv, bn, outs, operands, scale, up, channels, dtype)
         # The last node of each is named, for the summary's list of what constant folding computed.
         names = (f"{conv.name}_bn_weight", f"{conv.name}_bn_bias")
         last = (lambda i: names[i]) if dtype == compute else (lambda i: None)
@@ -176,7 +177,7 @@ def _fold(graph: torch.fx.Graph, conv, bn, outs, weight, bias, operands) -> str:
         args = (conv.args[0], w, b, *conv.args[3:])
         folded = new(conv.target, *args)
     for out in outs:
-        out.replace_all_uses_with(folded)
+        replace_node(ep, out, folded)
     for user in list(bn.users):
         graph.erase_node(user)  # the normalized output's getitems (now unread) and unused stats
     graph.erase_node(bn)
@@ -184,11 +185,12 @@ def _fold(graph: torch.fx.Graph, conv, bn, outs, weight, bias, operands) -> str:
     return f"batch norm -> conv weights: {bn.name} into {conv.name}"
 
 
-def _affine_after(graph, new, conv, bn, outs, operands, scale, up, channels: int, dtype) -> str:
+def _affine_after(ep, new, conv, bn, outs, operands, scale, up, channels: int, dtype) -> str:
     """``(conv(x) * scale + shift).to(dtype)`` with scale and shift per channel in fp32 for a half
     precision convolution: eager rounds the convolution's result to its dtype, then normalizes in fp32;
     rounding ``W * scale`` and ``b'`` to fp16/bf16 instead loses what the normalization's cancellation
     needs (LeViT in bf16: 12x eager's error). The chain runs in the convolution's epilogue."""
+    graph = ep.graph_module.graph
     _, beta, mean, _, _ = operands
     shift = new(aten.mul.Tensor, up(mean), scale)
     shift = new(aten.sub.Tensor, up(beta), shift) if beta is not None else new(aten.neg.default, shift)
@@ -198,7 +200,7 @@ def _affine_after(graph, new, conv, bn, outs, operands, scale, up, channels: int
         after = _Builder(graph, bn.meta)
         z = after.cast(after(aten.add.Tensor, after(aten.mul.Tensor, conv, scale), shift), dtype)
     for out in outs:
-        out.replace_all_uses_with(z)
+        replace_node(ep, out, z)
     for user in list(bn.users):
         graph.erase_node(user)
     graph.erase_node(bn)
@@ -212,7 +214,7 @@ def fuse_batchnorm(ep: torch.export.ExportedProgram, state: set[str] = frozenset
     to compute the new weights once."""
     graph = ep.graph_module.graph
     constants = set(constant_inputs(ep, set(state)))
-    done = [_fold(graph, *found) for found in list(_candidates(graph, constants))]
+    done = [_fold(ep, *found) for found in list(_candidates(graph, constants))]
     if done:
         graph.lint()
         ep.graph_module.recompile()

@@ -37,7 +37,7 @@ from .. import ops
 from .fold_constants import constant_inputs
 from .fuse_projections import linear_candidate
 from ..kernels.rows import node_arg
-from .rewrite import fake, is_call, new_node, retarget_outputs, rewrite_matches, same_shape, tensor_val
+from .rewrite import fake, is_call, new_node, replace_node, rewrite_matches, same_shape, tensor_val
 
 aten = torch.ops.aten
 
@@ -156,8 +156,7 @@ def _fuse(graph: torch.fx.Graph, ep, mul, act: str, gate, gated, up) -> str:
         val = fake(lambda xv, wv, *bv: ops.glu_linear(xv, wv, bv[0] if bv else None, act),
                    tensor_val(x), w.meta["val"], *([] if b is None else [b.meta["val"]]))
         node = new_node(graph, ops.glu_linear, (x, w, b, act), val, mul.meta)
-    mul.replace_all_uses_with(node)
-    retarget_outputs(ep, mul, node)
+    replace_node(ep, mul, node)
     for old in (mul, gated, gate, up, *dead):  # users first
         graph.erase_node(old)
     return (f"gated MLP {act}({gate.name}) * {up.name} -> {node.name} "

@@ -32,7 +32,7 @@ from ..kernels import grouped_mm as gmm
 from ..kernels.registry import external_name
 from .fold_constants import constant_inputs, foldable_nodes
 from .fuse_glu import glu_act, interleave, only_read_by, span, split_halves
-from .rewrite import fake, is_call, new_node, retarget_outputs, rewrite_matches, same_shape, tensor_val
+from .rewrite import fake, is_call, new_node, replace_node, rewrite_matches, same_shape, tensor_val
 
 aten = torch.ops.aten
 FALLBACK = "transformers::grouped_mm_fallback.default"
@@ -83,8 +83,7 @@ def _fuse(graph: torch.fx.Graph, ep, mul, act: str, operands, index: int, gate, 
         val = fake(lambda xv, wv, ov: ops.glu_grouped_mm(xv, wv, ov, act), tensor_val(x), weight.meta["val"],
                    tensor_val(offs))
         node = new_node(graph, ops.glu_grouped_mm, (x, weight, offs, act), val, mul.meta)
-    mul.replace_all_uses_with(node)
-    retarget_outputs(ep, mul, node)
+    replace_node(ep, mul, node)
     for old in (mul, gated, gate, up, split, grouped):  # users first
         graph.erase_node(old)
     return (f"grouped gated MLP {act}({gate.name}) * {up.name} -> {node.name} "

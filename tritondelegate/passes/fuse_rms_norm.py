@@ -28,22 +28,16 @@ elsewhere or is a method output: every value the graph reads stays computed.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import torch.fx
 
 from ..kernels.refs import node_value
-from .rewrite import cast_input, is_call, take_provenance
+from .rewrite import cast_input, is_call, is_number, take_provenance
 
 aten = torch.ops.aten
 
 # Mantissa bits: a rounding to a dtype with at least the result's bits may be skipped.
 _MANTISSA = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _float_val(node) -> torch.Tensor | None:
@@ -93,7 +87,7 @@ class _Match:
 def _match(square) -> _Match | None:
     """The norm whose square is ``square`` (a pow or mul node), or None."""
     if is_call(square, aten.pow.Tensor_Scalar):
-        if len(square.args) != 2 or square.kwargs or not _is_number(square.args[1]) or square.args[1] != 2:
+        if len(square.args) != 2 or square.kwargs or not is_number(square.args[1]) or square.args[1] != 2:
             return None
         xf = square.args[0]
     elif _binary(square, aten.mul.Tensor) and square.args[0] is square.args[1]:
@@ -114,7 +108,7 @@ def _match(square) -> _Match | None:
     if not (_binary(add, aten.add.Tensor) or _binary(add, aten.add.Scalar)) or add.args[0] is not mean:
         return None
     eps = add.args[1]
-    if not _is_number(eps):
+    if not is_number(eps):
         return None
     rsqrt = _sole_user(add)
     if not is_call(rsqrt, aten.rsqrt.default) or rsqrt.args[0] is not add:

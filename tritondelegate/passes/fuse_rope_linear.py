@@ -41,7 +41,7 @@ import torch.fx
 from .. import ops
 from ..kernels import sizes, target
 from .fold_constants import add_constant, constant_inputs, foldable_nodes
-from .rewrite import fake, is_call, new_node, retarget_outputs, tensor_val
+from .rewrite import fake, is_call, new_node, replace_node, tensor_val
 
 aten = torch.ops.aten
 
@@ -382,8 +382,7 @@ def _rewrite(ep, group: list, plan: dict) -> str | None:
         xs = rotary.args[:ROTARIES[rotary.target]]
         getitems = [u for u in rotary.users if is_call(u, operator.getitem)]
         for old, new in [(g, xs[g.args[1]]) for g in getitems] or [(rotary, xs[0])]:
-            old.replace_all_uses_with(new)  # a returned result: the method returns the rotated view
-            retarget_outputs(ep, old, new)
+            replace_node(ep, old, new)  # a returned result: the method returns the rotated view
             if old is not rotary:
                 graph.erase_node(old)
         graph.erase_node(rotary)

@@ -44,7 +44,7 @@ from ..ops import rotary as rotary_op
 from ..ops import rotary_angles as rotary_angles_op
 from ..ops import rotary_pair as rotary_pair_op
 from ..ops import rotary_pair_angles as rotary_pair_angles_op
-from .rewrite import cast_input, is_call, new_node, retarget_outputs, same_shape, slice_bounds, static_int, tensor_val
+from .rewrite import cast_input, is_call, new_node, replace_node, same_shape, slice_bounds, static_int, tensor_val
 from .rotary_tables import rotary_tables
 
 # A single rotary (tables given, or computed from angles: ``rotary_tables.py``) -> its paired form.
@@ -211,8 +211,7 @@ def _rewrite_singles(ep: torch.export.ExportedProgram) -> list[str]:
         with graph.inserting_before(add):
             node = graph.call_function(rotary_op, (x, cos, sin), {"interleaved": True} if interleaved else {})
         node.meta.update(add.meta)  # val: exactly the pattern's result (shape, dtype, strides)
-        add.replace_all_uses_with(node)
-        retarget_outputs(ep, add, node)
+        replace_node(ep, add, node)
         for dead in [add, *intermediates]:  # users first
             graph.erase_node(dead)
         if source is not x:
@@ -267,8 +266,7 @@ def _pair(ep: torch.export.ExportedProgram, a: torch.fx.Node, b: torch.fx.Node, 
         pair = new_node(graph, PAIRS[a.target], (q, k, *tables), vals, a.meta, kwargs=a.kwargs)
         outs = [new_node(graph, operator.getitem, (pair, i), vals[i], old.meta) for i, old in enumerate((a, b))]
     for old, new in zip((a, b), outs):
-        old.replace_all_uses_with(new)
-        retarget_outputs(ep, old, new)
+        replace_node(ep, old, new)
         graph.erase_node(old)
     for view in b_tables:  # b's tables, when equal views of a's of their own
         if isinstance(view, torch.fx.Node) and view not in tables:
@@ -316,8 +314,7 @@ def absorb_casts(ep: torch.export.ExportedProgram) -> list[str]:
             continue
         node.kwargs = {**node.kwargs, "out_dtype": cast.kwargs["dtype"]}
         node.meta["val"] = cast.meta["val"]
-        cast.replace_all_uses_with(node)
-        retarget_outputs(ep, cast, node)
+        replace_node(ep, cast, node)
         graph.erase_node(cast)
         done.append(f"rotary {node.name}: the cast of its result to {node.kwargs['out_dtype']} in its launch")
     return done

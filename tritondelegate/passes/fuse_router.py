@@ -32,8 +32,8 @@ from .. import ops
 from ..kernels import router
 from ..kernels.rows import node_arg
 from .fuse_glu import only_read_by
-from .rewrite import (erase_unused, fake, is_call, new_node, plain_cast, retarget_outputs, rewrite_matches,
-                      static_int, tensor_val)
+from .rewrite import (erase_unused, fake, is_call, new_node, number_operand, plain_cast, replace_node,
+                      rewrite_matches, static_int, tensor_val)
 from .rotary_tables import scale_operand
 
 aten = torch.ops.aten
@@ -117,18 +117,24 @@ def _match(topk) -> tuple | None:
     return None
 
 
+def _place(graph, ep, before, target, args: tuple, result, indices) -> torch.fx.Node:
+    """A node of ``target`` (a router op: (values, indices)) on ``args`` before ``before``, its two
+    results in place of ``result`` and ``indices`` (None: not read), what they replace erased."""
+    vals = torch.fx.map_arg(args, lambda n: n.meta["val"])
+    val = fake(lambda *_: target(*vals), *(tensor_val(a) for a in args if isinstance(a, torch.fx.Node)))
+    with graph.inserting_before(before):
+        node = new_node(graph, target, args, val, before.meta)
+        picks = [new_node(graph, operator.getitem, (node, j), val[j], before.meta) for j in (0, 1)]
+    replaced = [(old, new) for old, new in ((result, picks[0]), (indices, picks[1])) if old is not None]
+    for old, new in replaced:
+        replace_node(ep, old, new)
+    erase_unused(graph, [old for old, _ in replaced] + [picks[1]])  # the indices' pick when unread
+    return node
+
+
 def _fuse(graph, ep, topk, x, k, softmax_first, renormalize, dtype, out_dtype, result, indices) -> str:
-    args = (x, k, softmax_first, renormalize, dtype, out_dtype)
-    with graph.inserting_before(topk):
-        val = fake(lambda v: ops.router_topk(v, *args[1:]), tensor_val(x))
-        node = new_node(graph, ops.router_topk, args, val, topk.meta)
-        picks = [new_node(graph, operator.getitem, (node, j), val[j], topk.meta) for j in (0, 1)]
-    for old, new in ((result, picks[0]), (indices, picks[1])):
-        if old is not None:
-            old.replace_all_uses_with(new)
-            retarget_outputs(ep, old, new)
-    erase_unused(graph, [n for n in (result, indices) if n is not None])
-    erase_unused(graph, [picks[1]])
+    node = _place(graph, ep, topk, ops.router_topk, (x, k, softmax_first, renormalize, dtype, out_dtype),
+                  result, indices)
     steps = ("softmax, top-k" if softmax_first else "top-k, softmax") + (", renormalize" if renormalize else "")
     return f"router top-k: {steps} of {x.name} -> {node.name} (tritondelegate::router_topk, one launch)"
 
@@ -188,22 +194,14 @@ def _weights(gathered) -> tuple:
     total = next((u for u in users if is_call(u, aten.sum.dim_IntList)), None)
     if len(users) == 2 and total is not None and node_arg(total, 2, "keepdim", False) and len(total.users) == 1:
         shifted = next(iter(total.users))
-        found = _added_number(shifted)
-        div = next(iter(shifted.users)) if found is not None and len(shifted.users) == 1 else None
+        found = number_operand(shifted, aten.add.Tensor, aten.add.Scalar)
+        ok = found is not None and found[0] is total and len(shifted.users) == 1
+        div = next(iter(shifted.users)) if ok else None
         if div is not None and is_call(div, aten.div.Tensor) and div.args == (gathered, shifted) and div in users:
-            node, renormalize, eps = div, True, found
+            node, renormalize, eps = div, True, found[1]
     if len(node.users) == 1 and (found := scale_operand(next(iter(node.users)))) is not None and found[0] is node:
         node, scale = next(iter(node.users)), found[1]
     return node, renormalize, eps, scale
-
-
-def _added_number(node) -> float | None:
-    """The number of ``t + number``; None for anything else."""
-    if not is_call(node, aten.add.Tensor, aten.add.Scalar) or node.kwargs:
-        return None
-    a, b = node.args[:2]
-    number = isinstance(b, (int, float)) and not isinstance(b, bool)
-    return float(b) if isinstance(a, torch.fx.Node) and number else None
 
 
 def _match_group(gathered) -> tuple | None:
@@ -229,15 +227,8 @@ def _match_group(gathered) -> tuple | None:
 
 def _fuse_group(graph, ep, gathered, scores, bias, n_group, topk_group, k, indices, result, renormalize, eps,
                 scale) -> str:
-    args = (scores, bias, n_group, topk_group, k, renormalize, eps, scale)
-    with graph.inserting_before(gathered):
-        val = fake(lambda s, b: ops.group_router(s, b, *args[2:]), tensor_val(scores), tensor_val(bias))
-        node = new_node(graph, ops.group_router, args, val, gathered.meta)
-        picks = [new_node(graph, operator.getitem, (node, j), val[j], gathered.meta) for j in (0, 1)]
-    for old, new in ((result, picks[0]), (indices, picks[1])):
-        old.replace_all_uses_with(new)
-        retarget_outputs(ep, old, new)
-    erase_unused(graph, [result, indices])
+    node = _place(graph, ep, gathered, ops.group_router,
+                  (scores, bias, n_group, topk_group, k, renormalize, eps, scale), result, indices)
     return (f"router top-k: group-limited ({n_group} groups, top {topk_group}, top {k}) of {scores.name} -> "
             f"{node.name} (tritondelegate::group_router, one launch)")
 

@@ -3,6 +3,7 @@ and the provenance a new node takes from the node it stands for."""
 
 from __future__ import annotations
 
+import numbers
 import sys
 
 import torch
@@ -32,6 +33,24 @@ def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two (fake) tensors have the same shape, dynamic sizes compared as expressions (never
     through a SymInt comparison, which would add a guard to the shape environment)."""
     return a.dim() == b.dim() and sizes.shape(a.shape) == sizes.shape(b.shape)
+
+
+def is_number(v) -> bool:
+    """Whether ``v`` is a Python number (a scalar argument), not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def number_operand(node, *targets) -> tuple | None:
+    """(tensor operand, number) when ``node`` calls one of ``targets`` (a commutative op: ``mul``,
+    ``add``) on a tensor and a Python number, either way round, with no keyword arguments; else None."""
+    if not is_call(node, *targets) or node.kwargs:
+        return None
+    a, b = node.args[:2]
+    if isinstance(a, torch.fx.Node) and is_number(b):
+        return a, float(b)
+    if isinstance(b, torch.fx.Node) and is_number(a):
+        return b, float(a)
+    return None
 
 
 def static_int(v) -> int | None:
@@ -128,6 +147,12 @@ def retarget_outputs(ep: torch.export.ExportedProgram, old: torch.fx.Node, new: 
     for spec in ep.graph_signature.output_specs:
         if isinstance(spec.arg, TensorArgument) and spec.arg.name == old.name:
             spec.arg = TensorArgument(name=new.name)
+
+
+def replace_node(ep: torch.export.ExportedProgram, old: torch.fx.Node, new: torch.fx.Node) -> None:
+    """``new`` in ``old``'s place for every reader, a returned result's signature entry included."""
+    old.replace_all_uses_with(new)
+    retarget_outputs(ep, old, new)
 
 
 def erase_unused(graph: torch.fx.Graph, roots) -> None:

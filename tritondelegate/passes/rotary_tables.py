@@ -38,7 +38,7 @@ from torch.export.graph_signature import InputKind
 from ..kernels.rows import node_arg
 from ..ops import rotary as rotary_op
 from ..ops import rotary_angles as rotary_angles_op
-from .rewrite import erase_unused, fake, is_call, new_node, tensor_val
+from .rewrite import erase_unused, fake, is_call, new_node, number_operand, tensor_val
 
 aten = torch.ops.aten
 
@@ -46,10 +46,6 @@ aten = torch.ops.aten
 _VIEWS = {aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
           aten.expand.default, aten.alias.default}
 _SCALES = {aten.mul.Tensor, aten.mul.Scalar}
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _half_view(node: torch.fx.Node, width: int):
@@ -69,14 +65,7 @@ def _half_view(node: torch.fx.Node, width: int):
 
 def scale_operand(node: torch.fx.Node):
     """(tensor operand, number) of ``tensor * number``, else None."""
-    if not is_call(node, *_SCALES) or node.kwargs:
-        return None
-    a, b = node.args[:2]
-    if isinstance(a, torch.fx.Node) and _is_number(b):
-        return a, float(b)
-    if isinstance(b, torch.fx.Node) and _is_number(a):
-        return b, float(a)
-    return None
+    return number_operand(node, *_SCALES)
 
 
 def _table(node):

@@ -451,18 +451,7 @@ def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | No
         if op == "where":
             dtypes = dtypes[1:] if len(dtypes) > 1 else dtypes
         compute = compute_type(dtypes)
-    walk = _operand_args(out, list(operands) + [0] * (3 - len(operands)), compute)
-    if walk is None:
-        _peeled(b, op, out, operands, alpha, compute)
-        return
-    n, sizes, out_strides, ptrs, scalars, strides, flags = walk
-    record = b.launch(
-        "pointwise", (triton.cdiv(n, BLOCK),),
-        out, *ptrs, *scalars,
-        n, *sizes, *out_strides, *strides,
-        OP=op, ALPHA=alpha, NARGS=len(operands), A_SCALAR=flags[0], B_SCALAR=flags[1], C_SCALAR=flags[2],
-        CT=compute, BLOCK=BLOCK,
-    )
+    record = _launch_walk(b, op, out, operands, alpha, compute)
     if record is not None and size_fns.is_static([o for o in operands if not isinstance(o, TRef)]):
         record.op = PointwiseOp(op, out, tuple(operands), alpha, compute)
 
@@ -470,7 +459,24 @@ def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | No
 MAX_PEELED = 256  # launches one pointwise op may split into
 
 
-def _peeled(b, op: str, out: TRef, operands, alpha, compute: str, budget: int = MAX_PEELED) -> None:
+def _launch_walk(b, op: str, out: TRef, operands, alpha, compute: str, budget: int = MAX_PEELED):
+    """One ``pointwise`` launch of ``out = op(*operands)`` (its record), or, when the walk needs more
+    dims than a launch takes, the launches of :func:`_peeled` (None: no record to fuse)."""
+    walk = _operand_args(out, list(operands) + [0] * (3 - len(operands)), compute)
+    if walk is None:
+        _peeled(b, op, out, operands, alpha, compute, budget)
+        return None
+    n, sizes, out_strides, ptrs, scalars, strides, flags = walk
+    return b.launch(
+        "pointwise", (triton.cdiv(n, BLOCK),),
+        out, *ptrs, *scalars,
+        n, *sizes, *out_strides, *strides,
+        OP=op, ALPHA=alpha, NARGS=len(operands), A_SCALAR=flags[0], B_SCALAR=flags[1], C_SCALAR=flags[2],
+        CT=compute, BLOCK=BLOCK,
+    )
+
+
+def _peeled(b, op: str, out: TRef, operands, alpha, compute: str, budget: int) -> None:
     """``out = op(*operands)`` over more dims than one launch walks (a 6-D permuted copy: Hiera's
     unrolling): one launch per index of the outermost static dim of size > 1 (a dynamic batch stays
     walked), each over the rest, split again as needed, at most ``budget`` launches in all."""
@@ -484,16 +490,9 @@ def _peeled(b, op: str, out: TRef, operands, alpha, compute: str, budget: int = 
         strides = broadcast_strides(ref, shape)
         return b.view(ref, rest, strides[:dim] + strides[dim + 1:], ref.offset + i * strides[dim])
 
-    for i in range(shape[dim]):
-        parts = [part(o, i) if isinstance(o, TRef) else o for o in operands]
-        walk = _operand_args(part(out, i), list(parts) + [0] * (3 - len(parts)), compute)
-        if walk is None:
-            _peeled(b, op, part(out, i), parts, alpha, compute, budget // shape[dim])
-            continue
-        n, sizes, out_strides, ptrs, scalars, strides, flags = walk
-        b.launch("pointwise", (triton.cdiv(n, BLOCK),), part(out, i), *ptrs, *scalars, n, *sizes, *out_strides,
-                 *strides, OP=op, ALPHA=alpha, NARGS=len(parts), A_SCALAR=flags[0], B_SCALAR=flags[1],
-                 C_SCALAR=flags[2], CT=compute, BLOCK=BLOCK)
+    for i in range(shape[dim]):  # a part's record is not offered to fusion: it writes part of out
+        _launch_walk(b, op, part(out, i), [part(o, i) if isinstance(o, TRef) else o for o in operands], alpha,
+                     compute, budget // shape[dim])
 
 
 def epilogue_args(out: TRef, steps, operands, dims: int, round_to: str) -> tuple[list, dict]:

@@ -16,13 +16,12 @@ wav2vec2's feature extractor's, BiT's and diffusion UNets' norm.
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 
 from . import elementwise as ew
 from . import reduce as red
-from .refs import FLOAT_DTYPES, node_value
+from .refs import FLOAT_DTYPES, node_value, stats_read
 
 STATS = torch.float32  # the statistics and the per-channel scale and shift, as eager's opmath
 
@@ -47,8 +46,7 @@ def native_group_norm(b, node):
     scaled = b.alloc(grid, STATS)
     ew.launch_pointwise(b, "mul", scaled, [b.view(x, grid, flat), _per_channel(b, scale, grid)])
     ew.launch_pointwise(b, "add", b.view(b.out(node, 0), grid, flat), [scaled, _per_channel(b, shift, grid)])
-    read = {u.args[1] for u in node.users if u.target is operator.getitem}
-    if read & {1, 2} or any(u.target is not operator.getitem for u in node.users):
+    if stats_read(node):
         ew.launch_pointwise(b, "copy", b.out(node, 1), [b.view(mean, (n, groups), (groups, 1))])
         ew.launch_pointwise(b, "copy", b.out(node, 2), [b.view(rstd, (n, groups), (groups, 1))])
 

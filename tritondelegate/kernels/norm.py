@@ -16,7 +16,6 @@ read of x) and an epilogue (a chain run on y before the store), off by default (
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import rows as rw
-from .refs import FLOAT_DTYPES, TRef
+from .refs import FLOAT_DTYPES, TRef, stats_read
 from .rows import row_index, row_load, row_store, welford_chunk
 from .sizes import upper
 
@@ -193,8 +192,7 @@ def layer_norm(b, node):
 def native_layer_norm(b, node):
     """native_layer_norm(x, normalized_shape, weight, bias, eps) -> (out, mean, rstd); mean and rstd
     are computed only when a later node reads them."""
-    read = {u.args[1] for u in node.users if u.target is operator.getitem}
-    stats = bool(read & {1, 2}) or any(u.target is not operator.getitem for u in node.users)
+    stats = stats_read(node)
     x, out, ndim, eps = b.ref(node.args[0]), b.out(node, 0), len(node.args[1]), node.args[4]
     mean, rstd = (b.out(node, 1), b.out(node, 2)) if stats else (None, None)
     weight, bias = (_contiguous(b, _opt(b, node.args[i])) for i in (2, 3))

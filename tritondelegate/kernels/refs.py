@@ -7,6 +7,7 @@ user (``backend.py``); nothing circles."""
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -119,3 +120,10 @@ def node_value(arg):
     """What an fx node argument holds at lowering time (its ``meta["val"]``: a FakeTensor, a SymInt, a
     tuple of them), or None when ``arg`` is not a node (a literal such as a Python scalar or None)."""
     return arg.meta.get("val") if hasattr(arg, "meta") else None
+
+
+def stats_read(node) -> bool:
+    """Whether a norm node's statistics (results 1 and 2: mean and rstd) are read: by a ``getitem`` of
+    them, or by a reader that takes the whole tuple."""
+    read = {u.args[1] for u in node.users if u.target is operator.getitem}
+    return bool(read & {1, 2}) or any(u.target is not operator.getitem for u in node.users)

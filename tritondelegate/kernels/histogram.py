@@ -122,11 +122,15 @@ def supported(node) -> str | None:
     x = node.args[0].meta.get("val")
     if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
         return f"input dtype {getattr(x, 'dtype', None)} is not floating point (histc counts floats)"
-    args = _arguments(node)
-    if not all(isinstance(a, (int, float)) for a in args):
-        return f"bins, min and max {args} are not constants"
-    if args[1] > args[2] or any(math.isinf(a) or math.isnan(a) for a in args[1:]):
-        return f"the range [{args[1]}, {args[2]}] is not finite and ordered"
+    return _arguments_refusal(*_arguments(node))
+
+
+def _arguments_refusal(bins, low, high, bin_types=(int, float)) -> str | None:
+    """Why histc's bins, min and max cannot be taken: not constants, or not a finite, ordered range."""
+    if not isinstance(bins, bin_types) or not all(isinstance(a, (int, float)) for a in (low, high)):
+        return f"bins, min and max {[bins, low, high]} are not constants"
+    if low > high or any(math.isinf(a) or math.isnan(a) for a in (low, high)):
+        return f"the range [{low}, {high}] is not finite and ordered"
     return None
 
 
@@ -149,8 +153,9 @@ def supported_cumulative(node) -> str | None:
 def cumulative_refusal(x, bins, low, high, cast, dtype) -> str | None:
     """Why the kernel cannot take ``cumsum(histc(x.to(cast), bins, low, high), 0, dtype=dtype)``;
     None when it can."""
-    if not isinstance(bins, int) or not isinstance(low, (int, float)) or not isinstance(high, (int, float)):
-        return f"bins, min and max {[bins, low, high]} are not constants"
+    reason = _arguments_refusal(bins, low, high, int)
+    if reason is not None:
+        return reason
     if not isinstance(x, torch.Tensor):
         return "the input is not a tensor"
     if cast not in (None, torch.float32):
@@ -164,8 +169,6 @@ def cumulative_refusal(x, bins, low, high, cast, dtype) -> str | None:
     n = upper(math.prod(x.shape))
     if not isinstance(n, int) or n >= EXACT_COUNT:
         return f"{n} elements: running counts are exact below {EXACT_COUNT}"
-    if low > high or any(math.isinf(a) or math.isnan(a) for a in (low, high)):
-        return f"the range [{low}, {high}] is not finite and ordered"
     return None
 
 

@@ -43,6 +43,7 @@ from .elementwise import _epilogue, epilogue_args
 from .matmul import _glu_tile
 from .matmul import choose_config as matmul_config
 from .refs import TRef, node_value
+from .rows import node_arg
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 OFFS_DTYPES = (torch.int32, torch.int64)
@@ -293,7 +294,7 @@ def glu_grouped_mm(b, node):
     """``tritondelegate::glu_grouped_mm(x, weight, offs, act, rows=None, rows_divisor=1)``: the gating in
     the kernel's epilogue, x's rows gathered in its loads."""
     x, w, offs = (b.ref(a) for a in node.args[:3])
-    rows, divisor = _rows(node, 4)
+    rows, divisor = _rows(node)
     launch_grouped_mm(b, x, w, offs, b.out(node), glu=node.args[3], rows=None if rows is None else b.ref(rows),
                       rows_divisor=divisor)
 
@@ -304,11 +305,9 @@ def gathered_grouped_mm(b, node):
     launch_grouped_mm(b, b.ref(x), b.ref(w), b.ref(offs), b.out(node), rows=b.ref(rows), rows_divisor=divisor)
 
 
-def _rows(node, at: int) -> tuple:
-    """(rows, rows_divisor) of a glu_grouped_mm node, positional from ``at`` or by keyword."""
-    given = dict(zip(("rows", "rows_divisor"), node.args[at:]))
-    given.update({k: v for k, v in node.kwargs.items() if k in ("rows", "rows_divisor")})
-    return given.get("rows"), given.get("rows_divisor", 1)
+def _rows(node) -> tuple:
+    """(rows, rows_divisor) of a glu_grouped_mm node, positional or by keyword."""
+    return node_arg(node, 4, "rows"), node_arg(node, 5, "rows_divisor", 1)
 
 
 # --- support check --------------------------------------------------------------------------------
@@ -354,7 +353,7 @@ def supported_glu(node) -> str | None:
     w = node_value(node.args[1])
     if not isinstance(w, torch.Tensor) or w.dim() != 3 or not isinstance(w.shape[2], int) or w.shape[2] % 2:
         return "the weight is not [E, K, 2N] with a static, even N"
-    rows, divisor = _rows(node, 4)
+    rows, divisor = _rows(node)
     return _supported(node_value(node.args[0]), w, node_value(node.args[2]), None, node.meta.get("val"),
                       node_value(rows), divisor)
 

@@ -176,10 +176,102 @@ def test_an_inverse_of_indices_that_are_not_a_sort_stays_an_inverse():
     assert "expert unsort" not in _fused(lowered)
 
 
+# --- the rows stored in token order by the GEMM ------------------------------------------------------
+def _unsorted(y, perm):
+    """transformers' unsort: the inverse order, then the rows gathered by it."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.size(0))
+    return y[inv]
+
+
+class Experts(torch.nn.Module):
+    """One grouped GEMM per (token, slot) row in expert order, weighted and put back in token order; with
+    ``bias``, a per-expert bias gathered by the sorted expert ids (GPT-OSS's), with ``gather`` the rows
+    read through the sort (``hidden[perm // k]``)."""
+
+    def __init__(self, E, K, N, dtype, bias=False, gather=False):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(E, N, K).to(dtype) / K ** 0.5)
+        self.b = torch.nn.Parameter(torch.randn(E, N).to(dtype)) if bias else None
+        self.gather = gather
+
+    def forward(self, x, top_k_index, top_k_weights, offs):
+        ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+        rows = x[perm // top_k_index.shape[1]] if self.gather else x
+        y = GMM(rows, self.w.transpose(1, 2), offs)
+        if self.b is not None:
+            y = y + self.b[ids]
+        y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+        return _unsorted(y, perm).view(top_k_index.shape[0], top_k_index.shape[1], -1).sum(1)
+
+
+@pytest.mark.parametrize("tokens", [3, 21])  # per-row tiles (decode) and segment tiles (prefill)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("bias,gather", [(False, False), (True, False), (False, True)])
+def test_the_experts_rows_are_stored_in_token_order(tokens, dtype, bias, gather):
+    torch.manual_seed(4)
+    E, K, N, k = 5, 16, 12, 2
+    model = Experts(E, K, N, dtype, bias, gather).eval()
+    index, offs = _routing(tokens, E, k, seed=tokens)
+    weights = torch.softmax(torch.randn(tokens, k), -1).to(dtype)
+    x = torch.randn(tokens if gather else tokens * k, K).to(dtype)
+    args = (x, index, weights, offs)
+    lowered = lower_resident(model, args)
+    assert "expert rows stored in token order" in _fused(lowered), _fused(lowered)
+    kernels = _kernels(lowered)
+    assert "scatter" not in kernels and kernels.count("gather") == int(bias), kernels  # b[keys] only
+    (launch,) = [l for l in plan_launches(lowered) if l.kernel == "grouped_mm"]
+    assert launch.constexprs["DEST"].value and launch.constexprs["ROWS"].value == gather
+    assert launch.constexprs["EPILOGUE"].value == 1 + bias  # the bias and the routing weights
+    with torch.no_grad():  # against the same rounded operands in fp32
+        expected = Experts(E, K, N, torch.float32, bias, gather)
+        expected.load_state_dict({n: p.float() for n, p in model.state_dict().items()})
+        want = expected(x.float(), index, weights.float(), offs)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(lowered.load().load_method()(*args).float(), want, atol=atol, rtol=rtol)
+
+
+def test_rows_past_the_last_expert_and_dests_from_the_end():
+    """The op itself: rows past offs[-1] are stored as 0 at their rows; a dest of -1 is the last row
+    (as index_put counts)."""
+    torch.manual_seed(5)
+    w = torch.randn(2, 8, 4)
+
+    def fn(x, dest, offs):
+        return torch.ops.tritondelegate.scattered_grouped_mm(x, w, offs, dest) * 2.0
+
+    dest = torch.tensor([4, 1, -6, 5, -4, 3])
+    args = (torch.randn(6, 8), dest, torch.tensor([2, 4], dtype=torch.int32))
+    lowered = _run(fn, args, atol=1e-5, rtol=1e-5)
+    assert _kernels(lowered) == ["grouped_mm"]  # the doubling in its epilogue
+    assert torch.all(fn(*args)[[2, 3]] == 0)  # the two rows past offs[-1], stored at dest -4 and 3
+
+
+def test_rows_read_elsewhere_or_weighted_in_expert_order_stay_scattered():
+    torch.manual_seed(6)
+    w = torch.randn(3, 8, 4)
+
+    def shared(x, keys, extra, offs):  # the GEMM's rows are returned too: they must be written in order
+        _, perm = torch.sort(keys)
+        y = GMM(x, w, offs)
+        return _unsorted(y * 2, perm), y
+
+    def sorted_operand(x, keys, extra, offs):  # extra is given in expert order: no token-order view of it
+        _, perm = torch.sort(keys)
+        return _unsorted(GMM(x, w, offs) * extra, perm)
+
+    args = (torch.randn(5, 8), torch.tensor([2, 0, 1, 2, 0]), torch.randn(5, 4), torch.tensor([2, 3, 5]))
+    for fn in (shared, sorted_operand):
+        lowered = _run(fn, args, atol=1e-5, rtol=1e-5)
+        assert "expert rows stored" not in _fused(lowered), fn.__name__
+        assert _kernels(lowered).count("scatter") == 1, fn.__name__
+
+
 # --- a whole layer ---------------------------------------------------------------------------------
 def test_a_transformers_moe_layer_dispatches_without_gathers_counts_or_inverse():
-    """Qwen3-MoE: per layer the sort, the routing weights' gather, one offsets launch and one scatter
-    remain of the dispatch; no rows gathered, no cast, histc or cumsum apart, no inverse order."""
+    """Qwen3-MoE: per layer the sort and one offsets launch remain of the dispatch; no rows gathered,
+    no cast, histc or cumsum apart, no inverse order, no routing weights gathered, no scatter (the
+    down GEMM stores its rows in token order, times their routing weights)."""
     transformers = pytest.importorskip("transformers")
     from harness import Logits
     from test_grouped_mm import _moe
@@ -189,10 +281,14 @@ def test_a_transformers_moe_layer_dispatches_without_gathers_counts_or_inverse()
     args = (torch.randint(0, 96, (1, 9)),)
     lowered = lower_resident(model, args)
     fused = _fused(lowered)
-    for what in ("expert rows read in place", "expert offsets in one launch", "expert unsort as one scatter"):
+    for what in ("expert rows read in place", "expert offsets in one launch", "expert unsort as one scatter",
+                 "expert rows stored in token order"):
         assert fused.count(what) == 2, fused  # each of the 2 layers
     kernels = _kernels(lowered)
-    assert (kernels.count("histc"), kernels.count("cumsum"), kernels.count("scatter")) == (2, 0, 2 + 0), kernels
+    counts = [kernels.count(k) for k in ("histc", "cumsum", "scatter", "grouped_mm", "rank")]
+    assert counts == [2, 0, 0, 4, 2] and kernels.count("gather") == 1, kernels  # gather: the embedding
+    stored = [l for l in plan_launches(lowered) if l.kernel == "grouped_mm" and l.constexprs["DEST"].value]
+    assert len(stored) == 2 and all(l.constexprs["EPILOGUE"].value == 1 for l in stored)  # the weights
     with torch.no_grad():
         expected = model(*args)
     torch.testing.assert_close(lowered.load().load_method()(*args), expected, atol=1e-4, rtol=1e-4)

@@ -42,6 +42,12 @@ place of a written-out pattern, so one kernel runs them.
         -> Tensor
         grouped_mm(x[floor_divide(rows, rows_divisor)], weight, offs): the experts' inputs read through
         the token order, never gathered into a tensor of their own (``passes/expert_dispatch.py``)
+    tritondelegate::scattered_grouped_mm(Tensor x, Tensor weight, Tensor offs, Tensor dest, Tensor? rows=None,
+                                         int rows_divisor=1) -> Tensor
+        y = grouped_mm(x[floor_divide(rows, rows_divisor)], weight, offs) with row r stored at row
+        dest[r] (negative: from the end): ``index_put(empty, [dest], y)``, the experts' rows put back in
+        token order by the GEMM's stores (``passes/expert_dispatch.py``; dest a permutation, a sort's
+        indices, so every row is written; the reference leaves rows no dest names 0)
     tritondelegate::cumulative_histc(Tensor x, int bins, float min, float max, ScalarType? cast,
                                      ScalarType dtype) -> Tensor
         cumsum(histc(x.to(cast), bins, min, max), 0, dtype=dtype): a router's offsets per expert from
@@ -102,6 +108,8 @@ _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tenso
 _lib.define("glu_grouped_mm(Tensor x, Tensor weight, Tensor offs, str act, Tensor? rows=None, "
             "int rows_divisor=1) -> Tensor")
 _lib.define("gathered_grouped_mm(Tensor x, Tensor rows, int rows_divisor, Tensor weight, Tensor offs) -> Tensor")
+_lib.define("scattered_grouped_mm(Tensor x, Tensor weight, Tensor offs, Tensor dest, Tensor? rows=None, "
+            "int rows_divisor=1) -> Tensor")
 _lib.define("router_topk(Tensor x, int k, bool softmax_first, bool renormalize, ScalarType? dtype, "
             "ScalarType? out_dtype) -> (Tensor, Tensor)")
 _lib.define("group_router(Tensor scores, Tensor bias, int n_group, int topk_group, int k, bool renormalize, "
@@ -296,6 +304,17 @@ def _gathered_grouped_mm_fake(x, rows, rows_divisor, weight, offs):
     return x.new_empty(rows.shape[0], weight.shape[2])
 
 
+@torch.library.impl(_lib, "scattered_grouped_mm", "CompositeExplicitAutograd")
+def _scattered_grouped_mm(x, weight, offs, dest, rows=None, rows_divisor=1):
+    y = grouped_mm_reference(gathered_rows(x, rows, rows_divisor), weight, offs)
+    return torch.zeros_like(y).index_put_((dest,), y)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::scattered_grouped_mm")
+def _scattered_grouped_mm_fake(x, weight, offs, dest, rows=None, rows_divisor=1):
+    return x.new_empty(dest.shape[0], weight.shape[2])
+
+
 def router_topk_reference(x, k: int, softmax_first: bool, renormalize: bool, dtype, out_dtype):
     """A router's top k along the last dim, as ``router_topk`` defines it (module docstring)."""
     if softmax_first:
@@ -446,6 +465,7 @@ OPS: dict[str, torch._ops.OpOverload] = {
     "tritondelegate::glu_linear": torch.ops.tritondelegate.glu_linear.default,
     "tritondelegate::glu_grouped_mm": torch.ops.tritondelegate.glu_grouped_mm.default,
     "tritondelegate::gathered_grouped_mm": torch.ops.tritondelegate.gathered_grouped_mm.default,
+    "tritondelegate::scattered_grouped_mm": torch.ops.tritondelegate.scattered_grouped_mm.default,
     "tritondelegate::cumulative_histc": torch.ops.tritondelegate.cumulative_histc.default,
     "tritondelegate::router_topk": torch.ops.tritondelegate.router_topk.default,
     "tritondelegate::group_router": torch.ops.tritondelegate.group_router.default,
@@ -460,6 +480,7 @@ sdpa_positions = torch.ops.tritondelegate.sdpa_positions.default
 glu_linear = torch.ops.tritondelegate.glu_linear.default
 glu_grouped_mm = torch.ops.tritondelegate.glu_grouped_mm.default
 gathered_grouped_mm = torch.ops.tritondelegate.gathered_grouped_mm.default
+scattered_grouped_mm = torch.ops.tritondelegate.scattered_grouped_mm.default
 cumulative_histc = torch.ops.tritondelegate.cumulative_histc.default
 router_topk = torch.ops.tritondelegate.router_topk.default
 group_router = torch.ops.tritondelegate.group_router.default

@@ -11,7 +11,10 @@ rows past offs[-1] unwritten, this kernel stores 0 there). Every operand is read
 strides (the experts' weights are a transposed view of the parameter). Products accumulate in fp32
 (IEEE, no TF32) and are rounded to out's dtype once. offs must be non-decreasing, as both ops require;
 values outside [0, S] are clamped to it, so a bad offs tensor gives wrong rows, never a read or a write
-outside the operands.
+outside the operands. Two modes of the kernel read and store rows through index vectors
+(``passes/expert_dispatch.py``): ``ROWS`` reads x's row r at rows[r] // rows_divisor (the tokens'
+rows gathered in the loads), ``DEST`` stores row r at out's row dest[r] (put back in token order
+by the stores; a fused epilogue then reads its operands at the stored rows).
 
 Two variants, both correct for any offs:
 
@@ -145,10 +148,22 @@ def _x_rows(rows_ptr, stride_r, rows, mask_m, T, rows_div, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _out_rows(dest_ptr, stride_d, rows, mask_m, S, DEST: tl.constexpr):
+    """(the rows of out that rows ``rows`` are stored at, their mask): themselves, or with DEST dest[r]
+    (negative: from the end, as indexing counts; a row outside [0, S) is not stored)."""
+    if DEST:
+        d = tl.load(dest_ptr + rows * stride_d, mask=mask_m, other=0).to(tl.int64)
+        d = tl.where(d < 0, d + S, d)
+        return d, mask_m & (d >= 0) & (d < S)
+    else:
+        return rows, mask_m
+
+
+@triton.jit
 def grouped_mm_kernel(
-    x_ptr, w_ptr, offs_ptr, out_ptr, rows_ptr,
+    x_ptr, w_ptr, offs_ptr, out_ptr, rows_ptr, dest_ptr,
     S, N, K, E, T, rows_div,
-    stride_xs, stride_xk, stride_we, stride_wk, stride_wn, stride_o, stride_os, stride_on, stride_r,
+    stride_xs, stride_xk, stride_we, stride_wk, stride_wn, stride_o, stride_os, stride_on, stride_r, stride_d,
     # epilogue operands per step k < EPILOGUE: pointer, scalar, (row, column) strides (else stand-ins)
     e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
     e0s0, e0s1, e1s0, e1s1, e2s0, e2s1, e3s0, e3s1,
@@ -161,10 +176,13 @@ def grouped_mm_kernel(
     EOP3: tl.constexpr = "copy", EARITY3: tl.constexpr = 1, ESWAP3: tl.constexpr = False,
     EIS_SCALAR0: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
     EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False, ROWS: tl.constexpr = False,
+    DEST: tl.constexpr = False,
 ):
     # out[r] = x[r] @ w[e(r)], offs[e-1] <= r < offs[e]; 0 past offs[E-1]. GLU: w's N columns alternate
     # gate and up, and out[r] (N / 2 columns) = GLU(gate) * up, each rounded to GLU_ROUND first. ROWS:
-    # x (T rows) is read at rows[r] // rows_div in place of r (the experts' inputs gathered in the load)
+    # x (T rows) is read at rows[r] // rows_div in place of r (the experts' inputs gathered in the load).
+    # DEST: row r is stored at dest[r] (the rows put back in token order); the epilogue reads its
+    # operands at the rows it stores, as a pointwise op over out would
     pid_n = tl.program_id(1)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -182,6 +200,7 @@ def grouped_mm_kernel(
         acc = _segment_product(x_ptr, w_ptr, x_rows, mask_m, offs_n, mask_n, expert, K, E,
                                stride_xs, stride_xk, stride_we, stride_wk, stride_wn,
                                BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST)
+    rows, mask_m = _out_rows(dest_ptr, stride_d, rows, mask_m, S, DEST)
     if GLU != "":
         acc, offs_n, mask = _glu_tile(acc, pid_n, mask_m[:, None], N, GLU, GLU_ROUND, BLOCK_M, BLOCK_N)
     else:
@@ -244,17 +263,18 @@ class GroupedOp:
     glu: str = ""
     rows: TRef | None = None  # x read at rows[r] // rows_divisor (else at r)
     rows_divisor: int = 1
+    dest: TRef | None = None  # row r stored at dest[r] (else at r)
 
     @property
     def reads(self) -> tuple[TRef, ...]:
-        return (self.x, self.w, self.offs) + (() if self.rows is None else (self.rows,))
+        return (self.x, self.w, self.offs) + tuple(t for t in (self.rows, self.dest) if t is not None)
 
     def launch(self, out: TRef | None = None, steps=(), operands=()) -> tuple[tuple, list, dict]:
         """(grid, arguments, constexprs): storing into ``out`` (default: the result) after an epilogue
         of ``steps`` ((op, arity, swap)) reading ``operands`` (a (TRef, its (row, column) strides) pair,
         a Python scalar, or None where the step is unary)."""
         out = self.c if out is None else out
-        x, w, gather = self.x, self.w, self.rows
+        x, w, gather, dest = self.x, self.w, self.rows, self.dest
         T, K = x.shape
         S = T if gather is None else gather.shape[0]
         E, _, N = w.shape
@@ -262,22 +282,23 @@ class GroupedOp:
         rows = triton.cdiv(S, cfg.block_m) if cfg.per_row else triton.cdiv(S, cfg.block_m) + E
         rounding = dtype_name(x.dtype) if self.glu and x.dtype in (torch.float16, torch.bfloat16) else ""
         epilogue, constexprs = epilogue_args(out, steps, operands, 2, dtype_name(self.c.dtype))
-        args = [x, w, self.offs, out, x if gather is None else gather, S, N, K, E, T, self.rows_divisor,
-                *x.strides, *w.strides, self.offs.strides[0], *out.strides, 1 if gather is None else gather.strides[0],
-                *epilogue]
+        args = [x, w, self.offs, out, x if gather is None else gather, x if dest is None else dest,
+                S, N, K, E, T, self.rows_divisor, *x.strides, *w.strides, self.offs.strides[0], *out.strides,
+                1 if gather is None else gather.strides[0], 1 if dest is None else dest.strides[0], *epilogue]
         constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                           BLOCK_E=sizes.next_power_of_2(sizes.upper(E) + 1), PER_ROW=cfg.per_row, DOT_UPCAST=False,
-                          GLU=self.glu, GLU_ROUND=rounding, ROWS=gather is not None, num_warps=cfg.num_warps,
-                          num_stages=cfg.num_stages)
+                          GLU=self.glu, GLU_ROUND=rounding, ROWS=gather is not None, DEST=dest is not None,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return (rows, triton.cdiv(N, cfg.block_n)), args, constexprs
 
 
 def launch_grouped_mm(b, x: TRef, w: TRef, offs: TRef, out: TRef, glu: str = "", rows: TRef | None = None,
-                      rows_divisor: int = 1) -> None:
+                      rows_divisor: int = 1, dest: TRef | None = None) -> None:
     """``out = x [S, K] @ w [E, K, N]`` grouped by offs: one launch; with ``glu`` (an activation of
     ``GLU_ACTS``) w's columns alternate gate and up, and out holds act(gate) * up (N / 2 columns);
-    with ``rows`` [S], x [T, K] is read at floor(rows[r] / rows_divisor) for row r."""
-    op = GroupedOp(x, w, offs, out, glu, rows, rows_divisor)
+    with ``rows`` [S], x [T, K] is read at floor(rows[r] / rows_divisor) for row r; with ``dest`` [S],
+    row r is stored at out's row dest[r]."""
+    op = GroupedOp(x, w, offs, out, glu, rows, rows_divisor, dest)
     grid, args, constexprs = op.launch()
     record = b.launch("grouped_mm", grid, *args, **constexprs)
     if record is not None:
@@ -305,8 +326,17 @@ def gathered_grouped_mm(b, node):
     launch_grouped_mm(b, b.ref(x), b.ref(w), b.ref(offs), b.out(node), rows=b.ref(rows), rows_divisor=divisor)
 
 
+def scattered_grouped_mm(b, node):
+    """``tritondelegate::scattered_grouped_mm(x, weight, offs, dest, rows=None, rows_divisor=1)``: the
+    rows stored in token order, x's rows gathered in the loads."""
+    x, w, offs, dest = (b.ref(a) for a in node.args[:4])
+    rows, divisor = _rows(node)
+    launch_grouped_mm(b, x, w, offs, b.out(node), rows=None if rows is None else b.ref(rows), rows_divisor=divisor,
+                      dest=dest)
+
+
 def _rows(node) -> tuple:
-    """(rows, rows_divisor) of a glu_grouped_mm node, positional or by keyword."""
+    """(rows, rows_divisor) of a glu_grouped_mm or scattered_grouped_mm node, positional or by keyword."""
     return node_arg(node, 4, "rows"), node_arg(node, 5, "rows_divisor", 1)
 
 
@@ -362,6 +392,19 @@ def supported_gathered(node) -> str | None:
     """gathered_grouped_mm(x [T, K], rows [S], rows_divisor, weight [E, K, N], offs [E])."""
     x, rows, divisor, w, offs = node.args
     return _supported(*(node_value(a) for a in (x, w, offs)), None, node.meta.get("val"), node_value(rows), divisor)
+
+
+def supported_scattered(node) -> str | None:
+    """scattered_grouped_mm(x, weight [E, K, N], offs [E], dest [S], rows=None, rows_divisor=1)."""
+    x, w, offs, dest = (node_value(a) for a in node.args[:4])
+    rows, divisor = _rows(node)
+    rows = node_value(rows)
+    if not isinstance(dest, torch.Tensor) or dest.dim() != 1 or dest.dtype not in (torch.int64, torch.int32):
+        return "dest must be a 1-D int64 or int32 tensor"
+    count = x.shape[0] if rows is None else getattr(rows, "shape", (None,))[0]
+    if sizes.shape((dest.shape[0],)) != sizes.shape((count,)):
+        return f"dest has {dest.shape[0]} entries for {count} rows; one per row"
+    return _supported(x, w, offs, None, node.meta.get("val"), rows, divisor)
 
 
 def operands(node) -> tuple:

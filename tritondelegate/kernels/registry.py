@@ -245,6 +245,7 @@ OPS: dict[object, OpSpec] = {
     td_ops.glu_linear: OpSpec(mm.glu_linear, mm.supported_glu),  # matmul.py
     td_ops.glu_grouped_mm: OpSpec(gmm.glu_grouped_mm, gmm.supported_glu),  # grouped_mm.py
     td_ops.gathered_grouped_mm: OpSpec(gmm.gathered_grouped_mm, gmm.supported_gathered),  # grouped_mm.py
+    td_ops.scattered_grouped_mm: OpSpec(gmm.scattered_grouped_mm, gmm.supported_scattered),  # grouped_mm.py
     td_ops.cumulative_histc: OpSpec(hist.cumulative_histc, hist.supported_cumulative),  # histogram.py
     td_ops.router_topk: OpSpec(router.router_topk, router.supported),  # router.py
     td_ops.group_router: OpSpec(router.group_router, router.supported_group),  # router.py

@@ -41,8 +41,8 @@ from ..kernels.registry import external_name
 from ..kernels.rows import node_arg
 from .fuse_glu import only_read_by
 from .fuse_grouped_glu import FALLBACK
-from .rewrite import (erase_unused, fake, is_call, new_node, plain_cast, replace_node, rewrite_matches,
-                      static_int, tensor_val)
+from .rewrite import (erase_unused, fake, is_call, is_number, new_node, plain_cast, replace_node, rewrite_matches,
+                      same_shape, static_int, tensor_val)
 
 aten = torch.ops.aten
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -191,7 +191,129 @@ def _unsort(graph, ep, node, y, inv, perm) -> str:
     return f"expert unsort as one scatter: {y.name} rows to {perm.name} -> {new.name} (no inverse order)"
 
 
+# --- 4. the experts' rows stored in token order -----------------------------------------------------
+CHAIN_DEPTH = 4  # pointwise ops between the grouped GEMM and the scatter (the kernel's epilogue steps)
+
+
+def _sort_of(node, item: int):
+    """The ``sort`` node whose result ``item`` (0: values, 1: indices) ``node`` is; else None."""
+    ok = is_call(node, operator.getitem) and node.args[1] == item and is_call(node.args[0], aten.sort.default,
+                                                                               aten.sort.stable)
+    return node.args[0] if ok else None
+
+
+def _rows_of(node):
+    """The first size of ``node``'s value (None without one)."""
+    val = tensor_val(node)
+    return None if val is None or val.dim() == 0 else sizes.shape(val.shape[:1])
+
+
+def _token_order(o, perm, rows) -> tuple | None:
+    """How the rewrite reads operand ``o`` of a pointwise op over the experts' rows once the rows are
+    in token order: (source, views) with the views (``unsqueeze``, ``view``, ``reshape``, a cast; each
+    keeps row r at row r) replayed over the source, outermost last; None when it cannot. A number, or
+    a tensor the same for every row, stays as it is; ``w[perm]`` (the routing weights gathered into the
+    experts' order) is ``w``; ``b[ids]`` with ids the sort's values is ``b[keys]`` (``("keys", b, keys)``:
+    ids[r] = keys[perm[r]])."""
+    if is_number(o):
+        return o, []
+    val = tensor_val(o)
+    if val is None or val.dim() > 2:
+        return None
+    if val.dim() < 2 or _rows_of(o) == sizes.shape((1,)):
+        return o, []  # broadcast over the rows
+    views = []
+    while _rows_of(o) == rows:
+        if is_call(o, aten.index.Tensor) and len(o.args[1]) == 1:
+            (i,) = o.args[1]
+            if i is perm and _rows_of(o.args[0]) == rows:
+                return o.args[0], views[::-1]
+            sort = _sort_of(i, 0)
+            if sort is not None and sort is _sort_of(perm, 1):
+                return ("keys", o.args[0], sort.args[0], o), views[::-1]
+        if not (is_call(o, aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten._to_copy.default)
+                and isinstance(o.args[0], torch.fx.Node)):
+            return None
+        views.append(o)
+        o = o.args[0]
+    return None
+
+
+def _chain_to(v, readers, depth) -> list | None:
+    """[gemm, op, ..., v]: ``v`` is a grouped GEMM, or a pointwise op on a chain from one, each read
+    only by the next (``v`` only by ``readers``); else None."""
+    if not isinstance(v, torch.fx.Node) or not set(v.users) <= set(readers):
+        return None
+    if is_call(v, ops.gathered_grouped_mm) or _grouped_input(v) is not None and not is_call(v, ops.glu_grouped_mm):
+        return [v]
+    if depth == 0 or v.op != "call_function" or torch.Tag.pointwise not in getattr(v.target, "tags", ()):
+        return None
+    for a in v.args:
+        found = _chain_to(a, [v], depth - 1)
+        if found is not None:
+            return found + [v]
+    return None
+
+
+def _match_scatter(node) -> tuple | None:
+    if not is_call(node, aten.index_put.default) or node_arg(node, 3, "accumulate", False):
+        return None
+    dest, indices, v = node.args[:3]
+    if not is_empty(dest) or len(indices) != 1 or _sort_of(indices[0], 1) is None:
+        return None
+    perm = indices[0]
+    chain = _chain_to(v, [node, dest], CHAIN_DEPTH)  # dest: empty_like(v) reads v's shape only
+    if chain is None or tensor_val(chain[0]).dim() != 2:
+        return None
+    gemm, rows = chain[0], _rows_of(chain[0])
+    operands = {}
+    for op in chain[1:]:
+        if not same_shape(tensor_val(op), tensor_val(gemm)):
+            return None  # the op must stay elementwise over the GEMM's rows
+        for a in op.args:
+            if a not in chain and a not in operands:
+                operands[a] = _token_order(a, perm, rows)
+                if operands[a] is None:
+                    return None
+    return perm, chain, operands
+
+
+def _replayed(graph, how: tuple):
+    """The operand a :func:`_token_order` recipe describes, its nodes made before the graph's cursor."""
+    source, views = how
+    if isinstance(source, tuple):  # b[ids] read as b[keys]
+        _, table, keys, like = source
+        source = new_node(graph, aten.index.Tensor, (table, [keys]), like.meta["val"], like.meta)
+    for view in views:
+        source = new_node(graph, view.target, (source, *view.args[1:]), view.meta["val"], view.meta,
+                          kwargs=dict(view.kwargs))
+    return source
+
+
+def _scatter_rows(graph, ep, node, perm, chain, operands) -> str:
+    gemm = chain[0]
+    if is_call(gemm, ops.gathered_grouped_mm):
+        x, rows, divisor, w, offs = gemm.args
+        args = (x, w, offs, perm, rows, divisor)
+    else:
+        args = (*gmm.operands(gemm)[:3], perm)
+    with graph.inserting_before(node):
+        new = {gemm: new_node(graph, ops.scattered_grouped_mm, args, gemm.meta["val"], gemm.meta)}
+        for a, how in operands.items():
+            new[a] = _replayed(graph, how) if isinstance(a, torch.fx.Node) else a
+        for op in chain[1:]:
+            args = tuple(new[a] if isinstance(a, torch.fx.Node) else a for a in op.args)
+            new[op] = new_node(graph, op.target, args, op.meta["val"], op.meta, kwargs=dict(op.kwargs))
+    last, empty = new[chain[-1]], node.args[0]
+    replace_node(ep, node, last)
+    graph.erase_node(node)
+    erase_unused(graph, [empty, chain[-1], *(a for a in operands if isinstance(a, torch.fx.Node))])
+    steps = "".join(f", {op.target.__name__.split('.')[0]}" for op in chain[1:])
+    return (f"expert rows stored in token order: {gemm.name}{steps} -> {last.name} "
+            f"(tritondelegate::scattered_grouped_mm at {perm.name}, no scatter)")
+
+
 def expert_dispatch(ep: torch.export.ExportedProgram) -> list[str]:
-    """The three rewrites over ``ep``'s graph, in place; one description per rewrite."""
+    """The four rewrites over ``ep``'s graph, in place; one description per rewrite."""
     return (rewrite_matches(ep, _match_rows, _read_rows) + rewrite_matches(ep, _match_offsets, _offsets)
-            + rewrite_matches(ep, _match_unsort, _unsort))
+            + rewrite_matches(ep, _match_unsort, _unsort) + rewrite_matches(ep, _match_scatter, _scatter_rows))

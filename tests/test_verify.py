@@ -28,8 +28,8 @@ RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for
 
 class Zoo(torch.nn.Module):
     """One delegate over most kernel families: gather, norm, matmul, attention, softmax, cumsum, conv
-    with an epilogue, batch norm, pooling, padding, a pointwise chain, a norm with a prologue, a reduction,
-    a scatter, a top-k, a histogram and a router's top-k of a softmax."""
+    with an epilogue, batch norm, pooling, padding, a pointwise chain, a norm with a prologue, a reduction
+    with an epilogue, a scatter, a top-k, a histogram and a router's top-k of a softmax."""
 
     def __init__(self):
         super().__init__()
@@ -45,9 +45,9 @@ class Zoo(torch.nn.Module):
         y = F.max_pool2d(torch.relu(self.conv(img)), 2)
         p = F.layer_norm(torch.sigmoid(F.pad(self.bn(img), (1, 1))) * 3.0 + 1.0, (8,))
         z = torch.zeros(6, 8).index_copy(0, ids[:2], h[0, :2])
-        # p's chain is the norm's prologue
+        # p's chain is the norm's prologue, amax's chain its epilogue; p.exp() * 0.5 a chain of its own
         return (s, torch.cumsum(ids, 0), y, p, s.amax(-1) * 2.0 - 1.0, z, *torch.topk(s[0], 3),
-                torch.histc(p, 5, -1, 1), *torch.topk(torch.softmax(h[0], -1), 2))
+                torch.histc(p, 5, -1, 1), *torch.topk(torch.softmax(h[0], -1), 2), p.exp() * 0.5)
 
 
 def _zoo_args():

@@ -44,15 +44,19 @@ from .refs import TRef, broadcast_strides, plan_arg
 KERNELS = {"norm": nm.norm_kernel, "softmax": sm.softmax_kernel}
 
 
-def merge_rows(launches, rows, chains, touched, writes, keep, users, unwritten, merged_away, taken) -> dict[int, Launch]:
+def merge_rows(launches, rows, chains, touched, writes, keep, users, unwritten, merged_away, taken,
+               builders=None) -> dict[int, Launch]:
     """Position -> the row launch (with a prologue and/or epilogue) that now stands there.
 
     ``rows`` maps positions to row ops, ``chains`` to the chains computed there (``fusion._Chain``);
     positions in ``merged_away`` or ``taken`` (replaced by a GEMM epilogue) are not offered. Merged
     positions are added to ``merged_away``; ``touched``, ``writes`` and ``users`` follow the moves.
-    ``unwritten`` is ``fusion._unwritten``."""
+    ``unwritten`` is ``fusion._unwritten``. ``builders`` maps a kernel name to the function that
+    relaunches it with its chains, like :func:`_row_launch` (the norm's and softmax's, the default):
+    ``fuse_reduce.reduce_launch`` for reductions."""
     fused: dict[int, Launch] = {}
     for n, op in sorted(rows.items()):
+        build = (builders or {}).get(launches[n].kernel, _row_launch)
         if n in merged_away or n in taken:
             continue
         def out(c, fused=fused):  # a position no longer offered
@@ -61,7 +65,7 @@ def merge_rows(launches, rows, chains, touched, writes, keep, users, unwritten, 
         p = _prologue_at(n, op, chains, users, keep, writes, unwritten, out)
         c = _epilogue_at(n, op, chains, users, keep, touched, writes, out, p)
         for pro, epi in ((p, c), (None, c), (p, None)):
-            launch = None if pro is None and epi is None else _row_launch(
+            launch = None if pro is None and epi is None else build(
                 launches[n], op, chains.get(pro), chains.get(epi))
             if launch is not None:
                 break

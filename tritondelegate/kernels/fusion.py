@@ -69,10 +69,11 @@ The chain starts from t rounded to its dtype (eager stores it so), then keeps fp
 In ``silu(gate(x)) * up(x)`` the chain ``silu, mul`` reads gate's result first: gate's matmul moves
 after up's and reads up's result in its epilogue.
 
-Last, row kernels with their neighbours (``fuse_rows.py``): a norm or softmax takes the chain that
-alone feeds it as a prologue and the chain that alone reads its result as an epilogue; then a gather
-(``fuse_gather.py``) takes the chain that alone reads its result as an epilogue (an embedding's add or
-scale).
+Last, row kernels with their neighbours (``fuse_rows.py``): a norm, softmax or one-pass float reduction
+(``fuse_reduce.py``: a Mixture-of-Experts tail ``residual + y.view(T, k, H).sum(1)``) takes the chain
+that alone feeds it as a prologue and the chain that alone reads its result as an epilogue; then a
+gather (``fuse_gather.py``) takes the chain that alone reads its result as an epilogue (an embedding's
+add or scale).
 
 First of all, scatter pairs (:func:`pair_scatters`): a layer's k and v cache writes, two scatter launches
 with the same grid, constexprs, indices and iteration that differ only in their destination, source
@@ -92,7 +93,7 @@ from ..plan import Launch
 from . import conv as cv
 from . import grouped_mm as gmm
 from . import elementwise as ew
-from . import fuse_gather, fuse_rows
+from . import fuse_gather, fuse_reduce, fuse_rows
 from . import sizes as size_fns
 from . import matmul as mm
 from . import scatter as sc
@@ -205,7 +206,8 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
 
     ``records`` are a delegate's launches with what each computes (``LaunchRecord.op``: an
     ``elementwise.PointwiseOp`` for a ``pointwise`` launch, a ``matmul.MatmulOp``, ``conv.ConvOp`` or
-    ``grouped_mm.GroupedOp`` for a ``matmul``, ``conv2d`` or ``grouped_mm`` launch, a ``norm.RowNorm`` for a ``norm`` launch, a
+    ``grouped_mm.GroupedOp`` for a ``matmul``, ``conv2d`` or ``grouped_mm`` launch, a ``norm.RowNorm``,
+    ``softmax.RowSoftmax`` or ``reduce.RowReduce`` for a ``norm``, ``softmax`` or one-pass ``reduce`` launch, a
     ``scatter.ScatterOp`` for a plain ``scatter`` launch, an ``index.GatherOp`` for a ``gather``;
     None: left alone). ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may
     write (``LaunchBuilder.effects``); buffers in ``keep`` (delegate inputs and outputs) are never fused
@@ -217,7 +219,8 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     launches = [r.launch for r in records]
     ops = {kind: {i: r.op for i, r in enumerate(records) if r.op is not None and r.launch.kernel in kernels}
            for kind, kernels in (("pointwise", {"pointwise"}), ("matmul", {"matmul", "conv2d", "grouped_mm"}),
-                                 ("norm", {"norm"}), ("rows", {"norm", "softmax"}), ("gather", {"gather"}))}
+                                 ("norm", {"norm"}), ("rows", {"norm", "softmax", "reduce"}),
+                                 ("gather", {"gather"}))}
     users: dict[int, set[int]] = defaultdict(set)
     for position, buffers in enumerate(touched):
         for buf in buffers:
@@ -230,7 +233,7 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     epilogues = _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away)
     writes = [set(w) for w in writes]  # updated as row launches move
     rows = fuse_rows.merge_rows(launches, ops["rows"], chains, touched, writes, keep, users,
-                                _unwritten, merged_away, set(epilogues))
+                                _unwritten, merged_away, set(epilogues), {"reduce": fuse_reduce.reduce_launch})
     gathers = fuse_gather.merge_gathers(launches, ops["gather"], chains, writes, keep, users, merged_away,
                                         set(epilogues) | set(rows))
     if not merged_away:

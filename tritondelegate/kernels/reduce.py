@@ -16,6 +16,11 @@ integer sum/prod) in a [BLOCK_R, BLOCK_C] tile, reduced across the tile once at 
 Few, long rows (a full reduction) split their columns over ``SPLIT`` programs that write fp32
 partials, which a second launch of the same kernel reduces (sum, prod, max and min only).
 
+A one-pass sum, prod, max or min of floats (its record carries a :class:`RowReduce`) may take fused
+pointwise chains (``fuse_reduce.py``): a prologue computes x from the chain's operands as it loads
+(``rows.row_load``), an epilogue runs on each row's result before the store, which then goes through
+the result's row strides ``os0..os2`` (``rows.row_store`` on a [BLOCK_R, 1] tile); off by default.
+
 With dynamic sizes (``sizes.py``) the blocks and the choice to split are made at the symbols' upper
 bounds (the kernel masks every tail), and the split count, grids and sizes stay symbolic. A divisor
 that depends on the symbols (a mean or a variance over a dynamic dim) is passed as an integer that
@@ -25,6 +30,7 @@ the kernel converts to fp32.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -35,7 +41,7 @@ from . import elementwise as ew
 from . import rows as rw
 from . import sizes
 from .refs import FLOAT_DTYPES, TRef, node_value
-from .rows import row_offsets, row_welford
+from .rows import row_index, row_load, row_offsets, row_store, row_welford
 from .sizes import upper
 
 MAX_BLOCK_C = 1024
@@ -54,7 +60,10 @@ def _mul(a, b):
 
 @triton.jit
 def _fold(x_row, rmask, c_begin, c_end, sc, MAP: tl.constexpr, COMBINE: tl.constexpr,
-          INT_ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+          INT_ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+          x_ptr, ix, xs, pro, PRO: tl.constexpr, P_ROUND: tl.constexpr):
+    """COMBINE over columns [c_begin, c_end) of MAP(x) per row; with a prologue (PRO[0] steps, floats
+    only) x is computed from the chain's operands at rows ``ix`` through strides ``xs`` (rows.row_load)."""
     if INT_ACC:
         acc_ty = tl.int64
     else:
@@ -85,7 +94,10 @@ def _fold(x_row, rmask, c_begin, c_end, sc, MAP: tl.constexpr, COMBINE: tl.const
     for start in range(c_begin, c_end, BLOCK_C):
         c = start + tl.arange(0, BLOCK_C)
         mask = rmask[:, None] & (c < c_end)[None, :]
-        v = tl.load(x_row + c.to(tl.int64)[None, :] * sc, mask=mask, other=init).to(acc_ty)
+        if PRO[0] > 0:
+            v = tl.where(mask, row_load(x_ptr, ix, c.to(tl.int64)[None, :], mask, xs, 0.0, pro, PRO, P_ROUND), init)
+        else:
+            v = tl.load(x_row + c.to(tl.int64)[None, :] * sc, mask=mask, other=init).to(acc_ty)
         if MAP == "sq":
             v = tl.where(mask, v * v, init)
         elif MAP == "abs":
@@ -161,8 +173,24 @@ def _arg_extreme(x_row, rmask, c_begin, c_end, sc, IS_MIN: tl.constexpr,
 def reduce_kernel(
     x_ptr, out_ptr, out2_ptr,
     rows, cols, split_cols, n1, n2, s0, s1, s2, sc, divisor,
+    os0, os1, os2,  # the result's row strides: read only with an epilogue (else rows are contiguous)
+    # a fused prologue's and epilogue's operands (rows.chain_args; stand-ins without one)
+    p0_ptr, p1_ptr, p2_ptr, p3_ptr, p0_scalar, p1_scalar, p2_scalar, p3_scalar,
+    p0s0, p0s1, p0s2, p0s3, p1s0, p1s1, p1s2, p1s3, p2s0, p2s1, p2s2, p2s3, p3s0, p3s1, p3s2, p3s3,
+    e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+    e0s0, e0s1, e0s2, e0s3, e1s0, e1s1, e1s2, e1s3, e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3,
     MAP: tl.constexpr, COMBINE: tl.constexpr, FINISH: tl.constexpr, INT_ACC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    PROLOGUE: tl.constexpr = 0, P_ROUND: tl.constexpr = "",
+    POP0: tl.constexpr = "copy", PARITY0: tl.constexpr = 1, PSWAP0: tl.constexpr = False, PIS_SCALAR0: tl.constexpr = False,
+    POP1: tl.constexpr = "copy", PARITY1: tl.constexpr = 1, PSWAP1: tl.constexpr = False, PIS_SCALAR1: tl.constexpr = False,
+    POP2: tl.constexpr = "copy", PARITY2: tl.constexpr = 1, PSWAP2: tl.constexpr = False, PIS_SCALAR2: tl.constexpr = False,
+    POP3: tl.constexpr = "copy", PARITY3: tl.constexpr = 1, PSWAP3: tl.constexpr = False, PIS_SCALAR3: tl.constexpr = False,
+    EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
+    EOP0: tl.constexpr = "copy", EARITY0: tl.constexpr = 1, ESWAP0: tl.constexpr = False, EIS_SCALAR0: tl.constexpr = False,
+    EOP1: tl.constexpr = "copy", EARITY1: tl.constexpr = 1, ESWAP1: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
+    EOP2: tl.constexpr = "copy", EARITY2: tl.constexpr = 1, ESWAP2: tl.constexpr = False, EIS_SCALAR2: tl.constexpr = False,
+    EOP3: tl.constexpr = "copy", EARITY3: tl.constexpr = 1, ESWAP3: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < rows
@@ -183,12 +211,26 @@ def reduce_kernel(
         tl.store(out_ptr + out_off, value.to(out_ptr.dtype.element_ty), mask=rmask)
         tl.store(out2_ptr + out_off, index.to(out2_ptr.dtype.element_ty), mask=rmask)
     else:
-        res = _fold(x_row, rmask, c_begin, c_end, sc, MAP, COMBINE, INT_ACC, BLOCK_R, BLOCK_C)
+        ix = row_index(r, n1, n2)
+        pro = (p0_ptr, p1_ptr, p2_ptr, p3_ptr, p0_scalar, p1_scalar, p2_scalar, p3_scalar, p0s0, p0s1, p0s2, p0s3,
+               p1s0, p1s1, p1s2, p1s3, p2s0, p2s1, p2s2, p2s3, p3s0, p3s1, p3s2, p3s3)
+        PRO: tl.constexpr = (PROLOGUE, "", POP0, PARITY0, PSWAP0, PIS_SCALAR0, POP1, PARITY1, PSWAP1, PIS_SCALAR1,
+                             POP2, PARITY2, PSWAP2, PIS_SCALAR2, POP3, PARITY3, PSWAP3, PIS_SCALAR3)
+        res = _fold(x_row, rmask, c_begin, c_end, sc, MAP, COMBINE, INT_ACC, BLOCK_R, BLOCK_C,
+                    x_ptr, ix, (s0, s1, s2, sc), pro, PRO, P_ROUND)
         if FINISH == "div":
             res = res / divisor
         elif FINISH == "sqrt":
             res = tl.sqrt(res)
-        tl.store(out_ptr + out_off, res.to(out_ptr.dtype.element_ty), mask=rmask)
+        if EPILOGUE > 0:  # each row's value is a [1]-column tile of the rows walk: out[r] at its row strides
+            epi = (e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar, e0s0, e0s1, e0s2,
+                   e0s3, e1s0, e1s1, e1s2, e1s3, e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3)
+            EPI: tl.constexpr = (EPILOGUE, ROUND_TO, EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1,
+                                 EIS_SCALAR1, EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
+            row_store(out_ptr, ix, tl.zeros([1, 1], dtype=tl.int64), rmask[:, None], (os0, os1, os2, 0),
+                      res[:, None], epi, EPI)
+        else:
+            tl.store(out_ptr + out_off, res.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
 # --- host launcher --------------------------------------------------------------------------------
@@ -206,27 +248,39 @@ def _at_least_1(n):
     return max(n, 1) if sizes.is_static(n) else sympy.Max(n, 1)
 
 
+def _args(x, out, out2, plan: rw.Rows, split_cols, divisor, out_strides=(0, 0, 0), pro=None, epi=None) -> list:
+    """The kernel's runtime arguments; ``pro`` and ``epi``: a fused chain's (``rows.chain_args``)."""
+    return [x, out, out2, plan.rows, plan.cols, split_cols, plan.n1, plan.n2, *plan.args(0), _divisor_arg(divisor),
+            *out_strides, *(pro or rw.chain_args((), x)), *(epi or rw.chain_args((), out))]
+
+
 def _launch(b, grid, x, out, out2, plan: rw.Rows, split_cols, divisor, blocks, **formula):
     block_r, block_c = blocks
-    b.launch("reduce", grid, x, out, out2, plan.rows, plan.cols, split_cols, plan.n1, plan.n2, *plan.args(0),
-             _divisor_arg(divisor), BLOCK_R=block_r, BLOCK_C=block_c,
-             num_warps=rw.num_warps(block_r, block_c), **formula)
+    return b.launch("reduce", grid, *_args(x, out, out2, plan, split_cols, divisor), BLOCK_R=block_r,
+                    BLOCK_C=block_c, num_warps=rw.num_warps(block_r, block_c), **formula)
 
 
 def launch_reduce(b, x: TRef, dims, out: TRef, out2: TRef | None = None, *, map_="id", combine="sum",
                   finish="none", divisor=1.0) -> None:
     """Reduce ``x`` over ``dims`` (normalized) into the contiguous ``out`` (and ``out2``), rows in
     row-major order of the kept dims, so ``keepdim`` does not matter here. ``divisor``: a float, or
-    an integer size (possibly symbolic)."""
+    an integer size (possibly symbolic). A one-pass sum, prod, max or min of floats into a float
+    ``out`` records a :class:`RowReduce`, for ``fuse_reduce.py``."""
     int_acc = not x.dtype.is_floating_point and combine in ("sum", "prod", "max", "min")
-    x, plan = rw.lay_out(b, x, dims)
+    laid_out, plan = rw.lay_out(b, x, dims)
+    if laid_out is not x:  # a contiguous copy, its dims permuted: the kept dims first
+        dims = list(range(x.ndim - len(dims), x.ndim))
+    x = laid_out
     blocks = rw.blocks(plan, MAX_BLOCK_C)
     programs = triton.cdiv(plan.rows, blocks[0])
     # one pass or a split: a speed decision, taken for the largest sizes of a dynamic range
     max_cols = upper(plan.cols)
     if combine not in SPLITTABLE or upper(programs) >= MIN_PROGRAMS or max_cols < SPLIT_MIN_COLS:
-        _launch(b, (programs, 1), x, out, out if out2 is None else out2, plan, _at_least_1(plan.cols),
-                divisor, blocks, MAP=map_, COMBINE=combine, FINISH=finish, INT_ACC=int_acc)
+        record = _launch(b, (programs, 1), x, out, out if out2 is None else out2, plan, _at_least_1(plan.cols),
+                         divisor, blocks, MAP=map_, COMBINE=combine, FINISH=finish, INT_ACC=int_acc)
+        if (record is not None and combine in SPLITTABLE and not int_acc and out2 is None and x.ndim
+                and out.dtype in FLOAT_DTYPES):
+            record.op = RowReduce(x, out, tuple(dims), map_, combine, finish, divisor)
         return
     # few long rows: SPLIT programs a row write partials, then one more launch reduces those
     split_cols = SPLIT_BLOCKS * blocks[1]
@@ -240,6 +294,36 @@ def launch_reduce(b, x: TRef, dims, out: TRef, out2: TRef | None = None, *, map_
     blocks = rw.blocks(plan, MAX_BLOCK_C)
     _launch(b, (triton.cdiv(plan.rows, blocks[0]), 1), partial, out, out, plan, split, divisor, blocks,
             MAP="id", COMBINE=combine, FINISH=finish, INT_ACC=int_acc)
+
+
+@dataclass(frozen=True)
+class RowReduce:
+    """What a one-pass float sum, prod, max or min launch computes, for fusion (``fuse_reduce.py``):
+    ``out`` (contiguous, rows in row-major order of the kept dims) from ``x`` (the kernel's input)
+    over ``dims``, with the launch's formula."""
+
+    x: TRef
+    out: TRef
+    dims: tuple[int, ...]
+    map_: str
+    combine: str
+    finish: str
+    divisor: object
+
+    @property
+    def reads(self) -> tuple[TRef, ...]:
+        return (self.x,)
+
+    def launch(self, src: TRef, dst: TRef, plan: rw.Rows, out_strides, pro, epi, chain_constexprs: dict):
+        """(grid, args, constexprs) of a one-pass launch over ``plan`` reading ``src`` (x, or a prologue's
+        first operand) and storing ``dst`` (through ``out_strides`` when there is an epilogue), with
+        the chains' arguments ``pro`` and ``epi`` (``rows.chain_args``, None without) and constexprs."""
+        block_r, block_c = rw.blocks(plan, MAX_BLOCK_C)
+        args = _args(src, dst, dst, plan, _at_least_1(plan.cols), self.divisor, out_strides, pro, epi)
+        constexprs = dict(MAP=self.map_, COMBINE=self.combine, FINISH=self.finish, INT_ACC=False,
+                          BLOCK_R=block_r, BLOCK_C=block_c, num_warps=rw.num_warps(block_r, block_c),
+                          **chain_constexprs)
+        return (triton.cdiv(plan.rows, block_r), 1), args, constexprs
 
 
 # --- support checks -------------------------------------------------------------------------------

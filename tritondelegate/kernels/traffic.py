@@ -155,7 +155,7 @@ def _row_chain_operand(p: str, k: int) -> Callable[[Args], bool]:
     return lambda a: (a.get(count) or 0) > k and a.get(f"{p}ARITY{k}") == 2 and not a.get(f"{p}IS_SCALAR{k}")
 
 
-# a norm's or softmax's fused chains' operands; without a chain their pointers are x or out
+# a norm's, softmax's or reduction's fused chains' operands; without a chain their pointers are x or out
 _ROW_CHAIN_READS = tuple(Access(f"{p.lower()}{k}_ptr", _row_chain_operand(p, k)) for p in "PE" for k in range(4))
 
 
@@ -171,8 +171,11 @@ REDUCE_FLOPS = {"sum": 1, "prod": 1, "max": 1, "min": 1, "argmax": 2, "argmin": 
 
 
 def _reduce_flops(a: Args) -> int:
+    """The formula per element, a fused prologue's steps per element, an epilogue's per row."""
     per = REDUCE_FLOPS.get(a["COMBINE"], 1) + (a["MAP"] != "id")
-    return a["rows"] * a["cols"] * per
+    pro = sum(_pointwise_op_flops(a[f"POP{k}"]) for k in range(a.get("PROLOGUE") or 0))
+    epi = sum(_pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0))
+    return a["rows"] * (a["cols"] * (per + pro) + epi)
 
 
 def _zero(a: Args) -> int:
@@ -311,7 +314,7 @@ TRAFFIC: dict[str, KernelTraffic] = {
     ),
     # out2 (mean, or the index) only for welford and arg reductions; else out2 is out
     "reduce": KernelTraffic(
-        reads=(Access("x_ptr"),),
+        reads=(Access("x_ptr"), *_ROW_CHAIN_READS),
         writes=(Access("out_ptr"), Access("out2_ptr", lambda a: a["COMBINE"] in ("welford", "argmax", "argmin"))),
         flops=_reduce_flops,
     ),

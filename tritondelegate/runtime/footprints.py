@@ -252,24 +252,36 @@ def _rows(x: LaunchArgs, strides: list[int]) -> tuple:
 def _reduce(x: LaunchArgs) -> Footprint:
     rows, cols, split_cols = x.i("rows"), x.i("cols"), x.d("split_cols")[0]
     splits = x.grid[1]  # out[r * splits + split]
-    acc = [Access("x_ptr", _rows(x, x.ints("s", 3)) + ((cols, x.i("sc")),)),
-           Access("out_ptr", ((rows, splits), (splits, 1)), write=True)]
+    acc = [Access("x_ptr", _rows(x, x.ints("s", 3)) + ((cols, x.i("sc")),))] + _row_chains(x, cols, 1)
+    if x.c["EPILOGUE"]:  # out at its row strides, each row's value in column 0 of the epilogue's walk
+        if splits != 1:
+            raise DelegateError(f"{x.where}: a reduction with an epilogue is one launch, not {splits} splits")
+        acc.append(Access("out_ptr", _rows(x, x.ints("os", 3)), write=True))
+    else:
+        acc.append(Access("out_ptr", ((rows, splits), (splits, 1)), write=True))
     if x.c["COMBINE"] in ("welford", "argmax", "argmin"):
         acc.append(Access("out2_ptr", ((rows, splits), (splits, 1)), write=True))
     grid = (_cdiv(rows, x.c["BLOCK_R"]), _cdiv(cols, split_cols))
     return Footprint(acc, grid, {"rows x splits": max(rows, 0) * splits, "cols": cols})
 
 
+def _row_chains(x: LaunchArgs, cols: int, epi_cols: int) -> list[Access]:
+    """A row kernel's fused prologue's and epilogue's operands (rows.row_load, rows.row_store): step
+    k < PROLOGUE (EPILOGUE), binary, a tensor, walked by its own row strides and column stride like x
+    over ``cols`` columns (the epilogue's over ``epi_cols``: a reduction's result has one column)."""
+    acc = []
+    for p, count, n in (("p", "PROLOGUE", cols), ("e", "EPILOGUE", epi_cols)):
+        acc += [Access(f"{p}{k}_ptr", _rows(x, x.ints(f"{p}{k}s", 3)) + ((n, x.i(f"{p}{k}s3")),))
+                for k in range(4) if k < x.c[count] and x.c[f"{p.upper()}ARITY{k}"] != 1
+                and not x.c[f"{p.upper()}IS_SCALAR{k}"]]
+    return acc
+
+
 def _softmax(x: LaunchArgs) -> Footprint:
     cols = x.i("cols")
     acc = [Access("x_ptr", _rows(x, x.ints("xs", 3)) + ((cols, x.i("xsc")),)),
            Access("out_ptr", _rows(x, x.ints("os", 3)) + ((cols, x.i("osc")),), write=True)]
-    # a fused prologue's and epilogue's operands (rows.row_load, rows.row_store): step k < PROLOGUE
-    # (EPILOGUE), binary, a tensor, walked by its own row strides and column stride like x
-    for p, count in (("p", "PROLOGUE"), ("e", "EPILOGUE")):
-        acc += [Access(f"{p}{k}_ptr", _rows(x, x.ints(f"{p}{k}s", 3)) + ((cols, x.i(f"{p}{k}s3")),))
-                for k in range(4) if k < x.c[count] and x.c[f"{p.upper()}ARITY{k}"] != 1
-                and not x.c[f"{p.upper()}IS_SCALAR{k}"]]
+    acc += _row_chains(x, cols, cols)
     return Footprint(acc, (_cdiv(x.i("rows"), x.c["BLOCK_R"]),), {"rows": x.i("rows"), "cols": cols})
 
 
@@ -562,7 +574,7 @@ RULES: dict[str, KernelRule] = {
                                **_ROWS, **_ROW_CHAINS}, (("BLOCK_R", "BLOCK_C"),)),
     "reduce": KernelRule(_reduce, {
         "MAP": one_of("id", "sq", "abs"), "FINISH": one_of("none", "div", "sqrt"), "INT_ACC": FLAG,
-        "COMBINE": one_of("sum", "prod", "max", "min", "argmax", "argmin", "welford"), **_ROWS},
+        "COMBINE": one_of("sum", "prod", "max", "min", "argmax", "argmin", "welford"), **_ROWS, **_ROW_CHAINS},
         (("BLOCK_R", "BLOCK_C"),)),
     "rotary": KernelRule(_rotary, {"PAIR": FLAG, "BLOCK_R": pow2(1, 4096), "BLOCK_H": pow2(1, 4096), "NORM": FLAG,
                                    "ANGLES": FLAG, "ROUND": one_of("", "float16", "bfloat16")},

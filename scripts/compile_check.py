@@ -197,6 +197,19 @@ def _rows_fused(dtype):
                     _randn(77, 77, dtype=dtype), _randn(16, 8192, dtype=dtype))
 
 
+def _reductions_fused(dtype):
+    """Reductions with pointwise prologues and epilogues (kernels/fuse_reduce.py): a Mixture-of-Experts
+    tail ``residual + y.view(T, k, H).sum(1)`` over k = 8 expert rows (a middle dim: tall, narrow
+    tiles) at prefill and decode; long rows' dot products and squares (prologues); a shifted max down
+    the columns, scaled and cast; a scaled dot product per row plus a bias (both)."""
+    fn = lambda r, y, r1, y1, a, b, c: (  # noqa: E731
+        r + y.view(300, 8, 2048).sum(1), r1 + y1.view(1, 8, 2048).sum(1), (a * b).sum(-1),
+        a.float().pow(2).sum(-1), ((a - 1.0).amax(0) * 0.5).float(), (a * b).mean(-1) * 0.125 + c)
+    return Fn(fn), (_randn(300, 2048, dtype=dtype), _randn(2400, 2048, dtype=dtype), _randn(1, 2048, dtype=dtype),
+                    _randn(8, 2048, dtype=dtype), _randn(64, 4096, dtype=dtype), _randn(64, 4096, dtype=dtype),
+                    _randn(64, dtype=dtype))
+
+
 class _LayerNormMLP(nn.Module):
     """GPT-2's MLP half: layer_norm -> linear + tanh GELU -> linear + residual (norm as a prologue)."""
 
@@ -342,25 +355,31 @@ def _grouped_mm(dtype, rows):
 
 class _Experts(nn.Module):
     """A Mixture-of-Experts layer's experts as transformers runs them (8 experts, 512 -> 2 x 704 -> 512):
-    gate/up as one grouped GEMM with SwiGLU in its epilogue (passes/fuse_grouped_glu.py) reading the
-    token rows through the expert order (passes/expert_dispatch.py), then down with each row's routing
-    weight in its epilogue."""
+    the (token, slot) pairs sorted by expert, gate/up as one grouped GEMM with SwiGLU in its epilogue
+    (passes/fuse_grouped_glu.py) reading the token rows through the expert order, then down storing its
+    rows back in token order (``DEST``) with each row's routing weight in its epilogue
+    (passes/expert_dispatch.py)."""
 
     def __init__(self, dtype, experts=8, dim=512, hidden=704):
         super().__init__()
         self.gate_up = nn.Parameter(_randn(experts, 2 * hidden, dim, dtype=dtype))
         self.down = nn.Parameter(_randn(experts, dim, hidden, dtype=dtype))
 
-    def forward(self, hidden, perm, offs, weights):
+    def forward(self, hidden, keys, offs, weights):
         op = torch.ops.transformers.grouped_mm_fallback
+        perm = torch.sort(keys).indices
         gate, up = op(hidden[perm // 2], self.gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
-        return op(F.silu(gate) * up, self.down.transpose(1, 2), offs) * weights[:, None]
+        y = op(F.silu(gate) * up, self.down.transpose(1, 2), offs) * weights[perm][:, None]
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        return y[inv]
 
 
 def _moe_experts(dtype, rows):
     importlib.import_module("transformers.integrations.moe")  # registers the op
     counts = torch.tensor([rows - rows // 2 - rows // 4, rows // 2, 0, rows // 4, 0, 0, 0, 0])
-    return _Experts(dtype), (_randn(-(-rows // 2), 512, dtype=dtype), torch.randperm(rows),
+    keys = torch.repeat_interleave(torch.arange(8), counts)[torch.randperm(rows)]
+    return _Experts(dtype), (_randn(-(-rows // 2), 512, dtype=dtype), keys,
                              counts.cumsum(0).to(torch.int32), _randn(rows, dtype=dtype))
 
 
@@ -433,6 +452,7 @@ def _per_dtype(d) -> dict[str, callable]:
         "softmax_norm": lambda: _rows(d),
         "softmax_vocab": lambda: _softmax_vocab(d),
         "rows_fused": lambda: _rows_fused(d),
+        "reductions_fused": lambda: _reductions_fused(d),
         "indexing": lambda: _indexing(d),
         "embedding_epilogue": lambda: _embedding_epilogue(d),
         "scatter": lambda: _scatter(d),

@@ -28,6 +28,10 @@ A chain C takes N as its epilogue when:
 Both need every tensor operand, x and the result to walk the rows view together (``rows._plan`` over
 all their strides: three row dims, one column dim), else no merge. The kernels take a chain of at most
 ``rows.CHAIN_STEPS`` steps each way, as ``elementwise.MAX_CHAIN`` allows.
+
+A one-pass float reduction (``reduce.RowReduce``) is offered its chains by the same rules, in the same
+pass; its launch is built by ``fuse_reduce.reduce_launch`` (``merge_rows``' ``builders``), since its
+result has no column dim.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ are permuted so that the reduced dims come last.
 Every program owns a [BLOCK_R, BLOCK_C] tile: many short rows per program when rows are short,
 one long row looped over in BLOCK_C chunks when rows are long.
 
-A row kernel (norm.py, softmax.py) may run fused pointwise chains (``fuse_rows.py``): a prologue
-computes x from the chain's operands as it loads (:func:`row_load`, every time the row is read), an
-epilogue runs on y before the store (:func:`row_store`). Both are ``elementwise._epilogue`` on the tile,
+A row kernel (norm.py, softmax.py, reduce.py) may run fused pointwise chains (``fuse_rows.py``,
+``fuse_reduce.py``): a prologue computes x from the chain's operands as it loads (:func:`row_load`,
+every time the row is read), an epilogue runs on y before the store (:func:`row_store`; a reduction's
+y is a [BLOCK_R, 1] tile, one value per row). Both are ``elementwise._epilogue`` on the tile,
 each operand addressed by its own [row dims, cols] strides in the rows walk (:func:`chain_args`).
 """
 

@@ -226,7 +226,8 @@ def test_one_buffer_with_two_shapes_is_refused():
 
 class Rescale(torch.nn.Module):
     """A bf16 buffer overwritten in place from an fp32 computation, as Phi-3's longrope rewrites its
-    inv_freq (``copy_`` keeps the buffer's dtype)."""
+    inv_freq (``copy_`` keeps the buffer's dtype); read before the overwrite, so the next call sees
+    what this one wrote (it is state)."""
 
     def __init__(self):
         super().__init__()
@@ -234,8 +235,9 @@ class Rescale(torch.nn.Module):
         self.register_buffer("scale", torch.tensor(1.5))  # fp32
 
     def forward(self, x):
+        y = x * self.freq
         self.freq.copy_(torch.linspace(0.5, 2.0, 8) * self.scale)  # an fp32 value
-        return x * self.freq
+        return y
 
 
 def test_an_update_of_another_dtype_is_cast_to_the_buffer():
@@ -244,7 +246,52 @@ def test_an_update_of_another_dtype_is_cast_to_the_buffer():
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     lowered = td.lower(torch.export.export(model, (x,)))
     assert lowered.state["freq"].dtype == torch.bfloat16
-    method = lowered.load().load_method("forward")
-    for _ in range(2):
-        expected = Rescale()(x)
-        torch.testing.assert_close(method(x), expected)
+    method, eager = lowered.load().load_method("forward"), Rescale()
+    for _ in range(2):  # the initial freq, then the one the first call wrote (rounded to bf16)
+        torch.testing.assert_close(method(x), eager(x))
+
+
+class Counter(torch.nn.Module):
+    """transformers' static cache keeps a counter per layer that each call overwrites before reading it:
+    ``counter.copy_(position); counter.add_(n)``. ``read_first`` reads it before the overwrite."""
+
+    def __init__(self, read_first: bool = False):
+        super().__init__()
+        self.register_buffer("counter", torch.zeros((), dtype=torch.int64))
+        self.read_first = read_first
+
+    def forward(self, x, position):
+        old = self.counter + 0 if self.read_first else 0
+        self.counter.copy_(position[0])
+        self.counter.add_(x.shape[0])
+        return x * (self.counter - x.shape[0] + 1) + old
+
+
+def _counter_program(**readers):
+    x, position = torch.randn(3, 4), torch.tensor([7])
+    eps = {"step": torch.export.export(Counter(), (x, position)),
+           **{name: torch.export.export(m, (x, position)) for name, m in readers.items()}}
+    return td.lower(eps, config=RESIDENT), x, position
+
+
+def test_state_that_no_method_reads_is_not_written():
+    lowered, x, position = _counter_program()
+    assert lowered.state == {}  # the counter is a constant now: never read, so never updated
+    fused = lowered.reports["step"].fused
+    assert any("state 'counter' is never read, only overwritten" in d for d in fused), fused
+    # (position + 3) - 3 + 1, then x times it (+ 0): 2 launches; the update position + 3 was a third
+    assert sum(lowered.reports["step"].launches.values()) == 2
+    step = lowered.load("simulated").load_method("step")
+    for p in (7, 2, 9):
+        torch.testing.assert_close(step(x, torch.tensor([p])), x * (p + 1))
+
+
+def test_state_read_before_its_overwrite_or_by_another_method_stays_state():
+    read_first, _, _ = _counter_program()
+    lowered, x, position = _counter_program(reader=Counter(read_first=True))
+    assert list(lowered.state) == ["counter"]  # "reader" reads what "step" wrote
+    assert not any("never read" in d for report in lowered.reports.values() for d in report.fused)
+    program = lowered.load("simulated")
+    step, reader = program.load_method("step"), program.load_method("reader")
+    step(x, torch.tensor([4]))
+    torch.testing.assert_close(reader(x, torch.tensor([1])), x * 2 + (4 + 3))  # the old counter, 4 + 3

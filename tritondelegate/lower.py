@@ -25,7 +25,8 @@ from .passes.fold_constants import fold_constants
 from .passes.fold_repeat_kv import fold_repeat_kv
 from .passes.fuse import fuse_patterns
 from .passes.propagate_device import DeviceReport, PropagateDevicePass
-from .passes.state import MethodGraph, StateBuffer, cast_state_updates, place_state, reinplace
+from .passes.state import (MethodGraph, StateBuffer, cast_state_updates, drop_unread_state, place_state,
+                           reinplace)
 from .passes.verify import verify_method
 from .program import InstrKind, Program, Symbol
 
@@ -129,6 +130,7 @@ def _lower(programs: dict, partitioner: Partitioner, config: LowerConfig, bar) -
         bar.step(f"decompose {name}")
         decomposed[name] = _decompose(name, ep, partitioner)
     symbols = {name: _symbols(name, ep) for name, ep in decomposed.items()}
+    dropped = drop_unread_state(decomposed)
     # Mutations are explicit once functionalized: state is what any decomposed method writes back.
     mutated = {fqn for ep in decomposed.values() for fqn in ep.graph_signature.buffers_to_mutate.values()}
     graphs = []
@@ -136,6 +138,7 @@ def _lower(programs: dict, partitioner: Partitioner, config: LowerConfig, bar) -
         bar.step(f"partition {name}")
         with symbol_ranges(*symbols[name][1:]):  # sizes over the method's symbols are decided for their range
             graphs.append(_partition(name, ep, partitioner, config, mutated))
+        graphs[-1].fused[:0] = dropped[name]
     state = place_state(graphs, config.enable_non_cpu_memory_planning)
     constants = ConstantTable()
     methods, reports = [], {}

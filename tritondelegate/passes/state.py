@@ -25,7 +25,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from ..errors import LoweringError
 from ..kernels.registry import lookup
 from ..partitioner import PartitionResult, op_name
-from .rewrite import fake, new_node
+from .rewrite import erase_unused, fake, new_node
 
 aten = torch.ops.aten
 HOST = "cpu"
@@ -114,6 +114,41 @@ def cast_state_updates(name: str, ep: torch.export.ExportedProgram) -> list[str]
         output.args = (tuple(values),) + tuple(output.args[1:])
         ep.graph_module.recompile()
     return done
+
+
+def drop_unread_state(methods: dict[str, torch.export.ExportedProgram]) -> dict[str, list[str]]:
+    """Drop the write-backs of a buffer whose incoming value no method reads: every method that touches
+    it overwrites it first (``copy_(counter, position)``, as transformers' static cache keeps a
+    ``cumulative_length`` per layer) or only writes it. What a method writes there is seen by no later
+    call, so it is not computed: the update and what only it reads go, and the buffer is no longer
+    state. Returns, per method, one description per write-back dropped."""
+    writers: dict[str, list[str]] = {}
+    for name, ep in methods.items():
+        for fqn in ep.graph_signature.buffers_to_mutate.values():
+            writers.setdefault(fqn, []).append(name)
+    done: dict[str, list[str]] = {name: [] for name in methods}
+    for fqn, names in sorted(writers.items()):
+        if any(_reads_data(user, node) for ep in methods.values() if (node := buffer_nodes(ep).get(fqn))
+               for user in node.users):
+            continue
+        for name in names:
+            done[name].append(_drop_write_back(methods[name], fqn))
+    return done
+
+
+def _drop_write_back(ep: torch.export.ExportedProgram, fqn: str) -> str:
+    graph = ep.graph_module.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    specs, values = ep.graph_signature.output_specs, list(output.args[0])
+    k = next(i for i, spec in enumerate(specs) if spec.kind == OutputKind.BUFFER_MUTATION and spec.target == fqn)
+    value = values.pop(k)
+    del specs[k]
+    output.args = (tuple(values),) + tuple(output.args[1:])
+    if isinstance(value, torch.fx.Node):
+        erase_unused(graph, [value])
+    ep.graph_module.recompile()
+    what = value.name if isinstance(value, torch.fx.Node) else repr(value)
+    return f"state {fqn!r} is never read, only overwritten: its update ({what}) is not computed"
 
 
 def state_names(graphs: list[MethodGraph]) -> set[str]:

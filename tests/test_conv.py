@@ -36,6 +36,18 @@ def test_conv2d(case, dtype):
     assert [launch.kernel for launch in plan.launches] == ["conv2d"]
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_conv2d_k_step(dtype):
+    # K = C_in * KH * KW = 72 runs in steps of 16 under fp32 (IEEE dots on the FMA units: a step of 32
+    # spilled registers on sm_90, scripts/compile_check.py), of 32 under fp16/bf16
+    model = torch.nn.Conv2d(8, 16, 3, padding=1).eval()
+    model, x, reference = _low_precision(model, torch.randn(1, 8, 6, 6), dtype)
+    _, plan = check_model(model, (x,), reference_args=reference)
+    (launch,) = plan.launches
+    assert launch.constexprs["BLOCK_K"].value == (conv.FP32_K_STEP if dtype == torch.float32 else conv.K_STEP)
+    assert (conv.FP32_K_STEP, conv.K_STEP) == (16, 32)
+
+
 class ChannelsLastConv(torch.nn.Module):
     """Reads an NHWC input through a permute and a slice: the conv kernel walks the strides, no copy."""
 

@@ -7,13 +7,14 @@ fp16/bf16, one ulp at most (the interpreter truncates fp32 -> bf16 instead of ro
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tritondelegate as td
-from harness import FLOAT_DTYPES, Fn, check_model
+from harness import FLOAT_DTYPES, TOLERANCES, Fn, check_model
 from tritondelegate import decompose
 from tritondelegate.kernels import matmul, target
 from tritondelegate.kernels.registry import OPS
@@ -184,6 +185,61 @@ def test_launch_configuration_follows_the_target():
     assert list(blocks.values()) == [8, 64]  # GEMV: 64 tiles of 8 columns (the least) for 132 SMs; 8 of 64 for 4
     with pytest.raises(ValueError, match="unknown target 'b200x'.*h100"):
         td.LowerConfig(target="b200x")
+
+
+class NormGatedMLP(torch.nn.Module):
+    """RMSNorm, then a gated MLP: the norm becomes the GLU GEMM's prologue (fusion.py, fuse_glu)."""
+
+    def __init__(self, dim=64, hidden=256):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(dim, eps=1e-6)
+        self.gate = torch.nn.Linear(dim, hidden, bias=False)
+        self.up = torch.nn.Linear(dim, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def test_fused_fp32_tiles_keep_registers():
+    # fp32 with a norm prologue or a GLU: at most 32 accumulator elements per thread (64x128 over 4
+    # warps and 128x128 over 8 spilled on sm_90, scripts/compile_check.py); fp16/bf16, GEMV and plain
+    # launches keep their tiles
+    tiles = lambda cfg: (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps)  # noqa: E731
+    assert tiles(matmul.fused_config(matmul.Config(64, 128, 32, 8, 4, 4), torch.float32, True)) == (64, 128, 32, 8)
+    assert tiles(matmul.fused_config(matmul.Config(128, 128, 32, 8, 8, 4), torch.float32, True)) == (128, 64, 32, 8)
+    small = matmul.Config(32, 64, 32, 8, 4, 4)
+    assert matmul.fused_config(small, torch.float32, True) == small
+    for dtype, fused in [(torch.bfloat16, True), (torch.float16, True), (torch.float32, False)]:
+        big = matmul.Config(128, 128, 64, 8, 8, 4)
+        assert matmul.fused_config(big, dtype, fused) == big
+    gemv = matmul.choose_config(1, 1, 4096, 4096, torch.float32)
+    assert gemv.gemv and matmul.fused_config(gemv, torch.float32, True) == gemv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_fp32_launch_takes_smaller_tiles(dtype):
+    # On 4 SMs, 128 rows x 512 GLU columns keep 128x128 tiles: the fp32 launch (prologue added by fusion
+    # after choose_config) runs 128x64 over 8 warps on a grid to match; bf16 keeps 128x128
+    torch.manual_seed(0)
+    model, x = NormGatedMLP().eval().to(dtype), torch.randn(128, 64).to(dtype)
+    four = target.Target("four", num_sms=4, shared_memory=228 * 1024)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", td.PerCallCopyWarning)
+        lowered = td.lower(torch.export.export(model, (x,)), config=td.LowerConfig(target=four))
+    launches = [launch for m in lowered.program.methods for d in m.delegates for launch in d.plan.launches]
+    (glu,) = [launch for launch in launches if "GLU" in launch.constexprs]
+    meta = {k: v.value for k, v in glu.constexprs.items()}
+    assert meta["PROLOGUE"] == "rms" and meta["GLU"] == "silu"
+    expected = (128, 64, 8) if dtype == torch.float32 else (128, 128, 8)
+    assert (meta["BLOCK_M"], meta["BLOCK_N"], meta["num_warps"]) == expected
+    assert glu.grid[0] == (128 // meta["BLOCK_M"]) * (512 // meta["BLOCK_N"])
+    out = lowered.load().load_method("forward")(x)
+    with torch.no_grad():
+        reference = copy.deepcopy(model).float()(x.float())
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), reference, atol=atol, rtol=rtol)
 
 
 def test_plan_carries_launch_meta_and_no_upcast():

@@ -35,6 +35,13 @@ from .refs import TRef, node_value
 from .sizes import next_power_of_2
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The K step (at most; less when C_in * KH * KW is smaller). fp32 takes 16: its IEEE dots run on the FMA
+# units, and a K step of 32 next to the gathered A tile's int64 index math spilled on sm_90
+# (scripts/compile_check.py, 8 warps): 64x32 3x3 with a ReLU epilogue 255 registers and 32 bytes of
+# stack (106 registers and none at 16), 64x64 1x1 255 and 16 bytes (188 and none at 16). fp16/bf16
+# (tensor-core dots, 206 registers at most for 64x32x32) keep 32.
+K_STEP = 32
+FP32_K_STEP = 16
 
 
 # --- kernel ---------------------------------------------------------------------------------------
@@ -164,7 +171,8 @@ class ConvOp:
         (c_out, cin_g, kh, kw), w_strides = _nchw(weight.shape, weight.strides)
         (_, _, oh, ow), out_strides = _nchw(out.shape, out.strides)
         cout_g, m = c_out // self.groups, n * oh * ow
-        block_m, block_n, block_k = _block(m, 16, 64), _block(cout_g, 16, 64), _block(cin_g * kh * kw, 16, 32)
+        block_m, block_n = _block(m, 16, 64), _block(cout_g, 16, 64)
+        block_k = _block(cin_g * kh * kw, 16, FP32_K_STEP if x.dtype.itemsize >= 4 else K_STEP)
         grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
         operands = [(o[0], _nchw_strides(o[1])) if isinstance(o, tuple) else o for o in operands]
         epilogue, constexprs = ew.epilogue_args(out, steps, operands, 4, dtype_name(self.c.dtype))

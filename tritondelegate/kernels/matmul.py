@@ -477,12 +477,21 @@ class MatmulOp:
                 *self.a.strides, *self.bmat.strides, *c_strides, *x_strides, *epilogue,
                 *prologue, *rope]
 
+    @property
+    def tiles(self) -> Config:
+        """The configuration launched: ``cfg`` within :func:`fused_config`'s limit when the launch
+        normalizes A (a prologue, which ``fusion.py`` adds after ``cfg`` was chosen) or pairs gate and
+        up columns (GLU). A rotary launch keeps ``cfg``: its tiles hold whole heads (``_rope_config``)
+        and were sized for its epilogue already."""
+        fused = (self.prologue is not None or bool(self.glu)) and self.rope is None
+        return fused_config(self.cfg, self.a.dtype, fused)
+
     def grid(self) -> tuple[int, int]:
-        return (triton.cdiv(self.a.shape[1], self.cfg.block_m) * triton.cdiv(self.n, self.cfg.block_n),
-                self.a.shape[0])
+        cfg = self.tiles
+        return (triton.cdiv(self.a.shape[1], cfg.block_m) * triton.cdiv(self.n, cfg.block_n), self.a.shape[0])
 
     def constexprs(self) -> dict:
-        cfg = self.cfg
+        cfg = self.tiles
         prologue = {} if self.prologue is None else dict(
             PROLOGUE=self.prologue[0], HAS_PW=self.prologue[1] is not None, HAS_PB=self.prologue[2] is not None)
         if self.glu:
@@ -533,7 +542,30 @@ def epilogue_config(cfg: Config, dtype: torch.dtype, tiles: int) -> Config:
     Otherwise the launch takes 8 warps and at most 32 elements per thread (128x64): with four operand
     tiles and the bias, no spills on sm_90 (``scripts/compile_check.py``). GEMV tiles (1024 elements at
     most) are far below either limit and pass unchanged."""
-    limit = 64 if dtype.itemsize < 4 and tiles <= 2 else 32
+    return _fit(cfg, 64 if dtype.itemsize < 4 and tiles <= 2 else 32)
+
+
+def fused_config(cfg: Config, dtype: torch.dtype, fused: bool) -> Config:
+    """``cfg`` for a launch with a norm prologue or a gated linear unit (``fused``): under fp32, at most
+    32 accumulator elements per thread (8 warps, then the larger tile side halved: 128x128 -> 128x64
+    over 8 warps, 64x128 over 4 warps -> the same tile over 8), as :func:`epilogue_config` keeps fp32.
+
+    IEEE fp32 dots run on the FMA units, and a plain fp32 GEMM at 64 elements per thread already takes
+    ~240 of the 255 registers on sm_90; the prologue's norm weight tile and row sums or the GLU's
+    paired columns take the rest (250, 254 at 128x128 over 8 warps), and both together spill.
+    Measured (``scripts/compile_check.py``, an RMSNorm prologue and a SiLU GLU, K step 32): 64x128
+    over 4 warps 255 registers and 24 bytes of stack, over 8 warps 198 and none; 128x128 over 8 warps
+    255 and 24 bytes, 128x64 over 8 warps 196 and none (182 with a LayerNorm prologue). fp16/bf16
+    tiles (tensor-core dots, 155 registers for the same launch) and GEMV tiles (1024 elements at most)
+    pass unchanged."""
+    if not fused or dtype.itemsize < 4 or cfg.gemv:
+        return cfg
+    return _fit(cfg, 32)
+
+
+def _fit(cfg: Config, limit: int) -> Config:
+    """``cfg`` with at most ``limit`` accumulator elements per thread: 8 warps if it has more, then
+    the larger tile side halved until it fits."""
     block_m, block_n, warps = cfg.block_m, cfg.block_n, cfg.num_warps
     if block_m * block_n > limit * 32 * warps:
         warps = max(warps, 8)

@@ -356,7 +356,8 @@ def _grouped_mm(dtype, rows):
 class _Experts(nn.Module):
     """A Mixture-of-Experts layer's experts as transformers runs them (8 experts, 512 -> 2 x 704 -> 512):
     the (token, slot) pairs sorted by expert, gate/up as one grouped GEMM with SwiGLU in its epilogue
-    (passes/fuse_grouped_glu.py) reading the token rows through the expert order, then down storing its
+    (passes/fuse_grouped_glu.py) reading the token rows through the expert order with their RMSNorm as
+    its prologue (``PROLOGUE="rms"``, kernels/fusion.py), then down storing its
     rows back in token order (``DEST``) with each row's routing weight in its epilogue
     (passes/expert_dispatch.py)."""
 
@@ -364,10 +365,12 @@ class _Experts(nn.Module):
         super().__init__()
         self.gate_up = nn.Parameter(_randn(experts, 2 * hidden, dim, dtype=dtype))
         self.down = nn.Parameter(_randn(experts, dim, hidden, dtype=dtype))
+        self.norm = nn.Parameter(_randn(dim, dtype=dtype))
 
     def forward(self, hidden, keys, offs, weights):
         op = torch.ops.transformers.grouped_mm_fallback
         perm = torch.sort(keys).indices
+        hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, 1e-6)
         gate, up = op(hidden[perm // 2], self.gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
         y = op(F.silu(gate) * up, self.down.transpose(1, 2), offs) * weights[perm][:, None]
         inv = torch.empty_like(perm)

@@ -267,6 +267,61 @@ def test_rows_read_elsewhere_or_weighted_in_expert_order_stay_scattered():
         assert _kernels(lowered).count("scatter") == 1, fn.__name__
 
 
+# --- the norm in front of the experts as their prologue ---------------------------------------------
+class NormedExperts(torch.nn.Module):
+    """A MoE layer's front: the norm, the router's linear and the experts' gate/up, both reading the
+    normalized token rows (the experts through the expert order)."""
+
+    def __init__(self, E, K, N, dtype, layer_norm=False):
+        super().__init__()
+        self.norm = (torch.nn.LayerNorm(K) if layer_norm else torch.nn.RMSNorm(K, eps=1e-6)).to(dtype)
+        torch.nn.init.normal_(self.norm.weight, 1.0, 0.1)
+        self.router = torch.nn.Linear(K, E, bias=False).to(dtype)
+        self.gate_up = torch.nn.Parameter(torch.randn(E, 2 * N, K).to(dtype) / K ** 0.5)
+
+    def forward(self, x, top_k_index, offs):
+        h = self.norm(x)
+        _, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+        gate, up = GMM(h[perm // top_k_index.shape[1]], self.gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
+        return self.router(h), F.silu(gate) * up
+
+
+@pytest.mark.parametrize("tokens", [2, 19])  # per-row tiles (decode) and segment tiles (prefill)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_the_norm_before_the_experts_runs_in_their_loads(tokens, dtype):
+    torch.manual_seed(7)
+    model = NormedExperts(4, 24, 10, dtype).eval()
+    index, offs = _routing(tokens, 4, 2, seed=tokens)
+    args = (3 * torch.randn(tokens, 24).to(dtype), index, offs)
+    lowered = lower_resident(model, args)
+    kernels = _kernels(lowered)
+    assert "norm" not in kernels, kernels  # the router's linear and the experts both take it
+    (launch,) = [l for l in plan_launches(lowered) if l.kernel == "grouped_mm"]
+    assert launch.constexprs["PROLOGUE"].value == "rms" and launch.constexprs["HAS_PW"].value
+    with torch.no_grad():  # against the same rounded operands in fp32
+        expected = NormedExperts(4, 24, 10, torch.float32)
+        expected.load_state_dict({n: p.float() for n, p in model.state_dict().items()})
+        want = expected(args[0].float(), index, offs)
+    atol, rtol = TOLERANCES[dtype]
+    for got, ref in zip(lowered.load().load_method()(*args), want):
+        torch.testing.assert_close(got.float(), ref, atol=atol, rtol=rtol)
+
+
+def test_a_layer_norm_or_a_returned_norm_stays_a_launch():
+    torch.manual_seed(8)
+    index, offs = _routing(5, 4, 2, seed=1)
+    layer = NormedExperts(4, 16, 6, torch.float32, layer_norm=True).eval()
+
+    class Returned(NormedExperts):
+        def forward(self, x, top_k_index, offs):
+            return *super().forward(x, top_k_index, offs), self.norm(x)  # the normalized rows are an output
+
+    for model in (layer, Returned(4, 16, 6, torch.float32).eval()):
+        args = (torch.randn(5, 16), index, offs)
+        lowered = _run(model, args, atol=1e-5, rtol=1e-5)
+        assert _kernels(lowered).count("norm") == 1, type(model).__name__
+
+
 # --- a whole layer ---------------------------------------------------------------------------------
 def test_a_transformers_moe_layer_dispatches_without_gathers_counts_or_inverse():
     """Qwen3-MoE: per layer the sort and one offsets launch remain of the dispatch; no rows gathered,

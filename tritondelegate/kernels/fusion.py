@@ -59,9 +59,12 @@ runs inside each of them (``matmul``'s ``PROLOGUE="rms"``), so the normalized ro
     M:  u = t @ B (+ bias)   ->    M':  u = rstd(x) * ((x * w) @ B) (+ bias)   at M's place
 
 when x and t are contiguous with the same elements, each matmul reads t whole as [Z, M, K] with K the
-normalized dim, and no launch between N and M writes x or w. Every such matmul recomputes the row
-sums of squares it needs while streaming x (a few ALU ops per A element; x is read once per N tile
-either way). A ``layer_norm`` (weight and bias optional) folds the same way (``PROLOGUE="layer"``):
+normalized dim, and no launch between N and M writes x or w. A grouped GEMM (``grouped_mm``: a
+Mixture-of-Experts layer's experts, reading the token rows through their expert order) is such a
+reader of an RMSNorm too: each row's sum of squares accumulates over the same K loop, so the norm in
+front of a MoE layer (read by its router's linear, its experts, its shared experts) is no launch.
+Every such matmul recomputes the row sums of squares it needs while streaming x (a few ALU ops per A
+element; x is read once per N tile either way). A ``layer_norm`` (weight and bias optional) folds the same way (``PROLOGUE="layer"``):
 each matmul first reads its block's rows of x for their mean and variance, then normalizes A's tiles
 as it streams them.
 
@@ -348,7 +351,7 @@ def _merge_prologues(launches, norms, matmuls, writes, keep, users, view) -> set
         t, x = norm.out, norm.x
         readers = users[t.buffer] - {n}
         if (t.buffer in keep or not readers or not norm.matmul_prologue
-                or not all(isinstance(matmuls.get(r), mm.MatmulOp) and r > n for r in readers)
+                or not all(isinstance(matmuls.get(r), (mm.MatmulOp, gmm.GroupedOp)) and r > n for r in readers)
                 or not (x.is_contiguous() and t.is_contiguous() and x.numel == t.numel and x.dtype == t.dtype)):
             continue
         ops = {r: _prologue_op(matmuls[r], norm, view) for r in readers}
@@ -358,8 +361,9 @@ def _merge_prologues(launches, norms, matmuls, writes, keep, users, view) -> set
             continue
         for r, op in ops.items():
             matmuls[r] = op
-            launches[r] = new_launch(launches[r].kernel, op.grid(), op.args(), op.constexprs(),
-                                     f"{launches[n].op}+{launches[r].op}")
+            grid, args, constexprs = op.launch() if isinstance(op, gmm.GroupedOp) else (
+                op.grid(), op.args(), op.constexprs())
+            launches[r] = new_launch(launches[r].kernel, grid, args, constexprs, f"{launches[n].op}+{launches[r].op}")
             for ref in reads:
                 users[ref.buffer].add(r)
         for buffers in users.values():
@@ -369,9 +373,11 @@ def _merge_prologues(launches, norms, matmuls, writes, keep, users, view) -> set
     return merged
 
 
-def _prologue_op(op: mm.MatmulOp, norm, view) -> "mm.MatmulOp | None":
+def _prologue_op(op, norm, view):
     """``op`` reading ``norm``'s input through a norm prologue, or None when its A is not the norm's
     result read whole, row by row over the normalized dim."""
+    if isinstance(op, gmm.GroupedOp):
+        return _grouped_prologue_op(op, norm, view)
     t, a = norm.out, op.a
     width = t.shape[-1]
     if (a.buffer != t.buffer or op.prologue is not None or op.bmat.buffer == t.buffer
@@ -380,6 +386,17 @@ def _prologue_op(op: mm.MatmulOp, norm, view) -> "mm.MatmulOp | None":
         return None  # (a contiguous [Z, M, K] view of all of contiguous t: row z*M + m of t is A[z, m])
     x = view(norm.x, a.shape, a.strides, norm.x.offset)
     return replace(op, a=x, prologue=(norm.kind, norm.weight, norm.bias, norm.eps))
+
+
+def _grouped_prologue_op(op: gmm.GroupedOp, norm, view) -> "gmm.GroupedOp | None":
+    """A grouped GEMM (a Mixture-of-Experts layer's experts, reading the token rows in place through
+    their order) with an RMSNorm prologue: x is the norm's result, whole, [tokens, width]."""
+    t, x = norm.out, op.x
+    if (norm.kind != "rms" or norm.bias is not None or op.prologue is not None or x.buffer != t.buffer
+            or x.offset != t.offset or x.shape[1] != t.shape[-1] or not x.is_contiguous() or x.numel != t.numel
+            or any(r.buffer == t.buffer for r in op.reads if r is not x)):
+        return None
+    return replace(op, x=view(norm.x, x.shape, x.strides, norm.x.offset), prologue=("rms", norm.weight, None, norm.eps))
 
 
 # --- matmul epilogues -----------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from . import sizes, target
 from ..dtypes import dtype_name
 from ..ops import GLU_ACTS
 from .elementwise import _epilogue, epilogue_args
-from .matmul import _glu_tile
+from .matmul import _glu_tile, _rms_tile
 from .matmul import choose_config as matmul_config
 from .refs import TRef, node_value
 from .rows import node_arg
@@ -84,34 +84,41 @@ def _segment_tile(offs_ptr, stride_o, pid, S, E, BLOCK_M: tl.constexpr, BLOCK_E:
 
 @triton.jit
 def _segment_product(x_ptr, w_ptr, rows, mask_m, offs_n, mask_n, expert, K, E,
-                     stride_xs, stride_xk, stride_we, stride_wk, stride_wn,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """x[rows] @ w[expert] for rows of one expert, in fp32 (0 for the tail and empty tiles: no K steps)."""
+                     stride_xs, stride_xk, stride_we, stride_wk, stride_wn, p_ptr, stride_pk,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                     RMS: tl.constexpr, HAS_PW: tl.constexpr):
+    """(x[rows] @ w[expert] for rows of one expert, in fp32, 0 for the tail and empty tiles: no K steps;
+    the rows' sums of squares with RMS, x's tiles then scaled by the norm weight, as ``matmul._rms_tile``)."""
     offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
     x_ptrs = x_ptr + rows[:, None] * stride_xs + offs_k[None, :] * stride_xk
     w_ptrs = (w_ptr + tl.minimum(expert, E - 1).to(tl.int64) * stride_we
               + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn)
     step = tl.full((), BLOCK_K, tl.int64)  # int64: a K step times a stride can pass 2^31
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     steps = tl.where(expert < E, tl.cdiv(K, BLOCK_K), 0)
     for k in range(0, steps):
         k_left = K - k * BLOCK_K
         a = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        if RMS:
+            a, sumsq = _rms_tile(a, sumsq, p_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW)
         if DOT_UPCAST:  # the interpreter's low-precision dot is wrong; the runtime sets this there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision="ieee")
         x_ptrs += step * stride_xk
         w_ptrs += step * stride_wk
-    return acc
+    return acc, sumsq
 
 
 @triton.jit
 def _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n, mask_n, S, K, E,
-                 stride_xs, stride_xk, stride_we, stride_wk, stride_wn,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """x[x_rows[r]] @ w[e(r)] row by row, in fp32 (0 for rows past the last segment)."""
+                 stride_xs, stride_xk, stride_we, stride_wk, stride_wn, p_ptr, stride_pk,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                 RMS: tl.constexpr, HAS_PW: tl.constexpr):
+    """(x[x_rows[r]] @ w[e(r)] row by row, in fp32, 0 for rows past the last segment; the rows' sums of
+    squares with RMS, as ``_segment_product``)."""
     e, starts, ends = _bounds(offs_ptr, stride_o, S, E, BLOCK_E)
     ended = (ends[None, :] <= rows[:, None]) & (e[None, :] < E)  # segments that end at or before row r
     expert = tl.sum(ended.to(tl.int32), 1)
@@ -122,14 +129,17 @@ def _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n,
               + offs_k[None, :, None] * stride_wk + offs_n[None, None, :] * stride_wn)
     step = tl.full((), BLOCK_K, tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         inside = offs_k < K - k * BLOCK_K
         a = tl.load(x_ptrs, mask=live[:, None] & inside[None, :], other=0.0)
+        if RMS:
+            a, sumsq = _rms_tile(a, sumsq, p_ptr, stride_pk, k * BLOCK_K, offs_k, K - k * BLOCK_K, HAS_PW)
         b = tl.load(w_ptrs, mask=live[:, None, None] & inside[None, :, None] & mask_n[None, None, :], other=0.0)
         acc += tl.sum(a[:, :, None].to(tl.float32) * b.to(tl.float32), axis=1)
         x_ptrs += step * stride_xk
         w_ptrs += step * stride_wk
-    return acc
+    return acc, sumsq
 
 
 @triton.jit
@@ -161,9 +171,10 @@ def _out_rows(dest_ptr, stride_d, rows, mask_m, S, DEST: tl.constexpr):
 
 @triton.jit
 def grouped_mm_kernel(
-    x_ptr, w_ptr, offs_ptr, out_ptr, rows_ptr, dest_ptr,
+    x_ptr, w_ptr, offs_ptr, out_ptr, rows_ptr, dest_ptr, p_ptr,
     S, N, K, E, T, rows_div,
     stride_xs, stride_xk, stride_we, stride_wk, stride_wn, stride_o, stride_os, stride_on, stride_r, stride_d,
+    stride_pk, p_eps,  # the rms prologue's norm weight (x without one) and eps
     # epilogue operands per step k < EPILOGUE: pointer, scalar, (row, column) strides (else stand-ins)
     e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
     e0s0, e0s1, e1s0, e1s1, e2s0, e2s1, e3s0, e3s1,
@@ -176,7 +187,7 @@ def grouped_mm_kernel(
     EOP3: tl.constexpr = "copy", EARITY3: tl.constexpr = 1, ESWAP3: tl.constexpr = False,
     EIS_SCALAR0: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
     EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False, ROWS: tl.constexpr = False,
-    DEST: tl.constexpr = False,
+    DEST: tl.constexpr = False, PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False,
 ):
     # out[r] = x[r] @ w[e(r)], offs[e-1] <= r < offs[e]; 0 past offs[E-1]. GLU: w's N columns alternate
     # gate and up, and out[r] (N / 2 columns) = GLU(gate) * up, each rounded to GLU_ROUND first. ROWS:
@@ -190,16 +201,19 @@ def grouped_mm_kernel(
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = rows < S
         x_rows = _x_rows(rows_ptr, stride_r, rows, mask_m, T, rows_div, ROWS)
-        acc = _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n, mask_n, S, K, E,
-                           stride_xs, stride_xk, stride_we, stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E)
+        acc, sumsq = _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n, mask_n, S, K, E,
+                                  stride_xs, stride_xk, stride_we, stride_wk, stride_wn, p_ptr, stride_pk,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, PROLOGUE == "rms", HAS_PW)
     else:
         expert, first, end = _segment_tile(offs_ptr, stride_o, tl.program_id(0), S, E, BLOCK_M, BLOCK_E)
         rows = first + tl.arange(0, BLOCK_M)
         mask_m = (rows >= 0) & (rows < end)
         x_rows = _x_rows(rows_ptr, stride_r, rows, mask_m, T, rows_div, ROWS)
-        acc = _segment_product(x_ptr, w_ptr, x_rows, mask_m, offs_n, mask_n, expert, K, E,
-                               stride_xs, stride_xk, stride_we, stride_wk, stride_wn,
-                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST)
+        acc, sumsq = _segment_product(x_ptr, w_ptr, x_rows, mask_m, offs_n, mask_n, expert, K, E,
+                                      stride_xs, stride_xk, stride_we, stride_wk, stride_wn, p_ptr, stride_pk,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST, PROLOGUE == "rms", HAS_PW)
+    if PROLOGUE == "rms":  # (x * r * w) @ W == r * ((x * w) @ W) row by row
+        acc = acc * tl.rsqrt(sumsq / K + p_eps)[:, None]
     rows, mask_m = _out_rows(dest_ptr, stride_d, rows, mask_m, S, DEST)
     if GLU != "":
         acc, offs_n, mask = _glu_tile(acc, pid_n, mask_m[:, None], N, GLU, GLU_ROUND, BLOCK_M, BLOCK_N)
@@ -226,14 +240,17 @@ class Config:
     per_row: bool
 
 
-def choose_config(S, E: int, N, K, dtype: torch.dtype) -> Config:
+def choose_config(S, E: int, N, K, dtype: torch.dtype, prologue: bool = False) -> Config:
     """Tiles for S rows over E experts (upper bounds of dynamic sizes).
 
     At most the target's GEMV rows (8 on an H100), the per-row variant: the rows rounded up to a power
     of two, a K step of 512 bytes of a weight row, and columns (8 to 128) so that the products and the
     gathered weights stay within ROW_PRODUCTS each. Otherwise segment tiles as ``matmul`` chooses them
     for E products of the rows an even split gives each expert (16 rows at least, for ``tl.dot``), at
-    most FP32_TILE elements under fp32 (a 128x128 fp32 tile spills registers on sm_90)."""
+    most FP32_TILE elements under fp32 (a 128x128 fp32 tile spills registers on sm_90). With an rms
+    ``prologue`` under fp32 (x's tiles rescaled in registers on their way to the dot), half that over 8
+    warps: on sm_90 a 64x128 gate/up tile took all 255 registers at 4 warps, 64x64 at 4 warps 254,
+    64x64 at 8 warps 127 (``scripts/compile_check.py --case moe_experts``)."""
     gpu = target.current()
     S, N, K = sizes.upper((S, N, K))
     itemsize = dtype.itemsize
@@ -246,9 +263,10 @@ def choose_config(S, E: int, N, K, dtype: torch.dtype) -> Config:
     rows = max(-(-S // max(E, 1)), gpu.gemv_rows + 1, MIN_BLOCK)
     cfg = matmul_config(E, rows, N, K, dtype)
     block_m, block_n = cfg.block_m, cfg.block_n
-    while itemsize >= 4 and block_m * block_n > FP32_TILE:  # IEEE fp32 dots: 128x128 spills (sm_90)
+    while itemsize >= 4 and block_m * block_n > FP32_TILE // (2 if prologue else 1):  # IEEE fp32: 128x128 spills
         block_m, block_n = (block_m, block_n // 2) if block_n >= block_m else (block_m // 2, block_n)
-    return Config(block_m, block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, per_row=False)
+    warps = 8 if prologue and itemsize >= 4 else cfg.num_warps
+    return Config(block_m, block_n, cfg.block_k, warps, cfg.num_stages, per_row=False)
 
 
 @dataclass(frozen=True)
@@ -264,10 +282,12 @@ class GroupedOp:
     rows: TRef | None = None  # x read at rows[r] // rows_divisor (else at r)
     rows_divisor: int = 1
     dest: TRef | None = None  # row r stored at dest[r] (else at r)
+    prologue: tuple | None = None  # ("rms", weight or None, None, eps): x is an RMSNorm's input (fusion.py)
 
     @property
     def reads(self) -> tuple[TRef, ...]:
-        return (self.x, self.w, self.offs) + tuple(t for t in (self.rows, self.dest) if t is not None)
+        norm = () if self.prologue is None or self.prologue[1] is None else (self.prologue[1],)
+        return (self.x, self.w, self.offs) + tuple(t for t in (self.rows, self.dest) if t is not None) + norm
 
     def launch(self, out: TRef | None = None, steps=(), operands=()) -> tuple[tuple, list, dict]:
         """(grid, arguments, constexprs): storing into ``out`` (default: the result) after an epilogue
@@ -278,13 +298,18 @@ class GroupedOp:
         T, K = x.shape
         S = T if gather is None else gather.shape[0]
         E, _, N = w.shape
-        cfg = choose_config(S, E, N, K, x.dtype)
+        cfg = choose_config(S, E, N, K, x.dtype, self.prologue is not None)
         rows = triton.cdiv(S, cfg.block_m) if cfg.per_row else triton.cdiv(S, cfg.block_m) + E
         rounding = dtype_name(x.dtype) if self.glu and x.dtype in (torch.float16, torch.bfloat16) else ""
         epilogue, constexprs = epilogue_args(out, steps, operands, 2, dtype_name(self.c.dtype))
+        kind, norm_w, _, eps = self.prologue or ("", None, None, 0.0)
         args = [x, w, self.offs, out, x if gather is None else gather, x if dest is None else dest,
-                S, N, K, E, T, self.rows_divisor, *x.strides, *w.strides, self.offs.strides[0], *out.strides,
-                1 if gather is None else gather.strides[0], 1 if dest is None else dest.strides[0], *epilogue]
+                x if norm_w is None else norm_w, S, N, K, E, T, self.rows_divisor, *x.strides, *w.strides,
+                self.offs.strides[0], *out.strides, 1 if gather is None else gather.strides[0],
+                1 if dest is None else dest.strides[0], 0 if norm_w is None else norm_w.strides[0], float(eps),
+                *epilogue]
+        if kind:
+            constexprs.update(PROLOGUE=kind, HAS_PW=norm_w is not None)
         constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                           BLOCK_E=sizes.next_power_of_2(sizes.upper(E) + 1), PER_ROW=cfg.per_row, DOT_UPCAST=False,
                           GLU=self.glu, GLU_ROUND=rounding, ROWS=gather is not None, DEST=dest is not None,

@@ -179,6 +179,8 @@ def _grouped_mm(x: LaunchArgs) -> Footprint:
         acc.append(Access("rows_ptr", ((S, x.i("stride_r")),)))
     if x.c["DEST"]:  # out's rows at dest[r]; one outside [0, S) is not stored
         acc.append(Access("dest_ptr", ((S, x.i("stride_d")),)))
+    if x.c["HAS_PW"]:  # the rms prologue's norm weight, over K
+        acc.append(Access("p_ptr", ((K, x.i("stride_pk")),)))
     acc += _epilogue(x, (S, n_out), 2)
     tiles = _cdiv(S, x.c["BLOCK_M"]) + (0 if x.c["PER_ROW"] else E)
     return Footprint(acc, (tiles, _cdiv(N, x.c["BLOCK_N"])), {"S x N stored": S * n_out, "K": K, "E": E})
@@ -552,7 +554,8 @@ RULES: dict[str, KernelRule] = {
     "grouped_mm": KernelRule(_grouped_mm, {
         "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256), "BLOCK_K": pow2(16, 256), "BLOCK_E": pow2(2, 8192),
         "PER_ROW": FLAG, "DOT_UPCAST": FLAG, "GLU": one_of("", *sorted(GLU_ACTS)),
-        "GLU_ROUND": one_of(*DTYPE_NAMES), "ROWS": FLAG, "DEST": FLAG, **_epilogue_constexprs()},
+        "GLU_ROUND": one_of(*DTYPE_NAMES), "ROWS": FLAG, "DEST": FLAG,
+        "PROLOGUE": one_of("", "rms"), "HAS_PW": FLAG, **_epilogue_constexprs()},
         _GEMM_TILES + (("BLOCK_M", "BLOCK_K", "BLOCK_N"), ("BLOCK_M", "BLOCK_E"))),
     "conv2d": KernelRule(_conv2d, {**_GEMM, "KH": in_range(1, 4096), "KW": in_range(1, 4096), "HAS_BIAS": FLAG,
                                    **_epilogue_constexprs()}, _GEMM_TILES),

@@ -15,6 +15,11 @@ sharing the cache as program state) and one prompt, in six modes:
                       export recipe (``TorchExportableModuleWithStaticCache``) run eagerly on the same
                       device: the reference front end of DESIGN.md's first workload.
 
+A Mixture-of-Experts case (``moe-...``) is transformers' ``MixtralForCausalLM`` itself, exported by its
+static-cache recipe (``convert_and_export_with_cache``: prefill and decode) and lowered: the modes
+``state_on_device``, ``state_on_device_graphs`` and ``hf_eager`` (the same model run eagerly through the
+recipe's wrapper); the other modes are skipped for it (they vary the demo decoder's lowering).
+
 Every lowered mode keeps its constants resident (``skip_h2d_for_constants=True``). A timed round is
 ``steps`` greedy decode steps from the position after the prompt (argmax of the logits, fed back),
 after one prefill at setup; rounds overwrite the same cache positions, so each round does the same
@@ -45,19 +50,68 @@ GEN_MODES = ("state_on_host", "state_on_device", "state_on_device_graphs", "stat
 VARIANTS = {"state_on_device_graphs_dot": {"gemv_rows": 0}, "state_on_device_graphs_one_pass": {"split_attention": False}}
 
 
+MOE_MODES = ("state_on_device", "state_on_device_graphs", "hf_eager")  # the modes a Mixtral case runs
+
+
 @dataclass(frozen=True)
 class GenCase:
     name: str
-    config: tuple[tuple[str, int], ...]  # DecoderConfig overrides
+    config: tuple[tuple[str, int], ...]  # DecoderConfig overrides, or MixtralConfig's for a MoE case
     prompt_len: int
     steps: int  # decode steps per timed round
+    moe: bool = False  # transformers' Mixtral through its static-cache recipe
 
     def build(self):
         """The model (seed 0) and a prompt [1, prompt_len] (seed 1)."""
-        model = kv_cache_decoder(seed=0, **dict(self.config))
-        prompt = torch.randint(0, model.cfg.vocab_size, (1, self.prompt_len),
-                               generator=torch.Generator().manual_seed(1))
+        model = _mixtral(dict(self.config)) if self.moe else kv_cache_decoder(seed=0, **dict(self.config))
+        vocab = model.config.vocab_size if self.moe else model.cfg.vocab_size
+        prompt = torch.randint(0, vocab, (1, self.prompt_len), generator=torch.Generator().manual_seed(1))
         return model, prompt
+
+    def export(self, model):
+        """Prefill and decode of ``model`` as a dict of exported methods."""
+        if not self.moe:
+            return export_prefill_decode(model, self.prompt_len)
+        from transformers.integrations.executorch import convert_and_export_with_cache
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return {"prefill": convert_and_export_with_cache(model, torch.zeros(1, self.prompt_len, dtype=torch.long),
+                                                             torch.arange(self.prompt_len)),
+                    "decode": convert_and_export_with_cache(model, torch.zeros(1, 1, dtype=torch.long),
+                                                            torch.tensor([self.prompt_len]))}
+
+    def facts(self, model) -> dict:
+        """The model's vocabulary, weight and cache bytes."""
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        if not self.moe:
+            return {"vocab_size": model.cfg.vocab_size, "weight_bytes": weights,
+                    "cache_bytes": sum(b.numel() * b.element_size() for b in model.cache_buffers().values())}
+        c = model.config
+        head_dim = c.hidden_size // c.num_attention_heads
+        cache = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * dict(self.config)["max_cache_len"] * 4
+        return {"vocab_size": c.vocab_size, "weight_bytes": weights, "cache_bytes": cache,
+                "experts": c.num_local_experts, "experts_per_token": c.num_experts_per_tok}
+
+
+def _mixtral(config: dict):
+    """transformers' Mixtral (seed 0, fp32, eval) with a static cache of ``max_cache_len`` positions."""
+    import transformers
+
+    config = dict(config)
+    cache = config.pop("max_cache_len")
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(max_position_embeddings=cache, **config)).eval()
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": cache}
+    return model
+
+
+def _static_cache_wrapper(model, device):
+    """transformers' static-cache recipe module around ``model`` on ``device``, called eagerly."""
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    return TorchExportableModuleWithStaticCache(model.to(device))
 
 
 def gen_case(dim: int, layers: int, heads: int, kv_heads: int, hidden: int, vocab: int, seq: int,
@@ -67,12 +121,23 @@ def gen_case(dim: int, layers: int, heads: int, kv_heads: int, hidden: int, voca
     return GenCase(f"kv-d{dim}-l{layers}-v{vocab}-s{seq}", tuple(config.items()), prompt_len, steps)
 
 
+def moe_case(dim: int, layers: int, heads: int, kv_heads: int, hidden: int, experts: int, top_k: int, vocab: int,
+             seq: int, prompt_len: int, steps: int) -> GenCase:
+    config = dict(hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  intermediate_size=hidden, num_local_experts=experts, num_experts_per_tok=top_k, vocab_size=vocab,
+                  max_cache_len=seq)
+    return GenCase(f"moe-d{dim}-l{layers}-e{experts}k{top_k}-v{vocab}-s{seq}", tuple(config.items()), prompt_len,
+                   steps, moe=True)
+
+
 # By device; ``quick`` takes the first. The simulated device interprets every launch on the CPU: one
 # tiny model, a few steps per round.
 GEN_SIZES = {
-    "simulated": [gen_case(64, 2, 4, 2, 176, 256, 64, 16, 4)],            # 0.5 MB weights, 32 KB cache
+    "simulated": [gen_case(64, 2, 4, 2, 176, 256, 64, 16, 4),             # 0.5 MB weights, 32 KB cache
+                  moe_case(64, 2, 4, 2, 96, 4, 2, 256, 64, 16, 4)],        # 0.6 MB weights, 32 KB cache
     "cuda": [gen_case(256, 2, 4, 2, 704, 4096, 256, 32, 32),              # 14 MB weights, 0.5 MB cache
-             gen_case(1024, 8, 16, 4, 2816, 16384, 1024, 128, 32)],       # 495 MB weights, 16 MB cache
+             gen_case(1024, 8, 16, 4, 2816, 16384, 1024, 128, 32),        # 495 MB weights, 16 MB cache
+             moe_case(1024, 4, 16, 4, 1408, 8, 2, 16384, 1024, 128, 32)],  # 0.83 GB weights (8 experts), 8 MB cache
 }
 # Run by name only (``--bench-case``; scripts/gpu_bench.sh gives it its own step): a long context, decode
 # attending over 3000+ keys of 4 key heads at batch 1, where splitting the keys (flash-decoding) matters.
@@ -120,6 +185,12 @@ class GenBench:
     def eager_tokens(self, case: GenCase) -> list[int]:
         held = self.prepare(case)
         if held.tokens is None:
+            if case.moe:  # exported first: the programs keep the cache values eager would write
+                self.program_path(case, True)
+                wrapper = _static_cache_wrapper(held.model, "cpu")
+                first = _step(wrapper, held.prompt, torch.arange(case.prompt_len))
+                held.tokens = _steps(wrapper, first, case.prompt_len, case.steps)[0].tolist()
+                return held.tokens
             self.program_path(case, False)  # first: the programs read the cache eager writes
             for mode in ("state_on_device", *VARIANTS):
                 self.program_path(case, True, mode)
@@ -137,7 +208,7 @@ class GenBench:
                 target=dataclasses.replace(local_target(), **variant))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", td.PerCallCopyWarning)  # state_on_host: the copies are the point
-                lowered = td.lower(export_prefill_decode(self.prepare(case).model, case.prompt_len),
+                lowered = td.lower(case.export(self.prepare(case).model),
                                    partitioner=td.TritonPartitioner(device="cuda:0"), config=config)
             place = ("device" if state_on_device else "host") + "".join(f"-{k}{v}" for k, v in variant.items())
             path = os.path.join(self.workdir, f"{case.name}.{place}.tdp")
@@ -173,21 +244,16 @@ class GenBench:
     def _hf_runner(self, case: GenCase):
         expected = self.eager_tokens(case)
         held = self.prepare(case)
-        wrapper = hf_llama_static_cache(held.model, device=TORCH_DEVICE)
-        ids = held.prompt.to(TORCH_DEVICE)
-        with torch.no_grad():
-            logits = wrapper(input_ids=ids, cache_position=torch.arange(case.prompt_len, device=TORCH_DEVICE))
-        first = logits[:, -1].argmax(-1, keepdim=True)
-        positions = [torch.tensor([case.prompt_len + i], device=TORCH_DEVICE) for i in range(case.steps)]
+        if case.moe:
+            wrapper = _static_cache_wrapper(held.model, TORCH_DEVICE)
+        else:
+            wrapper = hf_llama_static_cache(held.model, device=TORCH_DEVICE)
+        first = _step(wrapper, held.prompt.to(TORCH_DEVICE), torch.arange(case.prompt_len, device=TORCH_DEVICE))
         if DEVICE == "cuda":
             torch.cuda.synchronize()
 
         def call():
-            tokens = [first]
-            for position in positions:
-                logits = wrapper(input_ids=tokens[-1], cache_position=position)
-                tokens.append(logits[:, -1].argmax(-1, keepdim=True))
-            return torch.cat(tokens, dim=1)
+            return _steps(wrapper, first, case.prompt_len, case.steps)
 
         def facts(out):
             cache = sum(b.numel() * b.element_size() for n, b in wrapper.named_buffers() if "_cache_" in n)
@@ -198,8 +264,20 @@ class GenBench:
         return call, facts
 
     def common_facts(self, case: GenCase, mode: str) -> dict:
-        model = self.prepare(case).model
         return {"model": case.name, "mode": mode, "device": DEVICE, "prompt_len": case.prompt_len,
-                "steps": case.steps, "vocab_size": model.cfg.vocab_size,
-                "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-                "cache_bytes": sum(b.numel() * b.element_size() for b in model.cache_buffers().values())}
+                "steps": case.steps, **case.facts(self.prepare(case).model)}
+
+
+@torch.no_grad()
+def _step(wrapper, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One eager call of a static-cache wrapper: the greedy next token [B, 1] on its device."""
+    return wrapper(input_ids=ids, cache_position=positions)[:, -1].argmax(-1, keepdim=True)
+
+
+def _steps(wrapper, first: torch.Tensor, position: int, steps: int) -> torch.Tensor:
+    """``steps`` greedy decode calls of a static-cache wrapper from ``first`` at ``position``:
+    [B, steps + 1] tokens, ``first`` included."""
+    tokens = [first]
+    for i in range(steps):
+        tokens.append(_step(wrapper, tokens[-1], torch.tensor([position + i], device=first.device)))
+    return torch.cat(tokens, dim=1)

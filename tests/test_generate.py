@@ -241,3 +241,35 @@ def test_last_logits_prefill_returns_the_next_tokens_logits_only(dynamic):
         assert tuple(result.logits[0].shape) == (2, 1, TINY["vocab_size"])
         assert_logits_close(result.logits, [logits[0][:, -1:], *logits[1:]])
         assert generator.prefill.stats.call_d2h_bytes == 2 * TINY["vocab_size"] * 4
+
+
+def test_generator_runs_a_transformers_static_cache_program_by_its_keywords():
+    """transformers' export recipe exports prefill and decode with ``input_ids=`` and
+    ``cache_position=``: the generator passes them by those names, and a positional call is refused
+    with the keywords named."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.executorch import convert_and_export_with_cache
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 16}
+    ids = prompt(3)[:, :5]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eps = {"prefill": convert_and_export_with_cache(model, ids, torch.arange(5)),
+               "decode": convert_and_export_with_cache(model, ids[:, :1], torch.tensor([5]))}
+    wrapper = transformers.integrations.executorch.TorchExportableModuleWithStaticCache(model)
+    with torch.no_grad():
+        expected = [wrapper(input_ids=ids, cache_position=torch.arange(5))[:, -1].argmax(-1, keepdim=True)]
+        for i in range(3):
+            logits = wrapper(input_ids=expected[-1], cache_position=torch.tensor([5 + i]))
+            expected.append(logits[:, -1].argmax(-1, keepdim=True))
+    program = td.lower(eps).load()
+    generator = Generator(program)
+    assert generator.decode.input_keywords == ("input_ids", "cache_position")
+    torch.testing.assert_close(generator.generate(ids, 4).tokens, torch.cat(expected, dim=1))
+    with pytest.raises(td.InputError, match=r"0 positional, keywords input_ids, cache_position\); got 2 leaf"):
+        generator.decode(ids[:, :1], torch.tensor([9]))

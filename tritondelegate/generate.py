@@ -6,7 +6,9 @@
     result.tokens, result.decode_tokens_per_s, result.steps[0], result.memory
 
 The methods take ``(input_ids [B, T] int64, input_pos [T] int64)`` and return logits ``[B, T, vocab]``
-(``tritondelegate.models.KVCacheDecoder`` exported by ``export_prefill_decode``). The cache is the
+(``tritondelegate.models.KVCacheDecoder`` exported by ``export_prefill_decode``), or take them by keyword
+as ``input_ids=`` and ``cache_position=`` (transformers' static-cache export recipe,
+``convert_and_export_with_cache``). The cache is the
 program's state: prefill writes it, each decode step reads and extends it. Only token ids and
 positions go in and logits come out; the next token is the argmax of the last logits, on the host.
 """
@@ -97,7 +99,7 @@ class Generator:
             raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
         batch, length = prompt.shape
         start = time.perf_counter()
-        logits = self.prefill(prompt, torch.arange(length), stream=self.stream)
+        logits = _call(self.prefill, prompt, torch.arange(length), self.stream)
         prefill_s = time.perf_counter() - start
         kept = [logits] if keep_logits else None
         first = _greedy(logits)
@@ -113,12 +115,27 @@ class Generator:
         appends each call's logits to ``kept`` when given."""
         tokens, stats = [token], []
         for i in range(steps):
-            logits = self.decode(tokens[-1], torch.tensor([position + i]), stream=self.stream)
+            logits = _call(self.decode, tokens[-1], torch.tensor([position + i]), self.stream)
             stats.append(StepStats.of(self.decode))
             if kept is not None:
                 kept.append(logits)
             tokens.append(_greedy(logits))
         return torch.cat(tokens, dim=1), stats
+
+
+POSITION_KEYWORDS = ("cache_position", "input_pos")
+
+
+def _call(method, ids: torch.Tensor, positions: torch.Tensor, stream):
+    """``method`` on token ids and their positions: positionally, or by the keywords it was exported with."""
+    names = method.input_keywords
+    if not names:
+        return method(ids, positions, stream=stream)
+    where = [n for n in POSITION_KEYWORDS if n in names]
+    if set(names) != {"input_ids", *where[:1]} or not where:
+        raise ValueError(f"method {method.name!r} takes keywords {', '.join(names)}; generation passes "
+                         f"input_ids and one of {', '.join(POSITION_KEYWORDS)}")
+    return method(input_ids=ids, **{where[0]: positions}, stream=stream)
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:

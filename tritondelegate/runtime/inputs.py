@@ -53,7 +53,8 @@ class InputChecker:
         if spec != self._in_spec:
             raise InputError(
                 f"method {method.name!r} takes {len(method.inputs)} tensor input(s) structured as the "
-                f"exported example inputs; got {len(flat)} leaf value(s) with another structure"
+                f"exported example inputs ({self._expected()}); got {len(flat)} leaf value(s) with another "
+                f"structure ({len(args)} positional, keywords {sorted(kwargs) or 'none'})"
             )
         for i, t in enumerate(flat):
             if not isinstance(t, torch.Tensor):
@@ -80,6 +81,18 @@ class InputChecker:
                 raise InputError(f"{where} must be on {value.device} (skip_h2d_for_method_inputs), got {t.device}")
         if value.device != "cpu" and not t.is_contiguous():
             raise InputError(f"{where} is read in place on {value.device} and must be contiguous")
+
+    @property
+    def keywords(self) -> tuple[str, ...]:
+        """The names of the inputs the method was exported with as keywords (transformers' export recipes
+        give ``input_ids=``, ``cache_position=``), in their order; () when all are positional."""
+        args_spec, kwargs_spec = self._in_spec.children()
+        return tuple(kwargs_spec.context or ()) if kwargs_spec.type is dict else ()
+
+    def _expected(self) -> str:
+        positional = self._in_spec.children()[0].num_children
+        keywords = ", ".join(self.keywords)
+        return f"{positional} positional" + (f", keywords {keywords}" if keywords else "")
 
     def _where(self, i: int) -> str:
         method = self.method

@@ -176,6 +176,11 @@ class LoadedMethod:
         buffer = allocate(allocator, value.nbytes, index, DEVICE_ALIGNMENT, f"method {self.name!r}")
         return buffer.view(parse_dtype(value.dtype)).view(value.shape)
 
+    @property
+    def input_keywords(self) -> tuple[str, ...]:
+        """The inputs the method takes by keyword (it was exported with them as keywords), in order."""
+        return self._inputs.keywords
+
     # -- calls ----------------------------------------------------------------------------------
     def __call__(self, *args, stream=None, **kwargs):
         inputs, key = self._inputs.check(args, kwargs)

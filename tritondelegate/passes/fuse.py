@@ -13,6 +13,9 @@ constant folding and partitioning:
 * ``fuse_rotary``: a rotary embedding written out (``x * cos + rotate_half(x) * sin``) becomes one
   ``tritondelegate::rotary`` op (one launch instead of four per tensor), and two that share their cos
   and sin tables (q and k) one ``tritondelegate::rotary_pair`` (one launch for both);
+* ``halves_rotary``: a rotary written over the two halves of x (GPT-OSS's ``cat((x1 * c - x2 * s,
+  x2 * c + x1 * s), -1)``) becomes ``tritondelegate::rotary`` with whole-width tables, or
+  ``rotary_angles`` when the half tables come from angles, before the rotary passes pair and fuse it;
 * ``complex_rotary``: a rotary written with complex numbers (``view_as_real(view_as_complex(x) *
   polar(1, a))``: Llama 4, DeepSeek-V2) becomes ``tritondelegate::rotary_angles`` of interleaved
   pairs, before the rotary passes pair and fuse it like any other;
@@ -61,6 +64,7 @@ from .fuse_rope_linear import fuse_rope_linear
 from .head_norm import head_norm
 from .fuse_rms_norm import fuse_rms_norm
 from .fuse_rotary import fuse_rotary
+from .halves_rotary import halves_rotary
 from .norm_casts import norm_casts
 from .position_mask import position_mask
 
@@ -69,7 +73,7 @@ def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool)
     """All the rewrites, in order; ``fold``: constant folding will run (projections need it to store
     their concatenated weights once)."""
     done = (dedupe(ep) + fuse_rms_norm(ep) + centered_norm(ep) + norm_casts(ep) + fuse_gelu(ep) + complex_rotary(ep)
-            + fuse_rotary(ep, fold) + position_mask(ep))
+            + halves_rotary(ep, fold) + fuse_rotary(ep, fold) + position_mask(ep))
     if fold:  # these store new constants (concatenated or folded weights): folding computes them once
         done += (fuse_glu(ep, state) + fuse_grouped_glu(ep, state) + fuse_projections(ep, state)
                  + fuse_rope_linear(ep, state) + fuse_batchnorm(ep, state))

@@ -68,7 +68,7 @@ def scale_operand(node: torch.fx.Node):
     return number_operand(node, *_SCALES)
 
 
-def _table(node):
+def trig_table(node):
     """(views [node], cast dtype or None, scale, trig target, cat node) when ``node`` is a table as the
     module docstring describes, else None."""
     views, cast, scale = [], None, 1.0
@@ -133,7 +133,7 @@ def _same_views(a: list, b: list) -> bool:
 def _match(node: torch.fx.Node):
     """(angles, views, scale, dtype) when ``node`` is a rotary whose cos and sin come from angles, in
     its own pairing (cat for rotate_half, repeat_interleave for interleaved pairs)."""
-    cos, sin = (_table(t) for t in node.args[1:3])
+    cos, sin = (trig_table(t) for t in node.args[1:3])
     if cos is None or sin is None or (cos[3], sin[3]) != (aten.cos.default, aten.sin.default):
         return None
     (views, dtype, scale, _, emb), (sin_views, sin_dtype, sin_scale, _, sin_emb) = cos, sin
@@ -161,7 +161,7 @@ def _replay(graph: torch.fx.Graph, angles: torch.fx.Node, views: list, before: t
     return node
 
 
-def _per_call(ep: torch.export.ExportedProgram, node: torch.fx.Node) -> bool:
+def per_call(ep: torch.export.ExportedProgram, node: torch.fx.Node) -> bool:
     """Whether ``node`` reads a method input or state (its value changes between calls)."""
     varying = {spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT
                or spec.target in ep.graph_signature.buffers_to_mutate.values()}
@@ -185,7 +185,7 @@ def rotary_tables(ep: torch.export.ExportedProgram, fold: bool = True) -> list[s
     done = []
     for node in [n for n in graph.nodes if is_call(n, rotary_op)]:
         found = _match(node)
-        if found is None or (fold and not _per_call(ep, found[0])):
+        if found is None or (fold and not per_call(ep, found[0])):
             continue
         angles, views, scale, dtype = found
         replayed = _replay(graph, angles, views, node)

@@ -195,8 +195,10 @@ class Experts(torch.nn.Module):
         self.b = torch.nn.Parameter(torch.randn(E, N).to(dtype)) if bias else None
         self.gather = gather
 
-    def forward(self, x, top_k_index, top_k_weights, offs):
+    def forward(self, x, top_k_index, top_k_weights):
         ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+        experts = self.w.shape[0]
+        offs = torch.cumsum(torch.histc(ids.float(), bins=experts, min=0, max=experts - 1), 0, dtype=torch.int32)
         rows = x[perm // top_k_index.shape[1]] if self.gather else x
         y = GMM(rows, self.w.transpose(1, 2), offs)
         if self.b is not None:
@@ -207,26 +209,29 @@ class Experts(torch.nn.Module):
 
 @pytest.mark.parametrize("tokens", [3, 21])  # per-row tiles (decode) and segment tiles (prefill)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("bias,gather", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("bias,gather", [(False, False), (True, False), (False, True), (True, True)])
 def test_the_experts_rows_are_stored_in_token_order(tokens, dtype, bias, gather):
     torch.manual_seed(4)
     E, K, N, k = 5, 16, 12, 2
     model = Experts(E, K, N, dtype, bias, gather).eval()
-    index, offs = _routing(tokens, E, k, seed=tokens)
+    index, _ = _routing(tokens, E, k, seed=tokens)
     weights = torch.softmax(torch.randn(tokens, k), -1).to(dtype)
     x = torch.randn(tokens if gather else tokens * k, K).to(dtype)
-    args = (x, index, weights, offs)
+    args = (x, index, weights)
     lowered = lower_resident(model, args)
     assert "expert rows stored in token order" in _fused(lowered), _fused(lowered)
     kernels = _kernels(lowered)
-    assert "scatter" not in kernels and kernels.count("gather") == int(bias), kernels  # b[keys] only
+    assert "scatter" not in kernels and "gather" not in kernels, kernels  # the bias read per expert in the GEMM
+    assert kernels.count("histc") == 1, kernels  # the offsets
     (launch,) = [l for l in plan_launches(lowered) if l.kernel == "grouped_mm"]
     assert launch.constexprs["DEST"].value and launch.constexprs["ROWS"].value == gather
-    assert launch.constexprs["EPILOGUE"].value == 1 + bias  # the bias and the routing weights
+    assert launch.constexprs["EPILOGUE"].value == 1  # the routing weights
+    assert launch.constexprs.get("HAS_BIAS") is None or launch.constexprs["HAS_BIAS"].value == bias
+    assert ("experts' biases in the GEMM" in _fused(lowered)) == bias
     with torch.no_grad():  # against the same rounded operands in fp32
         expected = Experts(E, K, N, torch.float32, bias, gather)
         expected.load_state_dict({n: p.float() for n, p in model.state_dict().items()})
-        want = expected(x.float(), index, weights.float(), offs)
+        want = expected(x.float(), index, weights.float())
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(lowered.load().load_method()(*args).float(), want, atol=atol, rtol=rtol)
 
@@ -347,3 +352,37 @@ def test_a_transformers_moe_layer_dispatches_without_gathers_counts_or_inverse()
     with torch.no_grad():
         expected = model(*args)
     torch.testing.assert_close(lowered.load().load_method()(*args), expected, atol=1e-4, rtol=1e-4)
+
+
+class BiasedExperts(torch.nn.Module):
+    """GPT-OSS's experts: gate/up with a per-expert bias gathered by the sorted ids, its own clamped
+    gating (no GLU rewrite), down with a per-expert bias, weighted and put back in token order."""
+
+    def __init__(self, E, K, N):
+        super().__init__()
+        self.gate_up = torch.nn.Parameter(torch.randn(E, K, 2 * N) / K ** 0.5)
+        self.gate_up_bias = torch.nn.Parameter(torch.randn(E, 2 * N) * 0.1)
+        self.down = torch.nn.Parameter(torch.randn(E, N, K) / N ** 0.5)
+        self.down_bias = torch.nn.Parameter(torch.randn(E, K) * 0.1)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        E, k = self.gate_up.shape[0], top_k_index.shape[1]
+        ids, perm = torch.sort(top_k_index.reshape(-1))
+        offs = torch.cumsum(torch.histc(ids.float(), bins=E, min=0, max=E - 1), 0, dtype=torch.int32)
+        y = GMM(x[perm // k], self.gate_up, offs) + self.gate_up_bias[ids]
+        gate, up = y[..., ::2].clamp(max=7.0), y[..., 1::2].clamp(-7.0, 7.0)
+        y = GMM((up + 1) * gate * torch.sigmoid(gate * 1.702), self.down, offs) + self.down_bias[ids]
+        y = _unsorted(y * top_k_weights.reshape(-1)[perm].unsqueeze(-1), perm)
+        return y.view(x.shape[0], k, -1).sum(1)
+
+
+@pytest.mark.parametrize("tokens", [3, 21])
+def test_both_experts_biases_are_read_in_their_gemms(tokens):
+    torch.manual_seed(9)
+    model = BiasedExperts(4, 16, 8).eval()
+    index, _ = _routing(tokens, 4, 2, seed=tokens)
+    args = (torch.randn(tokens, 16), index, torch.softmax(torch.randn(tokens, 2), -1))
+    lowered = _run(model, args, atol=1e-5, rtol=1e-5)
+    assert _fused(lowered).count("experts' biases in the GEMM") == 2, _fused(lowered)
+    assert "gather" not in _kernels(lowered), _kernels(lowered)
+    assert [l.constexprs["HAS_BIAS"].value for l in plan_launches(lowered) if l.kernel == "grouped_mm"] == [True] * 2

@@ -37,13 +37,15 @@ place of a written-out pattern, so one kernel runs them.
         (a Mixture-of-Experts layer's gate_up experts and their gating in one grouped GEMM: each
         expert's gate and up columns interleaved, gate first; rows of expert e are offs[e-1] <= r <
         offs[e], rows past offs[E-1] give act(0) * 0 = 0; with ``rows``: x's rows gathered first,
-        x[floor_divide(rows, rows_divisor)], as transformers gathers ``hidden[perm // k]``)
-    tritondelegate::gathered_grouped_mm(Tensor x, Tensor rows, int rows_divisor, Tensor weight, Tensor offs)
-        -> Tensor
+        x[floor_divide(rows, rows_divisor)], as transformers gathers ``hidden[perm // k]``; with ``bias``
+        [E, 2N]: each row's expert's bias added before the gating, GPT-OSS's ``bias[sorted ids]``)
+    tritondelegate::gathered_grouped_mm(Tensor x, Tensor rows, int rows_divisor, Tensor weight, Tensor offs,
+                                        Tensor? bias=None) -> Tensor
         grouped_mm(x[floor_divide(rows, rows_divisor)], weight, offs): the experts' inputs read through
-        the token order, never gathered into a tensor of their own (``passes/expert_dispatch.py``)
+        the token order, never gathered into a tensor of their own (``passes/expert_dispatch.py``); each
+        of these grouped ops takes ``bias`` [E, N] last: row r adds its expert's row
     tritondelegate::scattered_grouped_mm(Tensor x, Tensor weight, Tensor offs, Tensor dest, Tensor? rows=None,
-                                         int rows_divisor=1) -> Tensor
+                                         int rows_divisor=1, Tensor? bias=None) -> Tensor
         y = grouped_mm(x[floor_divide(rows, rows_divisor)], weight, offs) with row r stored at row
         dest[r] (negative: from the end): ``index_put(empty, [dest], y)``, the experts' rows put back in
         token order by the GEMM's stores (``passes/expert_dispatch.py``; dest a permutation, a sort's
@@ -106,10 +108,11 @@ _lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, 
 _lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa) -> Tensor")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
 _lib.define("glu_grouped_mm(Tensor x, Tensor weight, Tensor offs, str act, Tensor? rows=None, "
-            "int rows_divisor=1) -> Tensor")
-_lib.define("gathered_grouped_mm(Tensor x, Tensor rows, int rows_divisor, Tensor weight, Tensor offs) -> Tensor")
+            "int rows_divisor=1, Tensor? bias=None) -> Tensor")
+_lib.define("gathered_grouped_mm(Tensor x, Tensor rows, int rows_divisor, Tensor weight, Tensor offs, "
+            "Tensor? bias=None) -> Tensor")
 _lib.define("scattered_grouped_mm(Tensor x, Tensor weight, Tensor offs, Tensor dest, Tensor? rows=None, "
-            "int rows_divisor=1) -> Tensor")
+            "int rows_divisor=1, Tensor? bias=None) -> Tensor")
 _lib.define("router_topk(Tensor x, int k, bool softmax_first, bool renormalize, ScalarType? dtype, "
             "ScalarType? out_dtype) -> (Tensor, Tensor)")
 _lib.define("group_router(Tensor scores, Tensor bias, int n_group, int topk_group, int k, bool renormalize, "
@@ -255,15 +258,19 @@ def _glu_linear_fake(x, weight, bias, act):
     return glu_linear_reference(x, weight, bias, act)
 
 
-def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``x[r] @ weight[e]`` for the rows offs[e-1] <= r < offs[e] of each expert e, 0 past offs[E-1]:
-    what transformers' ``grouped_mm_fallback`` computes (one ``mm`` per expert, in x's dtype)."""
+def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x[r] @ weight[e]`` (``+ bias[e]``) for the rows offs[e-1] <= r < offs[e] of each expert e, 0
+    past offs[E-1]: what transformers' ``grouped_mm_fallback`` computes (one ``mm`` per expert, in x's
+    dtype), and its per-expert bias, gathered by the sorted expert ids, added."""
     out = x.new_zeros(x.shape[0], weight.shape[2])
     start = 0
     for e, end in enumerate(offs.tolist()):
         end = min(max(end, start), x.shape[0])
         if end > start:
             torch.mm(x[start:end], weight[e], out=out[start:end])
+            if bias is not None:
+                out[start:end] += bias[e]
         start = end
     return out
 
@@ -282,36 +289,36 @@ def gathered_rows(x: torch.Tensor, rows: torch.Tensor | None, divisor: int) -> t
 
 
 @torch.library.impl(_lib, "glu_grouped_mm", "CompositeExplicitAutograd")
-def _glu_grouped_mm(x, weight, offs, act, rows=None, rows_divisor=1):
+def _glu_grouped_mm(x, weight, offs, act, rows=None, rows_divisor=1, bias=None):
     _check_glu_grouped(weight, act)
-    y = grouped_mm_reference(gathered_rows(x, rows, rows_divisor), weight, offs)
+    y = grouped_mm_reference(gathered_rows(x, rows, rows_divisor), weight, offs, bias)
     return GLU_ACTS[act](y[:, 0::2]) * y[:, 1::2]
 
 
 @torch.library.register_fake(f"{NAMESPACE}::glu_grouped_mm")
-def _glu_grouped_mm_fake(x, weight, offs, act, rows=None, rows_divisor=1):
+def _glu_grouped_mm_fake(x, weight, offs, act, rows=None, rows_divisor=1, bias=None):
     _check_glu_grouped(weight, act)
     return x.new_empty(x.shape[0] if rows is None else rows.shape[0], weight.shape[2] // 2)
 
 
 @torch.library.impl(_lib, "gathered_grouped_mm", "CompositeExplicitAutograd")
-def _gathered_grouped_mm(x, rows, rows_divisor, weight, offs):
-    return grouped_mm_reference(gathered_rows(x, rows, rows_divisor), weight, offs)
+def _gathered_grouped_mm(x, rows, rows_divisor, weight, offs, bias=None):
+    return grouped_mm_reference(gathered_rows(x, rows, rows_divisor), weight, offs, bias)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::gathered_grouped_mm")
-def _gathered_grouped_mm_fake(x, rows, rows_divisor, weight, offs):
+def _gathered_grouped_mm_fake(x, rows, rows_divisor, weight, offs, bias=None):
     return x.new_empty(rows.shape[0], weight.shape[2])
 
 
 @torch.library.impl(_lib, "scattered_grouped_mm", "CompositeExplicitAutograd")
-def _scattered_grouped_mm(x, weight, offs, dest, rows=None, rows_divisor=1):
-    y = grouped_mm_reference(gathered_rows(x, rows, rows_divisor), weight, offs)
+def _scattered_grouped_mm(x, weight, offs, dest, rows=None, rows_divisor=1, bias=None):
+    y = grouped_mm_reference(gathered_rows(x, rows, rows_divisor), weight, offs, bias)
     return torch.zeros_like(y).index_put_((dest,), y)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::scattered_grouped_mm")
-def _scattered_grouped_mm_fake(x, weight, offs, dest, rows=None, rows_divisor=1):
+def _scattered_grouped_mm_fake(x, weight, offs, dest, rows=None, rows_divisor=1, bias=None):
     return x.new_empty(dest.shape[0], weight.shape[2])
 
 

@@ -24,7 +24,8 @@ FORMAT_VERSION = 8  # 2: program-level slots and segments (shared constants and 
 # split-key partials and packed heads (attention_combine); 6: the grouped_mm kernel takes GLU and epilogue
 # arguments (glu_grouped_mm, routing weights), and the rank and histc kernels; 7: the grouped_mm kernel
 # reads its rows through an index (rows, rows_div, T) and histc counts cumulatively (cumulative_histc);
-# 8: the grouped_mm kernel stores its rows through an index (dest, scattered_grouped_mm)
+# 8: the grouped_mm kernel stores its rows through an index (dest, scattered_grouped_mm), takes an rms
+# prologue and a bias per expert
 
 # Where device memory starts: every arena, segment, delegate scratch block and device allocation, and
 # every value planned in one. cudaMalloc's own guarantee; a multiple of every itemsize and of the 16

@@ -118,7 +118,7 @@ def _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
                  RMS: tl.constexpr, HAS_PW: tl.constexpr):
     """(x[x_rows[r]] @ w[e(r)] row by row, in fp32, 0 for rows past the last segment; the rows' sums of
-    squares with RMS, as ``_segment_product``)."""
+    squares with RMS, as ``_segment_product``; each row's expert, E past the last segment)."""
     e, starts, ends = _bounds(offs_ptr, stride_o, S, E, BLOCK_E)
     ended = (ends[None, :] <= rows[:, None]) & (e[None, :] < E)  # segments that end at or before row r
     expert = tl.sum(ended.to(tl.int32), 1)
@@ -139,7 +139,15 @@ def _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n,
         acc += tl.sum(a[:, :, None].to(tl.float32) * b.to(tl.float32), axis=1)
         x_ptrs += step * stride_xk
         w_ptrs += step * stride_wk
-    return acc, sumsq
+    return acc, sumsq, expert
+
+
+@triton.jit
+def _expert_bias(bias_ptr, experts, mask_m, offs_n, mask_n, E, stride_be, stride_bn):
+    """Each row's expert's bias row [BLOCK_M, BLOCK_N] in fp32; 0 for rows past the last segment."""
+    live = mask_m & (experts < E)
+    ptrs = bias_ptr + experts.to(tl.int64)[:, None] * stride_be + offs_n[None, :] * stride_bn
+    return tl.load(ptrs, mask=live[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -171,10 +179,11 @@ def _out_rows(dest_ptr, stride_d, rows, mask_m, S, DEST: tl.constexpr):
 
 @triton.jit
 def grouped_mm_kernel(
-    x_ptr, w_ptr, offs_ptr, out_ptr, rows_ptr, dest_ptr, p_ptr,
+    x_ptr, w_ptr, offs_ptr, out_ptr, rows_ptr, dest_ptr, p_ptr, bias_ptr,
     S, N, K, E, T, rows_div,
     stride_xs, stride_xk, stride_we, stride_wk, stride_wn, stride_o, stride_os, stride_on, stride_r, stride_d,
     stride_pk, p_eps,  # the rms prologue's norm weight (x without one) and eps
+    stride_be, stride_bn,  # the experts' biases [E, N] (x without them)
     # epilogue operands per step k < EPILOGUE: pointer, scalar, (row, column) strides (else stand-ins)
     e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
     e0s0, e0s1, e1s0, e1s1, e2s0, e2s1, e3s0, e3s1,
@@ -188,6 +197,7 @@ def grouped_mm_kernel(
     EIS_SCALAR0: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
     EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False, ROWS: tl.constexpr = False,
     DEST: tl.constexpr = False, PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False,
 ):
     # out[r] = x[r] @ w[e(r)], offs[e-1] <= r < offs[e]; 0 past offs[E-1]. GLU: w's N columns alternate
     # gate and up, and out[r] (N / 2 columns) = GLU(gate) * up, each rounded to GLU_ROUND first. ROWS:
@@ -201,9 +211,9 @@ def grouped_mm_kernel(
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = rows < S
         x_rows = _x_rows(rows_ptr, stride_r, rows, mask_m, T, rows_div, ROWS)
-        acc, sumsq = _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n, mask_n, S, K, E,
-                                  stride_xs, stride_xk, stride_we, stride_wk, stride_wn, p_ptr, stride_pk,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, PROLOGUE == "rms", HAS_PW)
+        acc, sumsq, experts = _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n, mask_n,
+                                           S, K, E, stride_xs, stride_xk, stride_we, stride_wk, stride_wn, p_ptr,
+                                           stride_pk, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, PROLOGUE == "rms", HAS_PW)
     else:
         expert, first, end = _segment_tile(offs_ptr, stride_o, tl.program_id(0), S, E, BLOCK_M, BLOCK_E)
         rows = first + tl.arange(0, BLOCK_M)
@@ -212,8 +222,11 @@ def grouped_mm_kernel(
         acc, sumsq = _segment_product(x_ptr, w_ptr, x_rows, mask_m, offs_n, mask_n, expert, K, E,
                                       stride_xs, stride_xk, stride_we, stride_wk, stride_wn, p_ptr, stride_pk,
                                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST, PROLOGUE == "rms", HAS_PW)
+        experts = tl.zeros([BLOCK_M], dtype=tl.int32) + expert
     if PROLOGUE == "rms":  # (x * r * w) @ W == r * ((x * w) @ W) row by row
         acc = acc * tl.rsqrt(sumsq / K + p_eps)[:, None]
+    if HAS_BIAS:  # each row's expert's bias, before the gating
+        acc += _expert_bias(bias_ptr, experts, mask_m, offs_n, mask_n, E, stride_be, stride_bn)
     rows, mask_m = _out_rows(dest_ptr, stride_d, rows, mask_m, S, DEST)
     if GLU != "":
         acc, offs_n, mask = _glu_tile(acc, pid_n, mask_m[:, None], N, GLU, GLU_ROUND, BLOCK_M, BLOCK_N)
@@ -283,11 +296,12 @@ class GroupedOp:
     rows_divisor: int = 1
     dest: TRef | None = None  # row r stored at dest[r] (else at r)
     prologue: tuple | None = None  # ("rms", weight or None, None, eps): x is an RMSNorm's input (fusion.py)
+    bias: TRef | None = None  # [E, N]: row r's expert's row added (before the gating)
 
     @property
     def reads(self) -> tuple[TRef, ...]:
         norm = () if self.prologue is None or self.prologue[1] is None else (self.prologue[1],)
-        return (self.x, self.w, self.offs) + tuple(t for t in (self.rows, self.dest) if t is not None) + norm
+        return (self.x, self.w, self.offs) + tuple(t for t in (self.rows, self.dest, self.bias) if t is not None) + norm
 
     def launch(self, out: TRef | None = None, steps=(), operands=()) -> tuple[tuple, list, dict]:
         """(grid, arguments, constexprs): storing into ``out`` (default: the result) after an epilogue
@@ -303,13 +317,16 @@ class GroupedOp:
         rounding = dtype_name(x.dtype) if self.glu and x.dtype in (torch.float16, torch.bfloat16) else ""
         epilogue, constexprs = epilogue_args(out, steps, operands, 2, dtype_name(self.c.dtype))
         kind, norm_w, _, eps = self.prologue or ("", None, None, 0.0)
+        bias = self.bias
         args = [x, w, self.offs, out, x if gather is None else gather, x if dest is None else dest,
-                x if norm_w is None else norm_w, S, N, K, E, T, self.rows_divisor, *x.strides, *w.strides,
-                self.offs.strides[0], *out.strides, 1 if gather is None else gather.strides[0],
+                x if norm_w is None else norm_w, x if bias is None else bias, S, N, K, E, T, self.rows_divisor,
+                *x.strides, *w.strides, self.offs.strides[0], *out.strides, 1 if gather is None else gather.strides[0],
                 1 if dest is None else dest.strides[0], 0 if norm_w is None else norm_w.strides[0], float(eps),
-                *epilogue]
+                *((0, 0) if bias is None else bias.strides), *epilogue]
         if kind:
             constexprs.update(PROLOGUE=kind, HAS_PW=norm_w is not None)
+        if bias is not None:
+            constexprs.update(HAS_BIAS=True)
         constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                           BLOCK_E=sizes.next_power_of_2(sizes.upper(E) + 1), PER_ROW=cfg.per_row, DOT_UPCAST=False,
                           GLU=self.glu, GLU_ROUND=rounding, ROWS=gather is not None, DEST=dest is not None,
@@ -318,12 +335,12 @@ class GroupedOp:
 
 
 def launch_grouped_mm(b, x: TRef, w: TRef, offs: TRef, out: TRef, glu: str = "", rows: TRef | None = None,
-                      rows_divisor: int = 1, dest: TRef | None = None) -> None:
+                      rows_divisor: int = 1, dest: TRef | None = None, bias: TRef | None = None) -> None:
     """``out = x [S, K] @ w [E, K, N]`` grouped by offs: one launch; with ``glu`` (an activation of
     ``GLU_ACTS``) w's columns alternate gate and up, and out holds act(gate) * up (N / 2 columns);
     with ``rows`` [S], x [T, K] is read at floor(rows[r] / rows_divisor) for row r; with ``dest`` [S],
-    row r is stored at out's row dest[r]."""
-    op = GroupedOp(x, w, offs, out, glu, rows, rows_divisor, dest)
+    row r is stored at out's row dest[r]; with ``bias`` [E, N], each row adds its expert's row."""
+    op = GroupedOp(x, w, offs, out, glu, rows, rows_divisor, dest, bias=bias)
     grid, args, constexprs = op.launch()
     record = b.launch("grouped_mm", grid, *args, **constexprs)
     if record is not None:
@@ -342,13 +359,14 @@ def glu_grouped_mm(b, node):
     x, w, offs = (b.ref(a) for a in node.args[:3])
     rows, divisor = _rows(node)
     launch_grouped_mm(b, x, w, offs, b.out(node), glu=node.args[3], rows=None if rows is None else b.ref(rows),
-                      rows_divisor=divisor)
+                      rows_divisor=divisor, bias=_bias(b, node, 6))
 
 
 def gathered_grouped_mm(b, node):
     """``tritondelegate::gathered_grouped_mm(x, rows, rows_divisor, weight, offs)``."""
-    x, rows, divisor, w, offs = node.args
-    launch_grouped_mm(b, b.ref(x), b.ref(w), b.ref(offs), b.out(node), rows=b.ref(rows), rows_divisor=divisor)
+    x, rows, divisor, w, offs = node.args[:5]
+    launch_grouped_mm(b, b.ref(x), b.ref(w), b.ref(offs), b.out(node), rows=b.ref(rows), rows_divisor=divisor,
+                      bias=_bias(b, node, 5))
 
 
 def scattered_grouped_mm(b, node):
@@ -357,7 +375,13 @@ def scattered_grouped_mm(b, node):
     x, w, offs, dest = (b.ref(a) for a in node.args[:4])
     rows, divisor = _rows(node)
     launch_grouped_mm(b, x, w, offs, b.out(node), rows=None if rows is None else b.ref(rows), rows_divisor=divisor,
-                      dest=dest)
+                      dest=dest, bias=_bias(b, node, 6))
+
+
+def _bias(b, node, at: int) -> TRef | None:
+    """The experts' biases of a tritondelegate grouped GEMM node (argument ``at``, or ``bias=``)."""
+    bias = node_arg(node, at, "bias")
+    return None if bias is None else b.ref(bias)
 
 
 def _rows(node) -> tuple:
@@ -409,14 +433,15 @@ def supported_glu(node) -> str | None:
     if not isinstance(w, torch.Tensor) or w.dim() != 3 or not isinstance(w.shape[2], int) or w.shape[2] % 2:
         return "the weight is not [E, K, 2N] with a static, even N"
     rows, divisor = _rows(node)
-    return _supported(node_value(node.args[0]), w, node_value(node.args[2]), None, node.meta.get("val"),
-                      node_value(rows), divisor)
+    return _biased(node, 6, w) or _supported(node_value(node.args[0]), w, node_value(node.args[2]), None,
+                                             node.meta.get("val"), node_value(rows), divisor)
 
 
 def supported_gathered(node) -> str | None:
     """gathered_grouped_mm(x [T, K], rows [S], rows_divisor, weight [E, K, N], offs [E])."""
-    x, rows, divisor, w, offs = node.args
-    return _supported(*(node_value(a) for a in (x, w, offs)), None, node.meta.get("val"), node_value(rows), divisor)
+    x, rows, divisor, w, offs = node.args[:5]
+    return _biased(node, 5, node_value(w)) or _supported(*(node_value(a) for a in (x, w, offs)), None,
+                                                          node.meta.get("val"), node_value(rows), divisor)
 
 
 def supported_scattered(node) -> str | None:
@@ -429,7 +454,19 @@ def supported_scattered(node) -> str | None:
     count = x.shape[0] if rows is None else getattr(rows, "shape", (None,))[0]
     if sizes.shape((dest.shape[0],)) != sizes.shape((count,)):
         return f"dest has {dest.shape[0]} entries for {count} rows; one per row"
-    return _supported(x, w, offs, None, node.meta.get("val"), rows, divisor)
+    return _biased(node, 6, w) or _supported(x, w, offs, None, node.meta.get("val"), rows, divisor)
+
+
+def _biased(node, at: int, w) -> str | None:
+    """Why the experts' biases (argument ``at`` or ``bias=``, optional) do not fit weight ``w``; None if they do."""
+    bias = node_value(node_arg(node, at, "bias"))
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or not isinstance(w, torch.Tensor) or bias.dim() != 2:
+        return "the experts' bias must be a 2-D tensor [E, N]"
+    if sizes.shape(bias.shape) != sizes.shape((w.shape[0], w.shape[2])) or bias.dtype != w.dtype:
+        return f"the experts' bias is {bias.dtype}{list(bias.shape)}; it must be {w.dtype}[E, N] as the weight"
+    return None
 
 
 def operands(node) -> tuple:

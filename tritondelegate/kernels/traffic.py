@@ -260,12 +260,13 @@ TRAFFIC: dict[str, KernelTraffic] = {
     # out[r] = x[r] @ w[e(r)], e(r) from offs: the experts' weights are reached through offs, so at most
     # the min(E, S) experts that have rows count (K x N each); 2 FLOPs per (row, column, k), then the
     # EPILOGUE steps per output element (each reading e<k> when binary); with ROWS x's rows are read
-    # through rows, S of them at most; with DEST the rows' destinations too; with an rms prologue its weight
+    # through rows, S of them at most; with DEST the rows' destinations too; with an rms prologue its
+    # weight; with HAS_BIAS the experts' biases
     "grouped_mm": KernelTraffic(
         reads=(Access("x_ptr", at_most=lambda a: a["S"] * a["K"]),
                Access("w_ptr", at_most=lambda a: min(a["E"], a["S"]) * a["K"] * a["N"]),
                Access("offs_ptr"), Access("rows_ptr", _flag("ROWS")), Access("dest_ptr", _flag("DEST")),
-               Access("p_ptr", _flag("HAS_PW")),
+               Access("p_ptr", _flag("HAS_PW")), Access("bias_ptr", _flag("HAS_BIAS")),
                *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
         writes=(Access("out_ptr"),),
         flops=lambda a: 2 * a["S"] * a["N"] * a["K"] + a["S"] * a["N"] // (2 if a["GLU"] else 1) * sum(

@@ -313,7 +313,64 @@ def _scatter_rows(graph, ep, node, perm, chain, operands) -> str:
             f"(tritondelegate::scattered_grouped_mm at {perm.name}, no scatter)")
 
 
+# --- 5. the experts' biases in the GEMM ------------------------------------------------------------
+BIAS_AT = {ops.gathered_grouped_mm: 5, ops.scattered_grouped_mm: 6}  # the ``bias`` argument's position
+
+
+def _counted_ids(node) -> torch.fx.Node | None:
+    """The ids whose per-expert offsets ``node`` (a grouped GEMM's offs) counts: ``cumulative_histc(ids,
+    E, 0, E - 1)`` (integer ids e in [0, E) fall in bin e); else None."""
+    if not is_call(node, ops.cumulative_histc):
+        return None
+    ids, bins, low, high = node.args[:4]
+    return ids if (low, high) == (0.0, float(bins - 1)) else None
+
+
+def _expert_ids(gemm) -> tuple | None:
+    """(the ids of each row's expert as the GEMM orders its rows, E): the sorted ids its offs count, or
+    for a GEMM storing rows in token order, the keys that sort put in expert order."""
+    offs = gemm.args[4] if is_call(gemm, ops.gathered_grouped_mm) else gemm.args[2]
+    ids = _counted_ids(offs)
+    if ids is None or _sort_of(ids, 0) is None:
+        return None
+    if is_call(gemm, ops.scattered_grouped_mm):
+        sort = _sort_of(gemm.args[3], 1)
+        return (sort.args[0], offs.args[1]) if sort is _sort_of(ids, 0) else None
+    return ids, offs.args[1]
+
+
+def _match_bias(node) -> tuple | None:
+    if not is_call(node, aten.add.Tensor) or len(node.args) != 2 or node.kwargs:
+        return None
+    for gemm, b in (node.args, node.args[::-1]):
+        if not is_call(gemm, *BIAS_AT) or node_arg(gemm, BIAS_AT[gemm.target], "bias") is not None:
+            continue
+        if not only_read_by(gemm, node) or not is_call(b, aten.index.Tensor) or len(b.args[1]) != 1:
+            continue
+        found, (table, (ids,)) = _expert_ids(gemm), b.args
+        val, weight = tensor_val(table), tensor_val(gemm.args[3] if gemm.target is ops.gathered_grouped_mm
+                                                    else gemm.args[1])
+        if found is None or ids is not found[0] or val is None or val.dim() != 2 or val.dtype != weight.dtype:
+            continue
+        if sizes.shape(val.shape) == sizes.shape((found[1], weight.shape[2])) and same_shape(tensor_val(b),
+                                                                                           tensor_val(gemm)):
+            return gemm, table
+    return None
+
+
+def _biased(graph, ep, node, gemm, table) -> str:
+    with graph.inserting_before(node):
+        new = new_node(graph, gemm.target, gemm.args, tensor_val(node), gemm.meta, kwargs={**gemm.kwargs,
+                                                                                          "bias": table})
+    operands = list(node.args)
+    replace_node(ep, node, new)
+    graph.erase_node(node)
+    erase_unused(graph, operands)
+    return f"experts' biases in the GEMM: {gemm.name} + {table.name}[ids] -> {new.name} (no gathered biases)"
+
+
 def expert_dispatch(ep: torch.export.ExportedProgram) -> list[str]:
-    """The four rewrites over ``ep``'s graph, in place; one description per rewrite."""
+    """The five rewrites over ``ep``'s graph, in place; one description per rewrite."""
     return (rewrite_matches(ep, _match_rows, _read_rows) + rewrite_matches(ep, _match_offsets, _offsets)
-            + rewrite_matches(ep, _match_unsort, _unsort) + rewrite_matches(ep, _match_scatter, _scatter_rows))
+            + rewrite_matches(ep, _match_unsort, _unsort) + rewrite_matches(ep, _match_scatter, _scatter_rows)
+            + rewrite_matches(ep, _match_bias, _biased))

@@ -167,7 +167,7 @@ def _grouped_mm(x: LaunchArgs) -> Footprint:
     """Rows and experts come from offs clamped to [0, S] and [0, E): the box of every operand. Segment
     tiles need cdiv(S, BLOCK_M) + E programs on axis 0 (grouped_mm.py), per-row tiles cdiv(S, BLOCK_M).
     With GLU the output has half the weight's N columns; with ROWS x has T rows, read through rows;
-    with DEST the S rows are stored through dest."""
+    with DEST the S rows are stored through dest; HAS_BIAS reads a bias row per expert."""
     S, K, T = x.i("S"), x.i("K"), x.i("T")
     N, E = x.d("N", "E")
     n_out = N // 2 if x.c["GLU"] else N
@@ -181,6 +181,8 @@ def _grouped_mm(x: LaunchArgs) -> Footprint:
         acc.append(Access("dest_ptr", ((S, x.i("stride_d")),)))
     if x.c["HAS_PW"]:  # the rms prologue's norm weight, over K
         acc.append(Access("p_ptr", ((K, x.i("stride_pk")),)))
+    if x.c["HAS_BIAS"]:  # the experts' biases, a row per expert
+        acc.append(Access("bias_ptr", ((E, x.i("stride_be")), (N, x.i("stride_bn")))))
     acc += _epilogue(x, (S, n_out), 2)
     tiles = _cdiv(S, x.c["BLOCK_M"]) + (0 if x.c["PER_ROW"] else E)
     return Footprint(acc, (tiles, _cdiv(N, x.c["BLOCK_N"])), {"S x N stored": S * n_out, "K": K, "E": E})
@@ -555,7 +557,7 @@ RULES: dict[str, KernelRule] = {
         "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256), "BLOCK_K": pow2(16, 256), "BLOCK_E": pow2(2, 8192),
         "PER_ROW": FLAG, "DOT_UPCAST": FLAG, "GLU": one_of("", *sorted(GLU_ACTS)),
         "GLU_ROUND": one_of(*DTYPE_NAMES), "ROWS": FLAG, "DEST": FLAG,
-        "PROLOGUE": one_of("", "rms"), "HAS_PW": FLAG, **_epilogue_constexprs()},
+        "PROLOGUE": one_of("", "rms"), "HAS_PW": FLAG, "HAS_BIAS": FLAG, **_epilogue_constexprs()},
         _GEMM_TILES + (("BLOCK_M", "BLOCK_K", "BLOCK_N"), ("BLOCK_M", "BLOCK_E"))),
     "conv2d": KernelRule(_conv2d, {**_GEMM, "KH": in_range(1, 4096), "KW": in_range(1, 4096), "HAS_BIAS": FLAG,
                                    **_epilogue_constexprs()}, _GEMM_TILES),

@@ -386,3 +386,45 @@ def test_both_experts_biases_are_read_in_their_gemms(tokens):
     assert _fused(lowered).count("experts' biases in the GEMM") == 2, _fused(lowered)
     assert "gather" not in _kernels(lowered), _kernels(lowered)
     assert [l.constexprs["HAS_BIAS"].value for l in plan_launches(lowered) if l.kernel == "grouped_mm"] == [True] * 2
+
+
+class GptOssExperts(BiasedExperts):
+    """GPT-OSS's own gating (``_apply_gate``): its clamps and scaled sigmoid run in the gate/up GEMM."""
+
+    def forward(self, x, top_k_index, top_k_weights):
+        E, k = self.gate_up.shape[0], top_k_index.shape[1]
+        ids, perm = torch.sort(top_k_index.reshape(-1))
+        offs = torch.cumsum(torch.histc(ids.float(), bins=E, min=0, max=E - 1), 0, dtype=torch.int32)
+        y = GMM(x[perm // k], self.gate_up, offs) + self.gate_up_bias[ids]
+        gate, up = y[..., ::2], y[..., 1::2]
+        gate, up = gate.clamp(min=None, max=7.0), up.clamp(min=-7.0, max=7.0)
+        y = (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+        y = GMM(y, self.down, offs) + self.down_bias[ids]
+        y = _unsorted(y * top_k_weights.reshape(-1)[perm].unsqueeze(-1), perm)
+        return y.view(x.shape[0], k, -1).sum(1)
+
+
+@pytest.mark.parametrize("tokens", [3, 21])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_gpt_oss_gating_runs_in_the_gate_up_gemm(tokens, dtype):
+    torch.manual_seed(10)
+    model = GptOssExperts(4, 16, 8).eval()
+    model.gate_up.data *= 2.5  # gates and ups past the clamps' limit, both ways
+    model.down.data *= 0.1  # and results of order one again
+    model = model.to(dtype)
+    index, _ = _routing(tokens, 4, 2, seed=tokens)
+    args = (torch.randn(tokens, 16).to(dtype), index, torch.softmax(torch.randn(tokens, 2), -1).to(dtype))
+    lowered = lower_resident(model, args)
+    assert "GPT-OSS's gating in the experts' GEMM" in _fused(lowered), _fused(lowered)
+    assert _kernels(lowered) == ["rank", "histc", "grouped_mm", "grouped_mm", "reduce"], _kernels(lowered)
+    with torch.no_grad():  # against the same rounded operands in fp32
+        expected = GptOssExperts(4, 16, 8)
+        expected.load_state_dict({n: p.float() for n, p in model.state_dict().items()})
+        x = args[0].float()
+        gate_up = torch.ops.transformers.grouped_mm_fallback(x[torch.sort(index.reshape(-1)).indices // 2],
+                                                             expected.gate_up, torch.bincount(index.reshape(-1),
+                                                             minlength=4).cumsum(0).to(torch.int32))
+        assert (gate_up.abs() > 7).any()  # the clamps bite
+        want = expected(x, index, args[2].float())
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(lowered.load().load_method()(*args).float(), want, atol=atol, rtol=rtol)

@@ -38,7 +38,8 @@ place of a written-out pattern, so one kernel runs them.
         expert's gate and up columns interleaved, gate first; rows of expert e are offs[e-1] <= r <
         offs[e], rows past offs[E-1] give act(0) * 0 = 0; with ``rows``: x's rows gathered first,
         x[floor_divide(rows, rows_divisor)], as transformers gathers ``hidden[perm // k]``; with ``bias``
-        [E, 2N]: each row's expert's bias added before the gating, GPT-OSS's ``bias[sorted ids]``)
+        [E, 2N]: each row's expert's bias added before the gating, GPT-OSS's ``bias[sorted ids]``; act
+        also ``clamped_swiglu`` with ``alpha`` and ``limit``, GPT-OSS's gating: ``glu_halves``)
     tritondelegate::gathered_grouped_mm(Tensor x, Tensor rows, int rows_divisor, Tensor weight, Tensor offs,
                                         Tensor? bias=None) -> Tensor
         grouped_mm(x[floor_divide(rows, rows_divisor)], weight, offs): the experts' inputs read through
@@ -108,7 +109,7 @@ _lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, 
 _lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa) -> Tensor")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
 _lib.define("glu_grouped_mm(Tensor x, Tensor weight, Tensor offs, str act, Tensor? rows=None, "
-            "int rows_divisor=1, Tensor? bias=None) -> Tensor")
+            "int rows_divisor=1, Tensor? bias=None, float alpha=1.0, float limit=0.0) -> Tensor")
 _lib.define("gathered_grouped_mm(Tensor x, Tensor rows, int rows_divisor, Tensor weight, Tensor offs, "
             "Tensor? bias=None) -> Tensor")
 _lib.define("scattered_grouped_mm(Tensor x, Tensor weight, Tensor offs, Tensor dest, Tensor? rows=None, "
@@ -130,6 +131,18 @@ GLU_ACTS = {
     "gelu": torch.nn.functional.gelu,
     "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
 }
+# GPT-OSS's experts gate with clamps and a scaled sigmoid (``glu_halves``); the grouped GEMM takes it too.
+CLAMPED_SWIGLU = "clamped_swiglu"
+GROUPED_GLU_ACTS = (*GLU_ACTS, CLAMPED_SWIGLU)
+
+
+def glu_halves(act: str, g: torch.Tensor, u: torch.Tensor, alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
+    """A gated linear unit of gate ``g`` and up ``u``: ``act(g) * u``, or for ``clamped_swiglu`` (GPT-OSS)
+    ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, limit)``."""
+    if act == CLAMPED_SWIGLU:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+        return (u + 1) * (g * torch.sigmoid(g * alpha))
+    return GLU_ACTS[act](g) * u
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -276,8 +289,8 @@ def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tens
 
 
 def _check_glu_grouped(weight, act: str) -> None:
-    if act not in GLU_ACTS:
-        raise ValueError(f"tritondelegate::glu_grouped_mm: act {act!r} is not one of {sorted(GLU_ACTS)}")
+    if act not in GROUPED_GLU_ACTS:
+        raise ValueError(f"tritondelegate::glu_grouped_mm: act {act!r} is not one of {sorted(GROUPED_GLU_ACTS)}")
     if weight.dim() != 3 or weight.shape[2] % 2:
         raise ValueError(f"tritondelegate::glu_grouped_mm: the weight {list(weight.shape)} is not [E, K, 2N]")
 
@@ -289,14 +302,14 @@ def gathered_rows(x: torch.Tensor, rows: torch.Tensor | None, divisor: int) -> t
 
 
 @torch.library.impl(_lib, "glu_grouped_mm", "CompositeExplicitAutograd")
-def _glu_grouped_mm(x, weight, offs, act, rows=None, rows_divisor=1, bias=None):
+def _glu_grouped_mm(x, weight, offs, act, rows=None, rows_divisor=1, bias=None, alpha=1.0, limit=0.0):
     _check_glu_grouped(weight, act)
     y = grouped_mm_reference(gathered_rows(x, rows, rows_divisor), weight, offs, bias)
-    return GLU_ACTS[act](y[:, 0::2]) * y[:, 1::2]
+    return glu_halves(act, y[:, 0::2], y[:, 1::2], alpha, limit)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::glu_grouped_mm")
-def _glu_grouped_mm_fake(x, weight, offs, act, rows=None, rows_divisor=1, bias=None):
+def _glu_grouped_mm_fake(x, weight, offs, act, rows=None, rows_divisor=1, bias=None, alpha=1.0, limit=0.0):
     _check_glu_grouped(weight, act)
     return x.new_empty(x.shape[0] if rows is None else rows.shape[0], weight.shape[2] // 2)
 

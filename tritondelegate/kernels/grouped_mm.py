@@ -41,8 +41,8 @@ import triton.language as tl
 
 from . import sizes, target
 from ..dtypes import dtype_name
-from ..ops import GLU_ACTS
-from .elementwise import _epilogue, epilogue_args
+from ..ops import CLAMPED_SWIGLU, GROUPED_GLU_ACTS
+from .elementwise import _epilogue, epilogue_args, round_as
 from .matmul import _glu_tile, _rms_tile
 from .matmul import choose_config as matmul_config
 from .refs import TRef, node_value
@@ -143,6 +143,19 @@ def _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n,
 
 
 @triton.jit
+def _clamped_glu_tile(acc, pid_n, mask_m, N, ROUND: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """GPT-OSS's gating of a tile whose columns alternate g, u (``ops.glu_halves``, "clamped_swiglu"):
+    g = min(g, LIMIT), u = clamp(u, -LIMIT, LIMIT), (u + 1) * g * sigmoid(ALPHA * g), g and u rounded
+    to ROUND first; [BLOCK_M, BLOCK_N / 2] in fp32, with its output columns and mask."""
+    offs_n = pid_n.to(tl.int64) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+    g = tl.minimum(round_as(g, ROUND), LIMIT)
+    u = tl.minimum(tl.maximum(round_as(u, ROUND), -LIMIT), LIMIT)
+    return (u + 1.0) * (g * tl.sigmoid(g * ALPHA)), offs_n, mask_m & (offs_n[None, :] < N // 2)
+
+
+@triton.jit
 def _expert_bias(bias_ptr, experts, mask_m, offs_n, mask_n, E, stride_be, stride_bn):
     """Each row's expert's bias row [BLOCK_M, BLOCK_N] in fp32; 0 for rows past the last segment."""
     live = mask_m & (experts < E)
@@ -197,7 +210,7 @@ def grouped_mm_kernel(
     EIS_SCALAR0: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
     EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False, ROWS: tl.constexpr = False,
     DEST: tl.constexpr = False, PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False,
-    HAS_BIAS: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False, GLU_ALPHA: tl.constexpr = 1.0, GLU_LIMIT: tl.constexpr = 0.0,
 ):
     # out[r] = x[r] @ w[e(r)], offs[e-1] <= r < offs[e]; 0 past offs[E-1]. GLU: w's N columns alternate
     # gate and up, and out[r] (N / 2 columns) = GLU(gate) * up, each rounded to GLU_ROUND first. ROWS:
@@ -228,7 +241,10 @@ def grouped_mm_kernel(
     if HAS_BIAS:  # each row's expert's bias, before the gating
         acc += _expert_bias(bias_ptr, experts, mask_m, offs_n, mask_n, E, stride_be, stride_bn)
     rows, mask_m = _out_rows(dest_ptr, stride_d, rows, mask_m, S, DEST)
-    if GLU != "":
+    if GLU == "clamped_swiglu":  # GPT-OSS's (ops.CLAMPED_SWIGLU)
+        acc, offs_n, mask = _clamped_glu_tile(acc, pid_n, mask_m[:, None], N, GLU_ROUND, GLU_ALPHA, GLU_LIMIT,
+                                              BLOCK_M, BLOCK_N)
+    elif GLU != "":
         acc, offs_n, mask = _glu_tile(acc, pid_n, mask_m[:, None], N, GLU, GLU_ROUND, BLOCK_M, BLOCK_N)
     else:
         mask = mask_m[:, None] & mask_n[None, :]
@@ -297,6 +313,7 @@ class GroupedOp:
     dest: TRef | None = None  # row r stored at dest[r] (else at r)
     prologue: tuple | None = None  # ("rms", weight or None, None, eps): x is an RMSNorm's input (fusion.py)
     bias: TRef | None = None  # [E, N]: row r's expert's row added (before the gating)
+    glu_args: tuple = ()  # (alpha, limit) of a "clamped_swiglu" gating
 
     @property
     def reads(self) -> tuple[TRef, ...]:
@@ -327,6 +344,8 @@ class GroupedOp:
             constexprs.update(PROLOGUE=kind, HAS_PW=norm_w is not None)
         if bias is not None:
             constexprs.update(HAS_BIAS=True)
+        if self.glu_args:
+            constexprs.update(GLU_ALPHA=float(self.glu_args[0]), GLU_LIMIT=float(self.glu_args[1]))
         constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                           BLOCK_E=sizes.next_power_of_2(sizes.upper(E) + 1), PER_ROW=cfg.per_row, DOT_UPCAST=False,
                           GLU=self.glu, GLU_ROUND=rounding, ROWS=gather is not None, DEST=dest is not None,
@@ -335,12 +354,14 @@ class GroupedOp:
 
 
 def launch_grouped_mm(b, x: TRef, w: TRef, offs: TRef, out: TRef, glu: str = "", rows: TRef | None = None,
-                      rows_divisor: int = 1, dest: TRef | None = None, bias: TRef | None = None) -> None:
+                      rows_divisor: int = 1, dest: TRef | None = None, bias: TRef | None = None,
+                      glu_args: tuple = ()) -> None:
     """``out = x [S, K] @ w [E, K, N]`` grouped by offs: one launch; with ``glu`` (an activation of
-    ``GLU_ACTS``) w's columns alternate gate and up, and out holds act(gate) * up (N / 2 columns);
+    ``ops.GROUPED_GLU_ACTS``) w's columns alternate gate and up, and out holds act(gate) * up (N / 2 columns);
     with ``rows`` [S], x [T, K] is read at floor(rows[r] / rows_divisor) for row r; with ``dest`` [S],
-    row r is stored at out's row dest[r]; with ``bias`` [E, N], each row adds its expert's row."""
-    op = GroupedOp(x, w, offs, out, glu, rows, rows_divisor, dest, bias=bias)
+    row r is stored at out's row dest[r]; with ``bias`` [E, N], each row adds its expert's row;
+    ``glu_args``: the (alpha, limit) of a "clamped_swiglu" gating."""
+    op = GroupedOp(x, w, offs, out, glu, rows, rows_divisor, dest, bias=bias, glu_args=glu_args)
     grid, args, constexprs = op.launch()
     record = b.launch("grouped_mm", grid, *args, **constexprs)
     if record is not None:
@@ -358,8 +379,10 @@ def glu_grouped_mm(b, node):
     the kernel's epilogue, x's rows gathered in its loads."""
     x, w, offs = (b.ref(a) for a in node.args[:3])
     rows, divisor = _rows(node)
-    launch_grouped_mm(b, x, w, offs, b.out(node), glu=node.args[3], rows=None if rows is None else b.ref(rows),
-                      rows_divisor=divisor, bias=_bias(b, node, 6))
+    act = node.args[3]
+    glu_args = (node_arg(node, 7, "alpha", 1.0), node_arg(node, 8, "limit", 0.0)) if act == CLAMPED_SWIGLU else ()
+    launch_grouped_mm(b, x, w, offs, b.out(node), glu=act, rows=None if rows is None else b.ref(rows),
+                      rows_divisor=divisor, bias=_bias(b, node, 6), glu_args=glu_args)
 
 
 def gathered_grouped_mm(b, node):
@@ -427,8 +450,8 @@ def _supported(x, w, offs, bias, out, rows=None, divisor=1) -> str | None:
 
 def supported_glu(node) -> str | None:
     """glu_grouped_mm(x [S, K], weight [E, K, 2N], offs [E], act): as grouped_mm, and a known act."""
-    if node.args[3] not in GLU_ACTS:
-        return f"act {node.args[3]!r} is not one of {', '.join(sorted(GLU_ACTS))}"
+    if node.args[3] not in GROUPED_GLU_ACTS:
+        return f"act {node.args[3]!r} is not one of {', '.join(sorted(GROUPED_GLU_ACTS))}"
     w = node_value(node.args[1])
     if not isinstance(w, torch.Tensor) or w.dim() != 3 or not isinstance(w.shape[2], int) or w.shape[2] % 2:
         return "the weight is not [E, K, 2N] with a static, even N"

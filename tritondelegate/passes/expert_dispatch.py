@@ -33,6 +33,7 @@ import torch
 import torch.fx
 
 from .. import ops
+from ..ops import CLAMPED_SWIGLU
 from ..kernels import grouped_mm as gmm
 from ..kernels import histogram as hist
 from ..kernels import sizes
@@ -41,8 +42,8 @@ from ..kernels.registry import external_name
 from ..kernels.rows import node_arg
 from .fuse_glu import only_read_by
 from .fuse_grouped_glu import FALLBACK
-from .rewrite import (erase_unused, fake, is_call, is_number, new_node, plain_cast, replace_node, rewrite_matches,
-                      same_shape, static_int, tensor_val)
+from .rewrite import (erase_unused, fake, is_call, is_number, new_node, number_operand, plain_cast, replace_node,
+                      rewrite_matches, same_shape, slice_bounds, static_int, tensor_val)
 
 aten = torch.ops.aten
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -369,8 +370,73 @@ def _biased(graph, ep, node, gemm, table) -> str:
     return f"experts' biases in the GEMM: {gemm.name} + {table.name}[ids] -> {new.name} (no gathered biases)"
 
 
+# --- 6. GPT-OSS's gating in the gate/up GEMM --------------------------------------------------------
+def _strided_half(node, start: int):
+    """The source of ``node`` = ``y[:, start::2]`` (the last of two dims), else None."""
+    found = slice_bounds(node)
+    if found is None or tensor_val(found[0]).dim() != 2 or found[1] != 1:
+        return None
+    source, _, first, end, step = found
+    return source if (first, step, end) == (start, 2, tensor_val(source).shape[1]) else None
+
+
+def _clamp(node, symmetric: bool, readers: int):
+    """(input, limit) of ``clamp(x, max=limit)``, or with ``symmetric`` of ``clamp(x, -limit, limit)``,
+    read by ``readers`` nodes; else None."""
+    if not is_call(node, aten.clamp.default) or len(node.users) != readers or node.kwargs:
+        return None
+    lo, hi = (list(node.args[1:]) + [None, None])[:2]
+    if not is_number(hi) or (lo != -hi if symmetric else lo is not None):
+        return None
+    return node.args[0], float(hi)
+
+
+def _gated(glu) -> tuple | None:
+    """(g's clamp, alpha) of ``g * sigmoid(g * alpha)``, else None."""
+    for g, sig in (glu.args, glu.args[::-1]):
+        if is_call(sig, aten.sigmoid.default) and only_read_by(sig, glu):
+            found = number_operand(sig.args[0], aten.mul.Tensor)
+            if found is not None and found[0] is g and only_read_by(sig.args[0], sig):
+                return g, found[1]
+    return None
+
+
+def _match_clamped_glu(out) -> tuple | None:
+    if not is_call(out, aten.mul.Tensor) or len(out.args) != 2:
+        return None
+    for up1, glu in (out.args, out.args[::-1]):
+        plus = number_operand(up1, aten.add.Tensor)
+        if plus is None or plus[1] != 1 or not is_call(glu, aten.mul.Tensor) or not only_read_by(glu, out):
+            continue
+        gated = _gated(glu)
+        if gated is None or not only_read_by(up1, out):
+            continue
+        (g, alpha), u, g_in = gated, _clamp(plus[0], True, 1), _clamp(gated[0], False, 2)
+        if u is None or g_in is None or u[1] != g_in[1]:
+            continue
+        if not (only_read_by(g_in[0], g) and only_read_by(u[0], plus[0])):
+            continue
+        y = _strided_half(g_in[0], 0)
+        if y is not None and y is _strided_half(u[0], 1) and is_call(y, ops.gathered_grouped_mm) and len(y.users) == 2:
+            return y, alpha, g_in[1]
+    return None
+
+
+def _clamped_glu(graph, ep, out, y, alpha, limit) -> str:
+    x, rows, divisor, w, offs = y.args[:5]
+    args = (x, w, offs, CLAMPED_SWIGLU, rows, divisor, node_arg(y, 5, "bias"), alpha, limit)
+    with graph.inserting_before(out):
+        new = new_node(graph, ops.glu_grouped_mm, args, tensor_val(out), out.meta)
+    operands = list(out.args)
+    replace_node(ep, out, new)
+    graph.erase_node(out)
+    erase_unused(graph, operands)
+    return (f"GPT-OSS's gating in the experts' GEMM: {y.name} clamped, (up + 1) * gate * sigmoid({alpha:g} * gate) "
+            f"-> {new.name} (tritondelegate::glu_grouped_mm, {CLAMPED_SWIGLU})")
+
+
 def expert_dispatch(ep: torch.export.ExportedProgram) -> list[str]:
-    """The five rewrites over ``ep``'s graph, in place; one description per rewrite."""
+    """The six rewrites over ``ep``'s graph, in place; one description per rewrite."""
     return (rewrite_matches(ep, _match_rows, _read_rows) + rewrite_matches(ep, _match_offsets, _offsets)
             + rewrite_matches(ep, _match_unsort, _unsort) + rewrite_matches(ep, _match_scatter, _scatter_rows)
-            + rewrite_matches(ep, _match_bias, _biased))
+            + rewrite_matches(ep, _match_bias, _biased) + rewrite_matches(ep, _match_clamped_glu, _clamped_glu))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..kernels import elementwise
-from ..ops import GLU_ACTS
+from ..ops import GLU_ACTS, GROUPED_GLU_ACTS
 from .delegate import DelegateError, _is_constexpr
 
 DTYPE_NAMES = ("", "float32", "float16", "bfloat16")  # the rounding targets of GEMM epilogues
@@ -555,7 +555,8 @@ RULES: dict[str, KernelRule] = {
         "NORM_E": one_of(0, *(2 ** k for k in range(1, 10)))}, _GEMM_TILES),
     "grouped_mm": KernelRule(_grouped_mm, {
         "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256), "BLOCK_K": pow2(16, 256), "BLOCK_E": pow2(2, 8192),
-        "PER_ROW": FLAG, "DOT_UPCAST": FLAG, "GLU": one_of("", *sorted(GLU_ACTS)),
+        "PER_ROW": FLAG, "DOT_UPCAST": FLAG, "GLU": one_of("", *sorted(GROUPED_GLU_ACTS)),
+        "GLU_ALPHA": NUMBER, "GLU_LIMIT": NUMBER,
         "GLU_ROUND": one_of(*DTYPE_NAMES), "ROWS": FLAG, "DEST": FLAG,
         "PROLOGUE": one_of("", "rms"), "HAS_PW": FLAG, "HAS_BIAS": FLAG, **_epilogue_constexprs()},
         _GEMM_TILES + (("BLOCK_M", "BLOCK_K", "BLOCK_N"), ("BLOCK_M", "BLOCK_E"))),

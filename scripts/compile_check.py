@@ -386,6 +386,37 @@ def _moe_experts(dtype, rows):
                              counts.cumsum(0).to(torch.int32), _randn(rows, dtype=dtype))
 
 
+class _GptOssExperts(nn.Module):
+    """GPT-OSS's experts (8 experts, 512 -> 2 x 704 -> 512): gate/up and down with a bias per expert read
+    in the GEMM (``HAS_BIAS``), GPT-OSS's clamped gating in gate/up's tile (``GLU="clamped_swiglu"``),
+    down storing its rows in token order (passes/expert_dispatch.py)."""
+
+    def __init__(self, dtype, experts=8, dim=512, hidden=704):
+        super().__init__()
+        self.gate_up = nn.Parameter(_randn(experts, dim, 2 * hidden, dtype=dtype))
+        self.gate_up_bias = nn.Parameter(_randn(experts, 2 * hidden, dtype=dtype))
+        self.down = nn.Parameter(_randn(experts, hidden, dim, dtype=dtype))
+        self.down_bias = nn.Parameter(_randn(experts, dim, dtype=dtype))
+
+    def forward(self, hidden, keys, weights):
+        op, experts = torch.ops.transformers.grouped_mm_fallback, self.gate_up.shape[0]
+        ids, perm = torch.sort(keys)
+        offs = torch.cumsum(torch.histc(ids.float(), bins=experts, min=0, max=experts - 1), 0, dtype=torch.int32)
+        y = op(hidden[perm // 2], self.gate_up, offs) + self.gate_up_bias[ids]
+        gate, up = y[..., ::2].clamp(min=None, max=7.0), y[..., 1::2].clamp(min=-7.0, max=7.0)
+        y = op((up + 1) * (gate * torch.sigmoid(gate * 1.702)), self.down, offs) + self.down_bias[ids]
+        y = y * weights[perm][:, None]
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        return y[inv]
+
+
+def _gpt_oss_experts(dtype, rows):
+    importlib.import_module("transformers.integrations.moe")  # registers the op
+    keys = torch.randint(0, 8, (rows,))
+    return _GptOssExperts(dtype), (_randn(-(-rows // 2), 512, dtype=dtype), keys, _randn(rows, dtype=dtype))
+
+
 def _epilogues(dtype, seq, kv):
     """Decoder-shaped GEMMs (TinyLlama's 2048 -> 5632 MLP, 16 heads of 128) with what fusion folds into
     their epilogues: SiLU(gate) * up, the residual add after down, bias + GELU, attention scores * scale
@@ -415,6 +446,8 @@ def _moe_cases(d) -> dict[str, callable]:
         "grouped_mm_decode": lambda: _grouped_mm(d, 2),
         "moe_experts_prefill": lambda: _moe_experts(d, 600),
         "moe_experts_decode": lambda: _moe_experts(d, 2),
+        "moe_gpt_oss_prefill": lambda: _gpt_oss_experts(d, 600),
+        "moe_gpt_oss_decode": lambda: _gpt_oss_experts(d, 2),
         "moe_routing_prefill": lambda: _moe_routing(d, 600),
         "moe_routing_decode": lambda: _moe_routing(d, 1),
         "moe_group_routing_prefill": lambda: _group_routing(d, 600),

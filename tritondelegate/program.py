@@ -25,7 +25,7 @@ FORMAT_VERSION = 8  # 2: program-level slots and segments (shared constants and 
 # arguments (glu_grouped_mm, routing weights), and the rank and histc kernels; 7: the grouped_mm kernel
 # reads its rows through an index (rows, rows_div, T) and histc counts cumulatively (cumulative_histc);
 # 8: the grouped_mm kernel stores its rows through an index (dest, scattered_grouped_mm), takes an rms
-# prologue and a bias per expert
+# prologue and a bias per expert; the reduce kernel takes output row strides and row-chain arguments
 
 # Where device memory starts: every arena, segment, delegate scratch block and device allocation, and
 # every value planned in one. cudaMalloc's own guarantee; a multiple of every itemsize and of the 16

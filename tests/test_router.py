@@ -164,6 +164,21 @@ def test_group_limited_routing_is_one_launch(experts, n_group, topk_group, k, no
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_bias_of_a_bf16_model_is_one_launch_too(bias_dtype):
+    """A model cast to bf16 casts the choice bias too; its router still scores in fp32, and the add
+    promotes the bias exactly, as the kernel's fp32 load of it does."""
+    torch.manual_seed(1)
+    model = GroupRouter(64, 8, 4, 6).to(bias_dtype)
+    logits = torch.randn(5, 64) * 2
+    lowered = lower_resident(model, (logits,))
+    assert [launch.kernel for launch in plan_launches(lowered)] == ["pointwise", "group_router"]
+    got = _by_expert(*lowered.load().load_method()(logits))
+    want = _by_expert(*model(logits))
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+
+
 def test_a_group_router_without_its_mask_is_left_to_the_rank_kernels():
     class Plain(GroupRouter):  # no groups: the plain sigmoid router of a top-k, weights gathered
         def forward(self, logits):

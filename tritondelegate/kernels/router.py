@@ -197,8 +197,9 @@ def group_refusal(scores, bias, n_group, topk_group, k) -> str | None:
     """Why the kernel cannot take this group-limited routing; None when it can."""
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not isinstance(bias, torch.Tensor):
         return "the scores are not a [tokens, experts] tensor with a bias"
-    if scores.dtype != torch.float32 or bias.dtype != torch.float32:
-        return f"scores {scores.dtype} and bias {bias.dtype}: the kernel takes fp32 (as the model computes them)"
+    if scores.dtype != torch.float32 or bias.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return (f"scores {scores.dtype} and bias {bias.dtype}: the kernel takes fp32 scores (as the model computes "
+                "them) and a float bias (added in fp32, as the fp32 scores promote it)")
     length = scores.shape[1]
     if not isinstance(length, int) or length > MAX_EXPERTS or bias.shape != (length,):
         return f"rows of {length} experts: one program holds a row of at most {MAX_EXPERTS}, and a bias each"

@@ -64,9 +64,9 @@ Mixture-of-Experts layer's experts, reading the token rows through their expert 
 reader of an RMSNorm too: each row's sum of squares accumulates over the same K loop, so the norm in
 front of a MoE layer (read by its router's linear, its experts, its shared experts) is no launch.
 Every such matmul recomputes the row sums of squares it needs while streaming x (a few ALU ops per A
-element; x is read once per N tile either way). A ``layer_norm`` (weight and bias optional) folds the same way (``PROLOGUE="layer"``):
-each matmul first reads its block's rows of x for their mean and variance, then normalizes A's tiles
-as it streams them.
+element; x is read once per N tile either way). A ``layer_norm`` (weight and bias optional) folds the
+same way (``PROLOGUE="layer"``): each matmul first reads its block's rows of x for their mean and
+variance, then normalizes A's tiles as it streams them.
 
 The chain starts from t rounded to its dtype (eager stores it so), then keeps fp32 as chains do.
 In ``silu(gate(x)) * up(x)`` the chain ``silu, mul`` reads gate's result first: gate's matmul moves

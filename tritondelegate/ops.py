@@ -28,6 +28,13 @@ place of a written-out pattern, so one kernel runs them.
         to the keys at or before its position (``positions`` int, broadcasting to [..., Lq, 1]), the
         mask a KV-cache decoder builds per call; the kernel compares indices instead of reading a mask
 
+    tritondelegate::sdpa_sinks(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor sinks, float? scale,
+                               bool enable_gqa) -> Tensor
+        attention with a sink logit per query head (GPT-OSS): ``sinks`` [Hq] joins each row's softmax
+        as one more column but adds no value, ``softmax(cat([scores, sinks], -1))[..., :-1] @ v`` with
+        scores = q @ k^T * scale + mask (bool: False drops the key), as GPT-OSS's eager attention
+        writes it (``passes/eager_attention.py``); one attention launch (``kernels/attention.py``)
+
     tritondelegate::glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor
         y = linear(x, weight, bias);  act(y[..., 0::2]) * y[..., 1::2]
         (a gated MLP's gate and up projections as one GEMM: their weight rows interleaved, gate first;
@@ -107,6 +114,8 @@ _lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, 
             "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0, bool interleaved=False, "
             "ScalarType? out_dtype=None) -> (Tensor, Tensor)")
 _lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa) -> Tensor")
+_lib.define("sdpa_sinks(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor sinks, float? scale, "
+            "bool enable_gqa) -> Tensor")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
 _lib.define("glu_grouped_mm(Tensor x, Tensor weight, Tensor offs, str act, Tensor? rows=None, "
             "int rows_divisor=1, Tensor? bias=None, float alpha=1.0, float limit=0.0) -> Tensor")
@@ -243,6 +252,34 @@ def _sdpa_positions(q, k, v, positions, scale, enable_gqa):
 @torch.library.register_fake(f"{NAMESPACE}::sdpa_positions")
 def _sdpa_positions_fake(q, k, v, positions, scale, enable_gqa):
     return _sdpa_positions(q, k, v, positions, scale, enable_gqa)
+
+
+def sdpa_sinks_reference(q, k, v, attn_mask, sinks, scale, enable_gqa) -> torch.Tensor:
+    """GPT-OSS's eager attention (``eager_attention_forward``) in its dtype order: the scores in q's
+    dtype, the sinks a last column, the maximum subtracted, the softmax in the logits' dtype, the sink
+    column dropped, the weights cast to v's dtype."""
+    if enable_gqa and q.dim() >= 3:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    logits = torch.cat([scores, sinks.reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)
+    return torch.matmul(probs[..., :-1].to(v.dtype), v)
+
+
+@torch.library.impl(_lib, "sdpa_sinks", "CompositeExplicitAutograd")
+def _sdpa_sinks(q, k, v, attn_mask, sinks, scale, enable_gqa):
+    return sdpa_sinks_reference(q, k, v, attn_mask, sinks, scale, enable_gqa)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::sdpa_sinks")
+def _sdpa_sinks_fake(q, k, v, attn_mask, sinks, scale, enable_gqa):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
 def glu_linear_reference(x, weight, bias, act: str) -> torch.Tensor:
@@ -482,6 +519,7 @@ OPS: dict[str, torch._ops.OpOverload] = {
     "tritondelegate::rotary_angles": torch.ops.tritondelegate.rotary_angles.default,
     "tritondelegate::rotary_pair_angles": torch.ops.tritondelegate.rotary_pair_angles.default,
     "tritondelegate::sdpa_positions": torch.ops.tritondelegate.sdpa_positions.default,
+    "tritondelegate::sdpa_sinks": torch.ops.tritondelegate.sdpa_sinks.default,
     "tritondelegate::glu_linear": torch.ops.tritondelegate.glu_linear.default,
     "tritondelegate::glu_grouped_mm": torch.ops.tritondelegate.glu_grouped_mm.default,
     "tritondelegate::gathered_grouped_mm": torch.ops.tritondelegate.gathered_grouped_mm.default,
@@ -497,6 +535,7 @@ rotary_pair = torch.ops.tritondelegate.rotary_pair.default
 rotary_angles = torch.ops.tritondelegate.rotary_angles.default
 rotary_pair_angles = torch.ops.tritondelegate.rotary_pair_angles.default
 sdpa_positions = torch.ops.tritondelegate.sdpa_positions.default
+sdpa_sinks = torch.ops.tritondelegate.sdpa_sinks.default
 glu_linear = torch.ops.tritondelegate.glu_linear.default
 glu_grouped_mm = torch.ops.tritondelegate.glu_grouped_mm.default
 gathered_grouped_mm = torch.ops.tritondelegate.gathered_grouped_mm.default

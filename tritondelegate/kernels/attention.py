@@ -9,6 +9,12 @@ that a KV-cache decoder builds per call) is the same kernel with ``MASK="positio
 is then the queries' positions (one integer per row, [B, H, Lq] strides), key j is kept when j is at
 most the row's position, and key tiles past the block's last position are never read.
 
+``tritondelegate::sdpa_sinks`` (``passes/eager_attention.py``: GPT-OSS's attention sinks) is the same
+kernel with ``SINKS``: head h has a sink logit t_h that joins each of its rows' softmax denominators
+but adds no value, ``out = sum_j e^(s_j - M) v_j / (e^(t_h - M) + sum_j e^(s_j - M))``. The online
+softmax starts from running max t_h (log2 domain) and running sum 1 instead of -inf and 0; split
+programs leave it out and ``attention_combine`` counts it once.
+
 Short queries (decode: a few rows per head) take two more forms, chosen by shape at lower time:
 
 * **packed heads** (``PACK``): with grouped-query attention the query heads that share a key head
@@ -122,7 +128,7 @@ def _attention_tiles(
 
 @triton.jit
 def attention_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, sink_ptr,
     sq_b, sq_h, sq_m, sq_d,
     sk_b, sk_h, sk_n, sk_d,
     sv_b, sv_h, sv_n, sv_d,
@@ -131,7 +137,7 @@ def attention_kernel(
     H, GROUP, Lq, Lk, qk_scale, split_n,
     E: tl.constexpr, EV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, PACK: tl.constexpr = 1, SPLIT: tl.constexpr = False,
+    DOT_UPCAST: tl.constexpr, PACK: tl.constexpr = 1, SPLIT: tl.constexpr = False, SINKS: tl.constexpr = False,
 ):
     tl.static_assert(PACK == 1 or not CAUSAL, "packed heads take no causal mask")
     pid_m = tl.program_id(0)
@@ -155,8 +161,16 @@ def attention_kernel(
     v_base = v_ptr + b * sv_b + hk * sv_h
     mask_rows = _row_ptrs(mask_ptr, b, smask_b, h0, smask_h, smask_m, pid_m, Lq, BLOCK_M, PACK)[:, None]
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS and not SPLIT:
+        # The row's head's sink logit joins its denominator, not its values: the online softmax starts
+        # from running max = the sink (log2 domain) and running sum = 2^0 = 1. Split programs leave it
+        # to attention_combine, so that it counts once.
+        m_i = tl.load(sink_ptr + _row_heads(h0, r, Lq, BLOCK_M, PACK), mask=row_ok, other=0.0).to(tl.float32)
+        m_i = m_i * 1.4426950408889634  # LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     whole, hi = _key_range(mask_rows, offs_m, pid_m, Lq, Lk, MASK, CAUSAL, BLOCK_M, BLOCK_N)
     lo = 0
@@ -190,6 +204,15 @@ def attention_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_rows = _row_ptrs(out_ptr, b, so_b, h0, so_h, so_m, pid_m, Lq, BLOCK_M, PACK)[:, None]
         tl.store(o_rows + offs_dv[None, :] * so_d, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+
+
+@triton.jit
+def _row_heads(h0, r, Lq, BLOCK_M: tl.constexpr, PACK: tl.constexpr):
+    # The query head of each row of the block: h0, or with packed heads h0 + r // Lq.
+    if PACK == 1:
+        return h0 + tl.zeros([BLOCK_M], dtype=tl.int64)
+    else:
+        return h0 + r // Lq
 
 
 @triton.jit
@@ -228,10 +251,11 @@ def _key_range(mask_rows, offs_m, pid_m, Lq, Lk, MASK: tl.constexpr, CAUSAL: tl.
 
 @triton.jit
 def attention_combine_kernel(
-    part_ptr, stat_ptr, out_ptr, so_b, so_h, so_m, so_d, H, Lq, S,
-    EV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    part_ptr, stat_ptr, out_ptr, sink_ptr, so_b, so_h, so_m, so_d, H, Lq, S,
+    EV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, SINKS: tl.constexpr = False,
 ):
     # One query row (b, h, i) = program: out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp2(m_s - max m).
+    # SINKS: head h's sink logit t joins the maximum and adds w_t = exp2(t - max m) to the sum, once.
     row = tl.program_id(0).to(tl.int64)  # (b * H + h) * Lq + i
     i = row % Lq
     h = row // Lq % H
@@ -242,11 +266,17 @@ def attention_combine_kernel(
     m = tl.load(stat_ptr + split * 2, mask=offs_s < S, other=float("-inf"))
     l = tl.load(stat_ptr + split * 2 + 1, mask=offs_s < S, other=0.0)
     m_max = tl.max(m, 0)
-    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # a split that kept no key: 0
+    if SINKS:
+        sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634  # LOG2E
+        m_max = tl.maximum(m_max, sink)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # a split that kept no key: 0
     acc = tl.load(part_ptr + split[:, None] * EV + offs_d[None, :],
                   mask=(offs_s[:, None] < S) & (offs_d[None, :] < EV), other=0.0)
     acc = tl.sum(acc * w[:, None], 0)
     total = tl.sum(w * l, 0)
+    if SINKS:
+        total += tl.exp2(sink - m_max)
     out = acc / tl.where(total == 0.0, 1.0, total)  # no key kept in any split: 0, as torch gives
     tl.store(out_ptr + b * so_b + h * so_h + i * so_m + offs_d * so_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < EV)
@@ -292,10 +322,10 @@ def block_sizes(lq: int, lk: int, head_dim: int, dtype: torch.dtype,
 
 
 def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None,
-                     is_causal: bool, scale: float, positions: bool = False) -> None:
+                     is_causal: bool, scale: float, positions: bool = False, sinks: TRef | None = None) -> None:
     """``out = sdpa(q, k, v, mask)``; q [.., Hq, Lq, E], k/v [.., Hkv, Lk, E/Ev], rank 2 to 4.
     ``positions``: ``mask`` is the queries' positions ([.., Lq, 1] integers), the mask
-    ``arange(Lk) <= positions``."""
+    ``arange(Lk) <= positions``; ``sinks``: a sink logit per query head ([Hq], contiguous)."""
     out4, q4, k4, v4 = (_as_4d(t, b) for t in (out, q, k, v))
     batch, heads, lq, ev = out4.shape
     lk, e = k4.shape[2], q4.shape[3]
@@ -315,22 +345,25 @@ def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None,
     split_n = split_keys(batch * heads // pack, pack * lq, lk, block_m, block_n)
     splits = 1 if split_n is None else triton.cdiv(lk, split_n)
     part = stat = q4
+    sink_arg = q4 if sinks is None else sinks  # without sinks a stand-in, never read
     if split_n is not None:
         part = b.alloc((batch * heads * lq, splits, ev), torch.float32)
         stat = b.alloc((batch * heads * lq, splits, 2), torch.float32)
     b.launch(
         "attention", (triton.cdiv(pack * lq, block_m), batch * heads // pack, splits),
-        q4, k4, v4, mask_arg, out4, part, stat,
+        q4, k4, v4, mask_arg, out4, part, stat, sink_arg,
         *sq, *sk, *sv, *smask, *out4.strides,
         heads, group, lq, lk, float(scale) * LOG2E, split_n or 0,
         E=e, EV=ev, MASK=kind, CAUSAL=bool(is_causal),
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, next_power_of_2(e)), BLOCK_DV=max(16, next_power_of_2(ev)),
-        DOT_UPCAST=False, PACK=pack, SPLIT=split_n is not None, num_warps=num_warps, num_stages=num_stages,
+        DOT_UPCAST=False, PACK=pack, SPLIT=split_n is not None, SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if split_n is not None:
-        b.launch("attention_combine", (batch * heads * lq,), part, stat, out4, *out4.strides, heads, lq, splits,
-                 EV=ev, BLOCK_S=next_power_of_2(splits), BLOCK_DV=max(16, next_power_of_2(ev)), num_warps=4)
+        b.launch("attention_combine", (batch * heads * lq,), part, stat, out4, sink_arg, *out4.strides, heads, lq,
+                 splits, EV=ev, BLOCK_S=next_power_of_2(splits), BLOCK_DV=max(16, next_power_of_2(ev)),
+                 SINKS=sinks is not None, num_warps=4)
 
 
 def split_keys(programs, rows, lk, block_m: int, block_n: int) -> int | None:
@@ -449,7 +482,7 @@ def sdpa(b, node):
     _launch_sdpa(b, node, p, b.ref(p["attn_mask"]) if p["attn_mask"] is not None else None)
 
 
-def _launch_sdpa(b, node, p: dict, mask: TRef | None, positions: bool = False) -> None:
+def _launch_sdpa(b, node, p: dict, mask: TRef | None, positions: bool = False, sinks: TRef | None = None) -> None:
     q, k, v = (b.ref(p[n]) for n in ("query", "key", "value"))
     scale = p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     val = node.meta["val"]
@@ -459,7 +492,7 @@ def _launch_sdpa(b, node, p: dict, mask: TRef | None, positions: bool = False) -
         b.bind(node, out)
     else:
         out = b.out(node)
-    launch_attention(b, out, q, k, v, mask, bool(p["is_causal"]), scale, positions)
+    launch_attention(b, out, q, k, v, mask, bool(p["is_causal"]), scale, positions, sinks)
 
 
 # --- tritondelegate::sdpa_positions ----------------------------------------------------------------
@@ -487,3 +520,30 @@ def supported_positions(node) -> str | None:
 def sdpa_positions(b, node):
     p = _positions_params(node)
     _launch_sdpa(b, node, p, b.ref(p["positions"]), positions=True)
+
+
+# --- tritondelegate::sdpa_sinks ---------------------------------------------------------------------
+_SINKS_PARAMS = ("query", "key", "value", "attn_mask", "sinks", "scale", "enable_gqa")
+
+
+def _sinks_params(node) -> dict:
+    return {**_DEFAULTS, **dict(zip(_SINKS_PARAMS, node.args)), **node.kwargs}
+
+
+def supported_sinks(node) -> str | None:
+    """sdpa's support check, and one float sink logit per query head ([Hq])."""
+    p = _sinks_params(node)
+    sinks, out = node_value(p["sinks"]), node.meta.get("val")
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype not in FLOAT_DTYPES:
+        return f"sinks must be a tensor of one of {', '.join(map(str, FLOAT_DTYPES))}"
+    if not isinstance(out, torch.Tensor) or out.ndim < 3:
+        return "sinks need query heads: query, key and value of rank 3 or 4"
+    if sinks.ndim != 1 or sizes.shape(sinks.shape) != sizes.shape(out.shape[-3:-2]):
+        return f"sinks {tuple(sinks.shape)}: one per query head ({out.shape[-3]}) expected"
+    return _sdpa_refusal(p, node)
+
+
+def sdpa_sinks(b, node):
+    p = _sinks_params(node)
+    mask = b.ref(p["attn_mask"]) if p["attn_mask"] is not None else None
+    _launch_sdpa(b, node, p, mask, sinks=b.contiguous(b.ref(p["sinks"])))

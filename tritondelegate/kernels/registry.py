@@ -203,6 +203,7 @@ OPS: dict[object, OpSpec] = {
     # attention: attention.py
     aten.scaled_dot_product_attention.default: OpSpec(attn.sdpa, attn.supported),
     td_ops.sdpa_positions: OpSpec(attn.sdpa_positions, attn.supported_positions),  # attention.py
+    td_ops.sdpa_sinks: OpSpec(attn.sdpa_sinks, attn.supported_sinks),  # attention.py
     # softmax: softmax.py
     aten._softmax.default: OpSpec(sm.softmax(log=False), sm.supported),
     aten._log_softmax.default: OpSpec(sm.softmax(log=True), sm.supported),

@@ -292,16 +292,19 @@ TRAFFIC: dict[str, KernelTraffic] = {
         writes=(Access("out_ptr"),),
         flops=lambda a: a["numel"] * (3 + bool(a["HAS_WEIGHT"]) + bool(a["HAS_BIAS"])),
     ),
-    # without a mask mask_ptr is q, never read; with SPLIT the partials replace the output
+    # without a mask mask_ptr is q, never read; with SPLIT the partials replace the output and the
+    # combine reads the sinks; without SINKS sink_ptr is q
     "attention": KernelTraffic(
-        reads=(Access("q_ptr"), Access("k_ptr"), Access("v_ptr"), Access("mask_ptr", lambda a: a["MASK"] != "none")),
+        reads=(Access("q_ptr"), Access("k_ptr"), Access("v_ptr"), Access("mask_ptr", lambda a: a["MASK"] != "none"),
+               Access("sink_ptr", lambda a: a["SINKS"] and not a["SPLIT"])),
         writes=(Access("out_ptr", lambda a: not a["SPLIT"]), Access("part_ptr", _flag("SPLIT")),
                 Access("stat_ptr", _flag("SPLIT"))),
         flops=_attention_flops,
     ),
     # per row and split: a weight (exp2), then EV multiply-adds of the partial and one of the sum
     "attention_combine": KernelTraffic(
-        reads=(Access("part_ptr"), Access("stat_ptr")), writes=(Access("out_ptr"),),
+        reads=(Access("part_ptr"), Access("stat_ptr"), Access("sink_ptr", _flag("SINKS"))),
+        writes=(Access("out_ptr"),),
         flops=lambda a: a["grid"][0] * a["S"] * (2 * a["EV"] + 3),
     ),
     # max, subtract, exp, sum, divide (or subtract the log) per element

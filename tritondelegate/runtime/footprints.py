@@ -231,6 +231,8 @@ def _attention(x: LaunchArgs) -> Footprint:
     if x.c["MASK"] != "none":
         acc.append(Access("mask_ptr", _walk((b, h, Lq, Lk), (x.i("smask_b"), x.i("smask_h"), x.i("smask_m"),
                                                               x.i("smask_n")))))
+    if x.c["SINKS"] and not x.c["SPLIT"]:  # one sink logit per query head, contiguous; split: the combine's
+        acc.append(Access("sink_ptr", ((h, 1),)))
     need_splits = _cdiv(Lk, x.d("split_n")[0]) if x.c["SPLIT"] else 1
     grid = (_cdiv(pack * Lq, x.c["BLOCK_M"]), bh, need_splits)
     return Footprint(acc, grid, {"batch x heads x queries": bh * pack * max(Lq, 0), "keys": Lk})
@@ -245,6 +247,8 @@ def _attention_combine(x: LaunchArgs) -> Footprint:
     acc = [Access("part_ptr", ((rows, S * EV), (S, EV), (EV, 1))),
            Access("stat_ptr", ((rows, S * 2), (S, 2), (2, 1))),
            Access("out_ptr", _walk((b, h, i, EV), (x.i("so_b"), x.i("so_h"), x.i("so_m"), x.i("so_d"))), write=True)]
+    if x.c["SINKS"]:  # one sink logit per head, contiguous
+        acc.append(Access("sink_ptr", ((h, 1),)))
     return Footprint(acc, (rows,), {"rows": rows, "splits": S})
 
 
@@ -570,11 +574,12 @@ RULES: dict[str, KernelRule] = {
     "attention": KernelRule(_attention, {
         "E": in_range(0, 512), "EV": in_range(0, 512), "MASK": one_of("none", "bool", "float", "positions"), "CAUSAL": FLAG,
         "BLOCK_M": pow2(16, 256), "BLOCK_N": pow2(16, 256), "BLOCK_D": pow2(16, 512), "BLOCK_DV": pow2(16, 512),
-        "DOT_UPCAST": FLAG, "PACK": in_range(1, 256), "SPLIT": FLAG},
+        "DOT_UPCAST": FLAG, "PACK": in_range(1, 256), "SPLIT": FLAG, "SINKS": FLAG},
         (("BLOCK_M", "BLOCK_N"), ("BLOCK_M", "BLOCK_D"), ("BLOCK_M", "BLOCK_DV"), ("BLOCK_N", "BLOCK_D"),
          ("BLOCK_N", "BLOCK_DV"))),
     "attention_combine": KernelRule(_attention_combine, {
-        "EV": in_range(1, 512), "BLOCK_S": pow2(1, 256), "BLOCK_DV": pow2(16, 512)}, (("BLOCK_S", "BLOCK_DV"),)),
+        "EV": in_range(1, 512), "BLOCK_S": pow2(1, 256), "BLOCK_DV": pow2(16, 512), "SINKS": FLAG},
+        (("BLOCK_S", "BLOCK_DV"),)),
     "softmax": KernelRule(_softmax, {"LOG": FLAG, "ONE_PASS": FLAG, **_ROWS, **_ROW_CHAINS}, (("BLOCK_R", "BLOCK_C"),)),
     "norm": KernelRule(_norm, {"RMS": FLAG, "HAS_W": FLAG, "HAS_B": FLAG, "STATS": FLAG, "ONE_PASS": FLAG,
                                **_ROWS, **_ROW_CHAINS}, (("BLOCK_R", "BLOCK_C"),)),

@@ -25,7 +25,7 @@ def _shape(node) -> tuple[int, ...] | None:
     return None if val is None else tuple(val.shape)
 
 
-def _repeated(node) -> tuple[torch.fx.Node, int, list[torch.fx.Node]] | None:
+def repeated_kv(node) -> tuple[torch.fx.Node, int, list[torch.fx.Node]] | None:
     """(the un-repeated tensor, the repeat count, the chain's nodes) when ``node`` is repeat_kv."""
     chain = [node]
     if not (isinstance(node, torch.fx.Node) and node.target in _VIEWS):
@@ -61,7 +61,7 @@ def fold_repeat_kv(gm: torch.fx.GraphModule) -> bool:
             continue
         if node.kwargs.get("enable_gqa", False) or len(node.args) < 3:
             continue
-        key, value = _repeated(node.args[1]), _repeated(node.args[2])
+        key, value = repeated_kv(node.args[1]), repeated_kv(node.args[2])
         if key is None or value is None or key[1] != value[1] or key[1] <= 1:
             continue
         node.args = (node.args[0], key[0], value[0], *node.args[3:])

@@ -19,6 +19,10 @@ constant folding and partitioning:
 * ``complex_rotary``: a rotary written with complex numbers (``view_as_real(view_as_complex(x) *
   polar(1, a))``: Llama 4, DeepSeek-V2) becomes ``tritondelegate::rotary_angles`` of interleaved
   pairs, before the rotary passes pair and fuse it like any other;
+* ``eager_attention``: attention written out (``softmax(q @ k^T * scale + mask) @ v``, transformers'
+  eager attention, ``repeat_kv`` included) becomes one ``aten.scaled_dot_product_attention``, and
+  GPT-OSS's with attention sinks one ``tritondelegate::sdpa_sinks`` (one launch instead of six to
+  eight per layer), before ``position_mask`` looks at its mask;
 * ``position_mask``: an attention mask built per call from positions (``arange(S) <= positions``, a
   KV-cache decoder's) becomes ``tritondelegate::sdpa_positions``, whose kernel compares indices;
 * ``fuse_glu``: a gated MLP's ``act(linear(x, Wg)) * linear(x, Wu)`` becomes one
@@ -53,6 +57,7 @@ from .cat_slices import cat_slices
 from .centered_norm import centered_norm
 from .complex_rotary import complex_rotary
 from .dedupe import dedupe
+from .eager_attention import eager_attention
 from .expert_dispatch import expert_dispatch
 from .fuse_batchnorm import fuse_batchnorm
 from .fuse_gelu import fuse_gelu
@@ -73,7 +78,7 @@ def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool)
     """All the rewrites, in order; ``fold``: constant folding will run (projections need it to store
     their concatenated weights once)."""
     done = (dedupe(ep) + fuse_rms_norm(ep) + centered_norm(ep) + norm_casts(ep) + fuse_gelu(ep) + complex_rotary(ep)
-            + halves_rotary(ep, fold) + fuse_rotary(ep, fold) + position_mask(ep))
+            + halves_rotary(ep, fold) + fuse_rotary(ep, fold) + eager_attention(ep) + position_mask(ep))
     if fold:  # these store new constants (concatenated or folded weights): folding computes them once
         done += (fuse_glu(ep, state) + fuse_grouped_glu(ep, state) + fuse_projections(ep, state)
                  + fuse_rope_linear(ep, state) + fuse_batchnorm(ep, state))

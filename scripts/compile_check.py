@@ -421,7 +421,9 @@ def _epilogues(dtype, seq, kv):
     """Decoder-shaped GEMMs (TinyLlama's 2048 -> 5632 MLP, 16 heads of 128) with what fusion folds into
     their epilogues: SiLU(gate) * up, the residual add after down, bias + GELU, attention scores * scale
     + mask, the attention output's transpose back to [batch, seq, heads, head_dim]; and the heaviest
-    epilogues there are: bias and four operand tiles, bias and three around a GELU."""
+    epilogues there are: bias and four operand tiles, bias and three around a GELU. The attention
+    weights are returned too (as ``output_attentions`` does), so that the attention stays written out
+    (``passes/eager_attention.py`` leaves it) and its GEMMs keep those epilogues."""
     dim, hidden, heads = 2048, 5632, 16
     head_dim = dim // heads
 
@@ -430,7 +432,7 @@ def _epilogues(dtype, seq, kv):
         g = F.gelu(F.linear(x, w1, b1))
         scores = torch.softmax((q @ k.transpose(-1, -2)) * head_dim ** -0.5 + mask, -1)
         heavy = ((F.linear(x, w1, b1) * r[0] + r[1]) * r[2] - r[3], (F.gelu(F.linear(x, w1, b1) * r[0]) + r[1]) * r[2])
-        return h, g, (scores @ v).transpose(1, 2).contiguous(), *heavy
+        return h, g, (scores @ v).transpose(1, 2).contiguous(), scores, *heavy
 
     shapes = [(1, seq, dim), (1, seq, dim), (hidden, dim), (hidden, dim), (dim, hidden), (hidden, dim),
               (hidden,), (1, heads, seq, head_dim), (1, heads, kv, head_dim), (1, heads, kv, head_dim), (seq, kv),
@@ -617,6 +619,34 @@ def _positions_sdpa(dtype, seq: int, keys: int, start: int):
                         _randn(1, 8, keys, 128, dtype=dtype), torch.arange(start, start + seq))
 
 
+class _SinksAttention(nn.Module):
+    """GPT-OSS-20B's attention written out, as transformers' eager attention computes it (64 query heads
+    over 8 key/value heads of 64, a sink logit per head, a float mask): ``passes/eager_attention.py``
+    makes it one ``tritondelegate::sdpa_sinks`` launch (the attention kernel's ``SINKS``)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.sinks = nn.Parameter(_randn(64, dtype=dtype))
+
+    def forward(self, q, k, v, mask):
+        k, v = (t[:, :, None].expand(-1, -1, 8, -1, -1).reshape(1, 64, -1, 64) for t in (k, v))
+        scores = torch.matmul(q, k.transpose(2, 3)) * 0.125 + mask
+        logits = torch.cat([scores, self.sinks.reshape(1, -1, 1, 1).expand(1, -1, q.shape[-2], -1)], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+        return torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
+
+
+def _sinks_attention(dtype, seq: int, keys: int):
+    """``seq`` queries over ``keys`` keys with GPT-OSS's sliding-window mask (128 keys, fp32 min
+    outside): a decode step over a long cache splits its keys (``attention_combine`` adds the sink)."""
+    pos = torch.arange(keys - seq, keys)[:, None]
+    j = torch.arange(keys)[None, :]
+    mask = torch.zeros(1, 1, seq, keys).masked_fill((j > pos) | (j <= pos - 128), torch.finfo(F32).min)
+    return _SinksAttention(dtype), (_randn(1, 64, seq, 64, dtype=dtype), _randn(1, 8, keys, 64, dtype=dtype),
+                                    _randn(1, 8, keys, 64, dtype=dtype), mask.to(dtype))
+
+
 def cases() -> dict[str, callable]:
     """Case name -> a function returning (model, example args). Shapes span every block-size branch
     of each kernel family (short and long rows, decode- and prefill-shaped GEMMs and attention)."""
@@ -628,6 +658,12 @@ def cases() -> dict[str, callable]:
     out["scatter/int64"] = _int_scatter
     out["division/int64"] = _int_division
     out["ranking/int64"] = _int_ranking
+    # attention sinks (GPT-OSS): decode over a 4096-key cache (packed heads, split keys) and a prefill
+    out["attn_sinks_decode/bfloat16"] = lambda: _sinks_attention(BF16, 1, 4096)
+    out["attn_sinks_decode_short/bfloat16"] = lambda: _sinks_attention(BF16, 1, 200)  # one pass, packed heads
+    out["attn_sinks_prefill/bfloat16"] = lambda: _sinks_attention(BF16, 512, 512)
+    # the demo decoder's attention written out: passes/eager_attention.py makes it one attention launch
+    # (a float causal mask); the written-out GEMM epilogues are epilogue_*'s, which return the weights
     out["decoder_matmul_attention/float16"] = lambda: _decoder(
         F16, 100, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=128, attention="matmul")
     for dtype in (F32, F16):  # bounded dynamic dims: each method compiled at sample sizes of its range

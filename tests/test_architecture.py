@@ -140,3 +140,18 @@ def test_the_readme_layout_table_matches_the_tree():
             continue
         assert rel in named or rel.rpartition("/")[0] in named - {"tritondelegate"}, \
             f"{rel} is in no row of the README's layout table"
+
+
+def test_importing_the_lower_module_leaves_td_lower_the_function():
+    """``from tritondelegate.lower import LoweredProgram`` (a type hint) imports the submodule of the same
+    name as the export ``td.lower``; the export stays the function, in a fresh process."""
+    code = textwrap.dedent("""
+        import tritondelegate as td
+        from tritondelegate.lower import LoweredProgram
+        import tritondelegate.lower
+        assert callable(td.lower) and td.lower.__module__ == "tritondelegate.lower", td.lower
+        assert td.LoweredProgram is LoweredProgram
+        from tritondelegate.serialize import reader
+        assert callable(td.load)
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)

@@ -29,7 +29,7 @@ import torch.fx
 
 from .. import ops
 from .fuse_glu import only_read_by
-from .rewrite import erase_unused, fake, is_call, new_node, replace_node, rewrite_matches, tensor_val
+from .rewrite import erase_unused, fake, is_call, new_node, replace_node, replay_views, rewrite_matches, tensor_val
 from .rotary_tables import scale_operand
 
 aten = torch.ops.aten
@@ -98,15 +98,6 @@ def _match(real) -> tuple | None:
     return None
 
 
-def _replay(graph, views, source, meta) -> torch.fx.Node:
-    """``views`` (nodes of complex views) replayed on the real ``source`` of the same shape."""
-    for view in views:
-        args = (source, *view.args[1:])
-        val = fake(lambda v, view=view, rest=view.args[1:]: view.target(v, *rest), tensor_val(source))
-        source = new_node(graph, view.target, args, val, meta)
-    return source
-
-
 def _rewrite(graph, ep, real, prod, pairs, flat, own, views, angles, scale, replayed: dict) -> str:
     """``replayed``: the angles' views made so far, by the complex views they replay (q and k share
     theirs, so that the rotary passes pair them)."""
@@ -117,7 +108,7 @@ def _rewrite(graph, ep, real, prod, pairs, flat, own, views, angles, scale, repl
     with graph.inserting_before(real):
         if key not in replayed:
             with graph.inserting_after(views[-1] if views else angles):
-                replayed[key] = _replay(graph, views, angles, real.meta)
+                replayed[key] = replay_views(graph, views, angles, real.meta)
         a = replayed[key]
         kwargs = {"interleaved": True}
         val = fake(lambda xv, av: ops.rotary_angles(xv, av, scale, torch.float32, interleaved=True),

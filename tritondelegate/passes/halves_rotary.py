@@ -30,7 +30,8 @@ import torch.fx
 
 from .. import ops
 from .fuse_glu import only_read_by
-from .rewrite import erase_unused, fake, is_call, new_node, replace_node, rewrite_matches, slice_bounds, tensor_val
+from .rewrite import (erase_unused, fake, is_call, new_node, replace_node, replay_views, rewrite_matches,
+                      slice_bounds, tensor_val)
 from .rotary_tables import per_call, trig_table
 
 aten = torch.ops.aten
@@ -101,15 +102,6 @@ def _angles(c, s) -> tuple | None:
     return (a, views, scale, dtype) if (scale, dtype) == (s_scale, s_dtype) else None
 
 
-def _replay(graph, node, views):
-    """``views`` replayed over ``node`` (the half-width angles: the tables' own shape)."""
-    for view in views:
-        args = (node, *view.args[1:])
-        node = new_node(graph, view.target, args, fake(lambda v, view=view: view.target(v, *view.args[1:]),
-                                                       tensor_val(node)), view.meta)
-    return node
-
-
 def _whole(graph, half, meta):
     val = fake(lambda t: torch.cat((t, t), -1), tensor_val(half))
     return new_node(graph, aten.cat.default, ([half, half], -1), val, meta)
@@ -122,8 +114,8 @@ def _rewrite(graph, ep, cat, x, c, s, fold: bool) -> str:
     with graph.inserting_before(cat):
         if angles is not None:
             a, views, scale, dtype = angles
-            new = new_node(graph, ops.rotary_angles, (x, _replay(graph, a, views), scale, dtype), cat.meta["val"],
-                           cat.meta)
+            args = (x, replay_views(graph, views, a, cat.meta), scale, dtype)
+            new = new_node(graph, ops.rotary_angles, args, cat.meta["val"], cat.meta)
         else:
             new = new_node(graph, ops.rotary, (x, _whole(graph, c, cat.meta), _whole(graph, s, cat.meta)),
                            cat.meta["val"], cat.meta)

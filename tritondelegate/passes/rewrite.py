@@ -142,6 +142,16 @@ def new_node(graph: torch.fx.Graph, target, args: tuple, val, meta: dict, name: 
     return take_provenance(node, meta)
 
 
+def replay_views(graph: torch.fx.Graph, views, source: torch.fx.Node, meta: dict) -> torch.fx.Node:
+    """``views`` (view nodes, outermost last) replayed on ``source`` with their own arguments: the views
+    a rotary's tables took, taken by the angles they come from (complex and halves rotaries)."""
+    for view in views:
+        args = (source, *view.args[1:])
+        val = fake(lambda v, view=view, rest=view.args[1:]: view.target(v, *rest), tensor_val(source))
+        source = new_node(graph, view.target, args, val, meta)
+    return source
+
+
 def retarget_outputs(ep: torch.export.ExportedProgram, old: torch.fx.Node, new: torch.fx.Node) -> None:
     """A returned result keeps its signature entry when ``new`` takes ``old``'s place."""
     for spec in ep.graph_signature.output_specs:

@@ -160,6 +160,21 @@ def _moe_routing(dtype, tokens: int, experts: int = 128, top: int = 8):
     return Fn(route), (_randn(tokens, experts, dtype=dtype), _randn(tokens, 512, dtype=dtype))
 
 
+def _sort_offsets():
+    """The chosen expert ids' stable order and offsets per expert in one launch (kernels/sort_offsets.py):
+    Qwen3-30B-A3B's 128 experts over a 600-token prefill (8 each: ranks over many programs), DeepSeek-V3's
+    256 at decode (one program counts every bin), 512 experts from int32 ids of 3 tokens, 4 each."""
+    def order(*chosen):
+        out = []
+        for ids, experts in zip(chosen, (128, 256, 512)):
+            ids, perm = torch.sort(ids.reshape(-1))
+            out += [ids, perm, torch.cumsum(torch.histc(ids.float(), experts, 0, experts - 1), 0, dtype=torch.int32)]
+        return out
+
+    return Fn(order), (torch.randint(0, 128, (600, 8)), torch.randint(0, 256, (1, 8)),
+                       torch.randint(0, 512, (3, 4), dtype=torch.int32))
+
+
 def _group_routing(dtype, tokens: int, experts: int = 256, n_group: int = 8, topk_group: int = 4, top: int = 8):
     """DeepSeek-V3's group-limited router (256 experts in 8 groups, the best 4 groups, 8 experts) on fp32
     sigmoid scores of ``dtype`` logits (kernels/router.py ``group_router``)."""
@@ -290,6 +305,28 @@ class KVCachePair(KVCache):
         self.k[:, :, pos] = k
         self.v[:, :, pos] = v.transpose(1, 2)
         return self.k[:, :, :1] + self.v[:, :, :1]
+
+
+class KVAppendAttention(nn.Module):
+    """A decode step of Llama-3-8B's attention (32 query heads over 8 key/value heads of 128) over a static
+    cache of ``keys``: the new k and v rows are written by the attention launch (``attention_append``,
+    ``passes/kv_append.py``), split keys and packed heads as the cache's length gives."""
+
+    def __init__(self, dtype, keys: int):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, 8, keys, 128, dtype=dtype))
+        self.register_buffer("v", torch.zeros(1, 8, keys, 128, dtype=dtype))
+
+    def forward(self, q, k, v, pos):
+        self.k[:, :, pos] = k
+        self.v[:, :, pos] = v
+        mask = torch.arange(self.k.shape[-2])[None, :] <= pos[:, None]
+        return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, enable_gqa=True)
+
+
+def _kv_append(dtype, keys: int):
+    return KVAppendAttention(dtype, keys), (_randn(1, 32, 1, 128, dtype=dtype), _randn(1, 8, 1, 128, dtype=dtype),
+                                            _randn(1, 8, 1, 128, dtype=dtype), torch.tensor([keys // 3]))
 
 
 def _creation(dtype):
@@ -457,6 +494,28 @@ def _moe_cases(d) -> dict[str, callable]:
     }
 
 
+def _attention_cases(d) -> dict[str, callable]:
+    """The attention cases run in each float dtype ``d``: causal, masked, wide heads, a KV-cache step's
+    positions and its rows appended by the attention launch."""
+    return {
+        "attn_causal": lambda: _sdpa((2, 8, 512, 64), (2, 8, 512, 64), d, is_causal=True),
+        "attn_gqa_causal_h128": lambda: _sdpa((1, 32, 300, 128), (1, 8, 300, 128), d, is_causal=True,
+                                              enable_gqa=True),
+        "attn_bool_mask_h128": lambda: _sdpa((1, 8, 1000, 128), (1, 8, 1000, 128), d, mask="bool"),
+        "attn_float_mask_h96": lambda: _sdpa((2, 4, 500, 96), (2, 4, 500, 96), d, mask="float"),
+        "attn_float_mask_decode": lambda: _sdpa((4, 16, 1, 128), (4, 16, 777, 128), d, mask="float"),
+        "attn_h256": lambda: _sdpa((1, 4, 200, 256), (1, 4, 200, 256), d),
+        "attn_h80_ev128": lambda: _sdpa((2, 3, 333, 80), (2, 3, 333, 80), d, ev=128),
+        # a KV-cache step's mask from positions (passes/position_mask.py): decode over a 4096-key cache
+        # and a 300-token prefill over 1024 keys
+        "attn_positions_decode": lambda: _positions_sdpa(d, 1, 4096, 1000),
+        "attn_positions_prefill": lambda: _positions_sdpa(d, 300, 1024, 0),
+        # the new k/v rows written by the attention launch: a long cache (split keys), a short one (one pass)
+        "attn_kv_append_decode": lambda: _kv_append(d, 4096),
+        "attn_kv_append_short": lambda: _kv_append(d, 200),
+    }
+
+
 def _per_dtype(d) -> dict[str, callable]:
     """The cases run in each float dtype ``d``."""
     llama = dict(dim=512, n_layers=1, hidden_dim=1376)
@@ -478,14 +537,7 @@ def _per_dtype(d) -> dict[str, callable]:
         "conv1d_whisper": lambda: (nn.Sequential(nn.Conv1d(80, 512, 3, padding=1), nn.GELU(),
                                                  nn.Conv1d(512, 512, 3, stride=2, padding=1), nn.GELU()).eval().to(d),
                                    (_randn(1, 80, 3000, dtype=d),)),
-        "attn_causal": lambda: _sdpa((2, 8, 512, 64), (2, 8, 512, 64), d, is_causal=True),
-        "attn_gqa_causal_h128": lambda: _sdpa((1, 32, 300, 128), (1, 8, 300, 128), d, is_causal=True,
-                                              enable_gqa=True),
-        "attn_bool_mask_h128": lambda: _sdpa((1, 8, 1000, 128), (1, 8, 1000, 128), d, mask="bool"),
-        "attn_float_mask_h96": lambda: _sdpa((2, 4, 500, 96), (2, 4, 500, 96), d, mask="float"),
-        "attn_float_mask_decode": lambda: _sdpa((4, 16, 1, 128), (4, 16, 777, 128), d, mask="float"),
-        "attn_h256": lambda: _sdpa((1, 4, 200, 256), (1, 4, 200, 256), d),
-        "attn_h80_ev128": lambda: _sdpa((2, 3, 333, 80), (2, 3, 333, 80), d, ev=128),
+        **_attention_cases(d),
         "reductions": lambda: _reductions(d),
         "softmax_norm": lambda: _rows(d),
         "softmax_vocab": lambda: _softmax_vocab(d),
@@ -521,10 +573,6 @@ def _per_dtype(d) -> dict[str, callable]:
         "qkv_rope_decode": lambda: _qkv_rope(d, 1),
         "qkv_norm_rope_prefill": lambda: _qkv_rope(d, 300, head_norm=True),
         "qkv_norm_rope_decode": lambda: _qkv_rope(d, 1, head_norm=True),
-        # a KV-cache step's mask from positions (passes/position_mask.py): decode over a 4096-key cache
-        # and a 300-token prefill over 1024 keys
-        "attn_positions_decode": lambda: _positions_sdpa(d, 1, 4096, 1000),
-        "attn_positions_prefill": lambda: _positions_sdpa(d, 300, 1024, 0),
         # interleaved pairs (GPT-J's rotate_every_two over rotary_dim 64 of 256-wide heads, q and k
         # [1, seq, 16, 64]): the rotary kernel over [..., 32, 2] views, prefill and decode
         "rotary_interleaved_prefill": lambda: _interleaved_rotary(d, 300),
@@ -647,6 +695,16 @@ def _sinks_attention(dtype, seq: int, keys: int):
                                     _randn(1, 8, keys, 64, dtype=dtype), mask.to(dtype))
 
 
+def _softcap_attention(dtype, seq: int, keys: int):
+    """Gemma-2-9B's attention (16 query heads over 8 key/value heads of 256, scores soft-capped at 50, a
+    float causal mask) as ``tritondelegate::sdpa_softcap``, the attention kernel's ``SOFTCAP``."""
+    j, i = torch.arange(keys)[None, :], torch.arange(keys - seq, keys)[:, None]
+    mask = torch.zeros(1, 1, seq, keys).masked_fill(j > i, torch.finfo(F32).min).to(dtype)
+    return Fn(lambda q, k, v, m: torch.ops.tritondelegate.sdpa_softcap(q, k, v, m, 50.0, 256 ** -0.5, True)), (
+        _randn(1, 16, seq, 256, dtype=dtype), _randn(1, 8, keys, 256, dtype=dtype),
+        _randn(1, 8, keys, 256, dtype=dtype), mask)
+
+
 def cases() -> dict[str, callable]:
     """Case name -> a function returning (model, example args). Shapes span every block-size branch
     of each kernel family (short and long rows, decode- and prefill-shaped GEMMs and attention)."""
@@ -658,10 +716,14 @@ def cases() -> dict[str, callable]:
     out["scatter/int64"] = _int_scatter
     out["division/int64"] = _int_division
     out["ranking/int64"] = _int_ranking
+    out["sort_offsets/int64"] = _sort_offsets
     # attention sinks (GPT-OSS): decode over a 4096-key cache (packed heads, split keys) and a prefill
     out["attn_sinks_decode/bfloat16"] = lambda: _sinks_attention(BF16, 1, 4096)
     out["attn_sinks_decode_short/bfloat16"] = lambda: _sinks_attention(BF16, 1, 200)  # one pass, packed heads
     out["attn_sinks_prefill/bfloat16"] = lambda: _sinks_attention(BF16, 512, 512)
+    # soft-capped scores (Gemma 2): a prefill and a decode step over a 4096-key cache (split keys)
+    out["attn_softcap_prefill/bfloat16"] = lambda: _softcap_attention(BF16, 512, 512)
+    out["attn_softcap_decode/bfloat16"] = lambda: _softcap_attention(BF16, 1, 4096)
     # the demo decoder's attention written out: passes/eager_attention.py makes it one attention launch
     # (a float causal mask); the written-out GEMM epilogues are epilogue_*'s, which return the weights
     out["decoder_matmul_attention/float16"] = lambda: _decoder(

@@ -142,6 +142,94 @@ def test_scale_on_q_and_bool_masks():
     assert sorted(masks) == ["bool mask", "bool mask", "bool mask", "fill mask"]
 
 
+# --- several additive terms: position biases, ALiBi ------------------------------------------------
+class TwoLayers(nn.Module):
+    """T5's and MPNet's attention in two layers: the scores (unscaled; divided) plus a position bias
+    [1, H, L, L] plus the padding mask [B, 1, 1, L], both layers adding the same two terms."""
+
+    def forward(self, q, k, v, bias, pad):
+        a = ((q @ k.transpose(-1, -2)) + bias + pad).softmax(-1, dtype=torch.float32).type_as(q) @ v
+        b = ((a @ k.transpose(-1, -2)) / 4 + bias + pad).softmax(-1) @ v
+        return b
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_position_bias_and_mask_one_mask_shared(dtype):
+    q, k, v = qkv(2, 2, 2, 5, 5, 16)
+    bias = torch.randn(1, 2, 5, 5) * 3
+    pad = torch.zeros(2, 1, 1, 5).masked_fill(torch.tensor([[False] * 5, [False] * 3 + [True] * 2])[:, None, None], MIN)
+    kernels, launches, fused = run(Fn(TwoLayers().forward), (q, k, v, bias, pad), dtype)
+    # the two terms summed once in fp32 (one pointwise launch, its cast fused), read by both attentions
+    assert kernels.count("attention") == 2 and len(kernels) == 3 and not {"matmul", "softmax"} & set(kernels)
+    assert sum("2 terms" in f for f in fused) == 2 and any("scale 0.25" in f for f in fused)
+
+
+def bloom_attention(q, k, v, alibi, causal, heads):
+    """BLOOM's attention: ``baddbmm(alibi, q, k^T, beta=1, alpha=1/sqrt(E))`` on [B * H, L, E] views
+    (k transposed as a 3-D view), then ``masked_fill`` of a bool mask with the dtype's min."""
+    b, _, lq, e = q.shape
+    scores = alibi.baddbmm(q.reshape(b * heads, lq, e), k.reshape(b * heads, -1, e).transpose(1, 2),
+                           beta=1.0, alpha=1 / math.sqrt(e)).view(b, heads, lq, -1)
+    probs = scores.masked_fill(causal, torch.finfo(q.dtype).min).softmax(-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs.reshape(b * heads, lq, -1), v.reshape(b * heads, -1, e)).view(b, heads, lq, e)
+
+
+def falcon_attention(q, k, v, alibi, mask):
+    """Falcon's with ALiBi: ``(q @ k^T + alibi) * scale + mask``, the scale on the bias too."""
+    return (((q @ k.transpose(-1, -2)) + alibi.view(1, 2, 1, -1)) * 0.25 + mask).softmax(-1) @ v
+
+
+class Neo(nn.Module):
+    """GPT-Neo's: ``where(causal, scores, finfo.min as a constant tensor) + mask`` (the fill before
+    the term), and MPT's: ``scores * scale + bias`` then ``where(drop, min, .)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("causal", torch.ones(6, 6, dtype=torch.bool).tril(), persistent=False)
+
+    def forward(self, q, k, v, bias, mask):
+        fill = torch.tensor(torch.finfo(q.dtype).min, dtype=q.dtype)
+        neo = torch.where(self.causal, q @ k.transpose(-1, -2), fill) + mask
+        mpt = torch.where(~self.causal, MIN, (k @ q.transpose(-1, -2)) * 0.25 + bias[:, None])
+        return neo.softmax(-1) @ v + mpt.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_alibi_and_fills_with_terms(dtype):
+    b, h, n = 2, 2, 6
+    q, k, v = qkv(b, h, h, n, n, 16)
+    alibi = (torch.arange(n) * torch.tensor([0.5, 0.25])[:, None]).repeat(b, 1)[:, None]  # [B * H, 1, L]
+    causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+    mask = torch.zeros(b, 1, n, n).masked_fill(torch.rand(b, 1, n, n) > 0.8, MIN)
+    bloom = Fn(lambda q, k, v, alibi, mask: bloom_attention(q, k, v, alibi, causal, h)
+               + falcon_attention(q, k, v, alibi[:h, 0], mask))
+    kernels, _, fused = run(bloom, (q, k, v, alibi, mask), dtype)
+    assert kernels.count("attention") == 2 and not {"matmul", "softmax"} & set(kernels), kernels
+    assert sorted(f.split(", ")[2].rstrip(")") for f in fused if "eager attention" in f) == ["1 term and 1 condition",
+                                                                                            "2 terms"]
+    kernels, _, fused = run(Neo(), (q, k, v, alibi.view(b, h, 1, n)[0], mask), dtype)
+    assert kernels.count("attention") == 2 and not {"matmul", "softmax"} & set(kernels), kernels
+    assert sum("1 term and 1 condition" in f for f in fused) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_positions_mask_in_the_kernel(dtype):
+    # transformers' static-cache eager mask where(arange(S) <= positions, 0, finfo.min) plus an ALiBi
+    # term stays a float mask; alone it is compared in the kernel (position_mask): no mask launch.
+    def attend(q, k, v, pos, alibi):
+        keep = torch.arange(k.shape[-2])[None, None, None, :] <= pos[None, None, :, None]
+        mask = torch.where(keep, 0.0, torch.finfo(q.dtype).min).to(q.dtype)
+        plain = (q @ k.transpose(-1, -2) * 0.25 + mask).softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+        return plain + (q @ v.transpose(-1, -2) * 0.25 + alibi + mask).softmax(-1) @ k
+
+    q, k, v = qkv(1, 2, 2, 3, 20, 16)
+    kernels, launches, fused = run(Fn(attend), (q, k, v, torch.tensor([4, 11, 19]), torch.randn(2, 1, 20)), dtype)
+    assert kernels.count("attention") == 2 and not {"matmul", "softmax"} & set(kernels), kernels
+    assert sorted(constexprs(launch)["MASK"] for launch in launches if launch.kernel == "attention") == ["float",
+                                                                                                       "positions"]
+    assert any("sdpa_positions" in f for f in fused)
+
+
 # --- GPT-OSS's attention sinks ----------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("lq", [1, 6])
@@ -268,6 +356,22 @@ def test_other_softmaxes_and_ops_stay():
                lambda q, k, v: ((q @ k.transpose(-1, -2)) + 1.0).softmax(-1) @ v,  # a number added
                lambda q, k, v: (q @ k.transpose(-1, -2)).masked_fill(k[..., :1].transpose(-1, -2) > 0, -1e4)
                .softmax(-1) @ v):  # a finite fill that does not swallow the scores
+        done, before, after = _rewrites(fn, (q, k, v))
+        assert done == [] and before == after
+
+
+def test_terms_refused():
+    q, k, v = qkv(1, 2, 2, 5, 5, 16)
+    bias, pad = torch.randn(1, 2, 5, 5), torch.zeros(3, 1, 1, 5)
+    keep = torch.rand(1, 1, 5, 5) > 0.3
+
+    def returns_weights(q, k, v):
+        w = ((q @ k.transpose(-1, -2)) + bias + bias.exp()).softmax(-1)
+        return w @ v, w
+
+    for fn in (lambda q, k, v: ((q @ k.transpose(-1, -2)) + bias + pad).softmax(-1) @ v,  # a bigger batch
+               lambda q, k, v: ((q @ k.transpose(-1, -2)).masked_fill(~keep, MIN) * -0.5 + bias).softmax(-1) @ v,
+               returns_weights):
         done, before, after = _rewrites(fn, (q, k, v))
         assert done == [] and before == after
 

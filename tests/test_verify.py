@@ -194,8 +194,8 @@ def test_a_kernel_that_writes_a_constant_is_refused(zoo):
 SIZES = {"pointwise": "n", "pointwise_chain": "n", "matmul": "M", "conv2d": "M", "attention": "Lq",
          "reduce": "rows", "softmax": "rows", "norm": "rows", "gather": "n", "scatter": "n", "cumsum": "rows",
          "pool2d": "total", "batch_norm": "numel", "pad": "total", "arange": "n", "rotary": "rows",
-         "grouped_mm": "S", "attention_combine": "S", "rank": "length", "histc": "n",
-         "router": "length", "group_router": "length"}
+         "grouped_mm": "S", "attention_combine": "S", "attention_append": "Lq", "rank": "length", "histc": "n",
+         "router": "length", "group_router": "length", "sort_offsets": "n"}
 
 
 def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):

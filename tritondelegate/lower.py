@@ -23,6 +23,7 @@ from .memory.segments import plan_slots
 from .partitioner import Partitioner, TritonPartitioner
 from .passes.fold_constants import fold_constants
 from .passes.fold_repeat_kv import fold_repeat_kv
+from .passes.kv_append import kv_append
 from .passes.fuse import fuse_patterns
 from .passes.propagate_device import DeviceReport, PropagateDevicePass
 from .passes.state import (MethodGraph, StateBuffer, cast_state_updates, drop_unread_state, place_state,
@@ -146,6 +147,7 @@ def _lower(programs: dict, partitioner: Partitioner, config: LowerConfig, bar) -
         bar.step(f"lower {graph.name}")
         inplace = reinplace(graph, state)
         with symbol_ranges(*symbols[graph.name][1:]):
+            graph.fused += kv_append(graph)  # after reinplace: it reads the in-place marks
             method, reports[graph.name] = _lower_method(graph, state, constants, config)
         method.symbols = symbols[graph.name][0]
         reports[graph.name].inplace = inplace

@@ -62,6 +62,12 @@ place of a written-out pattern, so one kernel runs them.
                                      ScalarType dtype) -> Tensor
         cumsum(histc(x.to(cast), bins, min, max), 0, dtype=dtype): a router's offsets per expert from
         its sorted expert ids in one launch (``cast`` None: x as it is)
+    tritondelegate::sort_offsets(Tensor x, bool descending, int bins, float min, float max, ScalarType? cast,
+                                 ScalarType dtype) -> (Tensor, Tensor, Tensor)
+        (values, indices, offsets): values, indices = sort(x, stable=True, descending=descending) of a 1-D x
+        and offsets = cumulative_histc(values, bins, min, max, cast, dtype), a Mixture-of-Experts
+        dispatch's order of its chosen expert ids and offsets per expert in one launch
+        (``passes/expert_dispatch.py``, ``kernels/sort_offsets.py``)
     tritondelegate::router_topk(Tensor x, int k, bool softmax_first, bool renormalize, ScalarType? dtype,
                                 ScalarType? out_dtype) -> (Tensor, Tensor)
         a Mixture-of-Experts router's choice along the last dim, (values, indices):
@@ -129,6 +135,8 @@ _lib.define("group_router(Tensor scores, Tensor bias, int n_group, int topk_grou
             "float eps, float scale) -> (Tensor, Tensor)")
 _lib.define("cumulative_histc(Tensor x, int bins, float min, float max, ScalarType? cast, ScalarType dtype) "
             "-> Tensor")
+_lib.define("sort_offsets(Tensor x, bool descending, int bins, float min, float max, ScalarType? cast, "
+            "ScalarType dtype) -> (Tensor, Tensor, Tensor)")
 _lib.define("rope_linear(Tensor x, Tensor weight, Tensor? bias, Tensor pairs, Tensor cos, Tensor? sin, "
             "int[] cos_dims, float scale, ScalarType? dtype, Tensor? norm_weight=None, int norm_dim=0, "
             "float norm_eps=0.0) -> Tensor")
@@ -437,6 +445,22 @@ def _cumulative_histc_fake(x, bins, min, max, cast, dtype):
     return x.new_empty(bins, dtype=dtype)
 
 
+def sort_offsets_reference(x, descending: bool, bins: int, low: float, high: float, cast, dtype):
+    """``sort(x, stable=True, descending=descending)`` and the running counts of its values."""
+    values, indices = torch.sort(x, stable=True, descending=descending)
+    return values, indices, cumulative_histc_reference(values, bins, low, high, cast, dtype)
+
+
+@torch.library.impl(_lib, "sort_offsets", "CompositeExplicitAutograd")
+def _sort_offsets(x, descending, bins, min, max, cast, dtype):
+    return sort_offsets_reference(x, descending, bins, min, max, cast, dtype)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::sort_offsets")
+def _sort_offsets_fake(x, descending, bins, min, max, cast, dtype):
+    return torch.empty_like(x), torch.empty_like(x, dtype=torch.int64), x.new_empty(bins, dtype=dtype)
+
+
 def _table_at(table: torch.Tensor, cos_dims, outer, inner, cols) -> torch.Tensor:
     """``table`` [..., W] at each row's (outer, inner) indices along ``cos_dims`` and at ``cols``
     (clamped to 0: the caller masks pass-through pairs): [rows, pairs]."""
@@ -528,6 +552,7 @@ OPS: dict[str, torch._ops.OpOverload] = {
     "tritondelegate::router_topk": torch.ops.tritondelegate.router_topk.default,
     "tritondelegate::group_router": torch.ops.tritondelegate.group_router.default,
     "tritondelegate::rope_linear": torch.ops.tritondelegate.rope_linear.default,
+    "tritondelegate::sort_offsets": torch.ops.tritondelegate.sort_offsets.default,
 }
 
 rotary = torch.ops.tritondelegate.rotary.default
@@ -544,3 +569,40 @@ cumulative_histc = torch.ops.tritondelegate.cumulative_histc.default
 router_topk = torch.ops.tritondelegate.router_topk.default
 group_router = torch.ops.tritondelegate.group_router.default
 rope_linear = torch.ops.tritondelegate.rope_linear.default
+sort_offsets = torch.ops.tritondelegate.sort_offsets.default
+
+
+# --- tritondelegate::sdpa_softcap: attention with its scores soft-capped (Gemma 2) -----------------------
+_lib.define("sdpa_softcap(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float softcap, float? scale, "
+            "bool enable_gqa) -> Tensor")
+
+
+def sdpa_softcap_reference(q, k, v, attn_mask, softcap: float, scale, enable_gqa) -> torch.Tensor:
+    """Gemma 2's eager attention in its dtype order: the scaled scores in q's dtype soft-capped,
+    ``softcap * tanh(scores / softcap)``, then the mask (bool: False drops the key; float: added), the
+    softmax in fp32, the weights cast to v's dtype (``passes/eager_attention.py``; one attention launch,
+    ``kernels/attention.py``)."""
+    if enable_gqa and q.dim() >= 3:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+
+
+@torch.library.impl(_lib, "sdpa_softcap", "CompositeExplicitAutograd")
+def _sdpa_softcap(q, k, v, attn_mask, softcap, scale, enable_gqa):
+    return sdpa_softcap_reference(q, k, v, attn_mask, softcap, scale, enable_gqa)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::sdpa_softcap")
+def _sdpa_softcap_fake(q, k, v, attn_mask, softcap, scale, enable_gqa):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+OPS["tritondelegate::sdpa_softcap"] = torch.ops.tritondelegate.sdpa_softcap.default
+sdpa_softcap = torch.ops.tritondelegate.sdpa_softcap.default

@@ -18,7 +18,7 @@ from enum import IntEnum
 
 from .plan import DelegatePlan
 
-FORMAT_VERSION = 9  # 2: program-level slots and segments (shared constants and state); 3: kernel
+FORMAT_VERSION = 10  # 2: program-level slots and segments (shared constants and state); 3: kernel
 # signatures changed (rotary scale, gather epilogue, matmul GEMV, row-kernel chains): older plans would not fit;
 # 4: the matmul kernel takes the rotary epilogue's arguments (rope_linear); 5: the attention kernel takes
 # split-key partials and packed heads (attention_combine); 6: the grouped_mm kernel takes GLU and epilogue
@@ -26,7 +26,9 @@ FORMAT_VERSION = 9  # 2: program-level slots and segments (shared constants and 
 # reads its rows through an index (rows, rows_div, T) and histc counts cumulatively (cumulative_histc);
 # 8: the grouped_mm kernel stores its rows through an index (dest, scattered_grouped_mm), takes an rms
 # prologue and a bias per expert; the reduce kernel takes output row strides and row-chain arguments
-# 9: the attention and attention_combine kernels take a sink pointer (sink_ptr, SINKS: sdpa_sinks)
+# 9: the attention and attention_combine kernels take a sink pointer (sink_ptr, SINKS: sdpa_sinks);
+# 10: the attention_append (a KV-cache step's rows written by the attention launch) and sort_offsets
+# kernels, and the attention kernel's SOFTCAP (sdpa_softcap)
 
 # Where device memory starts: every arena, segment, delegate scratch block and device allocation, and
 # every value planned in one. cudaMalloc's own guarantee; a multiple of every itemsize and of the 16

@@ -28,6 +28,18 @@ Short queries (decode: a few rows per head) take two more forms, chosen by shape
   splits: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s. A split that keeps no key (past the
   positions of a decode step) stores m = -inf and adds nothing.
 
+``attention_append_kernel`` (``passes/kv_append.py``: a decode step's cache updates, as
+flash-attention's ``flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new)``) first writes
+the new rows ``k[b, hk, index[t]] = k_new[b, hk, t]`` (and v) into the caches, then runs
+``attention_kernel`` over them. A launch has no grid-wide barrier: each program writes the new rows
+that fall into its own keys (its split's with SPLIT, else all), then ``tl.debug_barrier()``, then
+reads. A row is read only by programs that wrote it; programs of one key head that write the same row
+(its query heads when not packed, its other query blocks) write the same bytes.
+
+``tritondelegate::sdpa_softcap`` (``passes/eager_attention.py``: Gemma 2's soft-capped scores) is the
+same kernel with ``SOFTCAP``: each scaled score s becomes ``SOFTCAP * tanh(s / SOFTCAP)`` before the mask
+is applied (in the log2 domain: the cap times log2(e)).
+
 The keys are walked in BLOCK_N tiles with an online softmax (running max ``m``, running sum ``l``,
 fp32 accumulator rescaled by exp(m_old - m_new)); scores live in the log2 domain (log2(e) folded into
 ``scale``) so every exponential is an ``exp2``. A row whose every key is masked out gives 0, as
@@ -38,11 +50,14 @@ copy; batch/head broadcast is stride 0); the head dims are padded to powers of t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import ops as td_ops
+from ..errors import LoweringError
 from . import sizes, target
 from .refs import FLOAT_DTYPES, TRef, broadcast_strides, node_value
 from .sizes import next_power_of_2
@@ -79,6 +94,7 @@ def _attention_tiles(
     Lq, Lk, qk_scale, lo, hi,
     E: tl.constexpr, EV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     BOUNDARY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     # Key tiles [lo, hi). BOUNDARY tiles may cross Lk or the causal diagonal and are masked;
     # the others are whole and below the diagonal, so they skip that work.
@@ -95,6 +111,8 @@ def _attention_tiles(
             kt = tl.load(kt_ptrs, mask=offs_d[:, None] < E, other=0.0)
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < EV, other=0.0)
         qk = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_UPCAST) * qk_scale
+        if SOFTCAP > 0:  # s = cap * tanh(s / cap) on the score s = qk / log2(e), kept in the log2 domain
+            qk = (SOFTCAP * 1.4426950408889634) * _tanh(qk / (SOFTCAP * 1.4426950408889634))
         if MASK != "none":
             mask_ptrs = (mask_rows + start * smask_n) + offs_n0[None, :] * smask_n
             in_bounds = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
@@ -138,6 +156,7 @@ def attention_kernel(
     E: tl.constexpr, EV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, PACK: tl.constexpr = 1, SPLIT: tl.constexpr = False, SINKS: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     tl.static_assert(PACK == 1 or not CAUSAL, "packed heads take no causal mask")
     pid_m = tl.program_id(0)
@@ -182,13 +201,13 @@ def attention_kernel(
         acc, l_i, m_i, q, k_base, v_base, mask_rows,
         offs_m, offs_d, offs_dv, sk_n, sk_d, sv_n, sv_d, smask_n,
         Lq, Lk, qk_scale, lo, whole,
-        E, EV, MASK, CAUSAL, False, BLOCK_M, BLOCK_N, DOT_UPCAST,
+        E, EV, MASK, CAUSAL, False, BLOCK_M, BLOCK_N, DOT_UPCAST, SOFTCAP,
     )
     acc, l_i, m_i = _attention_tiles(
         acc, l_i, m_i, q, k_base, v_base, mask_rows,
         offs_m, offs_d, offs_dv, sk_n, sk_d, sv_n, sv_d, smask_n,
         Lq, Lk, qk_scale, whole, hi,
-        E, EV, MASK, CAUSAL, True, BLOCK_M, BLOCK_N, DOT_UPCAST,
+        E, EV, MASK, CAUSAL, True, BLOCK_M, BLOCK_N, DOT_UPCAST, SOFTCAP,
     )
     d_ok = offs_dv[None, :] < EV
     if SPLIT:
@@ -204,6 +223,72 @@ def attention_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_rows = _row_ptrs(out_ptr, b, so_b, h0, so_h, so_m, pid_m, Lq, BLOCK_M, PACK)[:, None]
         tl.store(o_rows + offs_dv[None, :] * so_d, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+
+
+@triton.jit
+def attention_append_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, sink_ptr,
+    sq_b, sq_h, sq_m, sq_d,
+    sk_b, sk_h, sk_n, sk_d,
+    sv_b, sv_h, sv_n, sv_d,
+    smask_b, smask_h, smask_m, smask_n,
+    so_b, so_h, so_m, so_d,
+    H, GROUP, Lq, Lk, qk_scale, split_n,
+    kn_ptr, vn_ptr, idx_ptr,
+    skn_b, skn_h, skn_t, skn_d,
+    svn_b, svn_h, svn_t, svn_d,
+    sidx, Lnew,
+    E: tl.constexpr, EV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, PACK: tl.constexpr = 1, SPLIT: tl.constexpr = False, SINKS: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,
+):
+    # k[b, hk, wrap(idx[t]), :] = k_new[b, hk, t, :] and v[..] = v_new[..] for t < Lnew, then attention_kernel
+    # over the cache. No grid-wide barrier exists, so each program writes every new row that falls into
+    # the keys it may read ([lo, lo + split_n) with SPLIT, else all of them), waits for its own threads,
+    # then reads: a key row is read only by programs that wrote it themselves; programs of one key head
+    # (other query heads, other query blocks) that write the same row write the same bytes.
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // (H // PACK)
+    hk = pid_bh % (H // PACK) * PACK // GROUP
+    lo = 0
+    hi = Lk
+    if SPLIT:
+        lo = tl.program_id(2) * split_n
+        hi = tl.minimum(Lk, lo + split_n)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for t in range(0, Lnew):
+        j = tl.load(idx_ptr + t * sidx).to(tl.int64)
+        j = tl.where(j < 0, j + Lk, j)  # a negative index counts from the end, once (as index_put's)
+        # a row out of [0, Lk) (an error in eager) is written by no program
+        _copy_row(k_ptr + b * sk_b + hk * sk_h + j * sk_n, kn_ptr + b * skn_b + hk * skn_h + t * skn_t,
+                  j, lo, hi, offs_d, E, sk_d, skn_d)
+        _copy_row(v_ptr + b * sv_b + hk * sv_h + j * sv_n, vn_ptr + b * svn_b + hk * svn_h + t * svn_t,
+                  j, lo, hi, offs_dv, EV, sv_d, svn_d)
+    tl.debug_barrier()  # the program's own rows are written before any of its threads reads a key tile
+    attention_kernel(
+        q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, sink_ptr,
+        sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+        smask_b, smask_h, smask_m, smask_n, so_b, so_h, so_m, so_d,
+        H, GROUP, Lq, Lk, qk_scale, split_n,
+        E, EV, MASK, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_UPCAST, PACK, SPLIT, SINKS, SOFTCAP,
+    )
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0  # as the pointwise kernels' tanh
+
+
+@triton.jit
+def _copy_row(dst_row, src_row, j, lo, hi, offs, n, s_dst, s_src):
+    # dst_row[offs] = src_row[offs] (offs < n) when lo <= j < hi: row j of the cache, when it is one of
+    # the keys this program reads. j is spread over the lanes: the interpreter takes no scalar in a mask.
+    at = j + offs * 0
+    ok = (offs < n) & (at >= lo) & (at < hi)
+    x = tl.load(src_row + offs * s_src, mask=ok, other=0.0)
+    tl.store(dst_row + offs * s_dst, x.to(dst_row.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -321,11 +406,29 @@ def block_sizes(lq: int, lk: int, head_dim: int, dtype: torch.dtype,
     return block_m, block_n, num_warps, num_stages
 
 
-def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None,
-                     is_causal: bool, scale: float, positions: bool = False, sinks: TRef | None = None) -> None:
+@dataclass(frozen=True)
+class Append:
+    """New key/value rows the attention launch writes into its caches first (``attention_append``):
+    ``k[b, h, index[t]] = k_new[b, h, t]`` (and v), k_new/v_new [B, Hkv, Lnew, E/Ev], index [Lnew]."""
+
+    k_new: TRef
+    v_new: TRef
+    index: TRef
+
+
+def _pack(group: int, is_causal: bool, lq) -> int:
+    """Query heads per program: a key head's query heads share one program while their rows fit."""
+    return group if group > 1 and not is_causal and sizes.upper(lq) * group <= MAX_PACKED_ROWS else 1
+
+
+def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None, is_causal: bool, scale: float,
+                     positions: bool = False, sinks: TRef | None = None, append: Append | None = None,
+                     softcap: float = 0.0) -> None:
     """``out = sdpa(q, k, v, mask)``; q [.., Hq, Lq, E], k/v [.., Hkv, Lk, E/Ev], rank 2 to 4.
     ``positions``: ``mask`` is the queries' positions ([.., Lq, 1] integers), the mask
-    ``arange(Lk) <= positions``; ``sinks``: a sink logit per query head ([Hq], contiguous)."""
+    ``arange(Lk) <= positions``; ``sinks``: a sink logit per query head ([Hq], contiguous);
+    ``append``: rows written into k and v (4-d, batch not broadcast) before they are read;
+    ``softcap``: the scaled scores s become softcap * tanh(s / softcap) before the mask (0: not)."""
     out4, q4, k4, v4 = (_as_4d(t, b) for t in (out, q, k, v))
     batch, heads, lq, ev = out4.shape
     lk, e = k4.shape[2], q4.shape[3]
@@ -340,7 +443,7 @@ def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None,
     else:
         mask_arg, smask = mask, broadcast_strides(mask, (batch, heads, lq, lk))
         kind = "bool" if mask.dtype == torch.bool else "float"
-    pack = group if group > 1 and not is_causal and sizes.upper(lq) * group <= MAX_PACKED_ROWS else 1
+    pack = _pack(group, is_causal, lq)
     block_m, block_n, num_warps, num_stages = block_sizes(pack * lq, lk, max(e, ev), q.dtype, kind in ("bool", "float"))
     split_n = split_keys(batch * heads // pack, pack * lq, lk, block_m, block_n)
     splits = 1 if split_n is None else triton.cdiv(lk, split_n)
@@ -350,20 +453,49 @@ def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None,
         part = b.alloc((batch * heads * lq, splits, ev), torch.float32)
         stat = b.alloc((batch * heads * lq, splits, 2), torch.float32)
     b.launch(
-        "attention", (triton.cdiv(pack * lq, block_m), batch * heads // pack, splits),
+        "attention" if append is None else "attention_append",
+        (triton.cdiv(pack * lq, block_m), batch * heads // pack, splits),
         q4, k4, v4, mask_arg, out4, part, stat, sink_arg,
         *sq, *sk, *sv, *smask, *out4.strides,
-        heads, group, lq, lk, float(scale) * LOG2E, split_n or 0,
+        heads, group, lq, lk, float(scale) * LOG2E, split_n or 0, *_append_args(append, batch, k4.shape[1], e, ev),
         E=e, EV=ev, MASK=kind, CAUSAL=bool(is_causal),
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, next_power_of_2(e)), BLOCK_DV=max(16, next_power_of_2(ev)),
         DOT_UPCAST=False, PACK=pack, SPLIT=split_n is not None, SINKS=sinks is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **({"SOFTCAP": float(softcap)} if softcap else {}),
     )
     if split_n is not None:
         b.launch("attention_combine", (batch * heads * lq,), part, stat, out4, sink_arg, *out4.strides, heads, lq,
                  splits, EV=ev, BLOCK_S=next_power_of_2(splits), BLOCK_DV=max(16, next_power_of_2(ev)),
                  SINKS=sinks is not None, num_warps=4)
+
+
+def _append_args(append: Append | None, batch, kv_heads, e, ev) -> tuple:
+    """``attention_append``'s arguments after ``split_n``: the new rows' pointers, their strides seen
+    at [B, Hkv, Lnew, E/Ev], the index's stride and Lnew; none for plain ``attention``."""
+    if append is None:
+        return ()
+    lnew = append.index.shape[0] if append.index.ndim else 1
+    skn = broadcast_strides(append.k_new, (batch, kv_heads, lnew, e))
+    svn = broadcast_strides(append.v_new, (batch, kv_heads, lnew, ev))
+    sidx = append.index.strides[0] if append.index.ndim else 0
+    return (append.k_new, append.v_new, append.index, *skn, *svn, sidx, lnew)
+
+
+def one_query_block(node) -> bool:
+    """Whether ``node``'s attention launch (sdpa, sdpa_positions or sdpa_sinks of rank 4) has one query
+    block per (batch, key head, key split) at the sizes' upper bounds: a decode step. Only then does an
+    append of new cache rows ride in the launch (``passes/kv_append.py``): each program writes the rows
+    of its keys, and more query blocks would write them again for nothing."""
+    p = {td_ops.sdpa_positions: _positions_params, td_ops.sdpa_sinks: _sinks_params}.get(node.target, sdpa_params)(node)
+    q, k, v, out = [node_value(p[n]) for n in ("query", "key", "value")] + [node.meta.get("val")]
+    if not all(isinstance(t, torch.Tensor) and t.ndim == 4 for t in (q, k, v, out)):
+        return False
+    masked = p.get("attn_mask") is not None  # a bool or float mask (positions are none)
+    lq = sizes.size(out.shape[2])
+    pack_lq = _pack(out.shape[1] // k.shape[1], bool(p["is_causal"]), lq) * lq
+    block_m = block_sizes(pack_lq, sizes.size(k.shape[2]), max(q.shape[3], v.shape[3]), q.dtype, masked)[0]
+    return sizes.upper(pack_lq) <= block_m
 
 
 def split_keys(programs, rows, lk, block_m: int, block_n: int) -> int | None:
@@ -482,7 +614,8 @@ def sdpa(b, node):
     _launch_sdpa(b, node, p, b.ref(p["attn_mask"]) if p["attn_mask"] is not None else None)
 
 
-def _launch_sdpa(b, node, p: dict, mask: TRef | None, positions: bool = False, sinks: TRef | None = None) -> None:
+def _launch_sdpa(b, node, p: dict, mask: TRef | None, positions: bool = False, sinks: TRef | None = None,
+                 softcap: float = 0.0) -> None:
     q, k, v = (b.ref(p[n]) for n in ("query", "key", "value"))
     scale = p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     val = node.meta["val"]
@@ -492,7 +625,38 @@ def _launch_sdpa(b, node, p: dict, mask: TRef | None, positions: bool = False, s
         b.bind(node, out)
     else:
         out = b.out(node)
-    launch_attention(b, out, q, k, v, mask, bool(p["is_causal"]), scale, positions, sinks)
+    append = _append(b, p) if node.meta.get(APPEND) else None
+    launch_attention(b, out, q, k, v, mask, bool(p["is_causal"]), scale, positions, sinks, append, softcap)
+
+
+# --- new cache rows written by the attention launch (passes/kv_append.py) -------------------------------
+APPEND = "td_kv_append"  # node.meta key of an attention whose key and value are cache updates it writes
+APPENDED = "td_appended"  # node.meta key of such an update: its lowering binds the cache, launches nothing
+
+
+def update_rows(update) -> tuple | None:
+    """(cache, rows, index) of ``update`` when it is ``index_put(cache, [None, None, index], rows)``, a
+    write of rows along dim 2 (a 4-d cache's sequence dim; ``index_copy_(2, index, rows)`` decomposes
+    to it), else None."""
+    if update.target is aten.index_put.default and len(update.args) == 3 and not update.kwargs.get("accumulate"):
+        entries = list(update.args[1])
+        if len(entries) == 3 and entries[0] is None and entries[1] is None and entries[2] is not None:
+            return update.args[0], update.args[2], entries[2]
+    return None
+
+
+def _append(b, p: dict) -> Append:
+    """The rows of the key and value updates (marked APPENDED, so no launch wrote them yet)."""
+    (k_cache, k_new, index), (v_cache, v_new, v_index) = (update_rows(p[n]) for n in ("key", "value"))
+    caches = {b.ref(k_cache).buffer, b.ref(v_cache).buffer}
+    if v_index is not index:
+        raise LoweringError("internal error: an attention's appended key and value rows have two indices")
+    k_new, v_new, index = b.ref(k_new), b.ref(v_new), b.ref(index)
+    if len(caches) != 2 or k_new.buffer in caches or v_new.buffer in caches or index.buffer in caches:
+        raise LoweringError("internal error: an attention's appended rows overlap its caches")
+    for cache in (p["key"], p["value"]):
+        b.writes_in_place(b.ref(cache))
+    return Append(k_new, v_new, index)
 
 
 # --- tritondelegate::sdpa_positions ----------------------------------------------------------------
@@ -547,3 +711,26 @@ def sdpa_sinks(b, node):
     p = _sinks_params(node)
     mask = b.ref(p["attn_mask"]) if p["attn_mask"] is not None else None
     _launch_sdpa(b, node, p, mask, sinks=b.contiguous(b.ref(p["sinks"])))
+
+
+# --- tritondelegate::sdpa_softcap -------------------------------------------------------------------
+_SOFTCAP_PARAMS = ("query", "key", "value", "attn_mask", "softcap", "scale", "enable_gqa")
+
+
+def _softcap_params(node) -> dict:
+    return {**_DEFAULTS, **dict(zip(_SOFTCAP_PARAMS, node.args)), **node.kwargs}
+
+
+def supported_softcap(node) -> str | None:
+    """sdpa's support check, and a finite soft-cap above 0."""
+    p = _softcap_params(node)
+    cap = p["softcap"]
+    if not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
+        return f"softcap {cap!r}: a finite number above 0 expected"
+    return _sdpa_refusal(p, node)
+
+
+def sdpa_softcap(b, node):
+    p = _softcap_params(node)
+    mask = b.ref(p["attn_mask"]) if p["attn_mask"] is not None else None
+    _launch_sdpa(b, node, p, mask, softcap=float(p["softcap"]))

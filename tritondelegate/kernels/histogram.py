@@ -57,24 +57,16 @@ def _data_range(x_ptr, n, d1, d2, d3, d4, xs0, xs1, xs2, xs3, xs4, BLOCK_N: tl.c
 
 
 @triton.jit
-def histc_kernel(
-    out_ptr, x_ptr,
-    n, d1, d2, d3, d4,
-    xs0, xs1, xs2, xs3, xs4,
-    bins, lo, hi, out_stride,
-    FROM_DATA: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
-    CUMULATIVE: tl.constexpr = False, CAST: tl.constexpr = False,
-):
-    # CUMULATIVE: out[b] counts the elements of bins <= b (cumsum of the counts); CAST: the elements
-    # are converted to fp32 first (histc of ``x.float()``), so each step rounds in fp32
-    b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+def bin_counts(x_ptr, n, d1, d2, d3, d4, xs0, xs1, xs2, xs3, xs4, b, bins, lo, hi, FROM_DATA: tl.constexpr,
+               CUMULATIVE: tl.constexpr, CAST: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The counts (int32) of the input's elements in bins ``b``, or with CUMULATIVE in bins up to each."""
     if FROM_DATA:  # min == max: the data's range, widened by 1 each side when that is one value
         lo, hi = _data_range(x_ptr, n, d1, d2, d3, d4, xs0, xs1, xs2, xs3, xs4, BLOCK_N)
         same = lo == hi
         lo = tl.where(same, lo - 1.0, lo)
         hi = tl.where(same, hi + 1.0, hi)
     span = tl.zeros([BLOCK_N], dtype=tl.float32) + (hi - lo)
-    counts = tl.zeros([BLOCK_B], dtype=tl.int32)
+    counts = tl.zeros_like(b)
     for start in range(0, n, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N).to(tl.int64)
         mask = offs < n
@@ -90,6 +82,23 @@ def histc_kernel(
         else:
             hit = inside[:, None] & (pos[:, None] == b[None, :])
         counts += tl.sum(hit.to(tl.int32), axis=0)
+    return counts
+
+
+@triton.jit
+def histc_kernel(
+    out_ptr, x_ptr,
+    n, d1, d2, d3, d4,
+    xs0, xs1, xs2, xs3, xs4,
+    bins, lo, hi, out_stride,
+    FROM_DATA: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+    CUMULATIVE: tl.constexpr = False, CAST: tl.constexpr = False,
+):
+    # CUMULATIVE: out[b] counts the elements of bins <= b (cumsum of the counts); CAST: the elements
+    # are converted to fp32 first (histc of ``x.float()``), so each step rounds in fp32
+    b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    counts = bin_counts(x_ptr, n, d1, d2, d3, d4, xs0, xs1, xs2, xs3, xs4, b, bins, lo, hi, FROM_DATA, CUMULATIVE,
+                        CAST, BLOCK_N)
     tl.store(out_ptr + b * out_stride, counts.to(tl.float32).to(out_ptr.dtype.element_ty), mask=b < bins)
 
 

@@ -55,6 +55,21 @@ def _key(x):
 
 
 @triton.jit
+def ranks(x_row, xs, xi, i, length, DESCENDING: tl.constexpr, BLOCK_J: tl.constexpr):
+    """rank(i) of the elements ``xi`` at positions ``i`` (int32) of the row at ``x_row`` (``length``
+    elements, stride ``xs``): how many of the row's elements precede each."""
+    ki = _key(xi)
+    rank = tl.zeros_like(i)
+    for start in range(0, length, BLOCK_J):
+        j = start + tl.arange(0, BLOCK_J)
+        jmask = j < length
+        kj = _key(tl.load(x_row + j.to(tl.int64) * xs, mask=jmask, other=0))
+        before = _precedes(kj[None, :], j[None, :], ki[:, None], i[:, None], DESCENDING) & jmask[None, :]
+        rank += tl.sum(before.to(tl.int32), axis=1)
+    return rank
+
+
+@triton.jit
 def rank_kernel(
     values_ptr, indices_ptr, x_ptr,
     rows, n1, n2, length, k,
@@ -68,14 +83,7 @@ def rank_kernel(
     x_row = x_ptr + row_offsets(row, n1, n2, xs0, xs1, xs2)
     imask = i < tl.where(row < rows, length, 0)
     xi = tl.load(x_row + i.to(tl.int64) * xs3, mask=imask, other=0)
-    ki = _key(xi)
-    rank = tl.zeros([BLOCK_I], dtype=tl.int32)
-    for start in range(0, length, BLOCK_J):
-        j = start + tl.arange(0, BLOCK_J)
-        jmask = j < length
-        kj = _key(tl.load(x_row + j.to(tl.int64) * xs3, mask=jmask, other=0))
-        before = _precedes(kj[None, :], j[None, :], ki[:, None], i[:, None], DESCENDING) & jmask[None, :]
-        rank += tl.sum(before.to(tl.int32), axis=1)
+    rank = ranks(x_row, xs3, xi, i, length, DESCENDING, BLOCK_J)
     keep = imask & (rank < k)
     place = rank.to(tl.int64)
     tl.store(values_ptr + row_offsets(row, n1, n2, vs0, vs1, vs2) + place * vs3, xi, mask=keep)

@@ -33,6 +33,7 @@ from . import router
 from . import rotary as rot
 from . import scatter as sc
 from . import softmax as sm
+from . import sort_offsets as so
 
 aten = torch.ops.aten
 
@@ -204,6 +205,7 @@ OPS: dict[object, OpSpec] = {
     aten.scaled_dot_product_attention.default: OpSpec(attn.sdpa, attn.supported),
     td_ops.sdpa_positions: OpSpec(attn.sdpa_positions, attn.supported_positions),  # attention.py
     td_ops.sdpa_sinks: OpSpec(attn.sdpa_sinks, attn.supported_sinks),  # attention.py
+    td_ops.sdpa_softcap: OpSpec(attn.sdpa_softcap, attn.supported_softcap),  # attention.py
     # softmax: softmax.py
     aten._softmax.default: OpSpec(sm.softmax(log=False), sm.supported),
     aten._log_softmax.default: OpSpec(sm.softmax(log=True), sm.supported),
@@ -251,6 +253,7 @@ OPS: dict[object, OpSpec] = {
     td_ops.router_topk: OpSpec(router.router_topk, router.supported),  # router.py
     td_ops.group_router: OpSpec(router.group_router, router.supported_group),  # router.py
     td_ops.rope_linear: OpSpec(mm.rope_linear, mm.supported_rope),  # matmul.py
+    td_ops.sort_offsets: OpSpec(so.sort_offsets, so.supported),  # sort_offsets.py
 }
 
 # Ops of other libraries, by qualified overload name: present in a graph only where the library that

@@ -202,6 +202,9 @@ def _apart(b, ref: TRef, dst: TRef) -> TRef:
 def _scatter_update(b, node, accumulate: bool, scatter) -> None:
     """Run ``scatter(dst)`` (it launches the scatter kernel into ``dst``) on ``node``'s destination.
     fp16/bf16 accumulation goes through an fp32 copy of ``self``, cast back into the destination."""
+    if node.meta.get("td_appended") and _in_place(node):  # the attention launch that reads it writes the rows
+        _destination(b, node)
+        return
     self_ref = b.ref(node.args[0])
     staged = accumulate and self_ref.dtype in HALF_DTYPES
     dst = _destination(b, node, copy_self=not staged)

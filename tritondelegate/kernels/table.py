@@ -7,7 +7,7 @@ ATen ops). Each kernel's footprint rule (``runtime/footprints.py``) and traffic 
 from __future__ import annotations
 
 from . import attention, batchnorm, conv, creation, elementwise, index, matmul, norm, pad, pool, reduce, rotary
-from . import grouped_mm, histogram, ranking, router, scatter, softmax
+from . import grouped_mm, histogram, ranking, router, scatter, softmax, sort_offsets
 
 KERNELS: dict[str, object] = {
     "pointwise": elementwise.pointwise_kernel,
@@ -18,6 +18,7 @@ KERNELS: dict[str, object] = {
     "cumsum": index.cumsum_kernel,
     "rank": ranking.rank_kernel,
     "histc": histogram.histc_kernel,
+    "sort_offsets": sort_offsets.sort_offsets_kernel,
     "router": router.router_kernel,
     "group_router": router.group_router_kernel,
     "scatter": scatter.scatter_kernel,
@@ -27,6 +28,7 @@ KERNELS: dict[str, object] = {
     "pool2d": pool.pool2d_kernel,
     "batch_norm": batchnorm.batch_norm_kernel,
     "attention": attention.attention_kernel,
+    "attention_append": attention.attention_append_kernel,
     "attention_combine": attention.attention_combine_kernel,
     "softmax": softmax.softmax_kernel,
     "norm": norm.norm_kernel,

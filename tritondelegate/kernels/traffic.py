@@ -137,9 +137,16 @@ def _causal_pairs(lq: int, lk: int) -> int:
 
 
 def _attention_flops(a: Args) -> int:
-    # per (batch, head) = grid axis 1 x PACK and visited (i, j) pair: q.k over E, p.v over EV, 2 FLOPs a term
+    # per (batch, head) = grid axis 1 x PACK and visited (i, j) pair: q.k over E, p.v over EV, 2 FLOPs a term;
+    # a soft-cap adds a divide, a tanh and a multiply per pair
     pairs = _causal_pairs(a["Lq"], a["Lk"]) if a["CAUSAL"] else a["Lq"] * a["Lk"]
-    return a["grid"][1] * a["PACK"] * pairs * 2 * (a["E"] + a["EV"])
+    per_pair = 2 * (a["E"] + a["EV"]) + (2 + POINTWISE_FLOPS["tanh"] if a.get("SOFTCAP") else 0)
+    return a["grid"][1] * a["PACK"] * pairs * per_pair
+
+
+def _new_rows(a: Args) -> int:
+    """Cache rows an ``attention_append`` launch writes: Lnew per (batch, key head)."""
+    return max(1, a["grid"][1] * a["PACK"] // a["GROUP"]) * a["Lnew"]
 
 
 def _norm_flops(a: Args) -> int:
@@ -233,6 +240,10 @@ TRAFFIC: dict[str, KernelTraffic] = {
     # each element's bin (4 ops) compared with every bin
     "histc": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
                            flops=lambda a: a["n"] * (4 + a["bins"])),
+    # "rank" over the one row, then "histc" over the same elements
+    "sort_offsets": KernelTraffic(reads=(Access("x_ptr"),),
+                                  writes=(Access("values_ptr"), Access("indices_ptr"), Access("offsets_ptr")),
+                                  flops=lambda a: 3 * a["n"] * a["n"] + a["n"] * (4 + a["bins"])),
     # dst[direct(o) + index terms] = src[o] (+= atomically: ACCUMULATE reads dst too); a scalar source
     # passes dst as a stand-in
     # with PAIR also dst2 from src2 at the same indices (grid axis 1)
@@ -299,6 +310,16 @@ TRAFFIC: dict[str, KernelTraffic] = {
                Access("sink_ptr", lambda a: a["SINKS"] and not a["SPLIT"])),
         writes=(Access("out_ptr", lambda a: not a["SPLIT"]), Access("part_ptr", _flag("SPLIT")),
                 Access("stat_ptr", _flag("SPLIT"))),
+        flops=_attention_flops,
+    ),
+    # attention's, and first the new rows (read through their strides) written at their indices
+    "attention_append": KernelTraffic(
+        reads=(Access("q_ptr"), Access("k_ptr"), Access("v_ptr"), Access("mask_ptr", lambda a: a["MASK"] != "none"),
+               Access("sink_ptr", lambda a: a["SINKS"] and not a["SPLIT"]), Access("kn_ptr"), Access("vn_ptr"),
+               Access("idx_ptr")),
+        writes=(Access("out_ptr", lambda a: not a["SPLIT"]), Access("part_ptr", _flag("SPLIT")),
+                Access("stat_ptr", _flag("SPLIT")), Access("k_ptr", at_most=lambda a: _new_rows(a) * a["E"]),
+                Access("v_ptr", at_most=lambda a: _new_rows(a) * a["EV"])),
         flops=_attention_flops,
     ),
     # per row and split: a weight (exp2), then EV multiply-adds of the partial and one of the sum

@@ -9,7 +9,7 @@ transformers sends each token to its k experts (``grouped_mm_experts_forward``) 
     inv = empty_like(perm); inv[perm] = arange(S)             (3) the inverse order,
     y = y[inv]                                                    and the rows put back by it
 
-six launches besides the GEMMs. Three rewrites make them two:
+six launches besides the GEMMs. Three rewrites make them two, and a fourth (7. below) one:
 
 1. **Rows read in place**: a grouped GEMM (``glu_grouped_mm``, ``grouped_mm_fallback``,
    ``aten._grouped_mm``) whose input is ``index(hidden, [i])`` read by nothing else reads ``hidden``
@@ -23,6 +23,14 @@ six launches besides the GEMMs. Three rewrites make them two:
 3. **Unsort as a scatter**: ``y[inv]`` with ``inv = index_put(empty, [perm], arange(S))`` and
    ``perm`` the indices of a 1-D ``sort`` (a permutation of 0..S-1, so inv is its inverse) is
    ``index_put(empty_like(y), [perm], y)``: row r of y goes to row perm[r], one launch instead of two.
+
+Then the down GEMM stores its rows in token order (4.), the experts' biases are read in the GEMMs (5.),
+GPT-OSS's gating runs in gate/up's tile (6.), and last (the others match the sort itself):
+
+7. **Order and offsets in one launch**: ``cumulative_histc`` of a 1-D ``sort``'s values, and the sort,
+   become ``tritondelegate::sort_offsets`` (values, indices, offsets): one kernel ranks the ids as the
+   sort's kernel does and counts them as the histogram's does (the counts do not depend on the order),
+   so the results are the two launches'. Only where the kernel takes both (``kernels/sort_offsets.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from ..ops import CLAMPED_SWIGLU
 from ..kernels import grouped_mm as gmm
 from ..kernels import histogram as hist
 from ..kernels import sizes
+from ..kernels import sort_offsets as so
 from ..kernels.creation import is_empty
 from ..kernels.registry import external_name
 from ..kernels.rows import node_arg
@@ -435,8 +444,41 @@ def _clamped_glu(graph, ep, out, y, alpha, limit) -> str:
             f"-> {new.name} (tritondelegate::glu_grouped_mm, {CLAMPED_SWIGLU})")
 
 
+# --- 7. the sort and the offsets in one launch ------------------------------------------------------
+def _match_sort_offsets(node) -> tuple | None:
+    """(sort, args of sort_offsets) when ``node`` is ``cumulative_histc`` of a 1-D sort's values."""
+    if not is_call(node, ops.cumulative_histc):
+        return None
+    sort = _sort_of(node.args[0], 0)
+    if sort is None:
+        return None
+    x = sort.args[0]
+    if sort.target is aten.sort.stable:
+        descending = sort.kwargs.get("descending", False)
+    else:
+        descending = node_arg(sort, 2, "descending", False)
+    args = (x, bool(descending), *node.args[1:6])
+    return None if so.refusal(tensor_val(x), *args[2:]) is not None else (sort, args)
+
+
+def _sort_offsets(graph, ep, node, sort, args) -> str:
+    picks = {item: [u for u in sort.users if is_call(u, operator.getitem) and u.args[1] == item] for item in (0, 1)}
+    with graph.inserting_before(sort):
+        val = fake(lambda v: ops.sort_offsets(v, *args[1:]), tensor_val(args[0]))
+        new = new_node(graph, ops.sort_offsets, args, val, sort.meta)
+        results = [new_node(graph, operator.getitem, (new, j), val[j], meta.meta)
+                   for j, meta in ((0, sort), (1, sort), (2, node))]
+    for old, fresh in [*((p, results[j]) for j in (0, 1) for p in picks[j]), (node, results[2])]:
+        replace_node(ep, old, fresh)
+    graph.erase_node(node)
+    erase_unused(graph, [*picks[0], *picks[1], *results])
+    return (f"expert order and offsets in one launch: {sort.name} and {node.name} -> {new.name} "
+            f"(tritondelegate::sort_offsets)")
+
+
 def expert_dispatch(ep: torch.export.ExportedProgram) -> list[str]:
-    """The six rewrites over ``ep``'s graph, in place; one description per rewrite."""
+    """The seven rewrites over ``ep``'s graph, in place; one description per rewrite."""
     return (rewrite_matches(ep, _match_rows, _read_rows) + rewrite_matches(ep, _match_offsets, _offsets)
             + rewrite_matches(ep, _match_unsort, _unsort) + rewrite_matches(ep, _match_scatter, _scatter_rows)
-            + rewrite_matches(ep, _match_bias, _biased) + rewrite_matches(ep, _match_clamped_glu, _clamped_glu))
+            + rewrite_matches(ep, _match_bias, _biased) + rewrite_matches(ep, _match_clamped_glu, _clamped_glu)
+            + rewrite_matches(ep, _match_sort_offsets, _sort_offsets))

@@ -21,8 +21,10 @@ constant folding and partitioning:
   pairs, before the rotary passes pair and fuse it like any other;
 * ``eager_attention``: attention written out (``softmax(q @ k^T * scale + mask) @ v``, transformers'
   eager attention, ``repeat_kv`` included) becomes one ``aten.scaled_dot_product_attention``, and
-  GPT-OSS's with attention sinks one ``tritondelegate::sdpa_sinks`` (one launch instead of six to
-  eight per layer), before ``position_mask`` looks at its mask;
+  GPT-OSS's with attention sinks one ``tritondelegate::sdpa_sinks``, Gemma 2's soft-capped scores one
+  ``tritondelegate::sdpa_softcap`` (one launch instead of six to eight per layer), several terms added
+  to the scores (position bias, ALiBi, masks) one float mask shared by the layers that add the same
+  terms (``score_mask.py``), before ``position_mask`` looks at its mask;
 * ``position_mask``: an attention mask built per call from positions (``arange(S) <= positions``, a
   KV-cache decoder's) becomes ``tritondelegate::sdpa_positions``, whose kernel compares indices;
 * ``fuse_glu``: a gated MLP's ``act(linear(x, Wg)) * linear(x, Wu)`` becomes one
@@ -30,8 +32,9 @@ constant folding and partitioning:
 * ``fuse_grouped_glu``: a Mixture-of-Experts layer's grouped gate/up GEMM split in halves and gated
   becomes one ``tritondelegate::glu_grouped_mm`` over the experts' weights interleaved;
 * ``expert_dispatch``: a Mixture-of-Experts layer's bookkeeping around its grouped GEMMs in fewer
-  launches: the gathered token rows read in the GEMM's loads, the offsets per expert (cast, histc,
-  cumsum) one ``tritondelegate::cumulative_histc``, the unsort (inverse order, gather) one scatter;
+  launches: the gathered token rows read in the GEMM's loads, the stable sort of the chosen expert ids
+  and the offsets per expert (cast, histc, cumsum) one ``tritondelegate::sort_offsets``, the rows
+  stored back in token order by the down GEMM (no unsort), per-expert biases read per row;
 * ``fuse_router``: a router's softmax, top-k and renormalization (or top-k, then softmax) become one
   ``tritondelegate::router_topk`` (one program per row of logits);
 * ``fuse_projections``: linears that read the same input (Q/K/V; gate/up) become one linear over

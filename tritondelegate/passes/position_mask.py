@@ -20,6 +20,12 @@ key_index)``) with
 
 and the attention takes no dropout and no ``is_causal``. ``positions`` then broadcasts to the queries'
 rows as the mask broadcast to the scores. Nodes only the mask read are removed.
+
+The float mask transformers builds for eager attention, ``where(key_index <= positions, 0, finfo.min)``
+(an sdpa's once ``eager_attention`` rewrote it), is that bool mask too: 0 where it keeps, and a value
+at most -1e30 (or -inf) where it masks, which swallows any score. The two differ only in a row that
+keeps no key (a position below 0, which no cache has): eager's softmax spreads it evenly over the
+masked keys where the kernel gives 0.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ import torch.fx
 
 from ..kernels.attention import sdpa_params
 from ..ops import sdpa_positions
+from .eager_attention import FILL_MAX, fill_value
 from .fold_constants import constant_inputs
-from .rewrite import erase_unused, is_call, new_node, tensor_val
+from .rewrite import cast_input, erase_unused, is_call, new_node, tensor_val
 
 aten = torch.ops.aten
 
@@ -75,6 +82,13 @@ def _positions(sdpa: torch.fx.Node, constants: dict):
     if mask is None or p["dropout_p"] != 0 or p["is_causal"] or key is None or not isinstance(key.shape[-2], int):
         return None
     compare = _strip(mask, _PASS_THROUGH)
+    while cast_input(compare) is not None:  # a float cast keeps 0 and a fill at most -1e30 (or -inf)
+        compare = _strip(cast_input(compare), _PASS_THROUGH)
+    if is_call(compare, aten.where.self) and fill_value(compare.args[1], constants) == 0:
+        fill = fill_value(compare.args[2], constants)
+        if fill is None or not fill <= FILL_MAX:
+            return None
+        compare = _strip(compare.args[0], _PASS_THROUGH)  # where(keep, 0, min): the bool mask keep
     if is_call(compare, aten.le.Tensor):
         index, positions = compare.args[:2]
     elif is_call(compare, aten.ge.Tensor):

@@ -238,6 +238,25 @@ def _attention(x: LaunchArgs) -> Footprint:
     return Footprint(acc, grid, {"batch x heads x queries": bh * pack * max(Lq, 0), "keys": Lk})
 
 
+def _attention_append(x: LaunchArgs) -> Footprint:
+    """``_attention``, and the rows it writes first: new rows [b, hk, Lnew] read through their strides,
+    each written at a row of the cache (k, v) that its index names, masked to [0, Lk)."""
+    fp = _attention(x)
+    H, group, pack, Lnew = x.i("H"), x.i("GROUP"), x.c["PACK"], x.i("Lnew")
+    b, h = (x.grid[1] - 1) // (H // pack) + 1, min(H, x.grid[1] * pack)
+    hk = (h - 1) // group + 1
+    E, EV, Lk = x.c["E"], x.c["EV"], x.i("Lk")
+    fp.accesses += [
+        Access("k_ptr", _walk((b, hk, Lk, E), (x.i("sk_b"), x.i("sk_h"), x.i("sk_n"), x.i("sk_d"))), write=True),
+        Access("v_ptr", _walk((b, hk, Lk, EV), (x.i("sv_b"), x.i("sv_h"), x.i("sv_n"), x.i("sv_d"))), write=True),
+        Access("kn_ptr", _walk((b, hk, Lnew, E), (x.i("skn_b"), x.i("skn_h"), x.i("skn_t"), x.i("skn_d")))),
+        Access("vn_ptr", _walk((b, hk, Lnew, EV), (x.i("svn_b"), x.i("svn_h"), x.i("svn_t"), x.i("svn_d")))),
+        Access("idx_ptr", ((Lnew, x.i("sidx")),)),
+    ]
+    fp.sizes["new rows"] = Lnew
+    return fp
+
+
 def _attention_combine(x: LaunchArgs) -> Footprint:
     H, Lq, S = x.d("H", "Lq", "S")
     rows, EV = x.grid[0], x.c["EV"]  # program = query row (b * H + h) * Lq + i
@@ -419,6 +438,16 @@ def _histc(x: LaunchArgs) -> Footprint:
     return Footprint(acc, (_cdiv(bins, x.c["BLOCK_B"]),), {"bins": bins, "elements": n})
 
 
+def _sort_offsets(x: LaunchArgs) -> Footprint:
+    """Program p ranks elements from p * BLOCK_I and counts bins from p * BLOCK_B of the 1-D x."""
+    n, bins = x.i("n"), x.i("bins")
+    acc = [Access("x_ptr", ((n, x.i("xs")),)), Access("values_ptr", ((n, x.i("vs")),), write=True),
+           Access("indices_ptr", ((n, x.i("ist")),), write=True),
+           Access("offsets_ptr", ((bins, x.i("os")),), write=True)]
+    grid = (max(_cdiv(n, x.c["BLOCK_I"]), _cdiv(bins, x.c["BLOCK_B"])),)
+    return Footprint(acc, grid, {"length": n, "bins": bins})
+
+
 def _pool2d(x: LaunchArgs) -> Footprint:
     total, H, W = x.i("total"), x.i("H"), x.i("W")
     n, c, oh, ow = _unravel(total, x.d("C", "OH", "OW"))
@@ -526,6 +555,13 @@ _GEMM = {"BLOCK_M": pow2(16, 256), "BLOCK_N": pow2(16, 256), "BLOCK_K": pow2(16,
 _GEMM_TILES = (("BLOCK_M", "BLOCK_N"), ("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))
 _ROWS = {"BLOCK_R": pow2(1, 4096), "BLOCK_C": pow2(1, 8192)}
 
+_ATTENTION = {  # attention's constexprs (attention_append's too)
+    "E": in_range(0, 512), "EV": in_range(0, 512), "MASK": one_of("none", "bool", "float", "positions"), "CAUSAL": FLAG,
+    "BLOCK_M": pow2(16, 256), "BLOCK_N": pow2(16, 256), "BLOCK_D": pow2(16, 512), "BLOCK_DV": pow2(16, 512),
+    "DOT_UPCAST": FLAG, "PACK": in_range(1, 256), "SPLIT": FLAG, "SINKS": FLAG, "SOFTCAP": NUMBER}
+_ATTENTION_TILES = (("BLOCK_M", "BLOCK_N"), ("BLOCK_M", "BLOCK_D"), ("BLOCK_M", "BLOCK_DV"), ("BLOCK_N", "BLOCK_D"),
+                    ("BLOCK_N", "BLOCK_DV"))
+
 RULES: dict[str, KernelRule] = {
     "pointwise": KernelRule(_pointwise, {
         "OP": POINTWISE_OPS, "ALPHA": NUMBER, "NARGS": in_range(1, 3), "A_SCALAR": FLAG, "B_SCALAR": FLAG,
@@ -547,6 +583,9 @@ RULES: dict[str, KernelRule] = {
     "histc": KernelRule(_histc, {"FROM_DATA": FLAG, "CUMULATIVE": FLAG, "CAST": FLAG,
                                  "BLOCK_B": pow2(1, 4096), "BLOCK_N": pow2(1, 4096)},
                         (("BLOCK_N", "BLOCK_B"),)),
+    "sort_offsets": KernelRule(_sort_offsets, {
+        "DESCENDING": FLAG, "FROM_DATA": FLAG, "CAST": FLAG, "BLOCK_I": pow2(1, 4096), "BLOCK_J": pow2(1, 4096),
+        "BLOCK_B": pow2(1, 4096), "BLOCK_N": pow2(1, 4096)}, (("BLOCK_I", "BLOCK_J"), ("BLOCK_N", "BLOCK_B"))),
     "scatter": KernelRule(_scatter, {"NUM_INDICES": in_range(1, 3), "ACCUMULATE": FLAG, "SRC_SCALAR": FLAG,
                                      "BLOCK": BLOCK, "PAIR": FLAG}),
     "matmul": KernelRule(_matmul, {
@@ -571,12 +610,8 @@ RULES: dict[str, KernelRule] = {
         "COUNT_INCLUDE_PAD": FLAG, "DIVISOR_OVERRIDE": FLAG, "WRITE_INDICES": FLAG,
         "BLOCK_M": pow2(1, 4096), "BLOCK_K": pow2(1, 4096)}, (("BLOCK_M", "BLOCK_K"),)),
     "batch_norm": KernelRule(_batch_norm, {"HAS_WEIGHT": FLAG, "HAS_BIAS": FLAG, "BLOCK": BLOCK}),
-    "attention": KernelRule(_attention, {
-        "E": in_range(0, 512), "EV": in_range(0, 512), "MASK": one_of("none", "bool", "float", "positions"), "CAUSAL": FLAG,
-        "BLOCK_M": pow2(16, 256), "BLOCK_N": pow2(16, 256), "BLOCK_D": pow2(16, 512), "BLOCK_DV": pow2(16, 512),
-        "DOT_UPCAST": FLAG, "PACK": in_range(1, 256), "SPLIT": FLAG, "SINKS": FLAG},
-        (("BLOCK_M", "BLOCK_N"), ("BLOCK_M", "BLOCK_D"), ("BLOCK_M", "BLOCK_DV"), ("BLOCK_N", "BLOCK_D"),
-         ("BLOCK_N", "BLOCK_DV"))),
+    "attention": KernelRule(_attention, _ATTENTION, _ATTENTION_TILES),
+    "attention_append": KernelRule(_attention_append, _ATTENTION, _ATTENTION_TILES),
     "attention_combine": KernelRule(_attention_combine, {
         "EV": in_range(1, 512), "BLOCK_S": pow2(1, 256), "BLOCK_DV": pow2(16, 512), "SINKS": FLAG},
         (("BLOCK_S", "BLOCK_DV"),)),

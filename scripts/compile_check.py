@@ -324,6 +324,33 @@ class KVAppendAttention(nn.Module):
         return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, enable_gqa=True)
 
 
+class WindowCacheAttention(nn.Module):
+    """A sliding-window layer over a static cache (8 key/value heads): the new rows written at ``pos``,
+    then ``tritondelegate::sdpa_positions`` with a window and a soft-cap or sinks (what
+    ``passes/position_mask.py`` makes of Gemma 2's and GPT-OSS's eager attention); one query row per
+    call appends its rows in the attention launch."""
+
+    def __init__(self, dtype, heads: int, head_dim: int, keys: int, window: int, softcap: float, sinks: bool):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, 8, keys, head_dim, dtype=dtype))
+        self.register_buffer("v", torch.zeros(1, 8, keys, head_dim, dtype=dtype))
+        self.sinks = nn.Parameter(_randn(heads, dtype=dtype)) if sinks else None
+        self.window, self.softcap, self.scale = window, softcap, head_dim ** -0.5
+
+    def forward(self, q, k, v, pos):
+        self.k[:, :, pos] = k
+        self.v[:, :, pos] = v
+        return torch.ops.tritondelegate.sdpa_positions(q, self.k, self.v, pos[:, None], self.scale, True,
+                                                       window=self.window, softcap=self.softcap, sinks=self.sinks)
+
+
+def _window_attention(dtype, heads: int, head_dim: int, seq: int, keys: int, window: int, softcap: float = 0.0,
+                      sinks: bool = False):
+    model = WindowCacheAttention(dtype, heads, head_dim, keys, window, softcap, sinks)
+    return model, (_randn(1, heads, seq, head_dim, dtype=dtype), _randn(1, 8, seq, head_dim, dtype=dtype),
+                   _randn(1, 8, seq, head_dim, dtype=dtype), torch.arange(keys // 3, keys // 3 + seq))
+
+
 def _kv_append(dtype, keys: int):
     return KVAppendAttention(dtype, keys), (_randn(1, 32, 1, 128, dtype=dtype), _randn(1, 8, 1, 128, dtype=dtype),
                                             _randn(1, 8, 1, 128, dtype=dtype), torch.tensor([keys // 3]))
@@ -513,6 +540,11 @@ def _attention_cases(d) -> dict[str, callable]:
         # the new k/v rows written by the attention launch: a long cache (split keys), a short one (one pass)
         "attn_kv_append_decode": lambda: _kv_append(d, 4096),
         "attn_kv_append_short": lambda: _kv_append(d, 200),
+        # sliding-window layers, mask from positions (WINDOW): Gemma-2-9B's soft-capped decode appending its
+        # rows over a 4096-key cache (split keys), GPT-OSS-20B's with sinks, and a Gemma 2 prefill
+        "attn_window_softcap_decode": lambda: _window_attention(d, 16, 256, 1, 4096, 1024, softcap=50.0),
+        "attn_window_sinks_decode": lambda: _window_attention(d, 64, 64, 1, 4096, 128, sinks=True),
+        "attn_window_softcap_prefill": lambda: _window_attention(d, 16, 256, 512, 1024, 256, softcap=50.0),
     }
 
 

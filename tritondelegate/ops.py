@@ -23,10 +23,13 @@ place of a written-out pattern, so one kernel runs them.
         kernel computes in fp32 and rounds once, to the result's dtype)
 
     tritondelegate::sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale,
-                                   bool enable_gqa) -> Tensor
+                                   bool enable_gqa, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor
         scaled_dot_product_attention(q, k, v, attn_mask=arange(Lk) <= positions): each query attends
         to the keys at or before its position (``positions`` int, broadcasting to [..., Lq, 1]), the
-        mask a KV-cache decoder builds per call; the kernel compares indices instead of reading a mask
+        mask a KV-cache decoder builds per call; the kernel compares indices instead of reading a mask.
+        ``window`` > 0 keeps only the last ``window`` of them too, ``arange(Lk) > positions - window``
+        (a sliding-window layer's mask); ``softcap`` > 0 soft-caps the scores as ``sdpa_softcap``,
+        ``sinks`` adds a sink logit per head as ``sdpa_sinks`` (not both)
 
     tritondelegate::sdpa_sinks(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor sinks, float? scale,
                                bool enable_gqa) -> Tensor
@@ -119,7 +122,8 @@ _lib.define("rotary_angles(Tensor x, Tensor angles, float scale, ScalarType dtyp
 _lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, ScalarType dtype, "
             "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0, bool interleaved=False, "
             "ScalarType? out_dtype=None) -> (Tensor, Tensor)")
-_lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa) -> Tensor")
+_lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa, "
+            "int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor")
 _lib.define("sdpa_sinks(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor sinks, float? scale, "
             "bool enable_gqa) -> Tensor")
 _lib.define("glu_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor")
@@ -245,21 +249,30 @@ def _rotary_pair_angles_fake(q, k, angles, scale, dtype, q_norm=None, k_norm=Non
             _rotary_angles_fake(k, angles, scale, dtype, k_norm, norm_eps, interleaved, out_dtype))
 
 
-def positions_mask(positions: torch.Tensor, length: int) -> torch.Tensor:
-    """``arange(length) <= positions``: True where a key (last dim) is at or before the query's position."""
-    return torch.arange(length, device=positions.device) <= positions
+def positions_mask(positions: torch.Tensor, length: int, window: int = 0) -> torch.Tensor:
+    """``arange(length) <= positions``: True where a key (last dim) is at or before the query's position;
+    with ``window`` > 0 also after ``positions - window`` (the last ``window`` keys up to it)."""
+    index = torch.arange(length, device=positions.device)
+    mask = index <= positions
+    return mask & (index > positions - window) if window > 0 else mask
 
 
 @torch.library.impl(_lib, "sdpa_positions", "CompositeExplicitAutograd")
-def _sdpa_positions(q, k, v, positions, scale, enable_gqa):
-    mask = positions_mask(positions, k.shape[-2])
+def _sdpa_positions(q, k, v, positions, scale, enable_gqa, window=0, softcap=0.0, sinks=None):
+    mask = positions_mask(positions, k.shape[-2], window)
+    if sinks is not None and softcap:
+        raise ValueError("tritondelegate::sdpa_positions takes sinks or a softcap, not both")
+    if sinks is not None:
+        return sdpa_sinks_reference(q, k, v, mask, sinks, scale, enable_gqa)
+    if softcap:
+        return sdpa_softcap_reference(q, k, v, mask, softcap, scale, enable_gqa)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                             enable_gqa=enable_gqa)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::sdpa_positions")
-def _sdpa_positions_fake(q, k, v, positions, scale, enable_gqa):
-    return _sdpa_positions(q, k, v, positions, scale, enable_gqa)
+def _sdpa_positions_fake(q, k, v, positions, scale, enable_gqa, window=0, softcap=0.0, sinks=None):
+    return _sdpa_positions(q, k, v, positions, scale, enable_gqa, window, softcap, sinks)
 
 
 def sdpa_sinks_reference(q, k, v, attn_mask, sinks, scale, enable_gqa) -> torch.Tensor:

@@ -7,7 +7,10 @@
 ``tritondelegate::sdpa_positions`` (``passes/position_mask.py``: a mask ``arange(Lk) <= positions``
 that a KV-cache decoder builds per call) is the same kernel with ``MASK="positions"``: the mask pointer
 is then the queries' positions (one integer per row, [B, H, Lq] strides), key j is kept when j is at
-most the row's position, and key tiles past the block's last position are never read.
+most the row's position, and key tiles past the block's last position are never read. With a sliding
+window (``WINDOW`` > 0: the op's ``window``) key j is also dropped when j <= position - WINDOW, and the
+tiles wholly before the block's first position - WINDOW + 1 are never read either: a sliding-window
+layer reads at most WINDOW keys (and a tile each side) per row, however long the cache.
 
 ``tritondelegate::sdpa_sinks`` (``passes/eager_attention.py``: GPT-OSS's attention sinks) is the same
 kernel with ``SINKS``: head h has a sink logit t_h that joins each of its rows' softmax denominators
@@ -94,7 +97,7 @@ def _attention_tiles(
     Lq, Lk, qk_scale, lo, hi,
     E: tl.constexpr, EV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     BOUNDARY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0,
 ):
     # Key tiles [lo, hi). BOUNDARY tiles may cross Lk or the causal diagonal and are masked;
     # the others are whole and below the diagonal, so they skip that work.
@@ -118,7 +121,10 @@ def _attention_tiles(
             in_bounds = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
             if MASK == "positions":  # key j kept when j <= the query's position (one per row)
                 qpos = tl.load(mask_rows, mask=offs_m[:, None] < Lq, other=-1)
-                qk = tl.where(offs_n[None, :] <= qpos, qk, float("-inf"))
+                keep = offs_n[None, :] <= qpos
+                if WINDOW > 0:  # and j > position - WINDOW: the last WINDOW keys up to it
+                    keep = keep & (offs_n[None, :] > qpos - WINDOW)
+                qk = tl.where(keep, qk, float("-inf"))
             elif MASK == "bool":
                 keep = tl.load(mask_ptrs, mask=in_bounds, other=0)
                 qk = tl.where(keep != 0, qk, float("-inf"))
@@ -156,7 +162,7 @@ def attention_kernel(
     E: tl.constexpr, EV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, PACK: tl.constexpr = 1, SPLIT: tl.constexpr = False, SINKS: tl.constexpr = False,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0,
 ):
     tl.static_assert(PACK == 1 or not CAUSAL, "packed heads take no causal mask")
     pid_m = tl.program_id(0)
@@ -191,23 +197,23 @@ def attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    whole, hi = _key_range(mask_rows, offs_m, pid_m, Lq, Lk, MASK, CAUSAL, BLOCK_M, BLOCK_N)
-    lo = 0
+    lo, whole, hi = _key_range(mask_rows, offs_m, pid_m, Lq, Lk, MASK, CAUSAL, BLOCK_M, BLOCK_N, WINDOW)
     if SPLIT:  # this program's share of the keys: [split * split_n, + split_n), split_n whole tiles
-        lo = tl.program_id(2) * split_n
-        hi = tl.minimum(hi, lo + split_n)
+        start = tl.program_id(2) * split_n
+        hi = tl.minimum(hi, start + split_n)
+        lo = tl.maximum(lo, start)
         whole = tl.maximum(tl.minimum(whole, hi), lo)
     acc, l_i, m_i = _attention_tiles(
         acc, l_i, m_i, q, k_base, v_base, mask_rows,
         offs_m, offs_d, offs_dv, sk_n, sk_d, sv_n, sv_d, smask_n,
         Lq, Lk, qk_scale, lo, whole,
-        E, EV, MASK, CAUSAL, False, BLOCK_M, BLOCK_N, DOT_UPCAST, SOFTCAP,
+        E, EV, MASK, CAUSAL, False, BLOCK_M, BLOCK_N, DOT_UPCAST, SOFTCAP, WINDOW,
     )
     acc, l_i, m_i = _attention_tiles(
         acc, l_i, m_i, q, k_base, v_base, mask_rows,
         offs_m, offs_d, offs_dv, sk_n, sk_d, sv_n, sv_d, smask_n,
         Lq, Lk, qk_scale, whole, hi,
-        E, EV, MASK, CAUSAL, True, BLOCK_M, BLOCK_N, DOT_UPCAST, SOFTCAP,
+        E, EV, MASK, CAUSAL, True, BLOCK_M, BLOCK_N, DOT_UPCAST, SOFTCAP, WINDOW,
     )
     d_ok = offs_dv[None, :] < EV
     if SPLIT:
@@ -241,7 +247,7 @@ def attention_append_kernel(
     E: tl.constexpr, EV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, PACK: tl.constexpr = 1, SPLIT: tl.constexpr = False, SINKS: tl.constexpr = False,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0,
 ):
     # k[b, hk, wrap(idx[t]), :] = k_new[b, hk, t, :] and v[..] = v_new[..] for t < Lnew, then attention_kernel
     # over the cache. No grid-wide barrier exists, so each program writes every new row that falls into
@@ -272,7 +278,7 @@ def attention_append_kernel(
         sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
         smask_b, smask_h, smask_m, smask_n, so_b, so_h, so_m, so_d,
         H, GROUP, Lq, Lk, qk_scale, split_n,
-        E, EV, MASK, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_UPCAST, PACK, SPLIT, SINKS, SOFTCAP,
+        E, EV, MASK, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_UPCAST, PACK, SPLIT, SINKS, SOFTCAP, WINDOW,
     )
 
 
@@ -315,8 +321,9 @@ def _row_ptrs(ptr, b, s_b, h0, s_h, s_m, pid_m, Lq, BLOCK_M: tl.constexpr, PACK:
 
 @triton.jit
 def _key_range(mask_rows, offs_m, pid_m, Lq, Lk, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # (whole, hi): the block reads key tiles [0, hi); those below `whole` need no bounds/causal mask.
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = 0):
+    # (lo, whole, hi): the block reads key tiles [lo, hi); those below `whole` need no bounds/causal mask.
+    lo = 0
     if CAUSAL:
         # Top-left aligned (key j visible from query i when j <= i): tiles past the diagonal
         # are skipped, tiles wholly below it need no mask.
@@ -328,10 +335,15 @@ def _key_range(mask_rows, offs_m, pid_m, Lq, Lk, MASK: tl.constexpr, CAUSAL: tl.
         last = tl.max(tl.load(mask_rows, mask=offs_m[:, None] < Lq, other=-1))
         hi = tl.maximum(tl.minimum(last + 1, Lk), 0).to(tl.int32)
         whole = hi // BLOCK_N * BLOCK_N
+        if WINDOW > 0:
+            # Nor a key at or before the block's first position - WINDOW: the tiles wholly before it are
+            # skipped too (a sliding-window layer reads at most WINDOW keys per row, whatever the cache).
+            first = tl.min(tl.load(mask_rows, mask=offs_m[:, None] < Lq, other=Lk))
+            lo = (tl.maximum(first - WINDOW + 1, 0) // BLOCK_N * BLOCK_N).to(tl.int32)
     else:
         whole = Lk // BLOCK_N * BLOCK_N
         hi = Lk
-    return whole, hi
+    return lo, whole, hi
 
 
 @triton.jit
@@ -423,10 +435,11 @@ def _pack(group: int, is_causal: bool, lq) -> int:
 
 def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None, is_causal: bool, scale: float,
                      positions: bool = False, sinks: TRef | None = None, append: Append | None = None,
-                     softcap: float = 0.0) -> None:
+                     softcap: float = 0.0, window: int = 0) -> None:
     """``out = sdpa(q, k, v, mask)``; q [.., Hq, Lq, E], k/v [.., Hkv, Lk, E/Ev], rank 2 to 4.
     ``positions``: ``mask`` is the queries' positions ([.., Lq, 1] integers), the mask
-    ``arange(Lk) <= positions``; ``sinks``: a sink logit per query head ([Hq], contiguous);
+    ``arange(Lk) <= positions`` (and with ``window`` > 0 ``arange(Lk) > positions - window``);
+    ``sinks``: a sink logit per query head ([Hq], contiguous);
     ``append``: rows written into k and v (4-d, batch not broadcast) before they are read;
     ``softcap``: the scaled scores s become softcap * tanh(s / softcap) before the mask (0: not)."""
     out4, q4, k4, v4 = (_as_4d(t, b) for t in (out, q, k, v))
@@ -463,6 +476,7 @@ def launch_attention(b, out: TRef, q: TRef, k: TRef, v: TRef, mask: TRef | None,
         BLOCK_D=max(16, next_power_of_2(e)), BLOCK_DV=max(16, next_power_of_2(ev)),
         DOT_UPCAST=False, PACK=pack, SPLIT=split_n is not None, SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages, **({"SOFTCAP": float(softcap)} if softcap else {}),
+        **({"WINDOW": int(window)} if window else {}),
     )
     if split_n is not None:
         b.launch("attention_combine", (batch * heads * lq,), part, stat, out4, sink_arg, *out4.strides, heads, lq,
@@ -483,11 +497,11 @@ def _append_args(append: Append | None, batch, kv_heads, e, ev) -> tuple:
 
 
 def one_query_block(node) -> bool:
-    """Whether ``node``'s attention launch (sdpa, sdpa_positions or sdpa_sinks of rank 4) has one query
-    block per (batch, key head, key split) at the sizes' upper bounds: a decode step. Only then does an
-    append of new cache rows ride in the launch (``passes/kv_append.py``): each program writes the rows
-    of its keys, and more query blocks would write them again for nothing."""
-    p = {td_ops.sdpa_positions: _positions_params, td_ops.sdpa_sinks: _sinks_params}.get(node.target, sdpa_params)(node)
+    """Whether ``node``'s attention launch (sdpa, sdpa_positions, sdpa_sinks or sdpa_softcap of rank 4) has
+    one query block per (batch, key head, key split) at the sizes' upper bounds: a decode step. Only then
+    does an append of new cache rows ride in the launch (``passes/kv_append.py``): each program writes the
+    rows of its keys, and more query blocks would write them again for nothing."""
+    p = attention_params(node)
     q, k, v, out = [node_value(p[n]) for n in ("query", "key", "value")] + [node.meta.get("val")]
     if not all(isinstance(t, torch.Tensor) and t.ndim == 4 for t in (q, k, v, out)):
         return False
@@ -615,7 +629,7 @@ def sdpa(b, node):
 
 
 def _launch_sdpa(b, node, p: dict, mask: TRef | None, positions: bool = False, sinks: TRef | None = None,
-                 softcap: float = 0.0) -> None:
+                 softcap: float = 0.0, window: int = 0) -> None:
     q, k, v = (b.ref(p[n]) for n in ("query", "key", "value"))
     scale = p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     val = node.meta["val"]
@@ -626,7 +640,7 @@ def _launch_sdpa(b, node, p: dict, mask: TRef | None, positions: bool = False, s
     else:
         out = b.out(node)
     append = _append(b, p) if node.meta.get(APPEND) else None
-    launch_attention(b, out, q, k, v, mask, bool(p["is_causal"]), scale, positions, sinks, append, softcap)
+    launch_attention(b, out, q, k, v, mask, bool(p["is_causal"]), scale, positions, sinks, append, softcap, window)
 
 
 # --- new cache rows written by the attention launch (passes/kv_append.py) -------------------------------
@@ -660,15 +674,17 @@ def _append(b, p: dict) -> Append:
 
 
 # --- tritondelegate::sdpa_positions ----------------------------------------------------------------
-_POSITIONS_PARAMS = ("query", "key", "value", "positions", "scale", "enable_gqa")
+_POSITIONS_PARAMS = ("query", "key", "value", "positions", "scale", "enable_gqa", "window", "softcap", "sinks")
+_POSITIONS_DEFAULTS = {"window": 0, "softcap": 0.0, "sinks": None}
 
 
 def _positions_params(node) -> dict:
-    return {**_DEFAULTS, **dict(zip(_POSITIONS_PARAMS, node.args)), **node.kwargs}
+    return {**_DEFAULTS, **_POSITIONS_DEFAULTS, **dict(zip(_POSITIONS_PARAMS, node.args)), **node.kwargs}
 
 
 def supported_positions(node) -> str | None:
-    """sdpa's support check, with the positions (integers broadcasting to [.., Lq, 1]) for the mask."""
+    """sdpa's support check, with the positions (integers broadcasting to [.., Lq, 1]) for the mask, a
+    window of at least 0 keys (0: none), and a soft-cap or sinks as sdpa_softcap's or sdpa_sinks'."""
     p = _positions_params(node)
     positions, q, out = node_value(p["positions"]), node_value(p["query"]), node.meta.get("val")
     if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int64, torch.int32):
@@ -678,12 +694,21 @@ def supported_positions(node) -> str | None:
     rows = tuple(out.shape[:-1]) + (1,)
     if positions.ndim > len(rows) or any(a not in (1, t) for a, t in zip(reversed(positions.shape), reversed(rows))):
         return f"positions {tuple(positions.shape)} do not broadcast to the queries {rows}"
+    window, cap = p["window"], p["softcap"]
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        return f"window {window!r}: a number of keys, 0 or more (0: no window), expected"
+    if not isinstance(cap, (int, float)) or not 0 <= cap < math.inf:
+        return f"softcap {cap!r}: a finite number of at least 0 (0: no cap) expected"
+    if p["sinks"] is not None:
+        return "sinks and a softcap together are not supported" if cap else _sinks_refusal(p, node)
     return _sdpa_refusal(p, node)
 
 
 def sdpa_positions(b, node):
     p = _positions_params(node)
-    _launch_sdpa(b, node, p, b.ref(p["positions"]), positions=True)
+    sinks = b.contiguous(b.ref(p["sinks"])) if p["sinks"] is not None else None
+    _launch_sdpa(b, node, p, b.ref(p["positions"]), positions=True, sinks=sinks, softcap=float(p["softcap"]),
+                 window=int(p["window"]))
 
 
 # --- tritondelegate::sdpa_sinks ---------------------------------------------------------------------
@@ -696,7 +721,10 @@ def _sinks_params(node) -> dict:
 
 def supported_sinks(node) -> str | None:
     """sdpa's support check, and one float sink logit per query head ([Hq])."""
-    p = _sinks_params(node)
+    return _sinks_refusal(_sinks_params(node), node)
+
+
+def _sinks_refusal(p: dict, node) -> str | None:
     sinks, out = node_value(p["sinks"]), node.meta.get("val")
     if not isinstance(sinks, torch.Tensor) or sinks.dtype not in FLOAT_DTYPES:
         return f"sinks must be a tensor of one of {', '.join(map(str, FLOAT_DTYPES))}"
@@ -734,3 +762,11 @@ def sdpa_softcap(b, node):
     p = _softcap_params(node)
     mask = b.ref(p["attn_mask"]) if p["attn_mask"] is not None else None
     _launch_sdpa(b, node, p, mask, softcap=float(p["softcap"]))
+
+
+def attention_params(node) -> dict:
+    """The parameters of an attention node by name (``sdpa_params``'s names, and each custom op's own):
+    sdpa, sdpa_positions, sdpa_sinks or sdpa_softcap."""
+    parse = {td_ops.sdpa_positions: _positions_params, td_ops.sdpa_sinks: _sinks_params,
+             td_ops.sdpa_softcap: _softcap_params}
+    return parse.get(node.target, sdpa_params)(node)

@@ -26,7 +26,8 @@ constant folding and partitioning:
   to the scores (position bias, ALiBi, masks) one float mask shared by the layers that add the same
   terms (``score_mask.py``), before ``position_mask`` looks at its mask;
 * ``position_mask``: an attention mask built per call from positions (``arange(S) <= positions``, a
-  KV-cache decoder's) becomes ``tritondelegate::sdpa_positions``, whose kernel compares indices;
+  KV-cache decoder's, and ``arange(S) > positions - window`` too, a sliding-window layer's) of an sdpa,
+  ``sdpa_softcap`` or ``sdpa_sinks`` becomes ``tritondelegate::sdpa_positions``, whose kernel compares indices;
 * ``fuse_glu``: a gated MLP's ``act(linear(x, Wg)) * linear(x, Wu)`` becomes one
   ``tritondelegate::glu_linear`` over the two weights interleaved (one GEMM, the gating in its epilogue);
 * ``fuse_grouped_glu``: a Mixture-of-Experts layer's grouped gate/up GEMM split in halves and gated

@@ -4,7 +4,7 @@ A static-cache decoder writes its new rows into the cache, then attends over the
 
     k_all = index_put(k_cache, [None, None, index], k_new)      (index_copy_(2, index, k_new) decomposed)
     v_all = index_put(v_cache, [None, None, index], v_new)
-    out = sdpa_positions(q, k_all, v_all, positions, ...)       (or sdpa, sdpa_sinks)
+    out = sdpa_positions(q, k_all, v_all, positions, ...)       (or sdpa, sdpa_sinks, sdpa_softcap)
 
 With the updates in place (``state.reinplace``: ``td_inplace``) that is one scatter launch (k and v
 paired) and one attention launch per layer. This pass marks the attention ``td_kv_append`` and the two
@@ -46,7 +46,7 @@ from .rewrite import is_call, tensor_val
 from .state import INPLACE, MethodGraph
 
 aten = torch.ops.aten
-ATTENTIONS = (aten.scaled_dot_product_attention.default, td_ops.sdpa_positions, td_ops.sdpa_sinks)
+ATTENTIONS = (aten.scaled_dot_product_attention.default, td_ops.sdpa_positions, td_ops.sdpa_sinks, td_ops.sdpa_softcap)
 
 
 def kv_append(graph: MethodGraph) -> list[str]:

@@ -558,7 +558,8 @@ _ROWS = {"BLOCK_R": pow2(1, 4096), "BLOCK_C": pow2(1, 8192)}
 _ATTENTION = {  # attention's constexprs (attention_append's too)
     "E": in_range(0, 512), "EV": in_range(0, 512), "MASK": one_of("none", "bool", "float", "positions"), "CAUSAL": FLAG,
     "BLOCK_M": pow2(16, 256), "BLOCK_N": pow2(16, 256), "BLOCK_D": pow2(16, 512), "BLOCK_DV": pow2(16, 512),
-    "DOT_UPCAST": FLAG, "PACK": in_range(1, 256), "SPLIT": FLAG, "SINKS": FLAG, "SOFTCAP": NUMBER}
+    "DOT_UPCAST": FLAG, "PACK": in_range(1, 256), "SPLIT": FLAG, "SINKS": FLAG, "SOFTCAP": NUMBER,
+    "WINDOW": in_range(0, 2 ** 31 - 1)}
 _ATTENTION_TILES = (("BLOCK_M", "BLOCK_N"), ("BLOCK_M", "BLOCK_D"), ("BLOCK_M", "BLOCK_DV"), ("BLOCK_N", "BLOCK_D"),
                     ("BLOCK_N", "BLOCK_DV"))
 

@@ -20,7 +20,9 @@ place of a written-out pattern, so one kernel runs them.
         tables over the whole last dim as those models repeat_interleave them, or angles
         ``repeat_interleave(a, 2, -1)`` in place of ``cat(a, a, -1)``; and ``out_dtype``: the result
         cast to it, as OLMo and Cohere cast their fp32 rotary results back to the model's dtype; the
-        kernel computes in fp32 and rounds once, to the result's dtype)
+        kernel computes in fp32 and rounds once, to the result's dtype; and ``deinterleave=True``: x's
+        pairs (2i, 2i + 1) read as rotate_half's (i, i + D / 2), ``x = cat((x[..., 0::2], x[..., 1::2]),
+        -1)`` first, with rotate_half's tables (DeepSeek-V3's interleaved rotary; no per-head norm))
 
     tritondelegate::sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale,
                                    bool enable_gqa, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor
@@ -114,14 +116,16 @@ NAMESPACE = "tritondelegate"
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 _lib.define("rotary(Tensor x, Tensor cos, Tensor sin, Tensor? norm=None, float norm_eps=0.0, "
-            "bool interleaved=False, ScalarType? out_dtype=None) -> Tensor")
+            "bool interleaved=False, ScalarType? out_dtype=None, bool deinterleave=False) -> Tensor")
 _lib.define("rotary_pair(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? q_norm=None, Tensor? k_norm=None, "
-            "float norm_eps=0.0, bool interleaved=False, ScalarType? out_dtype=None) -> (Tensor, Tensor)")
+            "float norm_eps=0.0, bool interleaved=False, ScalarType? out_dtype=None, bool deinterleave=False) "
+            "-> (Tensor, Tensor)")
 _lib.define("rotary_angles(Tensor x, Tensor angles, float scale, ScalarType dtype, Tensor? norm=None, "
-            "float norm_eps=0.0, bool interleaved=False, ScalarType? out_dtype=None) -> Tensor")
+            "float norm_eps=0.0, bool interleaved=False, ScalarType? out_dtype=None, bool deinterleave=False) "
+            "-> Tensor")
 _lib.define("rotary_pair_angles(Tensor q, Tensor k, Tensor angles, float scale, ScalarType dtype, "
             "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0, bool interleaved=False, "
-            "ScalarType? out_dtype=None) -> (Tensor, Tensor)")
+            "ScalarType? out_dtype=None, bool deinterleave=False) -> (Tensor, Tensor)")
 _lib.define("sdpa_positions(Tensor q, Tensor k, Tensor v, Tensor positions, float? scale, bool enable_gqa, "
             "int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor")
 _lib.define("sdpa_sinks(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor sinks, float? scale, "
@@ -175,9 +179,16 @@ def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
-def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                     deinterleave: bool = False) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` (``interleaved``: ``rotate_every_two``) exactly as a model
-    writes it (the same ops, the same order, the same type promotion)."""
+    writes it (the same ops, the same order, the same type promotion). ``deinterleave``: x's pairs
+    (2i, 2i + 1) moved to (i, i + D / 2) first (``a - b`` is ``a + (-b)`` exactly: DeepSeek-V3's
+    ``cat((x1 * c - x2 * s, x2 * c + x1 * s))`` of ``x1, x2 = x[..., 0::2], x[..., 1::2]``)."""
+    if deinterleave:
+        if interleaved:
+            raise ValueError("tritondelegate::rotary: interleaved and deinterleave exclude each other")
+        x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
     return x * cos + (rotate_every_two(x) if interleaved else rotate_half(x)) * sin
 
 
@@ -192,28 +203,30 @@ def _cast(t: torch.Tensor, out_dtype) -> torch.Tensor:
 
 
 @torch.library.impl(_lib, "rotary", "CompositeExplicitAutograd")
-def _rotary(x, cos, sin, norm=None, norm_eps=0.0, interleaved=False, out_dtype=None):
+def _rotary(x, cos, sin, norm=None, norm_eps=0.0, interleaved=False, out_dtype=None, deinterleave=False):
     if x.shape[-1] % 2:
         raise ValueError(f"tritondelegate::rotary: the last dim of x ({x.shape[-1]}) is not even")
-    return _cast(rotary_reference(head_norm(x, norm, norm_eps), cos, sin, interleaved), out_dtype)
+    return _cast(rotary_reference(head_norm(x, norm, norm_eps), cos, sin, interleaved, deinterleave), out_dtype)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary")
-def _rotary_fake(x, cos, sin, norm=None, norm_eps=0.0, interleaved=False, out_dtype=None):
+def _rotary_fake(x, cos, sin, norm=None, norm_eps=0.0, interleaved=False, out_dtype=None, deinterleave=False):
     # The formula itself on fake tensors: the result's shape, dtype and strides are the pattern's.
-    return _cast(rotary_reference(head_norm(x, norm, norm_eps), cos, sin, interleaved), out_dtype)
+    return _cast(rotary_reference(head_norm(x, norm, norm_eps), cos, sin, interleaved, deinterleave), out_dtype)
 
 
 @torch.library.impl(_lib, "rotary_pair", "CompositeExplicitAutograd")
-def _rotary_pair(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False, out_dtype=None):
-    return (_rotary(q, cos, sin, q_norm, norm_eps, interleaved, out_dtype),
-            _rotary(k, cos, sin, k_norm, norm_eps, interleaved, out_dtype))
+def _rotary_pair(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False, out_dtype=None,
+                 deinterleave=False):
+    return (_rotary(q, cos, sin, q_norm, norm_eps, interleaved, out_dtype, deinterleave),
+            _rotary(k, cos, sin, k_norm, norm_eps, interleaved, out_dtype, deinterleave))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary_pair")
-def _rotary_pair_fake(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False, out_dtype=None):
-    return (_rotary_fake(q, cos, sin, q_norm, norm_eps, interleaved, out_dtype),
-            _rotary_fake(k, cos, sin, k_norm, norm_eps, interleaved, out_dtype))
+def _rotary_pair_fake(q, k, cos, sin, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False, out_dtype=None,
+                      deinterleave=False):
+    return (_rotary_fake(q, cos, sin, q_norm, norm_eps, interleaved, out_dtype, deinterleave),
+            _rotary_fake(k, cos, sin, k_norm, norm_eps, interleaved, out_dtype, deinterleave))
 
 
 def rotary_tables(angles: torch.Tensor, scale: float, dtype: torch.dtype,
@@ -226,27 +239,31 @@ def rotary_tables(angles: torch.Tensor, scale: float, dtype: torch.dtype,
 
 
 @torch.library.impl(_lib, "rotary_angles", "CompositeExplicitAutograd")
-def _rotary_angles(x, angles, scale, dtype, norm=None, norm_eps=0.0, interleaved=False, out_dtype=None):
-    return _rotary(x, *rotary_tables(angles, scale, dtype, interleaved), norm, norm_eps, interleaved, out_dtype)
+def _rotary_angles(x, angles, scale, dtype, norm=None, norm_eps=0.0, interleaved=False, out_dtype=None,
+                   deinterleave=False):
+    return _rotary(x, *rotary_tables(angles, scale, dtype, interleaved), norm, norm_eps, interleaved, out_dtype,
+                   deinterleave)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary_angles")
-def _rotary_angles_fake(x, angles, scale, dtype, norm=None, norm_eps=0.0, interleaved=False, out_dtype=None):
-    return _rotary_fake(x, *rotary_tables(angles, scale, dtype, interleaved), norm, norm_eps, interleaved, out_dtype)
+def _rotary_angles_fake(x, angles, scale, dtype, norm=None, norm_eps=0.0, interleaved=False, out_dtype=None,
+                        deinterleave=False):
+    return _rotary_fake(x, *rotary_tables(angles, scale, dtype, interleaved), norm, norm_eps, interleaved, out_dtype,
+                        deinterleave)
 
 
 @torch.library.impl(_lib, "rotary_pair_angles", "CompositeExplicitAutograd")
 def _rotary_pair_angles(q, k, angles, scale, dtype, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False,
-                        out_dtype=None):
-    return (_rotary_angles(q, angles, scale, dtype, q_norm, norm_eps, interleaved, out_dtype),
-            _rotary_angles(k, angles, scale, dtype, k_norm, norm_eps, interleaved, out_dtype))
+                        out_dtype=None, deinterleave=False):
+    return (_rotary_angles(q, angles, scale, dtype, q_norm, norm_eps, interleaved, out_dtype, deinterleave),
+            _rotary_angles(k, angles, scale, dtype, k_norm, norm_eps, interleaved, out_dtype, deinterleave))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rotary_pair_angles")
 def _rotary_pair_angles_fake(q, k, angles, scale, dtype, q_norm=None, k_norm=None, norm_eps=0.0, interleaved=False,
-                             out_dtype=None):
-    return (_rotary_angles_fake(q, angles, scale, dtype, q_norm, norm_eps, interleaved, out_dtype),
-            _rotary_angles_fake(k, angles, scale, dtype, k_norm, norm_eps, interleaved, out_dtype))
+                             out_dtype=None, deinterleave=False):
+    return (_rotary_angles_fake(q, angles, scale, dtype, q_norm, norm_eps, interleaved, out_dtype, deinterleave),
+            _rotary_angles_fake(k, angles, scale, dtype, k_norm, norm_eps, interleaved, out_dtype, deinterleave))
 
 
 def positions_mask(positions: torch.Tensor, length: int, window: int = 0) -> torch.Tensor:

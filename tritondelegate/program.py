@@ -28,7 +28,8 @@ FORMAT_VERSION = 10  # 2: program-level slots and segments (shared constants and
 # prologue and a bias per expert; the reduce kernel takes output row strides and row-chain arguments
 # 9: the attention and attention_combine kernels take a sink pointer (sink_ptr, SINKS: sdpa_sinks);
 # 10: the attention_append (a KV-cache step's rows written by the attention launch) and sort_offsets
-# kernels, and the attention kernel's SOFTCAP (sdpa_softcap) and WINDOW (sdpa_positions' window)
+# kernels, and the attention kernel's SOFTCAP (sdpa_softcap) and WINDOW (sdpa_positions' window); the
+# tritondelegate::rotary ops' deinterleave keyword (a host instruction may carry it; kernel arguments unchanged)
 
 # Where device memory starts: every arena, segment, delegate scratch block and device allocation, and
 # every value planned in one. cudaMalloc's own guarantee; a multiple of every itemsize and of the 16

@@ -58,9 +58,11 @@ runs inside each of them (``matmul``'s ``PROLOGUE="rms"``), so the normalized ro
     N:  t = rms_norm(x, w, eps)          t a scratch buffer only N writes and only matmuls read
     M:  u = t @ B (+ bias)   ->    M':  u = rstd(x) * ((x * w) @ B) (+ bias)   at M's place
 
-when x and t are contiguous with the same elements, each matmul reads t whole as [Z, M, K] with K the
-normalized dim, and no launch between N and M writes x or w. A grouped GEMM (``grouped_mm``: a
-Mixture-of-Experts layer's experts, reading the token rows through their expert order) is such a
+when t is contiguous with x's shape (x may be strided: a norm of some columns of a projection, as
+DeepSeek's ``kv_a_layernorm`` of its latent's slice, reads them in place), each matmul reads t whole as
+[Z, M, K] with K the normalized dim, and no launch between N and M writes x or w. A grouped GEMM
+(``grouped_mm``: a Mixture-of-Experts layer's experts, reading the token rows through their expert
+order; x contiguous) is such a
 reader of an RMSNorm too: each row's sum of squares accumulates over the same K loop, so the norm in
 front of a MoE layer (read by its router's linear, its experts, its shared experts) is no launch.
 Every such matmul recomputes the row sums of squares it needs while streaming x (a few ALU ops per A
@@ -352,7 +354,7 @@ def _merge_prologues(launches, norms, matmuls, writes, keep, users, view) -> set
         readers = users[t.buffer] - {n}
         if (t.buffer in keep or not readers or not norm.matmul_prologue
                 or not all(isinstance(matmuls.get(r), (mm.MatmulOp, gmm.GroupedOp)) and r > n for r in readers)
-                or not (x.is_contiguous() and t.is_contiguous() and x.numel == t.numel and x.dtype == t.dtype)):
+                or not (t.is_contiguous() and tuple(x.shape) == tuple(t.shape) and x.dtype == t.dtype)):
             continue
         ops = {r: _prologue_op(matmuls[r], norm, view) for r in readers}
         reads = [x] + [t for t in (norm.weight, norm.bias) if t is not None]
@@ -384,15 +386,20 @@ def _prologue_op(op, norm, view):
             or (op.has_bias and op.x.buffer == t.buffer) or a.offset != t.offset
             or a.shape[2] != width or not a.is_contiguous() or a.numel != t.numel):
         return None  # (a contiguous [Z, M, K] view of all of contiguous t: row z*M + m of t is A[z, m])
-    x = view(norm.x, a.shape, a.strides, norm.x.offset)
-    return replace(op, a=x, prologue=(norm.kind, norm.weight, norm.bias, norm.eps))
+    # x itself may be strided (a norm of a slice of a projection's columns): A reads x's rows in place
+    strides = _product_strides(t.shape, norm.x.strides, range(len(t.shape)), a.shape)
+    if strides is None:
+        return None
+    return replace(op, a=view(norm.x, a.shape, strides, norm.x.offset),
+                   prologue=(norm.kind, norm.weight, norm.bias, norm.eps))
 
 
 def _grouped_prologue_op(op: gmm.GroupedOp, norm, view) -> "gmm.GroupedOp | None":
     """A grouped GEMM (a Mixture-of-Experts layer's experts, reading the token rows in place through
     their order) with an RMSNorm prologue: x is the norm's result, whole, [tokens, width]."""
     t, x = norm.out, op.x
-    if (norm.kind != "rms" or norm.bias is not None or op.prologue is not None or x.buffer != t.buffer
+    if (norm.kind != "rms" or norm.bias is not None or op.prologue is not None or not norm.x.is_contiguous()
+            or x.buffer != t.buffer
             or x.offset != t.offset or x.shape[1] != t.shape[-1] or not x.is_contiguous() or x.numel != t.numel
             or any(r.buffer == t.buffer for r in op.reads if r is not x)):
         return None

@@ -195,11 +195,13 @@ def _norm_args(x: TRef, half: int, weights, eps) -> tuple[list, dict]:
     return [w[0], w[1], w[0].strides[0], w[1].strides[0], float(eps)], {"NORM": True}
 
 
-def _pairs_last(b, refs: list[TRef], shape, angles: bool = False) -> list[TRef]:
+def _pairs_last(b, refs: list[TRef], shape, angles: bool = False, deinterleave: bool = False) -> list[TRef]:
     """``refs`` (x, its tables, the result: each broadcasting to ``shape``) seen as [..., D / 2, 2]: the
     interleaved pairs (2i, 2i + 1) of the last dim become the last dim's halves, so the kernel's
     rotate_half over a last dim of 2 is rotate_every_two over D (a view: no copy). With ``angles``
-    the two middle refs are the half-width angles, seen as [..., D / 2, 1]: one angle per pair."""
+    the two middle refs are the half-width angles, seen as [..., D / 2, 1]: one angle per pair.
+    ``deinterleave``: only x (the first ref) is read in pairs (2i, 2i + 1); the tables and the result
+    are rotate_half's, pair i at (i, i + D / 2): [..., D / 2, 2] views with strides (s, D / 2 * s)."""
     split = (*shape[:-1], shape[-1] // 2, 2)
     half = (*shape[:-1], shape[-1] // 2)
     views = []
@@ -209,18 +211,19 @@ def _pairs_last(b, refs: list[TRef], shape, angles: bool = False) -> list[TRef]:
             views.append(b.view(ref, (*half, 1), (*strides, 0)))
             continue
         strides = broadcast_strides(ref, shape)
-        views.append(b.view(ref, split, (*strides[:-1], 2 * strides[-1], strides[-1])))
+        pair = (strides[-1], half[-1] * strides[-1]) if deinterleave and k else (2 * strides[-1], strides[-1])
+        views.append(b.view(ref, split, (*strides[:-1], *pair)))
     return views
 
 
 def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef, angles: tuple | None = None,
-                  norm: tuple | None = None, interleaved: bool = False) -> None:
+                  norm: tuple | None = None, interleaved: bool = False, deinterleave: bool = False) -> None:
     """``out = x * cos + rotate_half(x) * sin``; ``out`` has ``x``'s shape, cos and sin broadcast to it.
     ``angles=(scale, dtype)``: cos and sin are both the angles the kernel computes the tables from.
     ``norm=(weight, eps)``: x's rows RMS-normalized first (a per-head norm). ``interleaved``:
-    rotate_every_two (no norm)."""
-    if interleaved:
-        x, cos, sin, out = _pairs_last(b, [x, cos, sin, out], out.shape, angles is not None)
+    rotate_every_two (no norm); ``deinterleave``: x's pairs (2i, 2i + 1) into rotate_half's (no norm)."""
+    if interleaved or deinterleave:
+        x, cos, sin, out = _pairs_last(b, [x, cos, sin, out], out.shape, angles is not None, deinterleave)
     rows, inner, (os_, xs, cs, ss) = _rows("rotary", x, cos, sin, out, angles is not None)
     half = out.shape[-1] // 2
     block_r, block_h = _blocks(half, rows)
@@ -236,16 +239,17 @@ def launch_rotary(b, x: TRef, cos: TRef, sin: TRef, out: TRef, angles: tuple | N
 
 
 def launch_rotary_pair(b, q: TRef, k: TRef, cos: TRef, sin: TRef, q_out: TRef, k_out: TRef,
-                       angles: tuple | None = None, norms: tuple | None = None, interleaved: bool = False) -> None:
+                       angles: tuple | None = None, norms: tuple | None = None, interleaved: bool = False,
+                       deinterleave: bool = False) -> None:
     """``q_out`` and ``k_out``: q and k rotated by the same cos and sin (or angles), in one launch.
     ``norms=(q weight, k weight, eps)``: q's and k's rows RMS-normalized first (per-head norms).
-    ``interleaved``: rotate_every_two (no norms)."""
+    ``interleaved``: rotate_every_two (no norms); ``deinterleave``: pairs (2i, 2i + 1) into (i, i + D / 2)."""
     if q.shape[-1] != k.shape[-1]:
         raise LoweringError(f"rotary_pair: q {q.shape} and k {k.shape} differ in their last dim")
     kcos, ksin = cos, sin
-    if interleaved:  # cos and sin broadcast to each of q and k: views of their own for k
-        k, kcos, ksin, k_out = _pairs_last(b, [k, cos, sin, k_out], k_out.shape, angles is not None)
-        q, cos, sin, q_out = _pairs_last(b, [q, cos, sin, q_out], q_out.shape, angles is not None)
+    if interleaved or deinterleave:  # cos and sin broadcast to each of q and k: views of their own for k
+        k, kcos, ksin, k_out = _pairs_last(b, [k, cos, sin, k_out], k_out.shape, angles is not None, deinterleave)
+        q, cos, sin, q_out = _pairs_last(b, [q, cos, sin, q_out], q_out.shape, angles is not None, deinterleave)
     rows, inner, (os_, xs, cs, ss) = _rows("rotary_pair", q, cos, sin, q_out, angles is not None)
     krows, kinner, (kos, kxs, kcs, kss) = _rows("rotary_pair", k, kcos, ksin, k_out, angles is not None)
     if (kcs[-1], kss[-1]) != (cs[-1], ss[-1]):
@@ -299,13 +303,17 @@ def _norm_refusal(node, first: int, count: int) -> str | None:
 
 
 def _interleaved_refusal(node, xs: list, first_norm: int) -> str | None:
-    """Why the kernel cannot rotate ``xs``' interleaved pairs (their last dim becomes two), or None;
-    the node's per-head norms, if any, are its args from ``first_norm`` on."""
-    if not node.kwargs.get("interleaved", False):
+    """Why the kernel cannot rotate ``xs``' interleaved pairs (their last dim becomes two; interleaved
+    or deinterleave), or None; the node's per-head norms, if any, are its args from ``first_norm`` on."""
+    interleaved, deinterleave = (node.kwargs.get(k, False) for k in ("interleaved", "deinterleave"))
+    if not (interleaved or deinterleave):
         return None
+    if interleaved and deinterleave:
+        return "interleaved and deinterleave together"
     if any(isinstance(x, torch.Tensor) and x.dim() >= MAX_RANK for x in xs):
         return f"interleaved pairs of a rank-{MAX_RANK} tensor (at most {MAX_RANK - 1})"
-    if any(a is not None for a in node.args[first_norm:first_norm + len(xs)]) or node.kwargs.keys() - {"interleaved", "out_dtype"}:
+    if (any(a is not None for a in node.args[first_norm:first_norm + len(xs)])
+            or node.kwargs.keys() - {"interleaved", "deinterleave", "out_dtype"}):
         return "interleaved pairs take no per-head norm"
     return None
 
@@ -370,29 +378,34 @@ def _norms(b, node, first: int, count: int) -> tuple | None:
     return (*(b.ref(w) for w in weights), float(node.args[first + count]))
 
 
+def _pairing(node) -> dict:
+    """A rotary node's pair layout flags, as the launchers take them."""
+    return {k: node.kwargs.get(k, False) for k in ("interleaved", "deinterleave")}
+
+
 def rotary(b, node):
     """tritondelegate::rotary(x, cos, sin[, norm, norm_eps])"""
     x, cos, sin = (b.ref(a) for a in node.args[:3])
     launch_rotary(b, x, cos, sin, b.out(node), norm=_norms(b, node, 3, 1),
-                  interleaved=node.kwargs.get("interleaved", False))
+                  **_pairing(node))
 
 
 def rotary_pair(b, node):
     """tritondelegate::rotary_pair(q, k, cos, sin[, q_norm, k_norm, norm_eps]) -> (q rotated, k rotated)"""
     q, k, cos, sin = (b.ref(a) for a in node.args[:4])
     launch_rotary_pair(b, q, k, cos, sin, b.out(node, 0), b.out(node, 1), norms=_norms(b, node, 4, 2),
-                       interleaved=node.kwargs.get("interleaved", False))
+                       **_pairing(node))
 
 
 def rotary_angles(b, node):
     """tritondelegate::rotary_angles(x, angles, scale, dtype[, norm, norm_eps])"""
     x, angles = (b.ref(a) for a in node.args[:2])
     launch_rotary(b, x, angles, angles, b.out(node), angles=tuple(node.args[2:4]), norm=_norms(b, node, 4, 1),
-                  interleaved=node.kwargs.get("interleaved", False))
+                  **_pairing(node))
 
 
 def rotary_pair_angles(b, node):
     """tritondelegate::rotary_pair_angles(q, k, angles, scale, dtype[, q_norm, k_norm, norm_eps])"""
     q, k, angles = (b.ref(a) for a in node.args[:3])
     launch_rotary_pair(b, q, k, angles, angles, b.out(node, 0), b.out(node, 1), angles=tuple(node.args[3:5]),
-                       norms=_norms(b, node, 5, 2), interleaved=node.kwargs.get("interleaved", False))
+                       norms=_norms(b, node, 5, 2), **_pairing(node))

@@ -16,6 +16,8 @@ constant folding and partitioning:
 * ``halves_rotary``: a rotary written over the two halves of x (GPT-OSS's ``cat((x1 * c - x2 * s,
   x2 * c + x1 * s), -1)``) becomes ``tritondelegate::rotary`` with whole-width tables, or
   ``rotary_angles`` when the half tables come from angles, before the rotary passes pair and fuse it;
+  over x's even and odd columns (DeepSeek-V3's ``x[..., 0::2]``, ``x[..., 1::2]``) the same with
+  ``deinterleave=True`` (the kernel reads the pairs in place and stores the halves);
 * ``complex_rotary``: a rotary written with complex numbers (``view_as_real(view_as_complex(x) *
   polar(1, a))``: Llama 4, DeepSeek-V2) becomes ``tritondelegate::rotary_angles`` of interleaved
   pairs, before the rotary passes pair and fuse it like any other;

@@ -237,6 +237,8 @@ def _plan(group: list, foldable: set) -> dict | None:
     interleaved = group[0].kwargs.get("interleaved", False)
     if any(rotary.kwargs != group[0].kwargs for rotary in group) or "out_dtype" in group[0].kwargs:
         return None  # fp32 rotary math cast back (out_dtype): the epilogue computes as the linear's dtype does
+    if group[0].kwargs.get("deinterleave", False):
+        return None  # pairs stored elsewhere than read: the epilogue stores each pair where it read it
     table_vals = [tensor_val(t) for t in tables]
     if None in table_vals or any(tv.shape != table_vals[0].shape for tv in table_vals):
         return None

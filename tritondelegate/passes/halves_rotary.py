@@ -19,6 +19,13 @@ constant folding to store) become ``rotary(x, cat((c, c), -1), cat((s, s), -1))`
 The pattern matches with the products' and the add's operands in either order, the halves as the two
 results of one ``split``/``split_with_sizes`` of x into equal halves or as two slices of it, along the
 last dim; and only when every intermediate is read by the pattern alone.
+
+DeepSeek-V3 (``apply_rotary_pos_emb_interleave``) writes the same with x's even and odd columns,
+``x1, x2 = x[..., 0::2], x[..., 1::2]``: the rotary of x's interleaved pairs (2i, 2i + 1), stored as
+rotate_half's halves (i, i + D / 2). That is ``rotary(x, ..., deinterleave=True)``: the kernel reads the
+pairs in place and writes the halves (no copy of x), with rotate_half's tables. When its half tables
+are the first half of a table ``trig(cat((a, a)))`` (``cos[..., :D / 2]``), the whole table is that
+table itself.
 """
 
 from __future__ import annotations
@@ -32,14 +39,15 @@ from .. import ops
 from .fuse_glu import only_read_by
 from .rewrite import (erase_unused, fake, is_call, new_node, replace_node, replay_views, rewrite_matches,
                       slice_bounds, tensor_val)
-from .rotary_tables import per_call, trig_table
+from .rotary_tables import per_call, trig_table, whole_table
 
 aten = torch.ops.aten
 _SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
 
 
 def _halves(x1, x2):
-    """x when ``x1`` and ``x2`` are x's first and second halves along its last dim, else None."""
+    """(x, False) when ``x1`` and ``x2`` are x's first and second halves along its last dim, (x, True)
+    when they are its even and odd columns, else None."""
     if is_call(x1, operator.getitem) and is_call(x2, operator.getitem) and x1.args[0] is x2.args[0]:
         split = x1.args[0]
         if not is_call(split, *_SPLITS) or (x1.args[1], x2.args[1]) != (0, 1) or len(split.users) != 2:
@@ -48,14 +56,16 @@ def _halves(x1, x2):
         val, dim = tensor_val(x), split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
         if val is None or dim % val.dim() != val.dim() - 1 or len(split.meta.get("val") or ()) != 2:
             return None
-        return x if tuple(tensor_val(x1).shape) == tuple(tensor_val(x2).shape) else None
+        return (x, False) if tuple(tensor_val(x1).shape) == tuple(tensor_val(x2).shape) else None
     lo, hi = slice_bounds(x1), slice_bounds(x2)
     if lo is None or hi is None or lo[0] is not hi[0]:
         return None
     x, width = lo[0], tensor_val(lo[0]).shape[-1]
     if lo[1] != tensor_val(x).dim() - 1 or hi[1] != lo[1] or not isinstance(width, int) or width % 2:
         return None
-    return x if (lo[2:], hi[2:]) == ((0, width // 2, 1), (width // 2, width, 1)) else None
+    if (lo[2:], hi[2:]) == ((0, width // 2, 1), (width // 2, width, 1)):
+        return x, False
+    return (x, True) if (lo[2:], hi[2:]) == ((0, width, 2), (1, width, 2)) else None
 
 
 def _product(node, reader) -> tuple | None:
@@ -85,7 +95,7 @@ def _match(cat) -> tuple | None:
         for x2, s in (b, b[::-1]):
             x = _halves(x1, x2)
             if x is not None and {frozenset((x2, c)), frozenset((x1, s))} == {frozenset(e), frozenset(f)}:
-                return x, c, s
+                return x[0], c, s, x[1]
     return None
 
 
@@ -103,28 +113,38 @@ def _angles(c, s) -> tuple | None:
 
 
 def _whole(graph, half, meta):
+    """``cat((half, half), -1)``: the table of the whole width (views of the table ``half`` is the first
+    half of, when it is one)."""
+    found = whole_table(half)
+    if found is not None:
+        return replay_views(graph, found[0], found[1], meta)
+    for user in half.users:  # made for an earlier rotary (q's, for k): the same table, so they pair
+        if is_call(user, aten.cat.default) and user.args == ([half, half], -1):
+            return user
     val = fake(lambda t: torch.cat((t, t), -1), tensor_val(half))
     return new_node(graph, aten.cat.default, ([half, half], -1), val, meta)
 
 
-def _rewrite(graph, ep, cat, x, c, s, fold: bool) -> str:
+def _rewrite(graph, ep, cat, x, c, s, deinterleave: bool, fold: bool) -> str:
     angles = _angles(c, s)
     if angles is not None and fold and not per_call(ep, angles[0]):
         angles = None  # tables of no input: constant folding stores them once
+    kwargs = {"deinterleave": True} if deinterleave else {}
     with graph.inserting_before(cat):
         if angles is not None:
             a, views, scale, dtype = angles
             args = (x, replay_views(graph, views, a, cat.meta), scale, dtype)
-            new = new_node(graph, ops.rotary_angles, args, cat.meta["val"], cat.meta)
+            new = new_node(graph, ops.rotary_angles, args, cat.meta["val"], cat.meta, kwargs=kwargs)
         else:
             new = new_node(graph, ops.rotary, (x, _whole(graph, c, cat.meta), _whole(graph, s, cat.meta)),
-                           cat.meta["val"], cat.meta)
+                           cat.meta["val"], cat.meta, kwargs=kwargs)
     parts = list(cat.args[0])
     replace_node(ep, cat, new)
     graph.erase_node(cat)
     erase_unused(graph, parts)
     kind = "tritondelegate::rotary_angles, tables from its angles" if angles is not None else "tritondelegate::rotary"
-    return f"rotary of the halves of {x.name} -> {new.name} ({kind})"
+    pairs = "the even and odd columns" if deinterleave else "the halves"
+    return f"rotary of {pairs} of {x.name} -> {new.name} ({kind})"
 
 
 def halves_rotary(ep: torch.export.ExportedProgram, fold: bool = True) -> list[str]:

@@ -46,7 +46,7 @@ def _norm_under(x: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] |
 def _take(rotary: torch.fx.Node) -> str | None:
     n_x = ROTARIES[rotary.target]
     base = n_x + (3 if rotary.target in (ops.rotary_angles, ops.rotary_pair_angles) else 2)
-    if len(rotary.args) > base or rotary.kwargs.get("interleaved", False):
+    if len(rotary.args) > base or rotary.kwargs.get("interleaved", False) or rotary.kwargs.get("deinterleave", False):
         return None  # norms given already, or interleaved pairs (the kernel normalizes rows of pairs)
     found = [_norm_under(x) for x in rotary.args[:n_x]]
     if None in found or tensor_val(rotary.args[0]).shape[-1] > 256:

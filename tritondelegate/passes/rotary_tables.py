@@ -38,7 +38,7 @@ from torch.export.graph_signature import InputKind
 from ..kernels.rows import node_arg
 from ..ops import rotary as rotary_op
 from ..ops import rotary_angles as rotary_angles_op
-from .rewrite import erase_unused, fake, is_call, new_node, number_operand, tensor_val
+from .rewrite import erase_unused, fake, is_call, new_node, number_operand, slice_bounds, tensor_val
 
 aten = torch.ops.aten
 
@@ -143,6 +143,28 @@ def _match(node: torch.fx.Node):
             or (dtype, scale) != (sin_dtype, sin_scale) or not _same_views(views, sin_views)):
         return None
     return angles[0], views, scale, dtype
+
+
+def whole_table(half: torch.fx.Node) -> tuple[list, torch.fx.Node] | None:
+    """(views, table) when ``half`` is ``table[..., :D / 2]`` through ``views`` (``unsqueeze``, ``alias``:
+    none touches the last dim) and ``table`` is a rotate_half table of width D (``trig(cat((a, a), -1))``
+    as :func:`trig_table` reads it): ``cat((half, half), -1)`` is then ``table`` through the views."""
+    views = []
+    while is_call(half, aten.unsqueeze.default, aten.alias.default):
+        views.append(half)
+        half = half.args[0]
+    bounds = slice_bounds(half)
+    if bounds is None:
+        return None
+    table, dim, start, end, step = bounds
+    val, found = tensor_val(table), trig_table(table)
+    if found is None or dim != val.dim() - 1 or (start, step) != (0, 1) or 2 * end != val.shape[-1]:
+        return None
+    if any(v.target is aten.unsqueeze.default and v.args[1] % tensor_val(v).dim() == tensor_val(v).dim() - 1
+           for v in views):
+        return None  # the new dim would be last
+    angles = _angles_of(found[4])
+    return (views[::-1], table) if angles is not None and not angles[1] else None
 
 
 def _replay(graph: torch.fx.Graph, angles: torch.fx.Node, views: list, before: torch.fx.Node):

@@ -386,8 +386,10 @@ def _prologue_op(op, norm, view):
             or (op.has_bias and op.x.buffer == t.buffer) or a.offset != t.offset
             or a.shape[2] != width or not a.is_contiguous() or a.numel != t.numel):
         return None  # (a contiguous [Z, M, K] view of all of contiguous t: row z*M + m of t is A[z, m])
-    # x itself may be strided (a norm of a slice of a projection's columns): A reads x's rows in place
-    strides = _product_strides(t.shape, norm.x.strides, range(len(t.shape)), a.shape)
+    # x itself may be strided (a norm of a slice of a projection's columns): A reads x's rows in place;
+    # a contiguous x is read as A is, t's layout
+    strides = a.strides if norm.x.is_contiguous() else _product_strides(
+        t.shape, norm.x.strides, range(len(t.shape)), a.shape)
     if strides is None:
         return None
     return replace(op, a=view(norm.x, a.shape, strides, norm.x.offset),

@@ -197,6 +197,16 @@ def _indices(count: int) -> Callable[[Args], bool]:
     return lambda a: a["NUM_INDICES"] >= count
 
 
+# attention's: without a mask mask_ptr is q, never read; with SPLIT the partials replace the output and the
+# combine reads the sinks; without SINKS sink_ptr is q
+_ATTENTION = KernelTraffic(
+    reads=(Access("q_ptr"), Access("k_ptr"), Access("v_ptr"), Access("mask_ptr", lambda a: a["MASK"] != "none"),
+           Access("sink_ptr", lambda a: a["SINKS"] and not a["SPLIT"])),
+    writes=(Access("out_ptr", lambda a: not a["SPLIT"]), Access("part_ptr", _flag("SPLIT")),
+            Access("stat_ptr", _flag("SPLIT"))),
+    flops=_attention_flops,
+)
+
 # kernel -> which pointers it reads and writes (and when), and its FLOPs. One row per KERNELS entry.
 TRAFFIC: dict[str, KernelTraffic] = {
     # out = OP(a, b, c); a scalar or unused operand slot passes out as a stand-in, never read
@@ -303,25 +313,12 @@ TRAFFIC: dict[str, KernelTraffic] = {
         writes=(Access("out_ptr"),),
         flops=lambda a: a["numel"] * (3 + bool(a["HAS_WEIGHT"]) + bool(a["HAS_BIAS"])),
     ),
-    # without a mask mask_ptr is q, never read; with SPLIT the partials replace the output and the
-    # combine reads the sinks; without SINKS sink_ptr is q
-    "attention": KernelTraffic(
-        reads=(Access("q_ptr"), Access("k_ptr"), Access("v_ptr"), Access("mask_ptr", lambda a: a["MASK"] != "none"),
-               Access("sink_ptr", lambda a: a["SINKS"] and not a["SPLIT"])),
-        writes=(Access("out_ptr", lambda a: not a["SPLIT"]), Access("part_ptr", _flag("SPLIT")),
-                Access("stat_ptr", _flag("SPLIT"))),
-        flops=_attention_flops,
-    ),
+    "attention": _ATTENTION,
     # attention's, and first the new rows (read through their strides) written at their indices
-    "attention_append": KernelTraffic(
-        reads=(Access("q_ptr"), Access("k_ptr"), Access("v_ptr"), Access("mask_ptr", lambda a: a["MASK"] != "none"),
-               Access("sink_ptr", lambda a: a["SINKS"] and not a["SPLIT"]), Access("kn_ptr"), Access("vn_ptr"),
-               Access("idx_ptr")),
-        writes=(Access("out_ptr", lambda a: not a["SPLIT"]), Access("part_ptr", _flag("SPLIT")),
-                Access("stat_ptr", _flag("SPLIT")), Access("k_ptr", at_most=lambda a: _new_rows(a) * a["E"]),
-                Access("v_ptr", at_most=lambda a: _new_rows(a) * a["EV"])),
-        flops=_attention_flops,
-    ),
+    "attention_append": replace(
+        _ATTENTION, reads=_ATTENTION.reads + (Access("kn_ptr"), Access("vn_ptr"), Access("idx_ptr")),
+        writes=_ATTENTION.writes + (Access("k_ptr", at_most=lambda a: _new_rows(a) * a["E"]),
+                                    Access("v_ptr", at_most=lambda a: _new_rows(a) * a["EV"]))),
     # per row and split: a weight (exp2), then EV multiply-adds of the partial and one of the sum
     "attention_combine": KernelTraffic(
         reads=(Access("part_ptr"), Access("stat_ptr"), Access("sink_ptr", _flag("SINKS"))),

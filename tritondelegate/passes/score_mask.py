@@ -75,7 +75,8 @@ def mask_node(graph: torch.fx.Graph, steps, shared: dict, meta: dict, created: l
         return None
     if len(steps) == 1 and steps[0][0] == "add" and steps[0][2] == 1 and steps[0][3] is None:
         return steps[0][1]
-    if len(steps) == 1 and steps[0][0] == "where" and steps[0][3] == -math.inf:
+    bool_mask = len(steps) == 1 and steps[0][0] == "where" and steps[0][3] == -math.inf
+    if bool_mask:
         _, cond, keep, _ = steps[0]
         if keep:
             return cond
@@ -84,7 +85,7 @@ def mask_node(graph: torch.fx.Graph, steps, shared: dict, meta: dict, created: l
     if steps in shared:
         return shared[steps]
     with graph.inserting_before(_after(graph, inputs(steps)).next):
-        if len(steps) == 1 and steps[0][0] == "where" and steps[0][3] == -math.inf:
+        if bool_mask:
             node = _call(graph, aten.logical_not.default, (steps[0][1],), meta, created)
         else:
             node = _replay(graph, steps, meta, created)

@@ -1,0 +1,29 @@
+"""The simulated device's interpreter fixes (tritondelegate/runtime/interpreter.py)."""
+
+import triton.language as tl
+from triton.runtime import interpreter as interp
+
+from tritondelegate.kernels.norm import norm_kernel
+from tritondelegate.runtime.interpreter import _skip_nested_patching, interpreted_kernel
+
+
+def test_a_device_function_call_inside_a_launch_patches_nothing_again():
+    interpreted_kernel(norm_kernel)  # installs the fixes
+    _skip_nested_patching()
+    assert interp._patch_lang._tritondelegate_nested
+    assert tl.core.is_builtin(tl.program_id)
+    launch = interp._patch_lang(norm_kernel.fn)  # what a launch does when it starts
+    try:
+        assert not tl.core.is_builtin(tl.program_id)
+        nested = interp._patch_lang(norm_kernel.fn)  # a helper called inside the launch
+        assert nested._changes == []
+        nested.restore()
+        assert not tl.core.is_builtin(tl.program_id)  # still patched for the rest of the launch
+    finally:
+        launch.restore()
+    assert tl.core.is_builtin(tl.program_id) and tl.core.is_builtin(tl.core.program_id)
+    again = interp._patch_lang(norm_kernel.fn)  # the next launch patches in full
+    try:
+        assert again._changes and not tl.core.is_builtin(tl.program_id)
+    finally:
+        again.restore()

@@ -8,6 +8,7 @@ would otherwise be left as host instructions.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -53,10 +54,8 @@ def default_keep() -> list:
 
 
 def decompose(ep: torch.export.ExportedProgram, keep: Iterable | None = None) -> torch.export.ExportedProgram:
-    table = torch.export.default_decompositions()
-    for op in default_keep() if keep is None else keep:
-        table.pop(op, None)
-    ep = ep.run_decompositions(table)
+    keep = frozenset(default_keep() if keep is None else keep)
+    ep = ep.run_decompositions(_table(keep, *_registered()))
     graph = ep.graph_module.graph
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in METADATA_ONLY and not node.users:
@@ -64,6 +63,26 @@ def decompose(ep: torch.export.ExportedProgram, keep: Iterable | None = None) ->
     ep.graph_module.recompile()
     _mutated_parameters_as_buffers(ep)
     return ep
+
+
+def _registered() -> tuple:
+    """What the default table is built from: the operators with a CompositeImplicitAutograd kernel (custom
+    ops registered since count) and the number of Python decompositions."""
+    cia = torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")
+    return tuple(cia), len(torch._decomp.decomposition_table)
+
+
+@functools.lru_cache(maxsize=8)
+def _table(keep: frozenset, cia: tuple, python_decompositions: int) -> dict:
+    """The default decomposition table without ``keep``, built once per set of registered operators.
+
+    ``torch.export.default_decompositions()`` materializes every CompositeImplicitAutograd operator of
+    every namespace when read; building it for each program was a sixth of a small model's lowering.
+    ``run_decompositions`` copies the table it is given, so the cached one is never changed."""
+    table = dict(torch.export.default_decompositions().materialize())
+    for op in keep:
+        table.pop(op, None)
+    return table
 
 
 def _mutated_parameters_as_buffers(ep: torch.export.ExportedProgram) -> None:

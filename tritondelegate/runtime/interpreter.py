@@ -172,27 +172,35 @@ def _skip_nested_patching() -> bool:
     when a launch starts and restores it when the launch ends. It also calls the same patching for every
     call of a ``@jit`` device function inside the kernel, in every program of the grid: a scan of four
     modules' members that finds each builtin already patched and patches nothing new, about 1.5 ms a
-    call. Kernels that call helpers per tile spent about a third of their simulated time there. This
-    returns an empty patch scope for such a call when every ``triton.language`` module the function sees
-    is already patched (the launch restores them all at its end); a launch's own patching, and a call
-    outside a launch, run as before. Returns whether it was installed (False once it is, or for another
-    interpreter layout)."""
+    call. Kernels that call helpers per tile spent about a sixth of their simulated time there. While a
+    launch is running, a call whose ``triton.language`` modules that launch patched gets an empty patch
+    scope instead; a launch's own patching, and any other call, run as before. Returns whether it was
+    installed (False once it is, or for another interpreter layout)."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter as interp
 
         original, scope_type = interp._patch_lang, interp._LangPatchScope
-        is_builtin = tl.core.is_builtin
     except (ImportError, AttributeError):
         return False
     if getattr(original, "_tritondelegate_nested", False):
         return False
+    running: list[set] = []  # the modules the running launch patched; empty between launches
 
     def patch_lang(fn):
-        langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
-        if langs and not any(is_builtin(getattr(lang, "program_id", None)) for lang in langs):
-            return scope_type()  # inside a launch that patched these modules already
-        return original(fn)
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if running and langs <= running[0]:
+            return scope_type()  # a device function called inside the launch
+        scope = original(fn)
+        if not running:  # a launch starts: its scope is restored when it ends
+            running.append(langs)
+            restore = scope.restore
+
+            def restore_launch():
+                running.clear()
+                restore()
+            scope.restore = restore_launch
+        return scope
 
     patch_lang._tritondelegate_nested = True
     interp._patch_lang = patch_lang

@@ -14,6 +14,7 @@ import operator
 import os
 import sys
 import threading
+import types
 
 
 def interpreted() -> bool:
@@ -76,18 +77,42 @@ def interpreter_library():
     Triton picks compiled or interpreted when a function is decorated, and unless the user set
     ``TRITON_INTERPRET=1`` every ``@jit`` function is compiled-mode: a device function called from an
     interpreted kernel refuses to run. Interpreted launches run inside this block, which swaps in
-    interpreted twins and puts the originals back after, so nobody else's kernels change.
-    The block holds a process-wide lock: interpreted launches from several threads take turns.
+    interpreted twins and puts the originals back after, so nobody else's kernels change. It also
+    patches ``triton.language`` for the interpreter once, for every launch inside (see
+    ``_skip_nested_patching``), and restores it at the end. The block holds a process-wide lock: interpreted launches from several threads take turns.
     """
     with _INTERPRETER_LOCK:
         swaps = _library_swaps()
         for owner, name, _, interpreted_fn in swaps:
             setattr(owner, name, interpreted_fn)
+        language = _patch_language()
         try:
             yield
         finally:
+            language.restore()
             for owner, name, compiled, _ in swaps:
                 setattr(owner, name, compiled)
+
+
+class _LanguageUser:
+    """What the interpreter's patching reads of a kernel: its globals, here both triton.language modules."""
+
+    def __init__(self):
+        import triton.language as tl
+
+        self.__globals__ = {"tl": tl, "core": tl.core}
+
+
+def _patch_language():
+    """triton.language patched for the interpreter once for a whole block of launches (a delegate call),
+    as a launch would patch it, and the launches inside reuse it (see _skip_nested_patching). Where that
+    fix cannot be installed (another interpreter layout), nothing: each launch patches as usual."""
+    from triton.runtime import interpreter as interp
+
+    _skip_nested_patching()
+    if not getattr(interp._patch_lang, "_tritondelegate_nested", False):
+        return types.SimpleNamespace(restore=lambda: None)
+    return interp._patch_lang(_LanguageUser())
 
 
 @functools.cache  # once per process
@@ -173,8 +198,9 @@ def _skip_nested_patching() -> bool:
     call of a ``@jit`` device function inside the kernel, in every program of the grid: a scan of four
     modules' members that finds each builtin already patched and patches nothing new, about 1.5 ms a
     call. Kernels that call helpers per tile spent about a sixth of their simulated time there. While a
-    launch is running, a call whose ``triton.language`` modules that launch patched gets an empty patch
-    scope instead; a launch's own patching, and any other call, run as before. Returns whether it was
+    launch (or an ``interpreter_library`` block, which patches once for all its launches) is running, a
+    call whose ``triton.language`` modules it patched gets an empty patch scope instead; the first
+    patching, and any call that sees other modules, run as before. Returns whether it was
     installed (False once it is, or for another interpreter layout)."""
     try:
         import triton.language as tl

@@ -675,17 +675,13 @@ def _append(b, p: dict) -> Append:
 
 # --- tritondelegate::sdpa_positions ----------------------------------------------------------------
 _POSITIONS_PARAMS = ("query", "key", "value", "positions", "scale", "enable_gqa", "window", "softcap", "sinks")
-_POSITIONS_DEFAULTS = {"window": 0, "softcap": 0.0, "sinks": None}
-
-
-def _positions_params(node) -> dict:
-    return {**_DEFAULTS, **_POSITIONS_DEFAULTS, **dict(zip(_POSITIONS_PARAMS, node.args)), **node.kwargs}
+_CUSTOM_DEFAULTS = {"window": 0, "softcap": 0.0, "sinks": None}  # the custom attention ops' optional parameters
 
 
 def supported_positions(node) -> str | None:
     """sdpa's support check, with the positions (integers broadcasting to [.., Lq, 1]) for the mask, a
     window of at least 0 keys (0: none), and a soft-cap or sinks as sdpa_softcap's or sdpa_sinks'."""
-    p = _positions_params(node)
+    p = attention_params(node)
     positions, q, out = node_value(p["positions"]), node_value(p["query"]), node.meta.get("val")
     if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int64, torch.int32):
         return "positions must be an int64 or int32 tensor"
@@ -705,7 +701,7 @@ def supported_positions(node) -> str | None:
 
 
 def sdpa_positions(b, node):
-    p = _positions_params(node)
+    p = attention_params(node)
     sinks = b.contiguous(b.ref(p["sinks"])) if p["sinks"] is not None else None
     _launch_sdpa(b, node, p, b.ref(p["positions"]), positions=True, sinks=sinks, softcap=float(p["softcap"]),
                  window=int(p["window"]))
@@ -715,13 +711,9 @@ def sdpa_positions(b, node):
 _SINKS_PARAMS = ("query", "key", "value", "attn_mask", "sinks", "scale", "enable_gqa")
 
 
-def _sinks_params(node) -> dict:
-    return {**_DEFAULTS, **dict(zip(_SINKS_PARAMS, node.args)), **node.kwargs}
-
-
 def supported_sinks(node) -> str | None:
     """sdpa's support check, and one float sink logit per query head ([Hq])."""
-    return _sinks_refusal(_sinks_params(node), node)
+    return _sinks_refusal(attention_params(node), node)
 
 
 def _sinks_refusal(p: dict, node) -> str | None:
@@ -736,7 +728,7 @@ def _sinks_refusal(p: dict, node) -> str | None:
 
 
 def sdpa_sinks(b, node):
-    p = _sinks_params(node)
+    p = attention_params(node)
     mask = b.ref(p["attn_mask"]) if p["attn_mask"] is not None else None
     _launch_sdpa(b, node, p, mask, sinks=b.contiguous(b.ref(p["sinks"])))
 
@@ -745,13 +737,9 @@ def sdpa_sinks(b, node):
 _SOFTCAP_PARAMS = ("query", "key", "value", "attn_mask", "softcap", "scale", "enable_gqa")
 
 
-def _softcap_params(node) -> dict:
-    return {**_DEFAULTS, **dict(zip(_SOFTCAP_PARAMS, node.args)), **node.kwargs}
-
-
 def supported_softcap(node) -> str | None:
     """sdpa's support check, and a finite soft-cap above 0."""
-    p = _softcap_params(node)
+    p = attention_params(node)
     cap = p["softcap"]
     if not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
         return f"softcap {cap!r}: a finite number above 0 expected"
@@ -759,7 +747,7 @@ def supported_softcap(node) -> str | None:
 
 
 def sdpa_softcap(b, node):
-    p = _softcap_params(node)
+    p = attention_params(node)
     mask = b.ref(p["attn_mask"]) if p["attn_mask"] is not None else None
     _launch_sdpa(b, node, p, mask, softcap=float(p["softcap"]))
 
@@ -767,6 +755,8 @@ def sdpa_softcap(b, node):
 def attention_params(node) -> dict:
     """The parameters of an attention node by name (``sdpa_params``'s names, and each custom op's own):
     sdpa, sdpa_positions, sdpa_sinks or sdpa_softcap."""
-    parse = {td_ops.sdpa_positions: _positions_params, td_ops.sdpa_sinks: _sinks_params,
-             td_ops.sdpa_softcap: _softcap_params}
-    return parse.get(node.target, sdpa_params)(node)
+    names = {td_ops.sdpa_positions: _POSITIONS_PARAMS, td_ops.sdpa_sinks: _SINKS_PARAMS,
+             td_ops.sdpa_softcap: _SOFTCAP_PARAMS}.get(node.target)
+    if names is None:
+        return sdpa_params(node)
+    return {**_DEFAULTS, **_CUSTOM_DEFAULTS, **dict(zip(names, node.args)), **node.kwargs}

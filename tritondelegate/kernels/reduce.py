@@ -251,11 +251,6 @@ def _divisor_arg(divisor):
     return float(divisor) if sizes.is_static(divisor) else sizes.size(divisor)
 
 
-def _at_least_1(n):
-    """max(n, 1) for a size that may be symbolic."""
-    return max(n, 1) if sizes.is_static(n) else sympy.Max(n, 1)
-
-
 def _args(x, out, out2, plan: rw.Rows, split_cols, divisor, out_strides=(0, 0, 0), pro=None, epi=None) -> list:
     """The kernel's runtime arguments; ``pro`` and ``epi``: a fused chain's (``rows.chain_args``)."""
     return [x, out, out2, plan.rows, plan.cols, split_cols, plan.n1, plan.n2, *plan.args(0), _divisor_arg(divisor),
@@ -284,7 +279,7 @@ def launch_reduce(b, x: TRef, dims, out: TRef, out2: TRef | None = None, *, map_
     # one pass or a split: a speed decision, taken for the largest sizes of a dynamic range
     max_cols = upper(plan.cols)
     if combine not in SPLITTABLE or upper(programs) >= MIN_PROGRAMS or max_cols < SPLIT_MIN_COLS:
-        record = _launch(b, (programs, 1), x, out, out if out2 is None else out2, plan, _at_least_1(plan.cols),
+        record = _launch(b, (programs, 1), x, out, out if out2 is None else out2, plan, sizes.larger(1, plan.cols),
                          divisor, blocks, MAP=map_, COMBINE=combine, FINISH=finish, INT_ACC=int_acc)
         if (record is not None and combine in SPLITTABLE and not int_acc and out2 is None and x.ndim
                 and out.dtype in FLOAT_DTYPES):
@@ -327,7 +322,7 @@ class RowReduce:
         first operand) and storing ``dst`` (through ``out_strides`` when there is an epilogue), with
         the chains' arguments ``pro`` and ``epi`` (``rows.chain_args``, None without) and constexprs."""
         block_r, block_c = rw.blocks(plan, MAX_BLOCK_C)
-        args = _args(src, dst, dst, plan, _at_least_1(plan.cols), self.divisor, out_strides, pro, epi)
+        args = _args(src, dst, dst, plan, sizes.larger(1, plan.cols), self.divisor, out_strides, pro, epi)
         constexprs = dict(MAP=self.map_, COMBINE=self.combine, FINISH=self.finish, INT_ACC=False,
                           BLOCK_R=block_r, BLOCK_C=block_c, num_warps=rw.num_warps(block_r, block_c),
                           **chain_constexprs)

@@ -96,6 +96,11 @@ def is_static(x) -> bool:
     return not isinstance(x, (sympy.Basic, torch.SymInt))
 
 
+def larger(*sizes):
+    """The largest of ``sizes``, any of them symbolic (then a ``Max`` expression)."""
+    return max(sizes) if is_static(sizes) else sympy.Max(*sizes)
+
+
 def upper(x) -> int:
     """``x`` at every symbol's upper bound (ints pass through; tuples and lists element-wise)."""
     if isinstance(x, (tuple, list)):

@@ -16,7 +16,6 @@ two launches' bit for bit.
 
 from __future__ import annotations
 
-import sympy
 import torch
 import triton
 import triton.language as tl
@@ -57,11 +56,6 @@ def sort_offsets_kernel(
 
 
 # --- host launcher --------------------------------------------------------------------------------
-def _larger(a, b):
-    """max of two sizes, either symbolic."""
-    return max(a, b) if sizes.is_static(a) and sizes.is_static(b) else sympy.Max(a, b)
-
-
 def launch_sort_offsets(b, x: TRef, descending: bool, bins: int, low: float, high: float, cast: bool,
                         values: TRef, indices: TRef, offsets: TRef) -> None:
     """``values``, ``indices`` = the stable sort of the 1-D ``x``; ``offsets`` (``bins``) = the running
@@ -72,7 +66,7 @@ def launch_sort_offsets(b, x: TRef, descending: bool, bins: int, low: float, hig
     block_i, block_j, block_n = min(length, BLOCK_I), min(length, BLOCK_J), min(length, hist.BLOCK_N)
     block_b = min(next_power_of_2(bins), max(hist.BLOCK_B, min(MAX_BLOCK_B, TILE // block_n)))
     block_n = min(block_n, max(1, TILE // block_b))
-    grid = (_larger(triton.cdiv(n, block_i), triton.cdiv(bins, block_b)),)
+    grid = (sizes.larger(triton.cdiv(n, block_i), triton.cdiv(bins, block_b)),)
     b.launch("sort_offsets", grid, values, indices, offsets, x, n, x.strides[0], values.strides[0],
              indices.strides[0], bins, low, high, offsets.strides[0], DESCENDING=descending,
              FROM_DATA=low == high, CAST=cast, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_B=block_b,

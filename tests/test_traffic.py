@@ -199,3 +199,31 @@ def test_demo_decoder_traffic_against_its_lower_bound():
         embed = model.embed.weight
         assert t["lower_bound_read"] >= weights - embed.numel() * F32
         assert t["ratio"] > 1.0
+
+
+def _window_sdpa(window: int):
+    def attend(q, k, v, pos):
+        index, p = torch.arange(k.shape[-2])[None, None, None, :], pos[None, None, :, None]
+        keep = index <= p
+        if window:
+            keep = keep & (index > p - window)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep.expand(1, -1, -1, -1),
+                                                                 enable_gqa=True)
+    return attend
+
+
+@pytest.mark.parametrize("lq", [1, 6])
+def test_a_sliding_window_reads_its_window_not_the_whole_cache(lq):
+    """A window attention's keys and values: the window and a tile (the kernel skips the tiles before
+    it), from the first query's position to the last's (consecutive positions), of every key head."""
+    keys, kv_heads, e = 512, 2, 16
+    q, k, v = torch.randn(1, 4, lq, e), torch.randn(1, kv_heads, keys, e), torch.randn(1, kv_heads, keys, e)
+    pos = torch.arange(300, 300 + lq)
+    whole, windowed = ([l for l in _launches(_window_sdpa(w), q, k, v, pos)[0] if l.kernel == "attention"][0]
+                       for w in (0, 40))  # (with the keys split over programs, then their combine)
+    assert windowed.constexprs["WINDOW"].value == 40
+    read = (lq - 1 + 40 + windowed.constexprs["BLOCK_N"].value - 1) * kv_heads * e * F32
+    others = q.numel() * F32 + pos.numel() * 8  # the queries and the positions
+    assert windowed.bytes_read == 2 * read + others
+    assert whole.bytes_read == 2 * k.numel() * F32 + others
+    assert windowed.flops * keys == whole.flops * (read // (kv_heads * e * F32))

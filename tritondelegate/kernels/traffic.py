@@ -55,7 +55,8 @@ class Access:
 
     param: str
     when: Callable[[Args], bool] = _always  # touched only when this holds (else a stand-in pointer)
-    at_most: Callable[[Args], int] | None = None  # reached through index values: at most this many elements
+    # reached through index values, or a window of it: at most this many elements (None: the whole view)
+    at_most: Callable[[Args], int | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -136,17 +137,37 @@ def _causal_pairs(lq: int, lk: int) -> int:
     return full * (full + 1) // 2 + (lq - full) * lk
 
 
+def _window_keys(a: Args) -> int:
+    """Keys a launch reads per (batch, key head): all ``Lk``, or with a sliding window (``WINDOW``) those
+    from a tile before the first query's position - WINDOW + 1 to the last's, the queries' positions taken
+    consecutive (a decode step's one position, or a prompt's ``cache_position``)."""
+    if not a.get("WINDOW") or a["MASK"] != "positions":
+        return a["Lk"]
+    return min(a["Lk"], a["Lq"] - 1 + a["WINDOW"] + a["BLOCK_N"] - 1)
+
+
+def _window_reads(width: str) -> Callable[[Args], int | None]:
+    """At most the keys (or values) ``_window_keys`` names, ``width`` elements each, per (batch, key
+    head); None (the whole view) without a window."""
+    return lambda a: _kv_heads(a) * _window_keys(a) * a[width] if _window_keys(a) < a["Lk"] else None
+
+
+def _kv_heads(a: Args) -> int:
+    """(batch, key head) pairs of an attention launch: its (batch, query head) programs over GROUP."""
+    return max(1, a["grid"][1] * a["PACK"] // a["GROUP"])
+
+
 def _attention_flops(a: Args) -> int:
     # per (batch, head) = grid axis 1 x PACK and visited (i, j) pair: q.k over E, p.v over EV, 2 FLOPs a term;
     # a soft-cap adds a divide, a tanh and a multiply per pair
-    pairs = _causal_pairs(a["Lq"], a["Lk"]) if a["CAUSAL"] else a["Lq"] * a["Lk"]
+    pairs = _causal_pairs(a["Lq"], a["Lk"]) if a["CAUSAL"] else a["Lq"] * _window_keys(a)
     per_pair = 2 * (a["E"] + a["EV"]) + (2 + POINTWISE_FLOPS["tanh"] if a.get("SOFTCAP") else 0)
     return a["grid"][1] * a["PACK"] * pairs * per_pair
 
 
 def _new_rows(a: Args) -> int:
     """Cache rows an ``attention_append`` launch writes: Lnew per (batch, key head)."""
-    return max(1, a["grid"][1] * a["PACK"] // a["GROUP"]) * a["Lnew"]
+    return _kv_heads(a) * a["Lnew"]
 
 
 def _norm_flops(a: Args) -> int:
@@ -200,7 +221,8 @@ def _indices(count: int) -> Callable[[Args], bool]:
 # attention's: without a mask mask_ptr is q, never read; with SPLIT the partials replace the output and the
 # combine reads the sinks; without SINKS sink_ptr is q
 _ATTENTION = KernelTraffic(
-    reads=(Access("q_ptr"), Access("k_ptr"), Access("v_ptr"), Access("mask_ptr", lambda a: a["MASK"] != "none"),
+    reads=(Access("q_ptr"), Access("k_ptr", at_most=_window_reads("E")), Access("v_ptr", at_most=_window_reads("EV")),
+           Access("mask_ptr", lambda a: a["MASK"] != "none"),
            Access("sink_ptr", lambda a: a["SINKS"] and not a["SPLIT"])),
     writes=(Access("out_ptr", lambda a: not a["SPLIT"]), Access("part_ptr", _flag("SPLIT")),
             Access("stat_ptr", _flag("SPLIT"))),

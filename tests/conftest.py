@@ -18,3 +18,10 @@ def pytest_configure(config):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_collection_modifyitems(config, items):
+    # The slow tests first (a stable sort keeps the rest in order): under xdist (README's command, which
+    # keeps collection order with --no-loadscope-reorder) the longest single test, the sm_90 compile
+    # check, then overlaps the rest of the suite instead of running alone at its end.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

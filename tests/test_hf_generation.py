@@ -24,6 +24,9 @@ MODELS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 12}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "eos_token_id": 1}),  # one gate_up linear
+    # soft-capped scores and logits, every other layer a sliding window of 8 keys (shorter than the prompt
+    # and the 16 tokens generated), pre- and post-norms around attention and the MLP
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 12, "sliding_window": 8, "query_pre_attn_scalar": 12}),
     # Mixture of Experts: 4 experts, 2 per token, the router's top-k, sort and counts on the device too
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
@@ -38,7 +41,8 @@ MODELS = {
 # per expert in one, gate/up as one grouped GEMM reading the token rows in the expert order in its loads
 # (the norm its prologue too) with SwiGLU in its epilogue, down storing its rows in token order with the
 # routing weights in its epilogue, and the sum over the chosen experts with the residual add in its epilogue.
-LAUNCHES = {"llama": 14, "qwen2": 14, "mistral": 14, "gemma": 14, "phi3": 14, "mixtral": 22}
+# Gemma 2's layers run 7 each: the 5 and its norms after attention and after the MLP.
+LAUNCHES = {"llama": 14, "qwen2": 14, "mistral": 14, "gemma": 14, "phi3": 14, "mixtral": 22, "gemma2": 18}
 CACHE = 32
 PROMPT = torch.tensor([[3, 17, 5, 9, 22]])
 TOKENS = 16
@@ -92,6 +96,11 @@ def test_static_cache_generation_matches_eager(name, tmp_path):
     program = td.load(tmp_path / "lm.tdp", devices="simulated")
     prefill, decode = program.load_method("prefill"), program.load_method("decode")
     _one_scatter_per_layer(program, name)
+    window = MODELS[name][2].get("sliding_window")
+    if window:  # the sliding layers' window is the attention kernel's, not a mask built per call
+        windows = {l.constexprs["WINDOW"].value for m in program.program.methods for d in m.delegates
+                   for l in d.plan.launches if "WINDOW" in l.constexprs}
+        assert windows == {window}
     # Prefill loaded every weight already: decode loads only the constants it alone reads (folded ones).
     slots = lambda m: {v.slot for v in m.values if v.resident}  # noqa: E731
     prefill_slots, decode_slots = (slots(m) for m in program.program.methods)

@@ -79,7 +79,8 @@ def interpreter_library():
     interpreted kernel refuses to run. Interpreted launches run inside this block, which swaps in
     interpreted twins and puts the originals back after, so nobody else's kernels change. It also
     patches ``triton.language`` for the interpreter once, for every launch inside (see
-    ``_skip_nested_patching``), and restores it at the end. The block holds a process-wide lock: interpreted launches from several threads take turns.
+    ``_skip_nested_patching``), and restores it at the end. The block holds a process-wide lock:
+    interpreted launches from several threads take turns.
     """
     with _INTERPRETER_LOCK:
         swaps = _library_swaps()

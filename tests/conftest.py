@@ -5,6 +5,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from workers import share_of_cores, xdist_workers  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -15,9 +16,8 @@ def _seed():
 def pytest_configure(config):
     # Under pytest-xdist (README's test command) the workers share the cores: torch's intra-op threads
     # are split among them, not oversubscribed.
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    if xdist_workers() > 1:
+        torch.set_num_threads(share_of_cores())
 
 
 def pytest_collection_modifyitems(config, items):

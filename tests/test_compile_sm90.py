@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from workers import share_of_cores
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,9 +20,8 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     # Under pytest-xdist (README's command) the workers share the cores: this test compiles in its share.
-    jobs = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     command = [sys.executable, str(ROOT / "scripts" / "compile_check.py"), "--json", str(tmp_path / "r.json"),
-               "--jobs", str(jobs)]
+               "--jobs", str(share_of_cores())]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "total" in proc.stdout

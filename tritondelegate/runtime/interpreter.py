@@ -95,25 +95,18 @@ def interpreter_library():
                 setattr(owner, name, compiled)
 
 
-class _LanguageUser:
-    """What the interpreter's patching reads of a kernel: its globals, here both triton.language modules."""
-
-    def __init__(self):
-        import triton.language as tl
-
-        self.__globals__ = {"tl": tl, "core": tl.core}
-
-
 def _patch_language():
     """triton.language patched for the interpreter once for a whole block of launches (a delegate call),
     as a launch would patch it, and the launches inside reuse it (see _skip_nested_patching). Where that
     fix cannot be installed (another interpreter layout), nothing: each launch patches as usual."""
+    import triton.language as tl
     from triton.runtime import interpreter as interp
 
     _skip_nested_patching()
     if not getattr(interp._patch_lang, "_tritondelegate_nested", False):
         return types.SimpleNamespace(restore=lambda: None)
-    return interp._patch_lang(_LanguageUser())
+    # what the patching reads of a kernel is its globals: here both triton.language modules
+    return interp._patch_lang(types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core}))
 
 
 @functools.cache  # once per process

@@ -15,8 +15,10 @@ halved until the failing samples stand alone.
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
+from unittest import mock
 
 import torch
 import torch.utils._pytree as pytree
@@ -63,6 +65,19 @@ def op_db() -> list:
     return [info for info in db if _dtypes(info)]
 
 
+@contextmanager
+def _sampling():
+    """OpInfo's sample iterators look for the running unittest test by walking the whole stack
+    (``inspect.stack``, tens of milliseconds) twice when one is made. No unittest test runs here, so that
+    lookup, which would find nothing, is skipped."""
+    from torch.testing._internal import common_utils
+    from torch.testing._internal.opinfo import core
+
+    with mock.patch.object(core, "extract_test_fn", lambda: None), \
+            mock.patch.object(common_utils, "extract_test_fn", lambda: None):
+        yield
+
+
 # Registry ATen ops that no OpInfo samples; their own tests check them against eager.
 NO_OPINFO = {torch.ops.aten._grouped_mm.default}  # bf16-only when exported: tests/test_grouped_mm.py
 
@@ -105,7 +120,8 @@ def _dispatched() -> dict:
         if torch.float32 not in info.supported_dtypes("cpu"):
             continue
         try:
-            sample = next(iter(info.sample_inputs("cpu", torch.float32)))
+            with _sampling():
+                sample = next(iter(info.sample_inputs("cpu", torch.float32)))
             with warnings.catch_warnings(), _Dispatched() as mode:
                 warnings.simplefilter("ignore")
                 info.op(sample.input, *sample.args, **sample.kwargs)
@@ -157,7 +173,9 @@ def samples(info, per_dtype: dict | None, reference: bool = False) -> list:
             continue
         maker = info.reference_inputs if reference else info.sample_inputs
         try:
-            for k, sample in enumerate(maker("cpu", dtype)):
+            with _sampling():
+                made = maker("cpu", dtype)
+            for k, sample in enumerate(made):
                 if limit is not None and k >= limit:
                     break
                 out.append((dtype, k, sample))

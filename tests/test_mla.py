@@ -2,7 +2,8 @@
 plain PyTorch) in few launches: the RMSNorms of the latents (``q_a_layernorm``, ``kv_a_layernorm``, each
 of a slice of one projection's columns) as the next projections' prologues (kernels/fusion.py), and the
 rotary of the even and odd columns (``apply_rotary_pos_emb_interleave``) as one rotary launch for q and
-k (``rotary(..., deinterleave=True)``: passes/halves_rotary.py, kernels/rotary.py)."""
+k (``rotary(..., deinterleave=True)``: passes/halves_rotary.py, kernels/rotary.py), and the query's and
+key's assembly from their parts as one launch each (kernels/fuse_cat.py)."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def _run(model, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_in_twelve_launches(dtype):
+def test_mla_in_nine_launches(dtype):
     torch.manual_seed(0)
     lowered = _run(MLA().eval(), dtype)
     kernels = [launch.kernel for launch in plan_launches(lowered)]
@@ -89,9 +90,9 @@ def test_mla_in_twelve_launches(dtype):
         "matmul",     # q_a_proj and kv_a_proj_with_mqa: one GEMM over their weights concatenated
         "matmul",     # q_b_proj, q_a_layernorm of the first 16 columns as its prologue
         "rotary",     # q_pe and k_pe: their even and odd columns rotated into halves, one launch
-        "pointwise", "pointwise",  # query = cat((q_pass, q_rot)): one copy per part
+        "cat",        # query = cat((q_pass, q_rot)): both parts in one launch
         "matmul",     # kv_b_proj, kv_a_layernorm of the next 16 columns (k_pe's 8 left) as its prologue
-        "pointwise", "pointwise", "pointwise",  # key = new_empty, k_nope and k_pe (expanded) copied in
+        "cat",        # key = new_empty, k_nope and k_pe (expanded over the heads) copied in: one launch
         "attention",  # scaled_dot_product_attention, written in o_proj's layout
         "matmul",     # o_proj
     ], kernels

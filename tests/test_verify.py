@@ -29,7 +29,7 @@ RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for
 class Zoo(torch.nn.Module):
     """One delegate over most kernel families: gather, norm, matmul, attention, softmax, cumsum, conv
     with an epilogue, batch norm, pooling, padding, a pointwise chain, a norm with a prologue, a reduction
-    with an epilogue, a scatter, a top-k, a histogram and a router's top-k of a softmax."""
+    with an epilogue, a scatter, a top-k, a histogram, a router's top-k of a softmax and a cat of two parts."""
 
     def __init__(self):
         super().__init__()
@@ -47,7 +47,8 @@ class Zoo(torch.nn.Module):
         z = torch.zeros(6, 8).index_copy(0, ids[:2], h[0, :2])
         # p's chain is the norm's prologue, amax's chain its epilogue; p.exp() * 0.5 a chain of its own
         return (s, torch.cumsum(ids, 0), y, p, s.amax(-1) * 2.0 - 1.0, z, *torch.topk(s[0], 3),
-                torch.histc(p, 5, -1, 1), *torch.topk(torch.softmax(h[0], -1), 2), p.exp() * 0.5)
+                torch.histc(p, 5, -1, 1), *torch.topk(torch.softmax(h[0], -1), 2), p.exp() * 0.5,
+                torch.cat((h[0], s[0]), -1))
 
 
 def _zoo_args():
@@ -195,7 +196,7 @@ SIZES = {"pointwise": "n", "pointwise_chain": "n", "matmul": "M", "conv2d": "M",
          "reduce": "rows", "softmax": "rows", "norm": "rows", "gather": "n", "scatter": "n", "cumsum": "rows",
          "pool2d": "total", "batch_norm": "numel", "pad": "total", "arange": "n", "rotary": "rows",
          "grouped_mm": "S", "attention_combine": "S", "attention_append": "Lq", "rank": "length", "histc": "n",
-         "router": "length", "group_router": "length", "sort_offsets": "n"}
+         "router": "length", "group_router": "length", "sort_offsets": "n", "cat": "n"}
 
 
 def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):

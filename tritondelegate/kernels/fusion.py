@@ -74,11 +74,12 @@ The chain starts from t rounded to its dtype (eager stores it so), then keeps fp
 In ``silu(gate(x)) * up(x)`` the chain ``silu, mul`` reads gate's result first: gate's matmul moves
 after up's and reads up's result in its epilogue.
 
-Last, row kernels with their neighbours (``fuse_rows.py``): a norm, softmax or one-pass float reduction
+Then row kernels with their neighbours (``fuse_rows.py``): a norm, softmax or one-pass float reduction
 (``fuse_reduce.py``: a Mixture-of-Experts tail ``residual + y.view(T, k, H).sum(1)``) takes the chain
 that alone feeds it as a prologue and the chain that alone reads its result as an epilogue; then a
 gather (``fuse_gather.py``) takes the chain that alone reads its result as an epilogue (an embedding's
-add or scale).
+add or scale). Last, consecutive plain copies into adjacent slices of one buffer (a cat's parts)
+become one ``cat`` launch (``fuse_cat.py``).
 
 First of all, scatter pairs (:func:`pair_scatters`): a layer's k and v cache writes, two scatter launches
 with the same grid, constexprs, indices and iteration that differ only in their destination, source
@@ -98,7 +99,7 @@ from ..plan import Launch
 from . import conv as cv
 from . import grouped_mm as gmm
 from . import elementwise as ew
-from . import fuse_gather, fuse_reduce, fuse_rows
+from . import fuse_cat, fuse_gather, fuse_reduce, fuse_rows
 from . import sizes as size_fns
 from . import matmul as mm
 from . import scatter as sc
@@ -207,7 +208,8 @@ def _launch(chain: _Chain) -> Launch:
 def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[int]], keep: set[int],
          view=None) -> FusionResult:
     """Pair scatters, merge rms and layer norms into the matmuls that read them, pointwise producers into
-    their consumers, then chains into matmul epilogues.
+    their consumers, then chains into matmul epilogues; last, copies into adjacent slices of one
+    buffer into one launch (``fuse_cat.py``; only with ``view``).
 
     ``records`` are a delegate's launches with what each computes (``LaunchRecord.op``: an
     ``elementwise.PointwiseOp`` for a ``pointwise`` launch, a ``matmul.MatmulOp``, ``conv.ConvOp`` or
@@ -242,7 +244,8 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     gathers = fuse_gather.merge_gathers(launches, ops["gather"], chains, writes, keep, users, merged_away,
                                         set(epilogues) | set(rows))
     if not merged_away:
-        return FusionResult(records, paired)
+        records, cats = fuse_cat.merge_copies(records, view)
+        return FusionResult(records, paired or cats)
     fused = [
         LaunchRecord(rows[i]) if i in rows
         else LaunchRecord(gathers[i]) if i in gathers
@@ -253,7 +256,7 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
         for i, record in enumerate(records)
         if i not in merged_away
     ]
-    return FusionResult(fused, True)
+    return FusionResult(fuse_cat.merge_copies(fused, view)[0], True)
 
 
 def pair_scatters(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[int]]

@@ -5,19 +5,25 @@ tensor with the operand's strides, so every view op agrees with PyTorch by const
 ``view``/``reshape`` of a layout that cannot be viewed falls back to a contiguous copy first
 (``elementwise`` copy kernel). ``cat`` copies each operand into a slice of its output; ``repeat`` copies
 its operand, read through zero strides, into its output viewed as (copies, size) per dim.
+
+``cat_kernel`` copies up to ``MAX_PARTS`` parts into adjacent slices of one output in one launch:
+``fuse_cat.py`` merges a cat's copies (or an update chain's, ``slice_scatter`` after ``slice_scatter``)
+into it once fusion has taken the copies that a producer computes straight into their slice.
 """
 
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import torch
-
 import torch.fx
+import triton
+import triton.language as tl
 
 from . import elementwise as ew
 from . import sizes
-from .refs import MAX_RANK, TRef, collapse_padded, node_value
+from .refs import MAX_RANK, TRef, broadcast_strides, collapse, collapse_padded, node_value
 
 aten = torch.ops.aten
 
@@ -229,3 +235,105 @@ def supported_strided(node) -> str | None:
     if start < 0 or min(stride, default=0) < 0 or (math.prod(size) and reach >= x.numel()):
         return f"as_strided reaches outside its operand's {x.numel()} elements"
     return supported(node)
+
+
+# --- one launch for a concatenation -----------------------------------------------------------------
+MAX_PARTS = 4  # parts one cat launch copies
+
+
+@triton.jit
+def _part(ptr, i0, i1, i2, i3, i4, s0, s1, s2, s3, s4, start, mask, DIM: tl.constexpr):
+    # The part's element at output index (i0, .., i4): its own index along DIM counts from ``start``.
+    if DIM == 0:
+        i0 = i0 - start
+    elif DIM == 1:
+        i1 = i1 - start
+    elif DIM == 2:
+        i2 = i2 - start
+    elif DIM == 3:
+        i3 = i3 - start
+    else:
+        i4 = i4 - start
+    return tl.load(ptr + i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3 + i4 * s4, mask=mask, other=0)
+
+
+@triton.jit
+def cat_kernel(
+    out_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+    n, d1, d2, d3, d4,
+    os0, os1, os2, os3, os4,
+    p0s0, p0s1, p0s2, p0s3, p0s4,
+    p1s0, p1s1, p1s2, p1s3, p1s4,
+    p2s0, p2s1, p2s2, p2s3, p2s4,
+    p3s0, p3s1, p3s2, p3s3, p3s4,
+    e0, e1, e2,
+    DIM: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # out[..., c, ...] along DIM = part k's [..., c - e(k-1), ...] for e(k-1) <= c < e(k) (e(-1) = 0, the
+    # last part to the end), each part cast to out's dtype; a masked-off load reads no memory.
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    i0, i1, i2, i3, i4 = ew.unravel5(offs, d1, d2, d3, d4)
+    if DIM == 0:
+        c = i0
+    elif DIM == 1:
+        c = i1
+    elif DIM == 2:
+        c = i2
+    elif DIM == 3:
+        c = i3
+    else:
+        c = i4
+    ty = out_ptr.dtype.element_ty
+    # ends past the last part are the output's size along DIM
+    r = _part(p0_ptr, i0, i1, i2, i3, i4, p0s0, p0s1, p0s2, p0s3, p0s4, 0, mask & (c < e0), DIM).to(ty)
+    if PARTS >= 2:
+        m = mask & (c >= e0) & (c < e1)
+        r = tl.where(c >= e0, _part(p1_ptr, i0, i1, i2, i3, i4, p1s0, p1s1, p1s2, p1s3, p1s4, e0, m, DIM).to(ty), r)
+    if PARTS >= 3:
+        m = mask & (c >= e1) & (c < e2)
+        r = tl.where(c >= e1, _part(p2_ptr, i0, i1, i2, i3, i4, p2s0, p2s1, p2s2, p2s3, p2s4, e1, m, DIM).to(ty), r)
+    if PARTS >= 4:
+        m = mask & (c >= e2)
+        r = tl.where(c >= e2, _part(p3_ptr, i0, i1, i2, i3, i4, p3s0, p3s1, p3s2, p3s3, p3s4, e2, m, DIM).to(ty), r)
+    tl.store(out_ptr + i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3 + i4 * os4, r, mask=mask)
+
+
+def _walk_around(shape, stride_sets, dim: int):
+    """The dims before ``dim`` and those after it, each collapsed apart (``dim`` stays a dim of its
+    own), left-padded to MAX_RANK dims: (sizes, strides per set, the position of ``dim``), or None
+    when more than MAX_RANK dims remain."""
+    before = collapse(shape[:dim], [s[:dim] for s in stride_sets])
+    after = collapse(shape[dim + 1:], [s[dim + 1:] for s in stride_sets])
+    sizes_ = before[0] + [shape[dim]] + after[0]
+    if len(sizes_) > MAX_RANK:
+        return None
+    pad = MAX_RANK - len(sizes_)
+    strides = [[0] * pad + b + [s[dim]] + a for s, b, a in zip(stride_sets, before[1], after[1])]
+    return [1] * pad + sizes_, strides, pad + len(before[0])
+
+
+def cat_launch(out: TRef, parts: list, dim: int):
+    """(grid, args, constexprs) of one ``cat_kernel`` launch writing ``out`` (the union of the parts'
+    slices along ``dim``) from ``parts``: (source, its size along ``dim``) in order, each source
+    broadcast to its slice. None when the walk needs more than MAX_RANK dims."""
+    if not 2 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"a cat launch copies 2 to {MAX_PARTS} parts, not {len(parts)}")
+    stride_sets = [list(out.strides)]
+    for src, size in parts:
+        part_shape = list(out.shape)
+        part_shape[dim] = size
+        stride_sets.append(list(broadcast_strides(src, part_shape)))
+    walk = _walk_around(list(out.shape), stride_sets, dim)
+    if walk is None:
+        return None
+    shape, strides, position = walk
+    ends = list(accumulate(size for _, size in parts))
+    ends = (ends[:-1] + [out.shape[dim]] * MAX_PARTS)[:MAX_PARTS - 1]
+    srcs = [src for src, _ in parts] + [out] * (MAX_PARTS - len(parts))  # unused slots: never read
+    part_strides = strides[1:] + [[0] * MAX_RANK] * (MAX_PARTS - len(parts))
+    n = math.prod(out.shape)
+    args = [out, *srcs, n, *shape[1:], *strides[0], *(s for ss in part_strides for s in ss), *ends]
+    constexprs = {"DIM": position, "PARTS": len(parts), "BLOCK": ew.BLOCK}
+    return (triton.cdiv(n, ew.BLOCK),), args, constexprs

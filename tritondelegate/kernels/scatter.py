@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.fx
 import triton
 import triton.language as tl
 
@@ -169,16 +170,33 @@ def pair_launch(first: Launch, second: Launch, a: ScatterOp, c: ScatterOp) -> La
 
 
 # --- destinations: functional or in place ---------------------------------------------------------
+# Functional updates lowered here whose result is a fresh output (or, in place, their ``self``).
+SPENT_UPDATES = {
+    aten.index_put.default, aten.index_copy.default, aten.slice_scatter.default, aten.select_scatter.default,
+    aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.copy.default,
+}
+
+
 def _in_place(node) -> bool:
     return bool(node.meta.get("td_inplace", False))
 
 
+def _spent(node) -> bool:
+    """Whether ``node``'s ``self`` is a fresh result that nothing but ``node`` reads: an ``empty``
+    tensor's or an earlier functional update's (not one in place), with no other reader, not even a
+    view or the delegate's output. Writing into it then loses nothing: a tensor filled slice by slice
+    (``slice_scatter`` after ``slice_scatter``) needs no copy of itself per step."""
+    base = node.args[0]
+    return (isinstance(base, torch.fx.Node) and base.op == "call_function" and len(base.users) == 1
+            and (base.target in SPENT_UPDATES or is_empty(base)) and not _in_place(base))
+
+
 def _destination(b, node, copy_self: bool = True) -> TRef:
     """Where ``node``'s update goes, bound as its result: ``self``'s own memory when the node is
-    marked in place, else a fresh output, holding a copy of ``self`` when ``copy_self`` and ``self``
-    has contents (not an ``empty`` tensor: a Mixture-of-Experts router's inverse order is an
-    ``index_put`` into one)."""
-    if _in_place(node):
+    marked in place or ``self`` is spent (:func:`_spent`), else a fresh output, holding a copy of
+    ``self`` when ``copy_self`` and ``self`` has contents (not an ``empty`` tensor: a Mixture-of-Experts
+    router's inverse order is an ``index_put`` into one)."""
+    if _in_place(node) or _spent(node):
         dst = b.ref(node.args[0])
         b.writes_in_place(dst)
         b.bind(node, dst)

@@ -6,12 +6,13 @@ ATen ops). Each kernel's footprint rule (``runtime/footprints.py``) and traffic 
 
 from __future__ import annotations
 
-from . import attention, batchnorm, conv, creation, elementwise, index, matmul, norm, pad, pool, reduce, rotary
+from . import attention, batchnorm, conv, creation, elementwise, index, layout, matmul, norm, pad, pool, reduce, rotary
 from . import grouped_mm, histogram, ranking, router, scatter, softmax, sort_offsets
 
 KERNELS: dict[str, object] = {
     "pointwise": elementwise.pointwise_kernel,
     "pointwise_chain": elementwise.pointwise_chain_kernel,
+    "cat": layout.cat_kernel,
     "arange": creation.arange_kernel,
     "pad": pad.pad_kernel,
     "gather": index.gather_kernel,

@@ -206,6 +206,10 @@ def _reduce_flops(a: Args) -> int:
     return a["rows"] * (a["cols"] * (per + pro) + epi)
 
 
+def _part_used(k: int) -> Callable[[Args], bool]:
+    return lambda a: k < a["PARTS"]
+
+
 def _zero(a: Args) -> int:
     return 0
 
@@ -244,6 +248,9 @@ TRAFFIC: dict[str, KernelTraffic] = {
         writes=(Access("out_ptr"),),
         flops=_chain_flops,
     ),
+    # out's slices along DIM = parts 0 .. PARTS - 1; unused part slots pass out as a stand-in
+    "cat": KernelTraffic(reads=tuple(Access(f"p{k}_ptr", _part_used(k)) for k in range(4)),
+                         writes=(Access("out_ptr"),), flops=_zero),
     "arange": KernelTraffic(reads=(), writes=(Access("out_ptr"),), flops=_zero),
     # out[i] = x[source(i)] or the pad value: at most one read of x per output element
     "pad": KernelTraffic(reads=(Access("x_ptr", at_most=lambda a: a["total"]),), writes=(Access("out_ptr"),),

@@ -26,14 +26,18 @@ import torch
 import torch.fx
 from torch.export.graph_signature import TensorArgument
 
-from .rewrite import is_call, same_shape, tensor_val
+from .rewrite import erase_unused, is_call, same_shape, tensor_val
 
 aten = torch.ops.aten
 
 
 def _replace(ep: torch.export.ExportedProgram, old: torch.fx.Node, new: torch.fx.Node) -> None:
+    """``new`` in place of ``old``; what only ``old`` read goes too (an identity copy's destination
+    view, which would otherwise still count as a reader of its base)."""
+    inputs = old.all_input_nodes
     old.replace_all_uses_with(new)
     ep.graph_module.graph.erase_node(old)
+    erase_unused(ep.graph_module.graph, inputs)
 
 
 def _identity_copy(node: torch.fx.Node) -> torch.fx.Node | None:

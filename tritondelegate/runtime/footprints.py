@@ -117,6 +117,21 @@ def _pointwise_chain(x: LaunchArgs) -> Footprint:
     return Footprint(acc, (_cdiv(n, x.c["BLOCK"]),), {"n": n})
 
 
+def _cat(x: LaunchArgs) -> Footprint:
+    n = x.i("n")
+    idx = _unravel(n, x.d("d1", "d2", "d3", "d4"))
+    acc = [Access("out_ptr", _walk(idx, x.ints("os", 5)), write=True)]
+    # part k: output indices c along DIM in [e(k-1), e(k)) (from 0; the last to the end), read at c - e(k-1)
+    dim, parts, ends = x.c["DIM"], x.c["PARTS"], x.ints("e", 3)
+    for k in range(parts):
+        start = 0 if k == 0 else ends[k - 1]
+        end = idx[dim] if k == 3 else min(ends[k], idx[dim])
+        counts = list(idx)
+        counts[dim] = end - start
+        acc.append(Access(f"p{k}_ptr", _walk(counts, x.ints(f"p{k}s", 5))))
+    return Footprint(acc, (_cdiv(n, x.c["BLOCK"]),), {"n": n})
+
+
 def _epilogue(x: LaunchArgs, index: tuple, strides: int) -> list[Access]:
     """The operands a GEMM epilogue (``elementwise._epilogue``) loads: step k < EPILOGUE, binary,
     with a tensor operand addressed by its own strides over ``index`` (counts)."""
@@ -568,6 +583,7 @@ RULES: dict[str, KernelRule] = {
         "OP": POINTWISE_OPS, "ALPHA": NUMBER, "NARGS": in_range(1, 3), "A_SCALAR": FLAG, "B_SCALAR": FLAG,
         "C_SCALAR": FLAG, "CT": one_of("f32", "i64", "i1"), "BLOCK": BLOCK}),
     "pointwise_chain": KernelRule(_pointwise_chain, _chain_constexprs()),
+    "cat": KernelRule(_cat, {"DIM": in_range(0, 4), "PARTS": in_range(2, 4), "BLOCK": BLOCK}),
     "arange": KernelRule(_arange, {"IS_FLOAT": FLAG, "BLOCK": BLOCK}),
     "pad": KernelRule(_pad, {"MODE": one_of("constant", "reflect", "replicate"), "BLOCK": BLOCK}),
     "gather": KernelRule(_gather, {"NUM_INDICES": in_range(1, 3), "BLOCK": BLOCK, **_epilogue_constexprs()}),

@@ -583,6 +583,8 @@ def _per_dtype(d) -> dict[str, callable]:
                                                    _randn(1, 7, 8, 64, dtype=d))),
         "creation": lambda: _creation(d),
         "pointwise": lambda: _pointwise(d),
+        "cat_prefill": lambda: _cats(d, 300),
+        "cat_decode": lambda: _cats(d, 1),
         "matmul": lambda: _matmuls(d),
         **_moe_cases(d),
         "pad": lambda: _pads(d),
@@ -616,6 +618,20 @@ def _per_dtype(d) -> dict[str, callable]:
                                 (_randn(4, 8, 1, 128, dtype=d), _randn(4, 1, 1, 128, dtype=d),
                                  _randn(4, 1, 1, 128, dtype=d))),
     }
+
+
+def _cats(dtype, seq: int):
+    """DeepSeek-V3's query and key assembled from their parts (128 heads of 128 + 64 columns, the key's
+    rotary part broadcast over the heads) and a DenseNet-style cat of four feature maps along the
+    channels: one ``cat`` launch each (kernels/fuse_cat.py)."""
+    def assemble(q, q_rot, kv, k_rot, f1, f2, f3, f4):
+        query = torch.cat((q[..., :128], q_rot), -1)
+        key = torch.cat((kv[..., :128], k_rot.expand(-1, 128, -1, -1)), -1)
+        return query, key, torch.cat((f1, f2, f3, f4), 1)
+
+    maps = [_randn(2, c, 28, 28, dtype=dtype) for c in (64, 32, 32, 32)]
+    return Fn(assemble), (_randn(1, 128, seq, 192, dtype=dtype), _randn(1, 128, seq, 64, dtype=dtype),
+                          _randn(1, 128, seq, 256, dtype=dtype), _randn(1, 1, seq, 64, dtype=dtype), *maps)
 
 
 def _rotate_every_two(x):

@@ -1,9 +1,10 @@
 """DeepSeek-V3's Multi-head Latent Attention (transformers' ``DeepseekV3Attention``, written out here in
 plain PyTorch) in few launches: the RMSNorms of the latents (``q_a_layernorm``, ``kv_a_layernorm``, each
 of a slice of one projection's columns) as the next projections' prologues (kernels/fusion.py), and the
-rotary of the even and odd columns (``apply_rotary_pos_emb_interleave``) as one rotary launch for q and
-k (``rotary(..., deinterleave=True)``: passes/halves_rotary.py, kernels/rotary.py), and the query's and
-key's assembly from their parts as one launch each (kernels/fuse_cat.py)."""
+rotary of the even and odd columns (``apply_rotary_pos_emb_interleave``: ``rotary(..., deinterleave=True)``,
+passes/halves_rotary.py) in the epilogues of the projections that produce q_pe and k_pe
+(passes/fuse_rope_linear.py), so that the query is q_b_proj's result as it is (passes/cat_slices.py),
+and the key's assembly from its parts as one launch (kernels/fuse_cat.py)."""
 
 from __future__ import annotations
 
@@ -81,33 +82,33 @@ def _run(model, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_in_nine_launches(dtype):
+def test_mla_in_seven_launches(dtype):
     torch.manual_seed(0)
     lowered = _run(MLA().eval(), dtype)
     kernels = [launch.kernel for launch in plan_launches(lowered)]
     assert kernels == [
         "pointwise_chain",  # the angles, positions.float() * inv_freq (the tables are computed in the rotary)
-        "matmul",     # q_a_proj and kv_a_proj_with_mqa: one GEMM over their weights concatenated
-        "matmul",     # q_b_proj, q_a_layernorm of the first 16 columns as its prologue
-        "rotary",     # q_pe and k_pe: their even and odd columns rotated into halves, one launch
-        "cat",        # query = cat((q_pass, q_rot)): both parts in one launch
+        "matmul",     # q_a_proj and kv_a_proj_with_mqa: one GEMM over their weights concatenated, k_pe
+                      # rotated in its epilogue (its even and odd columns stored as halves)
+        "matmul",     # q_b_proj, q_a_layernorm of the first 16 columns as its prologue, q_pe rotated in its
+                      # epilogue: query = cat((q_pass, q_rot)) is then its result as it is, a view
         "matmul",     # kv_b_proj, kv_a_layernorm of the next 16 columns (k_pe's 8 left) as its prologue
         "cat",        # key = new_empty, k_nope and k_pe (expanded over the heads) copied in: one launch
         "attention",  # scaled_dot_product_attention, written in o_proj's layout
         "matmul",     # o_proj
     ], kernels
-    rotary = [launch for launch in plan_launches(lowered) if launch.kernel == "rotary"]
-    assert rotary[0].constexprs["PAIR"].value and rotary[0].constexprs["ANGLES"].value
+    fused = lowered.reports["forward"].fused
+    assert any("rope_linear, 40 of 104 columns rotated, 3 launches -> 2" in f for f in fused), fused
 
 
 def test_latents_read_elsewhere_stay():
     """The normed kv latent and the rotated k_pe are also results (a KV cache stores them): the norm's
     result must be stored, so kv_a_layernorm stays a launch (q_a_layernorm still runs as a prologue),
-    and k_pe comes out rotated in halves, as eager's."""
+    and k_pe comes out rotated in halves, as eager's: a view of the projection that rotated it."""
     torch.manual_seed(0)
     lowered = _run(MLA(latents=True).eval(), torch.float32)
     kernels = [launch.kernel for launch in plan_launches(lowered)]
-    assert kernels.count("norm") == 1 and kernels.count("rotary") == 1, kernels
+    assert kernels.count("norm") == 1 and "rotary" not in kernels, kernels
 
 
 def test_halves_rotary_of_even_and_odd_columns():

@@ -146,6 +146,25 @@ def test_rotary_moves_into_the_projection(layout, tables, bias, rotary_dims):
     assert "rotary" not in kernels and kernels.count("matmul") == 1
 
 
+class TwoProjections(Projection):
+    """The key from another input than the query and value (a cross-attention's memory, a latent): the
+    rotary pair's q and k are views of two linears (q and v share one)."""
+
+    def _heads(self, x):
+        b, s, _ = x.shape
+        return [t.view(b, s, -1, self.head).transpose(1, 2) for t in (self.q(x), self.k(x.flip(-1)), self.v(x))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tables", ["positions", "inputs"])
+def test_a_pair_over_two_projections_rotates_in_both_epilogues(dtype, tables):
+    model = TwoProjections("separate", tables, bias=True).eval()
+    lowered = _check(model, _args(model, batch=2), dtype)
+    assert _epilogues(lowered) == 1  # one rewrite: the pair into both linears
+    assert len(_rope_launches(lowered)) == 2
+    assert "rotary" not in [launch.kernel for launch in plan_launches(lowered)]
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("seq", [1, 7])  # 1: the GEMV tile of a decode step; 7: tl.dot's
 @pytest.mark.parametrize("head_norm", [False, True])

@@ -7,14 +7,17 @@ projection's epilogue, ``q_rot`` is the projection's own columns, rotated in pla
 a tensor that already sits in memory as it is, at the cost of four copy launches per layer (q and k,
 each part). Here it becomes ``slice(x, dim, a, c)`` (``x`` itself when that is all of it).
 
-A cat is rewritten when: its parts are ``slice(x, dim, start, end)`` (step 1, static bounds) of one
-node ``x`` along the cat's own dim, in order, each starting where the one before ends; ``x`` reaches
+A cat is rewritten when: its parts are ``slice(x, dim, start, end)`` (step 1, static bounds) or parts of
+a ``split`` of one node ``x`` along the cat's own dim (DeepSeek's ``cat((q_pass, q_rot))`` once both are
+the projection's own columns), in order, each starting where the one before ends; ``x`` reaches
 (through views) a tensor the graph computes, not an input or a buffer, and that no op writes in place
 (after the cat a write would change the view, not the copy); the cat is not a method output; and
 when a ``view`` reads the cat, the slice is contiguous as the cat's result is.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx
@@ -29,11 +32,33 @@ _NEEDS_CONTIGUOUS = (aten.view.default, aten._unsafe_view.default)
 
 def _bounds(part: torch.fx.Node, dim: int):
     """(source, start, end) of ``part`` = ``slice(source, dim, start, end, 1)`` with static bounds
-    clamped to the source's static size along ``dim``, else None."""
-    found = slice_bounds(part)
+    clamped to the source's static size along ``dim``, or a part of ``split(source, sizes, dim)``; else
+    None."""
+    found = slice_bounds(part) or _split_bounds(part)
     if found is None or found[1] != dim or found[4] != 1:
         return None
     return found[0], found[2], found[3]
+
+
+def _split_bounds(part: torch.fx.Node):
+    """(source, dim, start, end, 1) when ``part`` is part ``i`` of ``split_with_sizes(source, sizes,
+    dim)`` or ``split(source, size, dim)`` with static sizes, else None."""
+    if part.op != "call_function" or part.target is not operator.getitem:
+        return None
+    split, i = part.args
+    if not is_call(split, aten.split_with_sizes.default, aten.split.Tensor):
+        return None
+    val, dim = tensor_val(split.args[0]), node_arg(split, 2, "dim", 0)
+    if val is None or not isinstance(dim, int) or not isinstance(val.shape[dim], int):
+        return None
+    dim %= val.dim()
+    sizes = split.args[1]
+    if is_call(split, aten.split.Tensor) and isinstance(sizes, int) and sizes > 0:
+        sizes = [min(sizes, val.shape[dim] - k) for k in range(0, val.shape[dim], sizes)]
+    if not isinstance(sizes, (list, tuple)) or not all(isinstance(n, int) for n in sizes) or not 0 <= i < len(sizes):
+        return None
+    start = sum(sizes[:i])
+    return split.args[0], dim, start, start + sizes[i], 1
 
 
 def _root(node: torch.fx.Node) -> torch.fx.Node:

@@ -20,12 +20,20 @@ from their fake values), so any head layout works: Q, K and V concatenated, head
 (GPT-NeoX's ``[heads, 3, D]``), rotation over part of a head (a partial rotary factor), grouped-query
 attention with fewer key heads.
 
-A rotary node is rewritten when: every tensor it rotates is a chain of views of one linear whose
-weight (and bias) are constants; the views' rows are the linear's rows in order (the tables index them
-by the result's leading indices); the tables do not vary per head; the rotated columns are disjoint and
-nothing else reads them (other views of the linear may read the value columns, or the rotated ones
-after the rotation only); the rotation keeps the linear's dtype; the linear's result is 2-D or 3-D
-with an even, static width. The permuted weight is folded into one constant by ``lower()`` (the pass
+DeepSeek's rotary of the even and odd columns into halves (``deinterleave``: passes/halves_rotary.py)
+is a rotation too: pair j of a head is computed from its columns 2j and 2j + 1 (the weight's rows in
+that order) and stored at columns j and j + D/2, where the rotary's result has it. A rotary pair whose
+q and k are views of two linears (DeepSeek's ``q_b_proj`` and ``kv_a_proj_with_mqa``) moves into both
+epilogues when both can take it.
+
+A rotary node is rewritten when: every tensor it rotates (of a pair over two linears: each of them) is
+a chain of views of one linear whose weight (and bias) are constants; the views' rows are the linear's
+rows in order (the tables index them by the result's leading indices); the tables do not vary per
+head; the rotated columns are disjoint and nothing else reads them (other views of the linear may
+read the value columns, or the rotated ones after the rotation only; a norm over the last dim off the
+rotated chains, DeepSeek's ``kv_a_layernorm`` of its latent's columns, only the value columns); the
+rotation keeps the linear's dtype; the linear's result is 2-D or 3-D with an even, static width. The
+permuted weight is folded into one constant by ``lower()`` (the pass
 runs only with constant folding); the pairs are a small int32 constant the kernel reads.
 """
 
@@ -178,9 +186,11 @@ def _table_dims(x: torch.Tensor, table: torch.Tensor, rows: tuple[int, int], col
 
 
 def _x_pairs(x: torch.Tensor, layout, y: torch.Tensor, width: int, tables: list, angles: bool,
-             interleaved: bool = False):
-    """(the rotated pairs (column a, column b, index a, index b) of one rotated tensor, its cos_dims),
-    or None. A head's pairs are its columns (j, j + D/2), or (2j, 2j + 1) when ``interleaved``."""
+             interleaved: bool = False, deinterleave: bool = False):
+    """(the rotated pairs (column a, column b, index a, index b, source of a, source of b) of one rotated
+    tensor, its cos_dims), or None. A head's pairs are its columns (j, j + D/2), or (2j, 2j + 1) when
+    ``interleaved``, each computed from its own column; with ``deinterleave`` pair j is computed from
+    columns (2j, 2j + 1) and stored at (j, j + D/2), where the rotary's result has it."""
     cols, col_dims, rows = layout
     e = x.shape[-1]
     if not col_dims or col_dims[-1] != x.dim() - 1 or not isinstance(e, int) or e % 2:
@@ -199,7 +209,11 @@ def _x_pairs(x: torch.Tensor, layout, y: torch.Tensor, width: int, tables: list,
                  for h in heads for j in range(half)]
     else:
         pairs = [(int(h[j]), int(h[j + half]), j, j if angles else j + half) for h in heads for j in range(half)]
-    return pairs, dims[0]
+    if deinterleave:
+        sources = [(int(h[2 * j]), int(h[2 * j + 1])) for h in heads for j in range(half)]
+    else:
+        sources = [p[:2] for p in pairs]
+    return [p + s for p, s in zip(pairs, sources)], dims[0]
 
 
 def _constant_weights(linear: torch.fx.Node, foldable: set) -> bool:
@@ -220,11 +234,14 @@ def _tables_of(rotary: torch.fx.Node) -> tuple:
     return [rest[0], rest[1]], 1.0, None, False
 
 
-def _plan(group: list, foldable: set) -> dict | None:
+def _plan(group: list, foldable: set, linear: torch.fx.Node | None = None) -> dict | None:
     """What rewriting the rotary nodes ``group`` (one linear's, over the same tables) into their
-    linear takes, or None when it may not be (``foldable``: what constant folding computes)."""
-    xs = [x for rotary in group for x in rotary.args[:ROTARIES[rotary.target]]]
-    linear = _linear_of(xs[0])
+    linear takes, or None when it may not be (``foldable``: what constant folding computes). With
+    ``linear``, only the tensors they rotate that are views of it (a pair whose q and k are two
+    projections' results: DeepSeek's q_b_proj and kv_a_proj_with_mqa)."""
+    xs = [x for rotary in group for x in rotary.args[:ROTARIES[rotary.target]]
+          if linear is None or _linear_of(x) is linear]
+    linear = _linear_of(xs[0]) if xs else None
     if linear is None or any(_linear_of(x) is not linear for x in xs) or not _constant_weights(linear, foldable):
         return None
     y = tensor_val(linear)
@@ -235,10 +252,9 @@ def _plan(group: list, foldable: set) -> dict | None:
         return None
     tables, scale, dtype, angles = _tables_of(group[0])
     interleaved = group[0].kwargs.get("interleaved", False)
+    deinterleave = group[0].kwargs.get("deinterleave", False)
     if any(rotary.kwargs != group[0].kwargs for rotary in group) or "out_dtype" in group[0].kwargs:
         return None  # fp32 rotary math cast back (out_dtype): the epilogue computes as the linear's dtype does
-    if group[0].kwargs.get("deinterleave", False):
-        return None  # pairs stored elsewhere than read: the epilogue stores each pair where it read it
     table_vals = [tensor_val(t) for t in tables]
     if None in table_vals or any(tv.shape != table_vals[0].shape for tv in table_vals):
         return None
@@ -246,29 +262,33 @@ def _plan(group: list, foldable: set) -> dict | None:
     normed, plain, cos_dims, norms = [], [], None, {}
     for x in xs:
         layout = _layout(vals[x], width)
-        found = None if layout is None else _x_pairs(vals[x], layout, y, width, table_vals, angles, interleaved)
+        found = None if layout is None else _x_pairs(vals[x], layout, y, width, table_vals, angles, interleaved,
+                                                     deinterleave)
         if found is None or (cos_dims is not None and found[1] != cos_dims):
             return None
         cos_dims = found[1]
         norm = _norm_on(x)
         if norm is not None:
-            if interleaved or not _norm_fits(norm, x, vals, width, foldable) or not _fills_gpu(y, tensor_val(x).shape[-1]):
+            if (interleaved or deinterleave or not _norm_fits(norm, x, vals, width, foldable)
+                    or not _fills_gpu(y, tensor_val(x).shape[-1])):
                 return None
             norms[norm] = x
         (normed if norm is not None else plain).append((norm, found[0]))
-    if any(is_head_norm(n) and n not in norms for n in vals) or len({norm_eps(n, y.dtype) for n in norms}) > 1:
-        return None  # a per-head norm off the rotated chains, or norms that differ in eps
+    if len({norm_eps(n, y.dtype) for n in norms}) > 1:
+        return None  # norms that differ in eps
     rotated = [p for _, found in normed + plain for p in found]
     taken = [c for p in rotated for c in p[:2]]
     if len(set(taken)) != len(taken) or not _others_clear(readers, vals, group, xs, set(taken), width):
         return None
+    if not _norms_clear([n for n in vals if is_head_norm(n) and n not in norms], vals, set(taken), width):
+        return None  # a norm of rotated columns off the rotated chains
     rest_cols = sorted(set(range(width)) - set(taken))
-    pairs = rotated + [(a, b, -1, -1) for a, b in zip(rest_cols[0::2], rest_cols[1::2])]
+    pairs = rotated + [(a, b, -1, -1, a, b) for a, b in zip(rest_cols[0::2], rest_cols[1::2])]
     half = tensor_val(xs[0]).shape[-1] // 2
     norm_cols = [((*norm.args, None)[2], i % half) for norm, found in normed for i in range(len(found))]
-    return dict(linear=linear, tables=tables, scale=float(scale), dtype=dtype, cos_dims=cos_dims, pairs=pairs,
-                norms=list(norms), norm_cols=norm_cols, eps=norm_eps(next(iter(norms)), y.dtype) if norms else 0.0,
-                half=half)
+    return dict(linear=linear, tables=tables, scale=float(scale), dtype=dtype, cos_dims=cos_dims,
+                pairs=[p[:4] for p in pairs], sources=[c for p in pairs for c in p[4:]], norms=list(norms),
+                norm_cols=norm_cols, eps=norm_eps(next(iter(norms)), y.dtype) if norms else 0.0, half=half)
 
 
 def norm_eps(norm: torch.fx.Node, dtype: torch.dtype) -> float:
@@ -304,6 +324,16 @@ def _others_clear(readers, vals, group, xs, taken: set, width: int) -> bool:
         if reader in group and read in xs:
             continue
         layout = _layout(vals[read], width)
+        if layout is None or taken & set(layout[0].reshape(-1).tolist()):
+            return False
+    return True
+
+
+def _norms_clear(others: list, vals: dict, taken: set, width: int) -> bool:
+    """Whether the norms ``others`` (over the last dim, off the rotated chains: DeepSeek's kv_a_layernorm
+    of its latent's columns) read none of the rotated columns; they stay ops of their own."""
+    for norm in others:
+        layout = _layout(vals[norm.args[0]], width)
         if layout is None or taken & set(layout[0].reshape(-1).tolist()):
             return False
     return True
@@ -346,17 +376,13 @@ def _norm_weights(ep, plan: dict, dtype: torch.dtype, meta: dict) -> torch.fx.No
                     fake(lambda t, i: aten.index_select.default(t, 0, i), cat.meta["val"], order.meta["val"]), meta)
 
 
-def _rewrite(ep, group: list, plan: dict) -> str | None:
+def _rewrite_linear(ep, plan: dict) -> torch.fx.Node:
+    """The plan's linear replaced by its ``rope_linear`` (placed by :func:`_placement`, checked first)."""
     graph = ep.graph_module.graph
     linear = plan["linear"]
-    weights = [w for w, _ in plan["norm_cols"]]  # a norm's weight may be computed (Gemma's 1 + w)
-    inputs = [t for t in plan["tables"] + weights if isinstance(t, torch.fx.Node)]
-    placed = _placement(graph, linear, inputs)
-    if placed is None:
-        return None
-    at, moved = placed
+    at, moved = _placement(graph, linear, _inputs(plan))
     x, w, bias = (*linear.args, None)[:3]
-    perm = torch.tensor([c for p in plan["pairs"] for c in p[:2]], dtype=torch.int64)
+    perm = torch.tensor(plan["sources"], dtype=torch.int64)  # GEMM column 2p + i computes source i of pair p
     perm_node = add_constant(ep, perm, "_rope_order")
     pairs_node = add_constant(ep, torch.tensor(plan["pairs"], dtype=torch.int32), "_rope_pairs")
     select = lambda t, i: aten.index_select.default(t, 0, i)  # noqa: E731
@@ -379,6 +405,21 @@ def _rewrite(ep, group: list, plan: dict) -> str | None:
     for norm in plan["norms"]:  # computed in the epilogue: its readers read its input's views
         norm.replace_all_uses_with(norm.args[0])
         graph.erase_node(norm)
+    return node
+
+
+def _inputs(plan: dict) -> list:
+    weights = [w for w, _ in plan["norm_cols"]]  # a norm's weight may be computed (Gemma's 1 + w)
+    return [t for t in plan["tables"] + weights if isinstance(t, torch.fx.Node)]
+
+
+def _rewrite(ep, group: list, plans: list) -> str | None:
+    """The rotary nodes ``group`` computed in the epilogues of the linears of ``plans`` (one, or two:
+    a pair's q and k from two projections); they read the rotated views of the linears' results."""
+    graph = ep.graph_module.graph
+    if any(_placement(graph, plan["linear"], _inputs(plan)) is None for plan in plans):
+        return None  # a table computed from a linear's result
+    nodes = [_rewrite_linear(ep, plan) for plan in plans]
     names = [rotary.name for rotary in group]
     for rotary in group:
         xs = rotary.args[:ROTARIES[rotary.target]]
@@ -388,25 +429,45 @@ def _rewrite(ep, group: list, plan: dict) -> str | None:
             if old is not rotary:
                 graph.erase_node(old)
         graph.erase_node(rotary)
-    rotated = sum(p[2] >= 0 for p in plan["pairs"]) * 2
-    return (f"rotary in the epilogue: {', '.join(names)} -> {node.name} (tritondelegate::rope_linear, {rotated} "
-            f"of {len(plan['pairs']) * 2} columns rotated, {len(group) + 1} launches -> 1)")
+    rotated = sum(p[2] >= 0 for plan in plans for p in plan["pairs"]) * 2
+    columns = sum(len(plan["pairs"]) * 2 for plan in plans)
+    return (f"rotary in the epilogue: {', '.join(names)} -> {', '.join(n.name for n in nodes)} "
+            f"(tritondelegate::rope_linear, {rotated} of {columns} columns rotated, "
+            f"{len(group) + len(nodes)} launches -> {len(nodes)})")
+
+
+def _two_linears(rotary: torch.fx.Node) -> list | None:
+    """The two linears a rotary pair's q and k are views of, when they differ, else None."""
+    if ROTARIES[rotary.target] != 2:
+        return None
+    linears = [_linear_of(x) for x in rotary.args[:2]]
+    return linears if None not in linears and linears[0] is not linears[1] else None
 
 
 def fuse_rope_linear(ep: torch.export.ExportedProgram, state: set[str] = frozenset()) -> list[str]:
     """Move every rotary whose inputs are views of one projection into that projection's epilogue, in
-    place. ``state``: FQNs of program state, never treated as constants. Relies on constant folding to
-    permute the weights once. Returns one description per rewrite."""
+    place (a pair whose q and k are views of two projections into both epilogues). ``state``: FQNs of
+    program state, never treated as constants. Relies on constant folding to permute the weights once.
+    Returns one description per rewrite."""
     graph = ep.graph_module.graph
     foldable = foldable_nodes(graph, constant_inputs(ep, set(state)))
     groups: dict[tuple, list] = {}
+    split = []
     for rotary in [n for n in graph.nodes if n.op == "call_function" and n.target in ROTARIES]:
+        if _two_linears(rotary):
+            split.append(rotary)
+            continue
         tables, scale, dtype, angles = _tables_of(rotary)
         groups.setdefault((_linear_of(rotary.args[0]), *tables, scale, dtype, angles), []).append(rotary)
     done = []
     for (linear, *_), group in groups.items():
         plan = None if linear is None else _plan(group, foldable)
-        described = None if plan is None else _rewrite(ep, group, plan)
+        described = None if plan is None else _rewrite(ep, group, [plan])
+        if described:
+            done.append(described)
+    for rotary in split:
+        plans = [_plan([rotary], foldable, linear) for linear in _two_linears(rotary)]
+        described = None if None in plans else _rewrite(ep, [rotary], plans)
         if described:
             done.append(described)
     if done:

@@ -181,14 +181,16 @@ def _in_place(node) -> bool:
     return bool(node.meta.get("td_inplace", False))
 
 
-def _spent(node) -> bool:
-    """Whether ``node``'s ``self`` is a fresh result that nothing but ``node`` reads: an ``empty``
-    tensor's or an earlier functional update's (not one in place), with no other reader, not even a
-    view or the delegate's output. Writing into it then loses nothing: a tensor filled slice by slice
-    (``slice_scatter`` after ``slice_scatter``) needs no copy of itself per step."""
+def _spent(b, node) -> bool:
+    """Whether ``node``'s ``self`` is a fresh result of this delegate that nothing but ``node`` reads:
+    an ``empty`` tensor's or an earlier functional update's (not one in place), in scratch memory,
+    with no other reader, not even a view or the delegate's output. Writing into it then loses
+    nothing: a tensor filled slice by slice (``slice_scatter`` after ``slice_scatter``) needs no copy
+    of itself per step."""
     base = node.args[0]
     return (isinstance(base, torch.fx.Node) and base.op == "call_function" and len(base.users) == 1
-            and (base.target in SPENT_UPDATES or is_empty(base)) and not _in_place(base))
+            and (base.target in SPENT_UPDATES or is_empty(base)) and not _in_place(base)
+            and b.is_scratch(b.ref(base)))
 
 
 def _destination(b, node, copy_self: bool = True) -> TRef:
@@ -196,7 +198,7 @@ def _destination(b, node, copy_self: bool = True) -> TRef:
     marked in place or ``self`` is spent (:func:`_spent`), else a fresh output, holding a copy of
     ``self`` when ``copy_self`` and ``self`` has contents (not an ``empty`` tensor: a Mixture-of-Experts
     router's inverse order is an ``index_put`` into one)."""
-    if _in_place(node) or _spent(node):
+    if _in_place(node) or _spent(b, node):
         dst = b.ref(node.args[0])
         b.writes_in_place(dst)
         b.bind(node, dst)

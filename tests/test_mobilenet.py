@@ -1,5 +1,7 @@
 """MobileNetV2 from a transformers config (random weights, nothing downloaded): every compute node
-delegated (its TF-style ``constant_pad_nd`` and ReLU6 ``hardtanh`` included) and the logits of eager."""
+delegated (its TF-style ``constant_pad_nd`` and ReLU6 ``hardtanh`` included), one launch per
+convolution (its padding read in place, its ReLU6 or residual add in its epilogue) and the logits of
+eager."""
 
 from __future__ import annotations
 
@@ -40,6 +42,10 @@ def test_mobilenet_v2_is_fully_delegated_and_matches_eager():
     nodes = lowered.reports["forward"].nodes
     assert nodes.host == [] and nodes.delegated == nodes.total
     assert len(lowered.program.methods[0].delegates) == 1
+    kernels = collections.Counter(launch.kernel for d in lowered.program.methods[0].delegates
+                                  for launch in d.plan.launches)
+    convs = ops["aten.convolution.default"]
+    assert kernels["conv2d"] == convs and "pad" not in kernels and sum(kernels.values()) <= convs + 3, kernels
     logits = lowered.load().load_method("forward")(x)
     with torch.no_grad():
         expected = model(x)

@@ -81,7 +81,8 @@ gather (``fuse_gather.py``) takes the chain that alone reads its result as an ep
 add or scale). Last, consecutive plain copies into adjacent slices of one buffer (a cat's parts)
 become one ``cat`` launch (``fuse_cat.py``).
 
-First of all, scatter pairs (:func:`pair_scatters`): a layer's k and v cache writes, two scatter launches
+First of all, zero padding that only convolutions read becomes their own padding (``fuse_pad.py``),
+and scatter pairs (:func:`pair_scatters`): a layer's k and v cache writes, two scatter launches
 with the same grid, constexprs, indices and iteration that differ only in their destination, source
 and source strides, run as one ``PAIR`` launch (``scatter.pair_launch``; grid axis 1 picks the
 member) at the second's place, when neither touches what the other writes and no launch between
@@ -99,7 +100,7 @@ from ..plan import Launch
 from . import conv as cv
 from . import grouped_mm as gmm
 from . import elementwise as ew
-from . import fuse_cat, fuse_gather, fuse_reduce, fuse_rows
+from . import fuse_cat, fuse_gather, fuse_pad, fuse_reduce, fuse_rows
 from . import sizes as size_fns
 from . import matmul as mm
 from . import scatter as sc
@@ -223,6 +224,8 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     made by fusion carries no op: nothing fuses twice.
     """
     records, touched, writes, paired = pair_scatters(records, touched, writes)
+    records, touched, writes, padded = fuse_pad.merge_pads(records, touched, writes, keep)
+    paired |= padded
     launches = [r.launch for r in records]
     ops = {kind: {i: r.op for i, r in enumerate(records) if r.op is not None and r.launch.kernel in kernels}
            for kind, kernels in (("pointwise", {"pointwise"}), ("matmul", {"matmul", "conv2d", "grouped_mm"}),

@@ -14,13 +14,15 @@ contiguous, walked in up to MAX_RANK dims. Sizes and paddings may depend on the 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import triton
 import triton.language as tl
 
 from . import elementwise as ew
 from .elementwise import unravel5
-from .refs import MAX_RANK
+from . import sizes
+from .refs import MAX_RANK, TRef
 
 BLOCK = 1024
 MODES = {"constant_pad_nd": "constant", "reflection_pad1d": "reflect", "reflection_pad2d": "reflect",
@@ -70,9 +72,20 @@ def pad_kernel(
 
 
 # --- host launcher --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ZeroPad:
+    """What a ``pad`` launch of zeros around ``x`` computes, for ``fuse_pad.py``: ``out`` (contiguous) is
+    ``x`` with ``before[k]`` zeros before dim k (static, >= 0) and the rest of ``out``'s size after."""
+
+    x: TRef
+    out: TRef
+    before: tuple
+
+
 def launch_pad(b, x, out, before, mode: str, value=0) -> None:
     """``out`` (contiguous) = ``x`` padded by ``before[k]`` elements before dim k (negative: cropped)
-    and by whatever is left of ``out``'s size after it."""
+    and by whatever is left of ``out``'s size after it. A constant pad of zeros that crops nothing
+    records what it computes (:class:`ZeroPad`): a convolution may read ``x`` itself instead."""
     pad = MAX_RANK - x.ndim
     n = [1] * pad + list(x.shape)
     lo = [0] * pad + list(before)
@@ -80,8 +93,11 @@ def launch_pad(b, x, out, before, mode: str, value=0) -> None:
     dims = [1] * pad + list(out.shape)
     value = float(value) if out.dtype.is_floating_point else int(value)
     total = math.prod(out.shape)
-    b.launch("pad", (triton.cdiv(total, BLOCK),), out, x, value, total, *dims[1:], *n, *lo, *strides,
-             MODE=mode, BLOCK=BLOCK)
+    record = b.launch("pad", (triton.cdiv(total, BLOCK),), out, x, value, total, *dims[1:], *n, *lo, *strides,
+                      MODE=mode, BLOCK=BLOCK)
+    if record is not None and mode == "constant" and value == 0 and all(
+            sizes.is_static(k) and k >= 0 for k in (*before, *x.shape, *out.shape)):
+        record.op = ZeroPad(x, out, tuple(before))
 
 
 def _before(b, node, ndim: int) -> list:

@@ -57,7 +57,8 @@ class TRef:
 class LaunchRecord:
     """A recorded launch and what it computes, for passes over a delegate's launches (``fusion.py``):
     an ``elementwise.PointwiseOp``, ``matmul.MatmulOp``, ``conv.ConvOp``, ``norm.RowNorm``,
-    ``scatter.ScatterOp`` or ``index.GatherOp``; None when no pass may rewrite it. The plan keeps only the launch."""
+    ``scatter.ScatterOp``, ``index.GatherOp`` or ``pad.ZeroPad``; None when no pass may rewrite it. The plan
+    keeps only the launch."""
 
     launch: Launch
     op: object = None

@@ -1,0 +1,88 @@
+"""Zero padding read by convolutions is their own padding: a pass of ``fusion.fuse`` over a delegate's
+launch records, first of all (the convolutions may then take epilogues as any other).
+
+TensorFlow's ``SAME`` padding (transformers' MobileNet, EfficientNet's ``ZeroPad2d``, timm's
+``Conv2dSame``) and causal 1-D convolutions (``F.pad(x, (k - 1, 0))``) pad explicitly, often on one
+side only, and convolve with no padding of their own: a ``pad`` launch writes the padded copy of the
+activation and the convolution reads it back. The convolution kernel already reads its input through
+masks (``conv.conv2d_kernel``: whatever lies outside the input is 0), so reading the unpadded input with
+its padding grown by the zeros before it computes the same values, the zeros after it being past the
+input's end (the output's size stays the convolution's own):
+
+    P:  t = pad(x, zeros: before b, after a)        t scratch, read by convolutions only
+    C:  u = conv(t, w, padding p)          ->  C':  u = conv(x, w, padding p + b)      P dropped
+
+P merges into its readers when all of these hold:
+  - P pads with zeros and crops nothing (``pad.ZeroPad``), on the convolution's spatial dims only
+    (the last two of NCHW, the last of a 1-D convolution's NCL);
+  - t's buffer is scratch, not a delegate output nor viewed by one, and every launch that touches it
+    after P is a convolution reading exactly t as its input;
+  - no launch between P and the last of them writes x (P's read of x moves to each convolution).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from . import conv as cv
+from .pad import ZeroPad
+from .refs import LaunchRecord, TRef, new_launch
+
+
+def merge_pads(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[int]], keep: set[int]
+               ) -> tuple[list[LaunchRecord], list[set[int]], list[set[int]], bool]:
+    """The records with each zero pad that only convolutions read merged into them; their ``touched``
+    and ``writes``; and whether any was merged."""
+    records, touched = list(records), [set(t) for t in touched]
+    gone: set[int] = set()
+    for p, record in enumerate(records):
+        pad = record.op
+        if not isinstance(pad, ZeroPad) or pad.out.buffer in keep:
+            continue
+        readers = [k for k in range(p + 1, len(records)) if pad.out.buffer in touched[k]]
+        if not readers or not all(_reads_padded(records[k].op, pad) for k in readers):
+            continue
+        if any(pad.x.buffer in writes[k] for k in range(p + 1, readers[-1])):
+            continue
+        for k in readers:
+            records[k] = _unpadded(records[k], pad, record.launch.op)
+            touched[k] = (touched[k] - {pad.out.buffer}) | {pad.x.buffer}
+        gone.add(p)
+    keep_at = [i for i in range(len(records)) if i not in gone]
+    return ([records[i] for i in keep_at], [touched[i] for i in keep_at], [writes[i] for i in keep_at],
+            bool(gone))
+
+
+def _spatial(pad: ZeroPad) -> int | None:
+    """How many trailing dims the pad's zeros are on (2 for NCHW, 1 for NCL), or None when it pads
+    the batch or channel dims."""
+    rank = pad.x.ndim
+    if rank not in (3, 4) or any(pad.before[:2]) or tuple(pad.x.shape[:2]) != tuple(pad.out.shape[:2]):
+        return None
+    return rank - 2
+
+
+def _same_view(a: TRef, b: TRef) -> bool:
+    return (a.buffer, a.offset, tuple(a.shape), tuple(a.strides)) == (b.buffer, b.offset, tuple(b.shape),
+                                                                        tuple(b.strides))
+
+
+def _reads_padded(op, pad: ZeroPad) -> bool:
+    """Whether ``op`` is a convolution whose input is exactly the pad's result and no other operand
+    of it lives in that buffer."""
+    return (isinstance(op, cv.ConvOp) and _spatial(pad) is not None and _same_view(op.x, pad.out)
+            and all(r.buffer != pad.out.buffer for r in op.reads[1:]) and op.c.buffer != pad.out.buffer)
+
+
+def _unpadded(record: LaunchRecord, pad: ZeroPad, pad_name: str) -> LaunchRecord:
+    """The convolution of ``record`` reading the pad's input, its padding grown by the zeros before."""
+    op = record.op
+    if pad.x.ndim == 4:
+        padding = (op.padding[0] + pad.before[2], op.padding[1] + pad.before[3])
+    else:  # a 1-D convolution runs as 2-D over a height of 1: its padding is (0, p)
+        padding = (op.padding[0], op.padding[1] + pad.before[2])
+    grown = replace(op, x=pad.x, padding=padding)
+    grid, args, constexprs = grown.launch()
+    fused = LaunchRecord(new_launch("conv2d", grid, args, constexprs, f"{pad_name}+{record.launch.op}"))
+    fused.op = grown
+    return fused

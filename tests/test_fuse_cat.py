@@ -47,7 +47,8 @@ def test_parts_of_other_dtypes_are_cast_as_eager_casts_them():
     assert _kernels(plan_launches(lowered)) == ["cat"]
 
 
-@pytest.mark.parametrize("parts, kernels", [(5, ["cat", "pointwise"]), (8, ["cat", "cat"]), (9, ["cat", "cat", "pointwise"])])
+@pytest.mark.parametrize("parts, kernels", [
+    (5, ["cat", "pointwise"]), (8, ["cat", "cat"]), (9, ["cat", "cat", "pointwise"])])
 def test_more_parts_than_one_launch_takes(parts, kernels):
     torch.manual_seed(0)
     xs = [torch.randn(2, k + 1, 3) for k in range(parts)]

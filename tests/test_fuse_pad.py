@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import FLOAT_DTYPES, Fn, check_launches
+from harness import FLOAT_DTYPES, check_launches
 
 torch.manual_seed(0)
 W2, W1 = torch.randn(4, 3, 3, 3), torch.randn(5, 3, 3)

@@ -118,6 +118,20 @@ def test_dynamic_sizes_off_the_cat_dim():
         assert_close(method(*args), model(*args))
 
 
+def test_dynamic_size_along_the_cat_dim():
+    """A cache's past rows and the new ones: the parts' ends are the method's symbols."""
+    torch.manual_seed(0)
+    model = Fn(lambda past, new: torch.cat((past, new, past[:, :1]), 1))
+    seq = torch.export.Dim("seq", min=1, max=40)
+    lowered = lower_resident(model, (torch.randn(2, 6, 3), torch.randn(2, 6, 3)),
+                             dynamic_shapes={"args": ({1: seq}, {1: seq})})
+    assert _kernels(plan_launches(lowered)) == ["cat"]
+    method = lowered.load().load_method("forward")
+    for n in (1, 17, 40):
+        args = (torch.randn(2, n, 3), torch.randn(2, n, 3))
+        assert_close(method(*args), model(*args))
+
+
 def test_the_cat_launch_moves_each_byte_once():
     torch.manual_seed(0)
     args = (torch.randn(4, 3), torch.randn(4, 5), torch.randn(1, 2))

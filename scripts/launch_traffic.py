@@ -1,9 +1,9 @@
 """Launches per call (per layer and outside the layers) and modelled traffic against its lower bound,
 for the models issue "fewer, fatter launches" tracks: the demo decoder, transformers' Llama and GPT-2
-(tiny configs, random weights) and the ResNet-style CNN of the tests; then a generation step with a
-KV cache, prefill and decode, for the demo's ``KVCacheDecoder`` and transformers' Llama through its
-static-cache export recipe; last, Llama-3-8B's decode attention before and after packing its query
-heads and splitting its keys. Needs no GPU: the figures come from the lowered plans (no kernel runs).
+(tiny configs, random weights) and the ResNet-style CNN of the tests; transformers' MobileNetV2 at its
+default config; then a generation step with a KV cache, prefill and decode, for the demo's
+``KVCacheDecoder`` and transformers' Llama through its static-cache export recipe; last, Llama-3-8B's
+decode attention before and after packing its query heads and splitting its keys. Needs no GPU: the figures come from the lowered plans (no kernel runs).
 
     python scripts/launch_traffic.py
 """
@@ -173,6 +173,21 @@ def _decode_attention() -> None:
         print(f"  cache {keys}, batch {batch}: {row[0]}; packed: {row[1]}; packed + split: {row[2]}")
 
 
+def _mobilenet() -> None:
+    """transformers' MobileNetV2 at 224 x 224 (TensorFlow's SAME padding before its convolutions)."""
+    import transformers
+
+    from test_mobilenet import Classifier
+
+    torch.manual_seed(0)
+    model = Classifier(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config()).eval())
+    for batch in (1, 8):
+        traffic = method_traffic(_lower(model, (torch.randn(batch, 3, 224, 224),)).program.methods[0])
+        print(f"MobileNetV2 224 x 224, batch {batch}: {traffic['launches']} launches, "
+              f"{traffic['bytes'] / 1e6:.1f} MB modelled, lower bound {traffic['lower_bound'] / 1e6:.1f} MB "
+              f"({traffic['ratio']:.2f}x)")
+
+
 def main() -> int:
     for width, dims in WIDTHS.items():
         print(f"{width}: {dims}")
@@ -183,6 +198,7 @@ def main() -> int:
             ratios = [method_traffic(_lower(*make(2, b, **dims)).program.methods[0])["ratio"] for b in (1, 8)]
             print(f"  {name}: {two} launches (2 layers), {layers}; traffic / lower bound: "
                   f"{ratios[0]:.2f} at batch 1, {ratios[1]:.2f} at batch 8")
+    _mobilenet()
     _kv_steps()
     _decode_attention()
     return 0

@@ -31,10 +31,10 @@ MODELS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 # Launches per prefill or decode call at 2 layers: 5 per layer (Q/K/V with its norm and, in its epilogue,
-# q and k rotated with their tables computed inline; attention with its mask computed inline, writing the
-# new k/v rows into the cache first (a prompt this short is one query block, as a decode step), the
-# output projection with the residual, gate/up with SwiGLU, down with the residual) and 4
-# outside (embedding, with Gemma's scale as its epilogue, positions, rotary angles, LM head). The static
+# q and k rotated, their angles and tables computed inline from the positions; attention with its mask
+# computed inline, writing the new k/v rows into the cache first (a prompt this short is one query block,
+# as a decode step), the output projection with the residual, gate/up with SwiGLU, down with the residual)
+# and 3 outside (embedding, with Gemma's scale as its epilogue, positions, LM head). The static
 # cache's per-layer position counter is overwritten before any read, so it is not written at all.
 # Mixtral's layers run 9 each: attention's 3, the router's GEMM with the layer's RMSNorm as its prologue,
 # its softmax, top-k and renormalization in one launch, the expert order (a stable sort) and the offsets
@@ -42,7 +42,7 @@ MODELS = {
 # (the norm its prologue too) with SwiGLU in its epilogue, down storing its rows in token order with the
 # routing weights in its epilogue, and the sum over the chosen experts with the residual add in its epilogue.
 # Gemma 2's layers run 7 each: the 5 and its norms after attention and after the MLP.
-LAUNCHES = {"llama": 14, "qwen2": 14, "mistral": 14, "gemma": 14, "phi3": 14, "mixtral": 22, "gemma2": 18}
+LAUNCHES = {"llama": 13, "qwen2": 13, "mistral": 13, "gemma": 13, "phi3": 13, "mixtral": 21, "gemma2": 17}
 CACHE = 32
 PROMPT = torch.tensor([[3, 17, 5, 9, 22]])
 TOKENS = 16

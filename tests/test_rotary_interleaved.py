@@ -251,7 +251,8 @@ def test_angles_of_interleaved_pairs_in_the_projection_epilogue(seq, dtype):
     lowered = lower_resident(model.to(dtype), low)
     assert any("rope_linear" in f for f in _fused(lowered)) and "rotary" not in _kernels(lowered)
     (rope,) = [x for x in lowered.program.methods[0].delegates[0].plan.launches if x.kernel == "matmul"]
-    assert rope.constexprs["ROPE"].value == "angles"
+    assert rope.constexprs["ROPE"].value == "positions"  # the angles pos * inv_freq computed in the epilogue
+    assert [x.kernel for x in lowered.program.methods[0].delegates[0].plan.launches].count("pointwise_chain") == 0
     got = lowered.load().load_method("forward")(*low)
     with torch.no_grad():
         expected = model.float()(low[0].float(), low[1])

@@ -171,12 +171,13 @@ def test_host_fallback_runs_the_reference(tmp_path):
 
 
 def test_kv_cache_decoder_computes_no_table():
-    """Prefill and decode of the demo's KV-cache decoder: each layer's q and k rotated from the angles
-    in one launch (its projection's epilogue: ``rope_linear``), and no launch for a cat, a cos or a sin."""
+    """Prefill and decode of the demo's KV-cache decoder: each layer's q and k rotated in one launch
+    (its projection's epilogue: ``rope_linear``) by angles it computes from the positions, and no
+    launch for the angles, a cat, a cos or a sin."""
     lowered = td.lower(export_prefill_decode(kv_cache_decoder(n_layers=2), 5), config=CONFIG)
     for method in ("prefill", "decode"):
         launches = _launches(lowered, method)
         rotaries = [launch for launch in launches if "ROPE" in launch.constexprs]
-        assert [r.constexprs["ROPE"].value for r in rotaries] == ["angles", "angles"]
+        assert [r.constexprs["ROPE"].value for r in rotaries] == ["positions", "positions"]
         assert not [launch for launch in launches if launch.kernel == "rotary"]
         assert _no_tables(launches), [launch.op for launch in launches]

@@ -93,7 +93,9 @@ place of a written-out pattern, so one kernel runs them.
         y[..., 2p + 1]) stored at columns (pairs[p, 0], pairs[p, 1]) of the result, rotated when
         pairs[p, 2] >= 0 (its table indices along the last dim of cos / sin: pairs[p, 2] and
         pairs[p, 3]); ``sin`` None: cos holds half-width angles and the tables are (cos(a) * scale,
-        sin(a) * scale) rounded to ``dtype``; ``cos_dims``: the table dims that the rows' outer and
+        sin(a) * scale) rounded to ``dtype``; cos of an integer dtype: it holds positions and ``sin``
+        inverse frequencies (float32), each indexed as the angles would be, whose fp32 product is the
+        angle (``passes/rope_positions.py``), its tables as with angles; ``cos_dims``: the table dims that the rows' outer and
         inner leading indices (the result's rows, [outer, inner] with inner = its second-to-last dim)
         select, -1 where the tables broadcast; ``norm_weight`` (Qwen3's q_norm and k_norm): the first
         norm_weight.numel() / 2 pairs are heads of ``norm_dim`` columns (norm_dim / 2 pairs each), each
@@ -529,8 +531,11 @@ def rope_linear_reference(x, weight, bias, pairs, cos, sin, cos_dims, scale: flo
     outer, inner_at = t // inner, t % inner
     a, b = rows[:, 0::2], rows[:, 1::2]
     ja, jb = pairs[:, 2].long(), pairs[:, 3].long()
-    if sin is None:  # half-width angles: one angle per pair, tables as the model computes them
-        angles = _table_at(cos, cos_dims, outer, inner_at, ja)
+    if sin is None or not cos.is_floating_point():  # one angle per pair, tables as the model computes them
+        if sin is None:
+            angles = _table_at(cos, cos_dims, outer, inner_at, ja)
+        else:  # positions times inverse frequencies, in fp32
+            angles = _table_at(cos, cos_dims, outer, inner_at, ja).float() * _table_at(sin, cos_dims, outer, inner_at, ja)
         c1 = c2 = (angles.cos() * scale).to(dtype)
         s1 = s2 = (angles.sin() * scale).to(dtype)
     else:

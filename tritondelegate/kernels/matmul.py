@@ -196,8 +196,11 @@ def _rope_store(acc, z, offs_m, pid_n, M, N, c_ptr, stride_cz, stride_cm, stride
     rotated = (j_a >= 0)[None, :]
     load = in_m[:, None] & in_n[None, :] & rotated & (j_a < r_width)[None, :] & (j_b >= 0)[None, :] & (j_b < r_width)[None, :]
     c_row = (t // r_inner) * rc0 + (t % r_inner) * rc1
-    if ROPE == "angles":  # one angle per pair; the tables as the model rounds them
+    if ROPE == "angles" or ROPE == "positions":  # one angle per pair; the tables as the model rounds them
         angle = tl.load(rc_ptr + c_row[:, None] + j_a[None, :] * rcj, mask=load, other=0.0).to(tl.float32)
+        if ROPE == "positions":  # the position (cos) times the inverse frequency (sin) at (row, pair), in fp32
+            s_row = (t // r_inner) * rs0 + (t % r_inner) * rs1
+            angle = angle * tl.load(rs_ptr + s_row[:, None] + j_a[None, :] * rsj, mask=load, other=0.0).to(tl.float32)
         c1 = round_as(tl.cos(angle) * r_scale, ROPE_ROUND)
         s1 = round_as(tl.sin(angle) * r_scale, ROPE_ROUND)
         c2 = c1
@@ -406,7 +409,11 @@ class Rope:
 
     @property
     def mode(self) -> str:
-        return "angles" if self.sin is None else "tables"
+        """"tables" (cos and sin given), "angles" (cos holds the angles, sin None) or "positions" (cos
+        holds integer positions, sin inverse frequencies: the angles are their product)."""
+        if self.sin is None:
+            return "angles"
+        return "tables" if self.cos.dtype.is_floating_point else "positions"
 
     @property
     def reads(self) -> tuple[TRef, ...]:
@@ -762,12 +769,14 @@ def rope_linear(b, node):
     def strides(t: TRef) -> tuple:
         return (*(t.strides[d] if d >= 0 else 0 for d in cos_dims), t.strides[-1])
 
+    cos_strides, sin_strides = strides(cos), strides(cos if sin is None else sin)
+
     norm = b.ref(node.args[9]) if len(node.args) > 9 and node.args[9] is not None else None
     norm_dim, norm_eps = (node.args[10], node.args[11]) if norm is not None else (0, 0.0)
 
     def make(b, out: TRef) -> Rope:
         rounding = dtype_name(dtype) if dtype in (torch.float16, torch.bfloat16) else ""
-        return Rope(pairs, cos, sin, strides(cos), strides(cos if sin is None else sin),
+        return Rope(pairs, cos, sin, cos_strides, sin_strides,
                     out.shape[-2] if len(out.shape) >= 2 else 1, float(scale), rounding, norm, norm_dim,
                     float(norm_eps))
 
@@ -785,9 +794,14 @@ def supported_rope(node) -> str | None:
     sin = node_value(node.args[5]) if node.args[5] is not None else None
     if not isinstance(rows, int) or rows % 2 or tuple(pairs.shape) != (rows // 2, 4) or pairs.dtype != torch.int32:
         return f"pairs {tuple(pairs.shape)} {pairs.dtype} do not pair the weight's {rows} rows"
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t is not None and t.dtype not in DTYPES:
-            return f"{name} has dtype {t.dtype}; the rotary epilogue reads {', '.join(map(str, DTYPES))}"
+    if sin is not None and not cos.dtype.is_floating_point:
+        if cos.dtype not in (torch.int32, torch.int64) or sin.dtype != torch.float32 or cos.shape != sin.shape:
+            return (f"positions {tuple(cos.shape)} {cos.dtype} and inverse frequencies {tuple(sin.shape)} {sin.dtype}: "
+                    "the epilogue takes int positions and float32 frequencies, both as the angles' shape")
+    else:
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t is not None and t.dtype not in DTYPES:
+                return f"{name} has dtype {t.dtype}; the rotary epilogue reads {', '.join(map(str, DTYPES))}"
     out = node.meta.get("val")
     if out.dim() not in (2, 3):
         return f"the result is {out.dim()}-D; the rotary epilogue indexes 2-D or 3-D results"

@@ -45,6 +45,8 @@ constant folding and partitioning:
 * ``fuse_rope_linear``: a rotary embedding whose query and key are views of one projection (after
   ``fuse_projections``) moves into that projection's epilogue: one ``tritondelegate::rope_linear``
   over the weight's rows permuted into rotation pairs (permuted once by ``lower()``);
+* ``rope_positions``: a rope_linear whose angles are positions times inverse frequencies (a decoder's
+  step) reads those and multiplies them in its epilogue: the angles' launch is gone;
 * ``cat_slices``: a cat of adjacent slices of one tensor becomes the slice they tile, a view (a
   partial rotary's ``cat((q_rot, q_pass))`` once ``fuse_rope_linear`` rotated q in place);
 * ``head_norm``: per-head norms (Qwen3's q_norm and k_norm) that the epilogue did not take run in
@@ -78,6 +80,7 @@ from .fuse_rotary import fuse_rotary
 from .halves_rotary import halves_rotary
 from .norm_casts import norm_casts
 from .position_mask import position_mask
+from .rope_positions import rope_positions
 
 
 def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool) -> list[str]:
@@ -87,7 +90,7 @@ def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool)
             + halves_rotary(ep, fold) + fuse_rotary(ep, fold) + eager_attention(ep) + position_mask(ep))
     if fold:  # these store new constants (concatenated or folded weights): folding computes them once
         done += (fuse_glu(ep, state) + fuse_grouped_glu(ep, state) + fuse_projections(ep, state)
-                 + fuse_rope_linear(ep, state) + fuse_batchnorm(ep, state))
+                 + fuse_rope_linear(ep, state) + rope_positions(ep) + fuse_batchnorm(ep, state))
     done += expert_dispatch(ep) + fuse_router(ep) + cat_slices(ep) + head_norm(ep)
     if done:
         ep.graph_module.recompile()

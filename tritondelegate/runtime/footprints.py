@@ -150,7 +150,7 @@ def _rope(x: LaunchArgs, rows: int, N: int) -> list[Access]:
     width = x.i("r_width")
     coords = (_cdiv(rows, inner), min(inner, rows), width)
     acc = [Access("r_ptr", ((N // 2, 4), (4, 1))), Access("rc_ptr", _walk(coords, x.ints("rc", 2) + [x.i("rcj")]))]
-    if x.c["ROPE"] == "tables":
+    if x.c["ROPE"] in ("tables", "positions"):  # positions: the inverse frequencies, at the same indices
         acc.append(Access("rs_ptr", _walk(coords, x.ints("rs", 2) + [x.i("rsj")])))
     if x.c["NORM_E"]:  # the per-head norm's weights, 2 per pair below rn_pairs (and below N / 2)
         acc.append(Access("rn_ptr", ((min(x.i("rn_pairs"), N // 2), 2), (2, 1))))
@@ -611,7 +611,7 @@ RULES: dict[str, KernelRule] = {
         "GLU": one_of("", *sorted(GLU_ACTS)), "GLU_ROUND": one_of(*DTYPE_NAMES),
         # GEMV (no tl.dot) takes tiles of 1 to 8 rows and 8 columns; the accesses are the same
         "GEMV": FLAG, "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256),
-        "ROPE": one_of("", "angles", "tables"), "ROPE_ROUND": one_of("", "float16", "bfloat16"),
+        "ROPE": one_of("", "angles", "tables", "positions"), "ROPE_ROUND": one_of("", "float16", "bfloat16"),
         "NORM_E": one_of(0, *(2 ** k for k in range(1, 10)))}, _GEMM_TILES),
     "grouped_mm": KernelRule(_grouped_mm, {
         "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256), "BLOCK_K": pow2(16, 256), "BLOCK_E": pow2(2, 8192),

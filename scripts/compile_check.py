@@ -605,6 +605,8 @@ def _per_dtype(d) -> dict[str, callable]:
         # the rotary in the Q/K/V projection's epilogue (passes/fuse_rope_linear.py): prefill and decode
         "qkv_rope_prefill": lambda: _qkv_rope(d, 300),
         "qkv_rope_decode": lambda: _qkv_rope(d, 1),
+        "qkv_rope_angles_prefill": lambda: _qkv_rope(d, 300, float_positions=True),
+        "qkv_rope_angles_decode": lambda: _qkv_rope(d, 1, float_positions=True),
         "qkv_norm_rope_prefill": lambda: _qkv_rope(d, 300, head_norm=True),
         "qkv_norm_rope_decode": lambda: _qkv_rope(d, 1, head_norm=True),
         # interleaved pairs (GPT-J's rotate_every_two over rotary_dim 64 of 256-wide heads, q and k
@@ -675,7 +677,8 @@ def _positions_rotary(dtype, seq: int):
 
 class _QKVRope(torch.nn.Module):
     """Llama-3-8B's Q/K/V projections (4096 -> 32 + 8 + 8 heads of 128) with q and k rotated by tables
-    computed from the positions: the rotary runs in the fused projection's epilogue (``ROPE="angles"``);
+    computed from the positions: the rotary runs in the fused projection's epilogue, which computes the
+    angles from integer positions (``ROPE="positions"``) or reads them (float positions: ``"angles"``);
     ``head_norm``: Qwen3-8B's, with q and k RMS-normalized per head first (``NORM_E=128``)."""
 
     def __init__(self, dtype, head_norm=False):
@@ -700,8 +703,10 @@ class _QKVRope(torch.nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
 
-def _qkv_rope(dtype, seq: int, head_norm=False):
-    return _QKVRope(dtype, head_norm), (_randn(1, seq, 4096, dtype=dtype), torch.arange(100, 100 + seq))
+def _qkv_rope(dtype, seq: int, head_norm=False, float_positions=False):
+    positions = torch.arange(100, 100 + seq)
+    return _QKVRope(dtype, head_norm), (_randn(1, seq, 4096, dtype=dtype),
+                                        positions.float() if float_positions else positions)
 
 
 def _positions_sdpa(dtype, seq: int, keys: int, start: int):

@@ -82,14 +82,14 @@ def _run(model, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_in_seven_launches(dtype):
+def test_mla_in_six_launches(dtype):
     torch.manual_seed(0)
     lowered = _run(MLA().eval(), dtype)
     kernels = [launch.kernel for launch in plan_launches(lowered)]
     assert kernels == [
-        "pointwise_chain",  # the angles, positions.float() * inv_freq (the tables are computed in the rotary)
         "matmul",     # q_a_proj and kv_a_proj_with_mqa: one GEMM over their weights concatenated, k_pe
-                      # rotated in its epilogue (its even and odd columns stored as halves)
+                      # rotated in its epilogue (its even and odd columns stored as halves; the angles,
+                      # positions.float() * inv_freq, computed there too)
         "matmul",     # q_b_proj, q_a_layernorm of the first 16 columns as its prologue, q_pe rotated in its
                       # epilogue: query = cat((q_pass, q_rot)) is then its result as it is, a view
         "matmul",     # kv_b_proj, kv_a_layernorm of the next 16 columns (k_pe's 8 left) as its prologue

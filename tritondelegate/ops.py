@@ -91,16 +91,17 @@ place of a written-out pattern, so one kernel runs them.
         a projection whose query and key columns come out rotated (the rotary embedding in the GEMM's
         epilogue): y = linear(x, weight, bias) has its output columns in pairs, pair p = (y[..., 2p],
         y[..., 2p + 1]) stored at columns (pairs[p, 0], pairs[p, 1]) of the result, rotated when
-        pairs[p, 2] >= 0 (its table indices along the last dim of cos / sin: pairs[p, 2] and
-        pairs[p, 3]); ``sin`` None: cos holds half-width angles and the tables are (cos(a) * scale,
-        sin(a) * scale) rounded to ``dtype``; cos of an integer dtype: it holds positions and ``sin``
-        inverse frequencies (float32), each indexed as the angles would be, whose fp32 product is the
-        angle (``passes/rope_positions.py``), its tables as with angles; ``cos_dims``: the table dims that the rows' outer and
-        inner leading indices (the result's rows, [outer, inner] with inner = its second-to-last dim)
-        select, -1 where the tables broadcast; ``norm_weight`` (Qwen3's q_norm and k_norm): the first
-        norm_weight.numel() / 2 pairs are heads of ``norm_dim`` columns (norm_dim / 2 pairs each), each
-        RMS-normalized over its head before the rotation, as ``rms_norm(head, [norm_dim], w, norm_eps)``
-        with w[c] = norm_weight[2p] for a pair's first column, norm_weight[2p + 1] for its second
+        pairs[p, 2] >= 0 (its table indices along the last dim of cos / sin: pairs[p, 2] and pairs[p, 3]);
+        ``sin`` None: cos holds half-width angles and the tables are (cos(a) * scale, sin(a) * scale)
+        rounded to ``dtype``; cos of an integer dtype: it holds positions and ``sin`` inverse frequencies
+        (floats), each indexed as the angles would be, whose fp32 product is the angle
+        (``passes/rope_positions.py``), its tables as with angles; ``cos_dims``: the table dims that the
+        rows' outer and inner leading indices (the result's rows, [outer, inner] with inner = its
+        second-to-last dim) select, -1 where the tables broadcast; ``norm_weight`` (Qwen3's q_norm and
+        k_norm): the first norm_weight.numel() / 2 pairs are heads of ``norm_dim`` columns (norm_dim / 2
+        pairs each), each RMS-normalized over its head before the rotation, as ``rms_norm(head, [norm_dim],
+        w, norm_eps)`` with w[c] = norm_weight[2p] for a pair's first column, norm_weight[2p + 1] for its
+        second
 
 Each op has a reference implementation in plain PyTorch (any device; it computes what the pattern it
 replaces computes, in the same dtype order, so a host fallback matches eager exactly) and a fake
@@ -535,7 +536,8 @@ def rope_linear_reference(x, weight, bias, pairs, cos, sin, cos_dims, scale: flo
         if sin is None:
             angles = _table_at(cos, cos_dims, outer, inner_at, ja)
         else:  # positions times inverse frequencies, in fp32
-            angles = _table_at(cos, cos_dims, outer, inner_at, ja).float() * _table_at(sin, cos_dims, outer, inner_at, ja)
+            positions, freqs = (_table_at(t, cos_dims, outer, inner_at, ja).float() for t in (cos, sin))
+            angles = positions * freqs
         c1 = c2 = (angles.cos() * scale).to(dtype)
         s1 = s2 = (angles.sin() * scale).to(dtype)
     else:

@@ -795,9 +795,9 @@ def supported_rope(node) -> str | None:
     if not isinstance(rows, int) or rows % 2 or tuple(pairs.shape) != (rows // 2, 4) or pairs.dtype != torch.int32:
         return f"pairs {tuple(pairs.shape)} {pairs.dtype} do not pair the weight's {rows} rows"
     if sin is not None and not cos.dtype.is_floating_point:
-        if cos.dtype not in (torch.int32, torch.int64) or sin.dtype != torch.float32 or cos.shape != sin.shape:
+        if cos.dtype not in (torch.int32, torch.int64) or sin.dtype not in DTYPES or cos.shape != sin.shape:
             return (f"positions {tuple(cos.shape)} {cos.dtype} and inverse frequencies {tuple(sin.shape)} {sin.dtype}: "
-                    "the epilogue takes int positions and float32 frequencies, both as the angles' shape")
+                    "the epilogue takes int positions and float frequencies, both as the angles' shape")
     else:
         for name, t in (("cos", cos), ("sin", sin)):
             if t is not None and t.dtype not in DTYPES:

@@ -12,9 +12,10 @@ angles their launch is gone: one launch fewer per call.
 A rope_linear node is rewritten when its angles (``cos``, with ``sin`` None) are views (``transpose``,
 ``permute``, ``unsqueeze``, ``view``, ``reshape``, ``alias``, ``expand``) of ``mul(p, f)`` in float32
 (either order), where ``p`` is views of one cast to float32 of an int32 or int64 tensor and ``f`` is
-float32. The positions are then ``p``'s views replayed on the integer tensor, and both operands are
-broadcast to the product's shape and viewed as the angles are: the kernel reads each at the angle's
-index (``expand`` strides of 0 where it broadcasts) and multiplies them.
+float32, float16 or bfloat16 (a model cast to half precision keeps its positions' cast: the product is
+float32, ``f`` widened exactly, as the kernel widens it). The positions are then ``p``'s views replayed on
+the integer tensor, and both operands are broadcast to the product's shape and viewed as the angles are: the
+kernel reads each at the angle's index (``expand`` strides of 0 where it broadcasts) and multiplies them.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _match(angles: torch.fx.Node):
     for p, f in (product.args, product.args[::-1]):
         fv = tensor_val(f)
         found = _int_positions(p) if isinstance(p, torch.fx.Node) else None
-        if found is not None and fv is not None and fv.dtype == torch.float32:
+        if found is not None and fv is not None and fv.dtype in (torch.float32, torch.float16, torch.bfloat16):
             return outer, found[0], found[1], f
     return None
 
@@ -77,10 +78,13 @@ def _as_angles(graph, node: torch.fx.Node, shape, outer: list, meta: dict) -> to
     """``node`` broadcast to the product's ``shape``, then viewed as the angles are. Raises ValueError
     when it would broadcast along a dim of dynamic size (-1 keeps a dim's own size)."""
     own = tensor_val(node).shape
-    own = [1] * (len(shape) - len(own)) + list(own)
+    pad = len(shape) - len(own)
+    own = [None] * pad + list(own)  # dims the broadcast adds in front: their size, which must be static
     sizes = []
     for have, want in zip(own, shape):
-        if str(have) == str(want):
+        if have is None and isinstance(want, int):
+            sizes.append(want)
+        elif have is not None and str(have) == str(want):
             sizes.append(-1)
         elif isinstance(want, int) and isinstance(have, int) and have == 1:
             sizes.append(want)

@@ -105,30 +105,23 @@ def test_an_update_whose_base_is_read_again_copies_it():
         torch.testing.assert_close(g, e)
 
 
-def test_dynamic_sizes_off_the_cat_dim():
-    torch.manual_seed(0)
-    model = Fn(lambda a, b: torch.cat((a, b), -1))
-    seq = torch.export.Dim("seq", min=2, max=32)
-    example = (torch.randn(2, 5, 3), torch.randn(2, 5, 4))
-    lowered = lower_resident(model, example, dynamic_shapes={"args": ({1: seq}, {1: seq})})
-    assert _kernels(plan_launches(lowered)) == ["cat"]
-    method = lowered.load().load_method("forward")
-    for n in (2, 9, 32):
-        args = (torch.randn(2, n, 3), torch.randn(2, n, 4))
-        assert_close(method(*args), model(*args))
+# (cat, the second part's width, the lengths run): off the cat dim; along it (a cache's past rows and the
+# new ones, the parts' ends then the method's symbols)
+DYNAMIC = {"off_the_cat_dim": (lambda a, b: torch.cat((a, b), -1), 4, (2, 9, 32)),
+           "along_the_cat_dim": (lambda a, b: torch.cat((a, b, a[:, :1]), 1), 3, (2, 17, 32))}
 
 
-def test_dynamic_size_along_the_cat_dim():
-    """A cache's past rows and the new ones: the parts' ends are the method's symbols."""
+@pytest.mark.parametrize("case", sorted(DYNAMIC))
+def test_dynamic_sizes(case):
     torch.manual_seed(0)
-    model = Fn(lambda past, new: torch.cat((past, new, past[:, :1]), 1))
-    seq = torch.export.Dim("seq", min=1, max=40)
-    lowered = lower_resident(model, (torch.randn(2, 6, 3), torch.randn(2, 6, 3)),
+    fn, width, lengths = DYNAMIC[case]
+    model, seq = Fn(fn), torch.export.Dim("seq", min=2, max=32)
+    lowered = lower_resident(model, (torch.randn(2, 5, 3), torch.randn(2, 5, width)),
                              dynamic_shapes={"args": ({1: seq}, {1: seq})})
     assert _kernels(plan_launches(lowered)) == ["cat"]
     method = lowered.load().load_method("forward")
-    for n in (1, 17, 40):
-        args = (torch.randn(2, n, 3), torch.randn(2, n, 3))
+    for n in lengths:
+        args = (torch.randn(2, n, 3), torch.randn(2, n, width))
         assert_close(method(*args), model(*args))
 
 

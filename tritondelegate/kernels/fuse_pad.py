@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from . import conv as cv
 from .pad import ZeroPad
-from .refs import LaunchRecord, TRef, new_launch
+from .refs import LaunchRecord, new_launch, same_view
 
 
 def merge_pads(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[int]], keep: set[int]
@@ -37,7 +37,7 @@ def merge_pads(records: list[LaunchRecord], touched: list[set[int]], writes: lis
     gone: set[int] = set()
     for p, record in enumerate(records):
         pad = record.op
-        if not isinstance(pad, ZeroPad) or pad.out.buffer in keep:
+        if not isinstance(pad, ZeroPad) or pad.out.buffer in keep or not _spatial_only(pad):
             continue
         readers = [k for k in range(p + 1, len(records)) if pad.out.buffer in touched[k]]
         if not readers or not all(_reads_padded(records[k].op, pad) for k in readers):
@@ -53,24 +53,17 @@ def merge_pads(records: list[LaunchRecord], touched: list[set[int]], writes: lis
             bool(gone))
 
 
-def _spatial(pad: ZeroPad) -> int | None:
-    """How many trailing dims the pad's zeros are on (2 for NCHW, 1 for NCL), or None when it pads
-    the batch or channel dims."""
-    rank = pad.x.ndim
-    if rank not in (3, 4) or any(pad.before[:2]) or tuple(pad.x.shape[:2]) != tuple(pad.out.shape[:2]):
-        return None
-    return rank - 2
-
-
-def _same_view(a: TRef, b: TRef) -> bool:
-    return (a.buffer, a.offset, tuple(a.shape), tuple(a.strides)) == (b.buffer, b.offset, tuple(b.shape),
-                                                                        tuple(b.strides))
+def _spatial_only(pad: ZeroPad) -> bool:
+    """Whether the pad's zeros are on the spatial dims of an NCHW or NCL tensor only (not its batch or
+    channels)."""
+    return (pad.x.ndim in (3, 4) and not any(pad.before[:2])
+            and tuple(pad.x.shape[:2]) == tuple(pad.out.shape[:2]))
 
 
 def _reads_padded(op, pad: ZeroPad) -> bool:
     """Whether ``op`` is a convolution whose input is exactly the pad's result and no other operand
     of it lives in that buffer."""
-    return (isinstance(op, cv.ConvOp) and _spatial(pad) is not None and _same_view(op.x, pad.out)
+    return (isinstance(op, cv.ConvOp) and same_view(op.x, pad.out)
             and all(r.buffer != pad.out.buffer for r in op.reads[1:]) and op.c.buffer != pad.out.buffer)
 
 

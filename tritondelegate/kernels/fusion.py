@@ -225,7 +225,6 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     """
     records, touched, writes, paired = pair_scatters(records, touched, writes)
     records, touched, writes, padded = fuse_pad.merge_pads(records, touched, writes, keep)
-    paired |= padded
     launches = [r.launch for r in records]
     ops = {kind: {i: r.op for i, r in enumerate(records) if r.op is not None and r.launch.kernel in kernels}
            for kind, kernels in (("pointwise", {"pointwise"}), ("matmul", {"matmul", "conv2d", "grouped_mm"}),
@@ -248,7 +247,7 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
                                         set(epilogues) | set(rows))
     if not merged_away:
         records, cats = fuse_cat.merge_copies(records, view)
-        return FusionResult(records, paired or cats)
+        return FusionResult(records, paired or padded or cats)
     fused = [
         LaunchRecord(rows[i]) if i in rows
         else LaunchRecord(gathers[i]) if i in gathers

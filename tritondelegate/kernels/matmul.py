@@ -769,14 +769,12 @@ def rope_linear(b, node):
     def strides(t: TRef) -> tuple:
         return (*(t.strides[d] if d >= 0 else 0 for d in cos_dims), t.strides[-1])
 
-    cos_strides, sin_strides = strides(cos), strides(cos if sin is None else sin)
-
     norm = b.ref(node.args[9]) if len(node.args) > 9 and node.args[9] is not None else None
     norm_dim, norm_eps = (node.args[10], node.args[11]) if norm is not None else (0, 0.0)
 
     def make(b, out: TRef) -> Rope:
         rounding = dtype_name(dtype) if dtype in (torch.float16, torch.bfloat16) else ""
-        return Rope(pairs, cos, sin, cos_strides, sin_strides,
+        return Rope(pairs, cos, sin, strides(cos), strides(cos if sin is None else sin),
                     out.shape[-2] if len(out.shape) >= 2 else 1, float(scale), rounding, norm, norm_dim,
                     float(norm_eps))
 

@@ -53,6 +53,14 @@ class TRef:
         return all(s == e for s, e, n in zip(self.strides, expected, self.shape) if n != 1)
 
 
+def same_view(a: TRef, c: TRef) -> bool:
+    """Whether ``a`` and ``c`` are the same elements of the same buffer, in the same order."""
+    return (
+        a.buffer == c.buffer and a.offset == c.offset and a.dtype == c.dtype and a.shape == c.shape
+        and all(s == t for s, t, n in zip(a.strides, c.strides, a.shape) if n != 1)
+    )
+
+
 @dataclass
 class LaunchRecord:
     """A recorded launch and what it computes, for passes over a delegate's launches (``fusion.py``):

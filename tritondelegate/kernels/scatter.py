@@ -41,7 +41,7 @@ from .index import MAX_INDICES, _dtype_reason, broadcast_shape, index_reason, in
 from .layout import view_of
 from ..errors import LoweringError
 from ..plan import Arg, Launch
-from .refs import FLOAT_DTYPES, MAX_RANK, TRef, broadcast_strides, collapse, node_value
+from .refs import FLOAT_DTYPES, MAX_RANK, TRef, broadcast_strides, collapse, node_value, same_view
 from .rows import node_arg
 
 aten = torch.ops.aten
@@ -170,8 +170,9 @@ def pair_launch(first: Launch, second: Launch, a: ScatterOp, c: ScatterOp) -> La
 
 
 # --- destinations: functional or in place ---------------------------------------------------------
-# Functional updates lowered here whose result is a fresh output (or, in place, their ``self``).
-SPENT_UPDATES = {
+# Functional updates whose first argument is the tensor they update, with a kernel here that can write
+# the update in place; their result is otherwise a fresh output (``passes/state.py`` reinplaces them).
+UPDATE_OPS = {
     aten.index_put.default, aten.index_copy.default, aten.slice_scatter.default, aten.select_scatter.default,
     aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.copy.default,
 }
@@ -189,7 +190,7 @@ def _spent(b, node) -> bool:
     of itself per step."""
     base = node.args[0]
     return (isinstance(base, torch.fx.Node) and base.op == "call_function" and len(base.users) == 1
-            and (base.target in SPENT_UPDATES or is_empty(base)) and not _in_place(base)
+            and (base.target in UPDATE_OPS or is_empty(base)) and not _in_place(base)
             and b.is_scratch(b.ref(base)))
 
 
@@ -237,20 +238,12 @@ def _scatter_update(b, node, accumulate: bool, scatter) -> None:
     ew.launch_pointwise(b, "copy", dst, [acc])
 
 
-def _same_view(a: TRef, c: TRef) -> bool:
-    """Whether ``a`` and ``c`` are the same elements of the same buffer (nothing to copy)."""
-    return (
-        a.buffer == c.buffer and a.offset == c.offset and a.dtype == c.dtype and a.shape == c.shape
-        and all(s == t for s, t, n in zip(a.strides, c.strides, a.shape) if n != 1)
-    )
-
-
 def _copy_into_view(b, node, op, *view_args) -> None:
     """slice_scatter / select_scatter: ``dst`` with the view ``op(dst, *view_args)`` set to ``src``."""
     dst = _destination(b, node)
     target = view_of(b, dst, op, *view_args)
     src = b.ref(node.args[1])
-    if not _same_view(target, src):  # an in-place copy may already have written it there
+    if not same_view(target, src):  # an in-place copy may already have written it there
         ew.launch_pointwise(b, "copy", target, [_apart(b, src, target)])
 
 
@@ -363,7 +356,7 @@ def copy(b, node):
     are not read. In place it is written into ``self``'s memory."""
     dst = _destination(b, node, copy_self=False)
     src = b.ref(node.args[1])
-    if not _same_view(dst, src):
+    if not same_view(dst, src):
         ew.launch_pointwise(b, "copy", dst, [_apart(b, src, dst)])
 
 

@@ -280,7 +280,8 @@ def _plan(group: list, foldable: set, linear: torch.fx.Node | None = None) -> di
     taken = [c for p in rotated for c in p[:2]]
     if len(set(taken)) != len(taken) or not _others_clear(readers, vals, group, xs, set(taken), width):
         return None
-    if not _norms_clear([n for n in vals if is_head_norm(n) and n not in norms], vals, set(taken), width):
+    off_chains = [(n, n.args[0]) for n in vals if is_head_norm(n) and n not in norms]  # each reads its input
+    if not _others_clear(off_chains, vals, (), (), set(taken), width):
         return None  # a norm of rotated columns off the rotated chains
     rest_cols = sorted(set(range(width)) - set(taken))
     pairs = rotated + [(a, b, -1, -1, a, b) for a, b in zip(rest_cols[0::2], rest_cols[1::2])]
@@ -324,16 +325,6 @@ def _others_clear(readers, vals, group, xs, taken: set, width: int) -> bool:
         if reader in group and read in xs:
             continue
         layout = _layout(vals[read], width)
-        if layout is None or taken & set(layout[0].reshape(-1).tolist()):
-            return False
-    return True
-
-
-def _norms_clear(others: list, vals: dict, taken: set, width: int) -> bool:
-    """Whether the norms ``others`` (over the last dim, off the rotated chains: DeepSeek's kv_a_layernorm
-    of its latent's columns) read none of the rotated columns; they stay ops of their own."""
-    for norm in others:
-        layout = _layout(vals[norm.args[0]], width)
         if layout is None or taken & set(layout[0].reshape(-1).tolist()):
             return False
     return True

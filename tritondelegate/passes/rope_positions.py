@@ -52,8 +52,8 @@ def _int_positions(p: torch.fx.Node):
 
 
 def _match(angles: torch.fx.Node):
-    """(the product's views to the angles, the integer tensor, the views from its cast, the frequencies)
-    when ``angles`` is views of positions times inverse frequencies, else None."""
+    """(the product, its views to the angles, the integer tensor, the views from its cast, the
+    frequencies) when ``angles`` is views of positions times inverse frequencies, else None."""
     product, outer = _views_of(angles)
     out = tensor_val(product)
     if not is_call(product, aten.mul.Tensor) or out is None or out.dtype != torch.float32 or len(product.args) != 2:
@@ -62,7 +62,7 @@ def _match(angles: torch.fx.Node):
         fv = tensor_val(f)
         found = _int_positions(p) if isinstance(p, torch.fx.Node) else None
         if found is not None and fv is not None and fv.dtype in (torch.float32, torch.float16, torch.bfloat16):
-            return outer, found[0], found[1], f
+            return product, outer, found[0], found[1], f
     return None
 
 
@@ -104,15 +104,17 @@ def rope_positions(ep: torch.export.ExportedProgram) -> list[str]:
         found = None if sin is not None else _match(angles)
         if found is None:
             continue
-        outer, source, inner, freqs = found
-        shape = tensor_val(_views_of(angles)[0]).shape
+        product, outer, source, inner, freqs = found
+        shape, before = tensor_val(product).shape, set(graph.nodes)
         try:
             with graph.inserting_before(rope):
                 positions = _as_angles(graph, _replay(graph, source, inner), shape, outer, angles.meta)
                 frequencies = _as_angles(graph, freqs, shape, outer, angles.meta)
-        except (RuntimeError, ValueError):  # a view the broadcast operands cannot take: left as it is
-            continue
-        if tensor_val(positions).shape != tensor_val(angles).shape:
+            fits = tensor_val(positions).shape == tensor_val(angles).shape
+        except (RuntimeError, ValueError):  # a view the broadcast operands cannot take
+            fits = False
+        if not fits:  # left as it is: the views made for it go again
+            erase_unused(graph, [n for n in reversed(graph.nodes) if n not in before])
             continue
         rope.args = (*rope.args[:4], positions, frequencies, *rope.args[6:])
         angles_read.add(angles)

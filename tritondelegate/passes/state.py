@@ -24,6 +24,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from ..errors import LoweringError
 from ..kernels.registry import lookup
+from ..kernels.scatter import UPDATE_OPS
 from ..partitioner import PartitionResult, op_name
 from .rewrite import erase_unused, fake, new_node
 
@@ -31,13 +32,6 @@ aten = torch.ops.aten
 HOST = "cpu"
 INPLACE = "td_inplace"  # node.meta key read by the scatter-family lowerings
 
-# Functional updates whose first argument is the tensor they update, with a kernel that can write
-# the update in place (kernels/scatter.py).
-UPDATE_OPS = {
-    aten.index_put.default, aten.index_copy.default, aten.slice_scatter.default,
-    aten.select_scatter.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
-    aten.copy.default,
-}
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The decomposition table (tritondelegate/decompose.py): built once per set of registered operators."""
 
+import pytest
 import torch
 
 from tritondelegate.decompose import decompose
@@ -37,3 +38,92 @@ def test_an_operator_registered_after_a_first_decomposition_is_decomposed():
     targets = _targets(decompose(torch.export.export(Twice(), (torch.randn(3),))))
     assert torch.ops.td_decompose_test.twice.default not in targets
     assert aten.mul.Tensor in targets
+
+
+# --- ops no kernel claims, decomposed further by torch's decompositions ---------------------------
+
+def _lower(model, *args, partitioner=None):
+    import warnings
+
+    import tritondelegate as td
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", td.PerCallCopyWarning)
+        return td.lower(torch.export.export(model.eval(), args), partitioner=partitioner)
+
+
+class Resize(torch.nn.Module):
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.kwargs = kwargs
+
+    def forward(self, x):
+        return torch.nn.functional.interpolate(x, **self.kwargs)
+
+
+class Flip(torch.nn.Module):
+    def forward(self, x):
+        return torch.flip(x, [0, -1]) * 2
+
+
+class Elu(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.elu(x, alpha=0.7) + torch.nn.functional.selu(x)
+
+
+UNCLAIMED = {  # core ATen keeps each of these whole; no kernel claims them
+    "nearest 2x": (Resize(scale_factor=2, mode="nearest"), (2, 3, 5, 6)),
+    "nearest to 7x9": (Resize(size=(7, 9), mode="nearest"), (1, 2, 5, 6)),
+    "nearest-exact 1-D": (Resize(scale_factor=1.5, mode="nearest-exact"), (2, 3, 7)),
+    "bilinear": (Resize(scale_factor=2, mode="bilinear", align_corners=False), (2, 3, 5, 6)),
+    "bilinear, corners aligned": (Resize(size=(9, 11), mode="bilinear", align_corners=True), (1, 3, 5, 6)),
+    "linear 1-D": (Resize(scale_factor=3, mode="linear"), (2, 3, 5)),
+    "flip": (Flip(), (3, 4, 5)),
+    "elu, selu": (Elu(), (4, 9)),
+    "bidirectional GRU (flip)": (torch.nn.GRU(6, 5, batch_first=True, bidirectional=True), (2, 4, 6)),
+}
+
+
+@pytest.mark.parametrize("name", UNCLAIMED)
+def test_an_unclaimed_op_runs_on_the_device_as_its_decomposition(name):
+    torch.manual_seed(0)
+    model, shape = UNCLAIMED[name]
+    x = torch.randn(shape)
+    lowered = _lower(model, x)
+    nodes = lowered.reports["forward"].nodes
+    assert nodes.delegated == nodes.total, lowered.summary()
+    out = lowered.load().load_method()(x)
+    with torch.no_grad():
+        expected = model(x)
+    expected, out = (t[0] if isinstance(t, tuple) else t for t in (expected, out))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_nearest_resize_is_one_gather():
+    lowered = _lower(Resize(scale_factor=2, mode="nearest"), torch.randn(2, 3, 5, 6))
+    assert sum(lowered.reports["forward"].launches.values()) == 1
+
+
+def test_an_op_whose_decomposition_still_needs_the_host_stays_whole():
+    # grid_sample decomposes into gathers of 4 index tensors, which the index kernel refuses
+    class Sample(torch.nn.Module):
+        def forward(self, x, grid):
+            return torch.nn.functional.grid_sample(x, grid, align_corners=False)
+
+    lowered = _lower(Sample(), torch.randn(1, 3, 6, 6), torch.rand(1, 4, 5, 2) * 2 - 1)
+    nodes = lowered.reports["forward"].nodes
+    assert (nodes.total, nodes.delegated) == (1, 0)
+    assert "grid_sampler_2d" in lowered.summary()
+
+
+def test_only_what_the_partitioner_claims_counts():
+    import tritondelegate as td
+
+    x = torch.randn(4, 9)
+    limited = _lower(Elu(), x, partitioner=td.TritonPartitioner(ops=["aten.add.Tensor"]))
+    nodes = limited.reports["forward"].nodes
+    assert (nodes.total, nodes.delegated) == (3, 1), limited.summary()  # elu and selu's elu stay whole
+    assert "aten.elu.default x2" in limited.summary()
+    ep = torch.export.export(Elu(), (x,))
+    assert aten.elu.default in _targets(decompose(ep))  # without the partitioner's claims: core ATen only
+    assert aten.elu.default not in _targets(decompose(ep, claims=td.TritonPartitioner().claims))

@@ -173,7 +173,7 @@ def _lower(programs: dict, partitioner: Partitioner, config: LowerConfig, bar) -
 def _decompose(name: str, ep, partitioner: Partitioner) -> torch.export.ExportedProgram:
     if not isinstance(ep, torch.export.ExportedProgram):
         raise TypeError(f"method {name!r}: expected an ExportedProgram, got {type(ep).__name__}")
-    ep = decompose(ep, keep=partitioner.ops_to_not_decompose(ep))
+    ep = decompose(ep, keep=partitioner.ops_to_not_decompose(ep), claims=partitioner.claims)
     cast_state_updates(name, ep)
     fold_repeat_kv(ep.graph_module)
     _detach_size_nodes(ep.graph_module)

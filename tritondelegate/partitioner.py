@@ -48,6 +48,12 @@ class Partitioner:
         """ATen ops to keep whole through decomposition (because a fused kernel exists for them)."""
         return []
 
+    def claims(self, node: torch.fx.Node) -> bool:
+        """Whether this partitioner would claim ``node`` (a call of an ATen overload in a decomposed
+        program): an op it does not claim is decomposed further where torch decomposes it into nodes it
+        claims. By default nothing is decomposed beyond core ATen."""
+        return True
+
     def partition(self, exported_program: torch.export.ExportedProgram) -> PartitionResult:
         raise NotImplementedError
 
@@ -138,6 +144,9 @@ class TritonPartitioner(Partitioner):
 
         keep = default_keep()
         return keep if self.ops is None else [op for op in keep if op in self.ops]
+
+    def claims(self, node: torch.fx.Node) -> bool:
+        return _TritonSupport(self.ops).reason(node) is None
 
     def partition(self, exported_program) -> PartitionResult:
         gm = copy.deepcopy(exported_program.graph_module)

@@ -40,7 +40,7 @@ def native_group_norm(b, node):
                       divisor=per * positions)
     ew.launch_pointwise(b, "add", shifted, [var, float(eps)])
     ew.launch_pointwise(b, "rsqrt", rstd, [shifted])
-    scale, shift = _scale_shift(b, rstd, mean, weight, bias, n, groups, per)
+    scale, shift = scale_shift(b, rstd, mean, weight, bias, n, groups, per)
     grid = (n, groups, per, positions)  # x and out seen as [N, G, C / G, HxW]
     flat = (groups * per * positions, per * positions, positions, 1)
     scaled = b.alloc(grid, STATS)
@@ -51,7 +51,7 @@ def native_group_norm(b, node):
         ew.launch_pointwise(b, "copy", b.out(node, 2), [b.view(rstd, (n, groups), (groups, 1))])
 
 
-def _scale_shift(b, rstd, mean, weight, bias, n: int, groups: int, per: int):
+def scale_shift(b, rstd, mean, weight, bias, n: int, groups: int, per: int):
     """(scale, shift) [N, G, C / G] in fp32 (scratch, or a broadcast view of rstd without a weight);
     rstd and mean are [N, G, 1]."""
     shape = (n, groups, per)

@@ -14,6 +14,7 @@ import torch
 
 from .. import ops as td_ops  # noqa: F401  (registers the tritondelegate:: ops)
 from . import attention as attn
+from . import batch_stats as bs
 from . import batchnorm as bn
 from . import conv
 from . import creation
@@ -201,6 +202,10 @@ OPS: dict[object, OpSpec] = {
     aten._adaptive_avg_pool2d.default: OpSpec(pool.adaptive_avg_pool2d, pool.supported),
     # batch norm (eval): batchnorm.py
     aten._native_batch_norm_legit_no_training.default: OpSpec(bn.batch_norm_no_training, bn.supported),
+    # batch norm with the batch's statistics (instance norm; training mode): batch_stats.py
+    aten._native_batch_norm_legit.no_stats: OpSpec(bs.batch_norm_batch_stats, bs.supported),
+    aten._native_batch_norm_legit.default: OpSpec(bs.batch_norm_batch_stats, bs.supported),
+    aten._native_batch_norm_legit_functional.default: OpSpec(bs.batch_norm_batch_stats, bs.supported),
     # attention: attention.py
     aten.scaled_dot_product_attention.default: OpSpec(attn.sdpa, attn.supported),
     td_ops.sdpa_positions: OpSpec(attn.sdpa_positions, attn.supported_positions),  # attention.py

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tritondelegate.decompose import decompose
+from tritondelegate.decompose import decompose, decompose_unclaimed
 
 aten = torch.ops.aten
 
@@ -43,13 +43,17 @@ def test_an_operator_registered_after_a_first_decomposition_is_decomposed():
 # --- ops no kernel claims, decomposed further by torch's decompositions ---------------------------
 
 def _lower(model, *args, partitioner=None):
+    return _lower_ep(torch.export.export(model.eval(), args), partitioner)
+
+
+def _lower_ep(ep, partitioner=None):
     import warnings
 
     import tritondelegate as td
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", td.PerCallCopyWarning)
-        return td.lower(torch.export.export(model.eval(), args), partitioner=partitioner)
+        return td.lower(ep, partitioner=partitioner)
 
 
 class Resize(torch.nn.Module):
@@ -124,6 +128,26 @@ def test_only_what_the_partitioner_claims_counts():
     nodes = limited.reports["forward"].nodes
     assert (nodes.total, nodes.delegated) == (3, 1), limited.summary()  # elu and selu's elu stay whole
     assert "aten.elu.default x2" in limited.summary()
-    ep = torch.export.export(Elu(), (x,))
-    assert aten.elu.default in _targets(decompose(ep))  # without the partitioner's claims: core ATen only
-    assert aten.elu.default not in _targets(decompose(ep, claims=td.TritonPartitioner().claims))
+    ep = decompose(torch.export.export(Elu(), (x,)))
+    assert aten.elu.default in _targets(ep)  # core ATen keeps it whole
+    assert aten.elu.default not in _targets(decompose_unclaimed(ep, td.TritonPartitioner().claims))
+    assert aten.elu.default in _targets(decompose_unclaimed(ep, td.Partitioner().claims))  # claims all
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+def test_a_resize_at_a_dynamic_batch_runs_on_the_device(mode):
+    from harness import check_dynamic
+
+    model = Resize(scale_factor=2, mode=mode)
+    calls = [(torch.randn(b, 2, 4, 5),) for b in (1, 3, 2)]
+    check_dynamic(model, calls, ({0: torch.export.Dim("batch", max=3)},), example=(torch.randn(2, 2, 4, 5),))
+
+
+def test_a_resize_at_a_dynamic_height_stays_whole_on_the_host():
+    # its decomposition scales coordinates by height / (2 * height), a SymFloat no kernel takes
+    ep = torch.export.export(Resize(scale_factor=2, mode="nearest"), (torch.randn(2, 2, 5, 5),),
+                             dynamic_shapes=({2: torch.export.Dim("height", min=2, max=6)},))
+    lowered = _lower_ep(ep)
+    assert [op for _, op, _ in lowered.reports["forward"].nodes.host] == ["aten.upsample_nearest2d.vec"]
+    x = torch.randn(2, 2, 3, 5)
+    torch.testing.assert_close(lowered.load().load_method()(x), Resize(scale_factor=2, mode="nearest")(x))

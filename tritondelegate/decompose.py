@@ -8,7 +8,7 @@ would otherwise be left as host instructions.
 Core ATen keeps some ops whole that no kernel claims (``upsample_bilinear2d``, ``elu``, ``flip``,
 instance norm's ``_native_batch_norm_legit``, ``adaptive_max_pool2d``, ...). When the partitioner says
 which ops it claims, each such op that torch can decompose into claimed ops only is decomposed further
-(``_decompose_unclaimed``): it then runs on the device instead of the host. One whose decomposition
+(``decompose_unclaimed``): it then runs on the device instead of the host. One whose decomposition
 still leaves something unclaimed stays whole (one host op, not several). The same holds for a node of
 a claimed op that its kernel refuses (an unsupported argument) when torch decomposes the op.
 """
@@ -61,15 +61,10 @@ def default_keep() -> list:
     return [op for op in KEEP_CANDIDATES if op in OPS]
 
 
-def decompose(ep: torch.export.ExportedProgram, keep: Iterable | None = None,
-              claims: Callable | None = None) -> torch.export.ExportedProgram:
-    """``ep`` in core ATen but for ``keep``; with ``claims`` (node -> whether the partitioner claims it),
-    the ops of nodes it does not claim decomposed further where torch decomposes them into claimed nodes."""
+def decompose(ep: torch.export.ExportedProgram, keep: Iterable | None = None) -> torch.export.ExportedProgram:
+    """``ep`` in core ATen but for ``keep``."""
     keep = frozenset(default_keep() if keep is None else keep)
-    table = _table(keep, *_registered())
-    ep = ep.run_decompositions(table)
-    if claims is not None:
-        ep = _decompose_unclaimed(ep, table, claims)
+    ep = ep.run_decompositions(_table(keep, *_registered()))
     graph = ep.graph_module.graph
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in METADATA_ONLY and not node.users:
@@ -108,16 +103,23 @@ def _census(ep: torch.export.ExportedProgram, claims: Callable) -> tuple[Counter
     return unclaimed, claimed
 
 
-def _decompose_unclaimed(ep: torch.export.ExportedProgram, table: dict, claims: Callable):
-    """``ep`` with each op of unclaimed nodes decomposed where that leaves fewer unclaimed nodes and
-    keeps every claimed one. Each op is tried on its own; it stays whole when its decomposition adds an
-    unclaimed node of any op (one host op rather than several, with copies between them and the
-    device), or when retracing with it decomposes a claimed node too (a functional batch norm retraces
-    through the in-place one)."""
+def decompose_unclaimed(ep: torch.export.ExportedProgram, claims: Callable,
+                        keep: Iterable | None = None) -> torch.export.ExportedProgram:
+    """``ep`` (decomposed with ``keep``) with each op of nodes the partitioner does not claim (``claims``:
+    node -> bool; sizes over the method's symbols decided for their range, as the partitioner decides
+    them) decomposed where that leaves fewer unclaimed nodes and keeps every claimed one. Each op is
+    tried on its own; it stays whole when its decomposition adds an unclaimed node of any op (one host
+    op rather than several, with copies between them and the device), when retracing with it decomposes
+    a claimed node too (a functional batch norm retraces through the in-place one), or when it does not
+    retrace."""
+    table = _table(frozenset(default_keep() if keep is None else keep), *_registered())
     unclaimed, claimed = _census(ep, claims)
     chosen = {}
     for op in sorted((op for op in unclaimed if op in FALLBACK), key=str):
-        left, kept = _census(ep.run_decompositions({**table, op: FALLBACK[op]}), claims)
+        try:
+            left, kept = _census(ep.run_decompositions({**table, op: FALLBACK[op]}), claims)
+        except Exception:  # noqa: BLE001 - torch's tracing of that decomposition failed: the op stays whole
+            continue
         if (left[op] == 0 and left <= unclaimed - Counter({op: unclaimed[op]})
                 and all(kept[t] >= n for t, n in claimed.items())):
             chosen[op] = FALLBACK[op]

@@ -11,7 +11,7 @@ from torch.export.graph_signature import InputKind
 from . import progress as progress_module
 from .binaries import check_archs, compile_binaries
 from .config import LowerConfig
-from .decompose import decompose
+from .decompose import decompose, decompose_unclaimed
 from .emit import ConstantTable, NodeInfo, emit_method
 from .errors import LoweringError
 from .kernels.sizes import is_size_node, symbol_ranges
@@ -173,7 +173,10 @@ def _lower(programs: dict, partitioner: Partitioner, config: LowerConfig, bar) -
 def _decompose(name: str, ep, partitioner: Partitioner) -> torch.export.ExportedProgram:
     if not isinstance(ep, torch.export.ExportedProgram):
         raise TypeError(f"method {name!r}: expected an ExportedProgram, got {type(ep).__name__}")
-    ep = decompose(ep, keep=partitioner.ops_to_not_decompose(ep), claims=partitioner.claims)
+    keep = partitioner.ops_to_not_decompose(ep)
+    ep = decompose(ep, keep=keep)
+    with symbol_ranges(*_symbols(name, ep)[1:]):  # what the partitioner claims at the method's sizes
+        ep = decompose_unclaimed(ep, partitioner.claims, keep)
     cast_state_updates(name, ep)
     fold_repeat_kv(ep.graph_module)
     _detach_size_nodes(ep.graph_module)

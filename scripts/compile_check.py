@@ -100,6 +100,19 @@ class ConvNet(nn.Module):
         return F.adaptive_avg_pool2d(x, 1).flatten(1), F.avg_pool2d(x, 2)
 
 
+class UpsamplingNet(nn.Module):
+    """Transposed convolutions of decoders: a UNet step (64 -> 32 channels, k2 s2, the ReLU and the skip
+    connection's add in its epilogue) and a DCGAN / VAE decoder one (k4 s2 p1) over 64x64."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(64, 32, 2, stride=2)
+        self.dcgan = nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1, bias=False)
+
+    def forward(self, x, skip):
+        return self.dcgan(torch.relu(self.up(x)) + skip)
+
+
 def _sdpa(q_shape, kv_shape, dtype, ev=None, mask=None, **kwargs):
     """sdpa over q [.., Lq, E], k/v [.., Lk, E/Ev]; ``mask``: None, "bool" or "float" ([Lq, Lk])."""
     q = _randn(*q_shape, dtype=dtype)
@@ -569,6 +582,12 @@ def _per_dtype(d) -> dict[str, callable]:
         "conv1d_whisper": lambda: (nn.Sequential(nn.Conv1d(80, 512, 3, padding=1), nn.GELU(),
                                                  nn.Conv1d(512, 512, 3, stride=2, padding=1), nn.GELU()).eval().to(d),
                                    (_randn(1, 80, 3000, dtype=d),)),
+        # a UNet up-block and a DCGAN layer (32x32 -> 64x64 -> 128x128), and HiFi-GAN's first 1-D upsampling
+        # (k16 s8 p4, 512 -> 256 channels)
+        "conv_transpose_2d": lambda: (UpsamplingNet().eval().to(d), (_randn(1, 64, 32, 32, dtype=d),
+                                                                     _randn(1, 32, 64, 64, dtype=d))),
+        "conv_transpose_1d_vocoder": lambda: (nn.ConvTranspose1d(512, 256, 16, 8, 4).eval().to(d),
+                                              (_randn(1, 512, 100, dtype=d),)),
         **_attention_cases(d),
         "reductions": lambda: _reductions(d),
         "softmax_norm": lambda: _rows(d),

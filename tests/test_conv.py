@@ -2,8 +2,9 @@ import copy
 
 import pytest
 import torch
+from torch.export import Dim
 
-from harness import FLOAT_DTYPES, check_model, export_decomposed
+from harness import FLOAT_DTYPES, check_dynamic, check_launches, check_model, export_decomposed, plan_launches
 from tritondelegate.kernels import conv
 
 # (C_in, C_out, kernel, stride, padding, dilation, groups, bias, (N, H, W)): odd channels and sizes.
@@ -89,8 +90,7 @@ def _conv_node(model, x):
 
 
 @pytest.mark.parametrize("model, x, reason", [
-    (torch.nn.ConvTranspose2d(3, 4, 3), torch.randn(1, 3, 5, 5), "transposed convolution is not supported"),
-    (torch.nn.ConvTranspose1d(3, 4, 3), torch.randn(1, 3, 9), "transposed convolution is not supported"),
+    (torch.nn.ConvTranspose3d(3, 4, 3), torch.randn(1, 3, 5, 5, 5), "3-D transposed convolution is not supported"),
     (torch.nn.Conv3d(3, 4, 3), torch.randn(1, 3, 5, 5, 5), "3-D convolution is not supported"),
     (torch.nn.Conv2d(3, 4, 3).double(), torch.randn(1, 3, 5, 5, dtype=torch.float64),
      "dtype torch.float64 is not supported"),
@@ -99,6 +99,89 @@ def test_unsupported_convolutions_are_refused_with_a_reason(model, x, reason):
     assert reason in conv.supported(_conv_node(model.eval(), x))
 
 
-def test_supported_conv2d_has_no_reason():
-    node = _conv_node(torch.nn.Conv2d(4, 6, 3, groups=2).eval(), torch.randn(1, 4, 5, 5))
-    assert conv.supported(node) is None
+@pytest.mark.parametrize("model, x", [
+    (torch.nn.Conv2d(4, 6, 3, groups=2), torch.randn(1, 4, 5, 5)),
+    (torch.nn.ConvTranspose2d(4, 6, 3, stride=2, output_padding=1, groups=2), torch.randn(1, 4, 5, 5)),
+    (torch.nn.ConvTranspose1d(3, 4, 3), torch.randn(1, 3, 9)),
+])
+def test_supported_convolutions_have_no_reason(model, x):
+    assert conv.supported(_conv_node(model.eval(), x)) is None
+
+
+# Transposed: (C_in, C_out, kernel, stride, padding, output_padding, dilation, groups, bias, (N, H, W))
+CASES_T = {
+    "unet_up_s2_p1_op1": (4, 3, 3, 2, 1, 1, 1, 1, True, (2, 5, 6)),
+    "dcgan_k4_s2_p1": (5, 4, 4, 2, 1, 0, 1, 1, True, (1, 4, 5)),
+    "stride1_dilation2": (3, 4, 3, 1, 1, 0, 2, 1, True, (1, 6, 5)),
+    "groups2_bias": (4, 6, 3, 2, 0, 1, 1, 2, True, (1, 5, 5)),
+    "odd_5x7_rect": (3, 5, (3, 2), (2, 3), (1, 0), (1, 2), 1, 1, True, (1, 5, 7)),
+    "k2_s2_no_overlap": (8, 4, 2, 2, 0, 0, 1, 1, True, (1, 4, 4)),
+    "no_bias": (3, 4, 3, 2, 1, 0, 1, 1, False, (2, 4, 4)),
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("case", sorted(CASES_T))
+def test_conv_transpose2d(case, dtype):
+    c_in, c_out, k, stride, padding, output_padding, dilation, groups, bias, (n, h, w) = CASES_T[case]
+    model = torch.nn.ConvTranspose2d(c_in, c_out, k, stride, padding, output_padding, groups, bias, dilation)
+    model, x, reference = _low_precision(model.eval(), torch.randn(n, c_in, h, w), dtype)
+    _, plan = check_model(model, (x,), reference_args=reference)
+    assert [launch.kernel for launch in plan.launches] == ["conv2d"]
+    assert plan.launches[0].constexprs["TRANSPOSED"].value is True
+
+
+# Transposed 1-D: (C_in, C_out, kernel, stride, padding, output_padding, dilation, groups, bias, (N, L))
+CASES_T1D = {
+    "vocoder_k16_s8_p4": (4, 3, 16, 8, 4, 0, 1, 1, True, (1, 9)),  # HiFi-GAN-style upsampling
+    "stride1": (3, 5, 3, 1, 1, 0, 1, 1, False, (2, 11)),
+    "stride2_dilation2_groups2": (4, 6, 3, 2, 2, 1, 2, 2, True, (1, 10)),
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("case", sorted(CASES_T1D))
+def test_conv_transpose1d(case, dtype):
+    c_in, c_out, k, stride, padding, output_padding, dilation, groups, bias, (n, length) = CASES_T1D[case]
+    model = torch.nn.ConvTranspose1d(c_in, c_out, k, stride, padding, output_padding, groups, bias, dilation)
+    model, x, reference = _low_precision(model.eval(), torch.randn(n, c_in, length), dtype)
+    _, plan = check_model(model, (x.transpose(1, 2).contiguous().transpose(1, 2),), reference_args=reference)
+    assert [launch.kernel for launch in plan.launches] == ["conv2d"]  # read through its strides, no copy
+
+
+class UpBlock(torch.nn.Module):
+    """A UNet decoder step: upsample, ReLU, add the skip connection."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.ConvTranspose2d(6, 4, 2, stride=2)
+
+    def forward(self, x, skip):
+        return torch.relu(self.up(x)) + skip
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_conv_transpose_epilogue(dtype):
+    torch.manual_seed(0)
+    model = UpBlock().eval().to(dtype)
+    (launch,) = check_launches(model, (torch.randn(2, 6, 3, 4).to(dtype), torch.randn(2, 4, 6, 8).to(dtype)), dtype)
+    assert launch.kernel == "conv2d" and launch.constexprs["EPILOGUE"].value == 2
+
+
+def test_conv_transpose_dynamic_batch():
+    torch.manual_seed(0)
+    batch = Dim("batch", max=5)
+    lowered, _ = check_dynamic(UpBlock().eval(),
+                               [(torch.randn(n, 6, 3, 4), torch.randn(n, 4, 6, 8)) for n in (2, 1, 5, 3)],
+                               {"x": {0: batch}, "skip": {0: batch}})
+    (launch,) = plan_launches(lowered)
+    assert launch.constexprs["TRANSPOSED"].value is True and launch.constexprs["EPILOGUE"].value == 2
+
+
+def test_conv_transpose_dynamic_height_and_width():
+    torch.manual_seed(0)
+    model = torch.nn.ConvTranspose2d(3, 4, 4, stride=2, padding=1).eval()  # OH = 2H, OW = 2W
+    h, w = Dim("h", min=2, max=9), Dim("w", min=2, max=9)
+    lowered, _ = check_dynamic(model, [(torch.randn(1, 3, a, b),) for a, b in ((4, 5), (2, 9), (9, 3))],
+                               {"input": {2: h, 3: w}})
+    assert [launch.kernel for launch in plan_launches(lowered)] == ["conv2d"]

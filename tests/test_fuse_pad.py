@@ -78,3 +78,12 @@ def test_pads_that_stay(case):
         return F.conv2d(F.pad(x, (-1, 1, 1, 1)), m.w2)  # a crop: negative padding
 
     assert "pad" in _kernels(Conv(pad), torch.randn(1, 3, 6, 6))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_a_pad_before_a_transposed_convolution_stays(dtype):
+    # a transposed convolution's padding crops its output: zeros before its input are no part of it
+    def up(m, x):
+        return F.conv_transpose2d(F.pad(x, (1, 0, 2, 1)), m.w2.transpose(0, 1), stride=2, padding=1)
+
+    assert _kernels(Conv(up), torch.randn(1, 3, 4, 5), dtype) == ["pad", "conv2d"]

@@ -126,6 +126,20 @@ def test_gather_reads_only_the_rows_it_walks():
     assert method_traffic(method)["lower_bound_read"] == launch.bytes_read
 
 
+
+def test_convolution_flops_count_the_taps_that_contribute():
+    conv2d, conv_t = torch.nn.functional.conv2d, torch.nn.functional.conv_transpose2d
+    x = torch.randn(2, 3, 5, 7)
+    # 2 * N*OH*OW output pixels * C_out * C_in*KH*KW
+    launch, _ = _only(lambda x, w: conv2d(x, w, padding=1), x, torch.randn(4, 3, 3, 3))
+    assert launch.kernel == "conv2d" and launch.flops == 2 * (2 * 5 * 7) * 4 * (3 * 3 * 3)
+    # transposed: each input pixel's taps, 2 * N*H*W * C_in * C_out*KH*KW (the kernel walks 2 * 2 times as
+    # many and masks the inexact ones); the output is [2, 4, 10, 14]
+    launch, _ = _only(lambda x, w: conv_t(x, w, stride=2, padding=1, output_padding=1), x, torch.randn(3, 4, 3, 3))
+    assert launch.kernel == "conv2d" and launch.flops == 2 * (2 * 5 * 7) * 3 * (4 * 3 * 3)
+    assert launch.bytes_read == (2 * 3 * 5 * 7 + 3 * 4 * 3 * 3) * F32
+    assert launch.bytes_written == 2 * 4 * 10 * 14 * F32
+
 def _desc(offset, shape, strides):
     return TensorDesc(Base.SCRATCH, 0, offset * F32, "float32", shape, strides)
 

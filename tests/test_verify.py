@@ -521,3 +521,28 @@ def test_a_scatter_pair_loads_and_its_damage_is_refused():
         program = copy.deepcopy(lowered.program)
         damage(ints)(program.methods[0].delegates[d].plan.launches[k])
         _refused(lowered, program, rf"{where}.*{match}")
+
+
+# -- a transposed convolution (weight [C_in, C_out / groups, KH, KW], addressed per group through ws_g) --------
+CONV_T_DAMAGE = [
+    ("group stride", _set_int("ws_g", 100000), r"argument 'w_ptr' reaches"),
+    ("output channel stride", _set_int("ws_o", 100000), r"argument 'w_ptr' reaches"),
+    ("a third group", lambda launch: _set_grid(*launch.grid[:2], 3)(launch), r"argument '(x|w|out)_ptr' reaches"),
+    ("not a flag", _set_constexpr("TRANSPOSED", 2), "constexpr TRANSPOSED=2 is not allowed"),
+]
+
+
+def test_a_transposed_convolution_loads_and_its_damage_is_refused():
+    torch.manual_seed(0)
+    model = torch.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2).eval()
+    args = (torch.randn(1, 4, 3, 5),)
+    lowered = td.lower(torch.export.export(model, args), config=RESIDENT)
+    ((d, k, launch),) = [x for x in _launches(lowered.program) if x[2].kernel == "conv2d"]
+    assert launch.constexprs["TRANSPOSED"].value is True and launch.grid[2] == 2
+    with torch.no_grad():
+        torch.testing.assert_close(_load(lowered)(*args), model(*args))
+    where = rf"delegate {d} \('triton_0'\) launch {k} \('conv2d'"
+    for _, damage, match in CONV_T_DAMAGE:
+        program = copy.deepcopy(lowered.program)
+        damage(program.methods[0].delegates[d].plan.launches[k])
+        _refused(lowered, program, rf"{where}.*{match}")

@@ -1,11 +1,30 @@
-"""2-D convolution (``aten.convolution.default``, NCHW, what ``nn.Conv2d`` exports to) as an
-implicit GEMM. For each group g, with Cg = C_in / groups input and Og = C_out / groups output channels:
+"""Convolution (``aten.convolution.default``, NCHW, what ``nn.Conv2d`` and ``nn.ConvTranspose2d`` export
+to; 1-D ones run as 2-D over a height of 1) as an implicit GEMM. For each group g, with Cg = C_in / groups
+input and Og = C_out / groups output channels:
 
     out[n, g*Og + o, oh, ow] = bias[g*Og + o] + sum_k A[m, k] * B[k, o]
         m = (n, oh, ow)                       M = N * OH * OW
         k = (ci, kh, kw)                      K = Cg * KH * KW   (the weight's own layout)
         A[m, k] = x[n, g*Cg + ci, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]   (0 in the padding)
-        B[k, o] = weight[g*Og + o, ci, kh, kw]
+        B[k, o] = weight[g*Og + o, ci, kh, kw]                              (weight [C_out, Cg, KH, KW])
+
+A transposed convolution (``transposed=True``: the gradient of a convolution with respect to its input)
+scatters each input pixel over a KH x KW window of the output, which read from the output's side is the
+same sum over other taps:
+
+        A[m, k] = x[n, g*Cg + ci, ih, iw]   where ih = (oh + ph - kh*dh) / sh is an integer in [0, H)
+                                            (and iw likewise; 0 elsewhere)
+        B[k, o] = weight[g*Cg + ci, o, kh, kw]                              (weight [C_in, Og, KH, KW])
+
+``output_padding`` only adds rows and columns to the output's size (taken from the output tensor). The
+exactness test needs no division of negatives: with t = oh + ph >= 0 and d = kh*dh >= 0, t - d is a
+multiple of sh exactly when t % sh == d % sh, and then ih = t // sh - d // sh (``_rows`` and ``_taps``).
+The kernel walks every tap and masks those that are not exact, so a stride of (sh, sw) does sh*sw times
+the multiply-adds that contribute (a DCGAN k4 s2 layer or a UNet k2 s2 one 4x). A masked tap multiplies
+a 0 by its weight: a non-finite weight (inf, NaN) gives NaN at outputs that eager, which adds up only
+real products, leaves finite (non-finite inputs propagate as in eager). The weight is addressed per
+group through ``ws_g`` (Og * its dim-0 stride, or for a transposed one Cg * its dim-0 stride) so one
+formula reads both layouts: w_ptr + g*ws_g + o*ws_o + ci*ws_i + kh*ws_h + kw*ws_w.
 
 An epilogue (``fusion.py`` folds the pointwise chain that alone reads the result into it, as for
 matmuls: an activation, a residual add) runs on the tile before the store, with the steps of
@@ -46,11 +65,37 @@ FP32_K_STEP = 16
 
 # --- kernel ---------------------------------------------------------------------------------------
 @triton.jit
+def _rows(o, stride, pad, TRANSPOSED: tl.constexpr):
+    """Per output coordinate ``o`` [BLOCK_M], what its taps share: the input coordinate of tap 0 (and of
+    a transposed conv, the residue mod stride that its exact taps share; o + pad >= 0, so // and % see no
+    negatives)."""
+    if TRANSPOSED:
+        base, residue = (o + pad) // stride, (o + pad) % stride
+    else:
+        base, residue = o * stride - pad, 0  # every tap is exact: no residue to compare
+    return base, residue
+
+
+@triton.jit
+def _taps(base, residue, tap, size, stride, TRANSPOSED: tl.constexpr):
+    """The input coordinates that rows of ``_rows`` read at tap offsets ``tap`` (k * dil >= 0, [BLOCK_K]),
+    [BLOCK_M, BLOCK_K], and where they are real: in [0, size), and for a transposed conv exact
+    ((o + pad - tap) / stride, an integer when tap % stride is the row's residue)."""
+    if TRANSPOSED:
+        i = base[:, None] - (tap // stride)[None, :]
+        real = (residue[:, None] == (tap % stride)[None, :]) & (i >= 0) & (i < size)
+    else:
+        i = base[:, None] + tap[None, :]
+        real = (i >= 0) & (i < size)
+    return i, real
+
+
+@triton.jit
 def conv2d_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
     M, H, W, OH, OW, CIN_G, COUT_G,
     xs_n, xs_c, xs_h, xs_w,
-    ws_o, ws_i, ws_h, ws_w,
+    ws_g, ws_o, ws_i, ws_h, ws_w,
     os_n, os_c, os_h, os_w,
     stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
     # epilogue operands per step k < EPILOGUE: pointer, scalar, (n, c, h, w) strides (else stand-ins)
@@ -58,7 +103,7 @@ def conv2d_kernel(
     e0_scalar, e1_scalar, e2_scalar, e3_scalar,
     e0s0, e0s1, e0s2, e0s3, e1s0, e1s1, e1s2, e1s3,
     e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3,
-    KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr,
     EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
     EOP0: tl.constexpr = "copy", EARITY0: tl.constexpr = 1, ESWAP0: tl.constexpr = False,
@@ -79,14 +124,14 @@ def conv2d_kernel(
     rest = offs_m // OW
     oh = rest % OH
     n = rest // OH
-    ih0 = oh * stride_h - pad_h
-    iw0 = ow * stride_w - pad_w
+    ih0, h_residue = _rows(oh, stride_h, pad_h, TRANSPOSED)
+    iw0, w_residue = _rows(ow, stride_w, pad_w, TRANSPOSED)
     x_rows = x_ptr + n * xs_n + g * CIN_G * xs_c  # [BLOCK_M] pointers
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < COUT_G
     co = g * COUT_G + offs_n  # int64: absolute output channel
-    w_cols = w_ptr + co * ws_o  # [BLOCK_N] pointers
+    w_cols = w_ptr + g * ws_g + offs_n.to(tl.int64) * ws_o  # [BLOCK_N] pointers
 
     K = CIN_G * KH * KW
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -96,10 +141,9 @@ def conv2d_kernel(
         ci = (offs_k // (KH * KW)).to(tl.int64)
         kh = (offs_k // KW) % KH
         kw = offs_k % KW
-        ih = ih0[:, None] + (kh * dil_h)[None, :]
-        iw = iw0[:, None] + (kw * dil_w)[None, :]
-        a_mask = (mask_m[:, None] & mask_k[None, :]
-                  & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
+        ih, h_real = _taps(ih0, h_residue, kh * dil_h, H, stride_h, TRANSPOSED)
+        iw, w_real = _taps(iw0, w_residue, kw * dil_w, W, stride_w, TRANSPOSED)
+        a_mask = mask_m[:, None] & mask_k[None, :] & h_real & w_real
         a = tl.load(x_rows[:, None] + ci[None, :] * xs_c + ih * xs_h + iw * xs_w, mask=a_mask, other=0.0)
         w_offs = ci * ws_i + kh * ws_h + kw * ws_w
         bt = tl.load(w_cols[None, :] + w_offs[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
@@ -155,6 +199,7 @@ class ConvOp:
     padding: tuple
     dilation: tuple
     groups: int
+    transposed: bool = False  # weight [C_in, C_out / groups, KH, KW]; the module docstring's second form
 
     @property
     def reads(self) -> tuple[TRef, ...]:
@@ -168,9 +213,10 @@ class ConvOp:
         out = self.c if out is None else out
         x, weight = self.x, self.weight
         (n, _, h, w), x_strides = _nchw(x.shape, x.strides)
-        (c_out, cin_g, kh, kw), w_strides = _nchw(weight.shape, weight.strides)
         (_, _, oh, ow), out_strides = _nchw(out.shape, out.strides)
-        cout_g, m = c_out // self.groups, n * oh * ow
+        (_, _, kh, kw), _ = _nchw(weight.shape, weight.strides)
+        cin_g, cout_g, w_strides = self._weight_walk()
+        m = n * oh * ow
         block_m, block_n = _block(m, 16, 64), _block(cout_g, 16, 64)
         block_k = _block(cin_g * kh * kw, 16, FP32_K_STEP if x.dtype.itemsize >= 4 else K_STEP)
         grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
@@ -181,15 +227,27 @@ class ConvOp:
                 *self.stride, *self.padding, *self.dilation, *epilogue]
         # 8 warps: the gathered A tile's int64 addresses and masks ([BLOCK_M, BLOCK_K] each) next to the
         # accumulator spill at 4 warps on sm_90 (scripts/compile_check.py); spread over 256 threads they fit.
-        constexprs.update(KH=kh, KW=kw, HAS_BIAS=self.bias is not None,
+        constexprs.update(KH=kh, KW=kw, HAS_BIAS=self.bias is not None, TRANSPOSED=self.transposed,
                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_UPCAST=False, num_warps=8)
         return grid, args, constexprs
 
+    def _weight_walk(self) -> tuple:
+        """(Cg, Og, the weight's strides (ws_g, ws_o, ws_i, ws_h, ws_w)): ws_g steps from group to group,
+        ws_o over a group's output channels, ws_i over its input channels."""
+        (w0, w1, _, _), (s0, s1, s_h, s_w) = _nchw(self.weight.shape, self.weight.strides)
+        if self.transposed:  # [C_in, Og, KH, KW]: group g's input channels are rows g*Cg + ci
+            cin_g = w0 // self.groups
+            return cin_g, w1, (cin_g * s0, s1, s0, s_h, s_w)
+        cout_g = w0 // self.groups  # [C_out, Cg, KH, KW]: group g's output channels are rows g*Og + o
+        return w1, cout_g, (cout_g * s0, s0, s1, s_h, s_w)
 
-def launch_conv2d(b, out, x, weight, bias, stride, padding, dilation, groups: int) -> None:
-    """``out = conv2d(x, weight, bias)``; every operand a 4-D NCHW TRef, or all 3-D NCL (a 1-D
-    convolution, stride, padding and dilation given for (1, L)); bias 1-D or None."""
-    op = ConvOp(x, weight, bias, out, tuple(stride), tuple(padding), tuple(dilation), groups)
+
+def launch_conv2d(b, out, x, weight, bias, stride, padding, dilation, groups: int, transposed: bool = False
+                  ) -> None:
+    """``out = conv2d(x, weight, bias)`` (``conv_transpose2d`` when ``transposed``); every operand a 4-D
+    NCHW TRef, or all 3-D NCL (a 1-D convolution, stride, padding and dilation given for (1, L)); bias 1-D
+    or None."""
+    op = ConvOp(x, weight, bias, out, tuple(stride), tuple(padding), tuple(dilation), groups, transposed)
     grid, args, constexprs = op.launch()
     record = b.launch("conv2d", grid, *args, **constexprs)
     if record is not None:
@@ -211,13 +269,12 @@ def _pair(v):
 
 def supported(node) -> str | None:
     a = _args(node)
-    if a.get("transposed"):
-        return "transposed convolution is not supported"
     x, weight, bias = (node_value(t) for t in (a["input"], a["weight"], a.get("bias")))
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return "input or weight is not a tensor"
     if weight.dim() not in (3, 4):
-        return f"{weight.dim() - 2}-D convolution is not supported (1-D and 2-D only)"
+        kind = "transposed convolution" if a.get("transposed") else "convolution"
+        return f"{weight.dim() - 2}-D {kind} is not supported (1-D and 2-D only)"
     if x.dim() != weight.dim():
         return f"convolution input of rank {x.dim()} with a {weight.dim()}-D weight (NCL or NCHW, batched)"
     for name, t in (("input", x), ("weight", weight), ("bias", bias), ("output", node.meta.get("val"))):
@@ -234,7 +291,9 @@ def supported(node) -> str | None:
 
 
 def convolution(b, node):
-    """2-D convolution, and 1-D (Whisper's, wav2vec's front ends) as 2-D over a height of 1."""
+    """2-D convolution, and 1-D (Whisper's, wav2vec's front ends) as 2-D over a height of 1; either one
+    transposed (a UNet's or a VAE decoder's upsampling, a vocoder's), its ``output_padding`` already in the
+    output's size."""
     a = _args(node)
     bias = a.get("bias")
     out, x, weight = b.out(node), b.ref(a["input"]), b.ref(a["weight"])
@@ -242,4 +301,4 @@ def convolution(b, node):
     if weight.ndim == 3:  # a 2-D convolution of height 1 (ConvOp walks [N, C, L] as [N, C, 1, L])
         stride, padding, dilation = (1, stride[0]), (0, padding[0]), (1, dilation[0])
     launch_conv2d(b, out, x, weight, b.ref(bias) if bias is not None else None, stride, padding, dilation,
-                  int(a["groups"]))
+                  int(a["groups"]), bool(a.get("transposed")))

@@ -16,7 +16,8 @@ P merges into its readers when all of these hold:
   - P pads with zeros and crops nothing (``pad.ZeroPad``), on the convolution's spatial dims only
     (the last two of NCHW, the last of a 1-D convolution's NCL);
   - t's buffer is scratch, not a delegate output nor viewed by one, and every launch that touches it
-    after P is a convolution reading exactly t as its input;
+    after P is a convolution reading exactly t as its input (not a transposed one: its padding crops
+    its output instead);
   - no launch between P and the last of them writes x (P's read of x moves to each convolution).
 """
 
@@ -61,9 +62,10 @@ def _spatial_only(pad: ZeroPad) -> bool:
 
 
 def _reads_padded(op, pad: ZeroPad) -> bool:
-    """Whether ``op`` is a convolution whose input is exactly the pad's result and no other operand
-    of it lives in that buffer."""
-    return (isinstance(op, cv.ConvOp) and same_view(op.x, pad.out)
+    """Whether ``op`` is a (not transposed) convolution whose input is exactly the pad's result and no
+    other operand of it lives in that buffer. A transposed convolution's padding crops its output: zeros
+    before its input are not that."""
+    return (isinstance(op, cv.ConvOp) and not op.transposed and same_view(op.x, pad.out)
             and all(r.buffer != pad.out.buffer for r in op.reads[1:]) and op.c.buffer != pad.out.buffer)
 
 

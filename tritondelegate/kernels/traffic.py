@@ -126,9 +126,14 @@ def _matmul_flops(a: Args) -> int:
 
 
 def _conv_flops(a: Args) -> int:
-    # implicit GEMM per group: M = N*OH*OW rows, COUT_G columns, K = CIN_G*KH*KW; groups = grid axis 2
+    # implicit GEMM per group: M = N*OH*OW rows, COUT_G columns, K = CIN_G*KH*KW; groups = grid axis 2.
+    # Transposed, the taps that contribute: each of the N*H*W input pixels' KH*KW taps, 2*CIN_G*COUT_G
+    # per group (the kernel walks all M*K and masks the inexact ones, stride_h*stride_w times as many;
+    # taps landing in the cropped padding are counted too)
     cout = a["COUT_G"] * a["grid"][2]
-    return 2 * a["M"] * cout * a["CIN_G"] * a["KH"] * a["KW"] + (a["M"] * cout if a["HAS_BIAS"] else 0)
+    bias = a["M"] * cout if a["HAS_BIAS"] else 0
+    pixels = a["M"] // max(a["OH"] * a["OW"], 1) * a["H"] * a["W"] if a["TRANSPOSED"] else a["M"]
+    return 2 * pixels * cout * a["CIN_G"] * a["KH"] * a["KW"] + bias
 
 
 def _causal_pairs(lq: int, lk: int) -> int:

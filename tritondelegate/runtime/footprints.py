@@ -204,6 +204,9 @@ def _grouped_mm(x: LaunchArgs) -> Footprint:
 
 
 def _conv2d(x: LaunchArgs) -> Footprint:
+    """Input coordinates are masked to [0, H) x [0, W) (a transposed conv's too: its exact taps only);
+    group g's weight rows start at g * ws_g and its output channels at g * COUT_G, so the weight box is
+    the same formula for both layouts ([C_out, Cg, KH, KW], or transposed [C_in, Og, KH, KW])."""
     M, H, W, cin, cout = (x.i(name) for name in ("M", "H", "W", "CIN_G", "COUT_G"))
     oh_, ow_ = x.d("OH", "OW")
     n, oh, ow = _unravel(M, (oh_, ow_))
@@ -212,7 +215,8 @@ def _conv2d(x: LaunchArgs) -> Footprint:
     k_loop = cin * KH * KW
     acc = [
         Access("x_ptr", ((n, x.i("xs_n")), (groups * cin, x.i("xs_c")), (H, x.i("xs_h")), (W, x.i("xs_w")))),
-        Access("w_ptr", ((co, x.i("ws_o")), (cin, x.i("ws_i")), (KH, x.i("ws_h")), (KW, x.i("ws_w")))),
+        Access("w_ptr", ((groups, x.i("ws_g")), (cout, x.i("ws_o")), (cin, x.i("ws_i")), (KH, x.i("ws_h")),
+                         (KW, x.i("ws_w")))),
         Access("out_ptr", ((n, x.i("os_n")), (co, x.i("os_c")), (oh, x.i("os_h")), (ow, x.i("os_w"))),
                write=True),
     ]
@@ -621,7 +625,7 @@ RULES: dict[str, KernelRule] = {
         "PROLOGUE": one_of("", "rms"), "HAS_PW": FLAG, "HAS_BIAS": FLAG, **_epilogue_constexprs()},
         _GEMM_TILES + (("BLOCK_M", "BLOCK_K", "BLOCK_N"), ("BLOCK_M", "BLOCK_E"))),
     "conv2d": KernelRule(_conv2d, {**_GEMM, "KH": in_range(1, 4096), "KW": in_range(1, 4096), "HAS_BIAS": FLAG,
-                                   **_epilogue_constexprs()}, _GEMM_TILES),
+                                   "TRANSPOSED": FLAG, **_epilogue_constexprs()}, _GEMM_TILES),
     "pool2d": KernelRule(_pool2d, {
         "MODE": one_of("max", "avg", "adaptive_avg"), "KH": in_range(1, 4096), "KW": in_range(1, 4096),
         "COUNT_INCLUDE_PAD": FLAG, "DIVISOR_OVERRIDE": FLAG, "WRITE_INDICES": FLAG,

@@ -207,14 +207,19 @@ def test_graphs_give_the_same_tokens(program_file):
     assert (result.steps[-1].h2d_bytes, result.steps[-1].d2h_bytes) == (8 + 8, TINY["vocab_size"] * 4)
 
 
-def test_a_batch_of_two_prompts_gives_eagers_tokens():
+@pytest.fixture(scope="module")
+def batch_of_two():
+    """The tiny decoder for max_batch=2, lowered."""
+    model = kv_cache_decoder(seed=0, max_batch=2, **TINY)
+    return td.lower(export_prefill_decode(model, PROMPT_LEN), partitioner=td.TritonPartitioner(device="cuda:0"),
+                    config=td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True)))
+
+
+def test_a_batch_of_two_prompts_gives_eagers_tokens(batch_of_two):
     """max_batch=2: two prompts side by side share positions; the rotary tables and the mask computed
     inside their launches serve both rows."""
-    model = kv_cache_decoder(seed=0, max_batch=2, **TINY)
-    lowered = td.lower(export_prefill_decode(model, PROMPT_LEN), partitioner=td.TritonPartitioner(device="cuda:0"),
-                       config=td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True)))
     prompts = torch.cat([prompt(1), prompt(2)])
-    result = Generator(lowered.load()).generate(prompts, 4, keep_logits=True)
+    result = Generator(batch_of_two.load()).generate(prompts, 4, keep_logits=True)
     tokens, logits = generate_eager(kv_cache_decoder(seed=0, max_batch=2, **TINY), prompts, 4)
     assert result.tokens.tolist() == tokens.tolist()
     assert_logits_close(result.logits, logits)
@@ -273,3 +278,59 @@ def test_generator_runs_a_transformers_static_cache_program_by_its_keywords():
     torch.testing.assert_close(generator.generate(ids, 4).tokens, torch.cat(expected, dim=1))
     with pytest.raises(td.InputError, match=r"0 positional, keywords input_ids, cache_position\); got 2 leaf"):
         generator.decode(ids[:, :1], torch.tensor([9]))
+
+
+# --- sampling and stop tokens ---------------------------------------------------------------------
+
+def test_sampling_draws_repeatably_and_from_eagers_distribution(program_file):
+    from tritondelegate.sampling import Sampling
+
+    program = td.load(program_file)
+    generator = Generator(program)
+    runs = []
+    for _ in range(2):
+        program.reset_state()
+        runs.append(generator.generate(prompt(1), 4, keep_logits=True,
+                                       sampling=Sampling(temperature=0.9, top_k=5, seed=3)))
+    torch.testing.assert_close(runs[0].tokens, runs[1].tokens)  # the same seed, the same tokens
+    # each token was drawn from its step's logits: replaying the draws on those logits gives it
+    replay = Sampling(temperature=0.9, top_k=5, seed=3)
+    drawn = torch.cat([replay.pick(logits) for logits in runs[0].logits], dim=1)
+    torch.testing.assert_close(runs[0].tokens, drawn)
+    for logits, token in zip(runs[0].logits, runs[0].tokens[0]):
+        assert token in torch.topk(logits[0, -1], 5).indices  # within the top 5
+
+
+def test_sampling_keeps_the_top_k_and_the_nucleus_only():
+    from tritondelegate.sampling import Sampling
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(Sampling(top_k=2).filtered(logits)[0, 2:]).all()
+    nucleus = Sampling(top_p=0.8).filtered(logits)[0]  # 0.5 + 0.3 reach 0.8: two tokens
+    assert torch.isfinite(nucleus[:2]).all() and torch.isinf(nucleus[2:]).all()
+    assert torch.isfinite(Sampling(top_p=0.1).filtered(logits)[0, 0])  # the most likely always stays
+    picks = Sampling(top_p=0.8, seed=0).pick(logits[:, None].expand(1, 1, 4).repeat(64, 1, 1))
+    assert set(picks.flatten().tolist()) == {0, 1}
+    with pytest.raises(ValueError, match="temperature"):
+        Sampling(temperature=0)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(top_p=1.5)
+
+
+def test_a_row_stops_at_its_stop_token_and_generation_ends_when_all_have(batch_of_two):
+    program = batch_of_two.load()
+    generator = Generator(program)
+    prompts = torch.cat([prompt(1), prompt(2)])
+    full = generator.generate(prompts, 6)
+    stops = {int(full.tokens[0, 2]), int(full.tokens[1, 1])}  # row 0 stops by its 3rd token, row 1 its 2nd
+    first = [min(i for i, t in enumerate(row.tolist()) if t in stops) for row in full.tokens]
+    program.reset_state()
+    result = generator.generate(prompts, 6, stop_tokens=stops)
+    assert result.stopped == [True, True]
+    for row, at in enumerate(first):  # the same tokens up to its stop token, then that token repeated
+        torch.testing.assert_close(result.tokens[row, :at + 1], full.tokens[row, :at + 1])
+        assert (result.tokens[row, at:] == full.tokens[row, at]).all()
+    assert result.tokens.shape[1] == max(first) + 1 < 6  # no decode call once every row has stopped
+    assert len(result.steps) == max(first)
+    program.reset_state()
+    assert generator.generate(prompts, 6, stop_tokens=[]).stopped == [False, False]

@@ -25,6 +25,7 @@ _EXPORTS = {
     "load": "runtime", "DeviceAllocator": "runtime", "InputError": "runtime",
     "register_allocator": "runtime",
     "ProgramError": "errors",
+    "Generator": "generate", "Sampling": "sampling",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -3,7 +3,7 @@ import torch
 
 import tritondelegate.decompose
 from harness import FLOAT_DTYPES, Fn, check_model, lower_resident, plan_launches, run_delegated
-from tritondelegate.kernels import creation
+from tritondelegate.kernels import creation, registry
 
 aten = torch.ops.aten
 DTYPES = FLOAT_DTYPES + (torch.int64, torch.int32, torch.bool)
@@ -122,11 +122,15 @@ def test_repeat(fn, shape, launches, dtype):
     assert torch.equal(lowered.load().load_method()(x), fn(x))
 
 
-def test_repeat_over_too_many_dims_stays_on_the_host_with_a_reason():
+def test_repeat_over_too_many_dims_runs_as_its_decomposition():
+    # the repeat kernel walks at most 4 dims; torch's decomposition (an expand, a copy, a view) is claimed
     x = torch.randn(2, 2)
-    lowered = lower_resident(Fn(lambda t: t.repeat(1, 2, 1, 2, 1)), (x,))
-    (host,) = lowered.reports["forward"].nodes.host
-    assert "repeats over 5 dims" in host[2]
+    fn = lambda t: t.repeat(1, 2, 1, 2, 1)  # noqa: E731
+    lowered = lower_resident(Fn(fn), (x,))
+    assert not lowered.reports["forward"].nodes.host
+    (node,) = [n for n in torch.export.export(Fn(fn), (x,)).graph.nodes if n.target is torch.ops.aten.repeat.default]
+    assert "repeats over 5 dims" in registry.OPS[torch.ops.aten.repeat.default].support(node)
+    torch.testing.assert_close(lowered.load().load_method()(x), fn(x))
 
 
 def test_as_strided_restrides_within_its_operand():

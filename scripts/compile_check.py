@@ -97,7 +97,7 @@ class ConvNet(nn.Module):
     def forward(self, x):
         x = F.max_pool2d(torch.relu(self.bn(self.stem(x))), 3, 2, 1)
         x = self.pw(self.dw(torch.relu(self.conv(x))))
-        return F.adaptive_avg_pool2d(x, 1).flatten(1), F.avg_pool2d(x, 2)
+        return F.adaptive_avg_pool2d(x, 1).flatten(1), F.avg_pool2d(x, 2), F.adaptive_max_pool2d(x, 3), F.adaptive_avg_pool2d(x, 3)
 
 
 class UpsamplingNet(nn.Module):

@@ -94,9 +94,30 @@ def _node(fn, x, target):
     return next(n for n in ep.graph.nodes if n.target is target)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("out_size, shape", [((3, 2), (2, 4, 7, 9)), (4, (1, 3, 9, 9)), ((5, 7), (1, 2, 5, 7))],
+                         ids=str)
+def test_adaptive_max_pool2d_with_indices(out_size, shape, dtype):
+    # overlapping windows of unequal sizes (7 rows into 3), equal ones, and windows of one element
+    _, plan = check(lambda x: F.adaptive_max_pool2d(x, out_size, return_indices=True), torch.randn(shape), dtype)
+    assert [launch.kernel for launch in plan.launches] == ["pool2d"]
+    assert plan.launches[0].constexprs["MODE"].value == "adaptive_max"
+
+
+def test_adaptive_max_pool2d_ties_and_nan():
+    x = torch.randint(-2, 3, (2, 3, 7, 9)).float()  # ties everywhere: the first maximum's index
+    x[0, 1, 0, 0] = x[0, 1, 1, 2] = float("nan")  # the last NaN of a window is its index
+    fn = lambda x: F.adaptive_max_pool2d(x, (3, 2), return_indices=True)  # noqa: E731
+    (values, indices), _ = run_delegated(Fn(fn), (x,))
+    expected_values, expected_indices = fn(x)
+    torch.testing.assert_close(values, expected_values, equal_nan=True)
+    assert torch.equal(indices, expected_indices)
+
+
 def test_unbatched_input():
     fns = {"max": MAX_POOLS["k3_s2_p1"], "avg": AVG_POOLS["exclude_pad"],
-           "adaptive": lambda x: F.adaptive_avg_pool2d(x, (2, 3))}
+           "adaptive": lambda x: F.adaptive_avg_pool2d(x, (2, 3)),
+           "adaptive_max": lambda x: F.adaptive_max_pool2d(x, 2)}
     check(all_of(fns), torch.randn(3, 9, 7), torch.float32)
 
 

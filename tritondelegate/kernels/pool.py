@@ -1,5 +1,5 @@
 """2-D pooling over (N,) C, H, W: max pooling (with its indices), average pooling, adaptive average
-pooling. One kernel serves them all; each program reduces a [BLOCK_M output pixels, BLOCK_K window taps]
+and adaptive max pooling (with its indices). One kernel serves them all; each program reduces a [BLOCK_M output pixels, BLOCK_K window taps]
 tile. (``AdaptiveAvgPool2d((1, 1))`` exports to ``mean.dim`` over H and W, which ``reduce.py`` owns.)
 
     max:           out[n,c,oh,ow] = max over taps (kh, kw) of x[n, c, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]
@@ -10,6 +10,7 @@ tile. (``AdaptiveAvgPool2d((1, 1))`` exports to ``mean.dim`` over H and W, which
                    or the number of taps inside the image
     adaptive_avg:  rows [floor(oh*H/OH), ceil((oh+1)*H/OH)) x cols [floor(ow*W/OW), ceil((ow+1)*W/OW)),
                    averaged; KH x KW is the largest such window, smaller windows are masked
+    adaptive_max:  the same windows, their maximum and its index as for max
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def pool2d_kernel(
     rest = rest // OH
     c = rest % C
     n = rest // C
-    if MODE == "adaptive_avg":
+    if MODE == "adaptive_avg" or MODE == "adaptive_max":
         hs = (oh * H) // OH
         he = ((oh + 1) * H + OH - 1) // OH
         ws = (ow * W) // OW
@@ -75,7 +76,7 @@ def pool2d_kernel(
         valid = (mask[:, None] & (kk < KH * KW)[None, :] & (ih >= 0) & (iw >= 0)
                  & (ih < he[:, None]) & (iw < we[:, None]))
         v = tl.load(rows[:, None] + ih * xs_h + iw * xs_w, mask=valid, other=0.0).to(tl.float32)
-        if MODE == "max":
+        if MODE == "max" or MODE == "adaptive_max":
             taps = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32) + kk[None, :]
             is_nan = v != v
             ordinary = valid & ~is_nan
@@ -91,7 +92,7 @@ def pool2d_kernel(
             acc += tl.sum(tl.where(valid, v, 0.0), axis=1)
 
     out_offs = n * os_n + c * os_c + oh * os_h + ow * os_w
-    if MODE == "max":
+    if MODE == "max" or MODE == "adaptive_max":
         result = tl.where(nan_k >= 0, float("nan"), best)
         if WRITE_INDICES:
             k = tl.where(nan_k >= 0, nan_k, best_k)
@@ -126,16 +127,19 @@ def _adaptive_window(size, out_size) -> int:
 
 def launch_pool2d(b, mode: str, out, x, kernel=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1),
                   indices=None, count_include_pad=True, divisor_override=None) -> None:
-    """``out`` (N, C, OH, OW) = pool(x (N, C, H, W)); ``indices`` an int64 TRef like ``out`` (max only).
-    For ``adaptive_avg``, ``kernel`` is ignored and the windows follow from the shapes."""
+    """``out`` (N, C, OH, OW) = pool(x (N, C, H, W)); ``indices`` an int64 TRef like ``out`` (max modes
+    only). For the adaptive modes, ``kernel`` is ignored and the windows follow from the shapes."""
     n, c, h, w = x.shape
     oh, ow = out.shape[2:]
-    if mode == "adaptive_avg":
+    if mode.startswith("adaptive"):
         kernel = (_adaptive_window(h, oh), _adaptive_window(w, ow))
     kh, kw = kernel
     total = n * c * oh * ow
-    block_k = max(2, min(next_power_of_2(kh * kw), 128))
-    block_m = max(16, min(next_power_of_2(total), 4096 // block_k, 256))
+    # adaptive windows keep [16, 64] taps a tile: their per-row ends over [32, 128] spilled 32 bytes
+    # (adaptive_avg) and 104 (adaptive_max) on sm_90 (scripts/compile_check.py, a 20 x 20 window)
+    adaptive = mode.startswith("adaptive")
+    block_k = max(2, min(next_power_of_2(kh * kw), 64 if adaptive else 128))
+    block_m = max(16, min(next_power_of_2(total), (1024 if adaptive else 4096) // block_k, 256))
     b.launch(
         "pool2d", (triton.cdiv(total, block_m),),
         x, out, indices if indices is not None else out,  # out stands in for unused indices: never written
@@ -201,4 +205,11 @@ def avg_pool2d(b, node):
 
 def adaptive_avg_pool2d(b, node):
     launch_pool2d(b, "adaptive_avg", _nchw(b, b.out(node)), _nchw(b, b.ref(node.args[0])))
+
+
+def adaptive_max_pool2d(b, node):
+    """(input, output_size) -> (out, indices)"""
+    wants_indices = any(u.target is operator.getitem and u.args[1] == 1 for u in node.users)
+    indices = _nchw(b, b.out(node, 1)) if wants_indices else None
+    launch_pool2d(b, "adaptive_max", _nchw(b, b.out(node, 0)), _nchw(b, b.ref(node.args[0])), indices=indices)
 

@@ -200,6 +200,7 @@ OPS: dict[object, OpSpec] = {
     aten.max_pool2d_with_indices.default: OpSpec(pool.max_pool2d_with_indices, pool.supported),
     aten.avg_pool2d.default: OpSpec(pool.avg_pool2d, pool.supported),
     aten._adaptive_avg_pool2d.default: OpSpec(pool.adaptive_avg_pool2d, pool.supported),
+    aten.adaptive_max_pool2d.default: OpSpec(pool.adaptive_max_pool2d, pool.supported),
     # batch norm (eval): batchnorm.py
     aten._native_batch_norm_legit_no_training.default: OpSpec(bn.batch_norm_no_training, bn.supported),
     # batch norm with the batch's statistics (instance norm; training mode): batch_stats.py

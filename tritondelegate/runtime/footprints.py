@@ -474,7 +474,7 @@ def _pool2d(x: LaunchArgs) -> Footprint:
     acc = [Access("x_ptr", ((n, x.i("xs_n")), (c, x.i("xs_c")), (H, x.i("xs_h")), (W, x.i("xs_w")))),
            Access("out_ptr", _walk((n, c, oh, ow), (x.i("os_n"), x.i("os_c"), x.i("os_h"), x.i("os_w"))),
                   write=True)]
-    if x.c["MODE"] == "max" and x.c["WRITE_INDICES"]:
+    if x.c["MODE"] in ("max", "adaptive_max") and x.c["WRITE_INDICES"]:
         acc.append(Access("idx_ptr", _walk((n, c, oh, ow), (x.i("is_n"), x.i("is_c"), x.i("is_h"), x.i("is_w"))),
                           write=True))
     return Footprint(acc, (_cdiv(total, x.c["BLOCK_M"]),), {"total": total, "window": x.c["KH"] * x.c["KW"]})
@@ -627,7 +627,7 @@ RULES: dict[str, KernelRule] = {
     "conv2d": KernelRule(_conv2d, {**_GEMM, "KH": in_range(1, 4096), "KW": in_range(1, 4096), "HAS_BIAS": FLAG,
                                    "TRANSPOSED": FLAG, **_epilogue_constexprs()}, _GEMM_TILES),
     "pool2d": KernelRule(_pool2d, {
-        "MODE": one_of("max", "avg", "adaptive_avg"), "KH": in_range(1, 4096), "KW": in_range(1, 4096),
+        "MODE": one_of("max", "avg", "adaptive_avg", "adaptive_max"), "KH": in_range(1, 4096), "KW": in_range(1, 4096),
         "COUNT_INCLUDE_PAD": FLAG, "DIVISOR_OVERRIDE": FLAG, "WRITE_INDICES": FLAG,
         "BLOCK_M": pow2(1, 4096), "BLOCK_K": pow2(1, 4096)}, (("BLOCK_M", "BLOCK_K"),)),
     "batch_norm": KernelRule(_batch_norm, {"HAS_WEIGHT": FLAG, "HAS_BIAS": FLAG, "BLOCK": BLOCK}),

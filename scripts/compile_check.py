@@ -100,6 +100,12 @@ class ConvNet(nn.Module):
         return F.adaptive_avg_pool2d(x, 1).flatten(1), F.avg_pool2d(x, 2), F.adaptive_max_pool2d(x, 3), F.adaptive_avg_pool2d(x, 3)
 
 
+class _GridSample(nn.Module):
+    def forward(self, x, grid):
+        return (F.grid_sample(x, grid, align_corners=False),
+                F.grid_sample(x, grid, mode="nearest", padding_mode="reflection", align_corners=True))
+
+
 class UpsamplingNet(nn.Module):
     """Transposed convolutions of decoders: a UNet step (64 -> 32 channels, k2 s2, the ReLU and the skip
     connection's add in its epilogue) and a DCGAN / VAE decoder one (k4 s2 p1) over 64x64."""
@@ -588,6 +594,10 @@ def _per_dtype(d) -> dict[str, callable]:
                                                                      _randn(1, 32, 64, 64, dtype=d))),
         "conv_transpose_1d_vocoder": lambda: (nn.ConvTranspose1d(512, 256, 16, 8, 4).eval().to(d),
                                               (_randn(1, 512, 100, dtype=d),)),
+        # Deformable DETR's sampling: 8 heads x 32 channels of a 100 x 100 level at 300 queries x 4 points,
+        # bilinear and nearest, zeros and reflection padding
+        "grid_sample": lambda: (_GridSample().eval(), (_randn(8, 32, 100, 100, dtype=d),
+                                                       torch.rand(8, 300, 4, 2, dtype=d) * 2 - 1)),
         **_attention_cases(d),
         "reductions": lambda: _reductions(d),
         "softmax_norm": lambda: _rows(d),

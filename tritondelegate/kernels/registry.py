@@ -20,6 +20,7 @@ from . import conv
 from . import creation
 from . import index as idx
 from . import elementwise as ew
+from . import grid_sample as gs
 from . import group_norm as gn
 from . import grouped_mm as gmm
 from . import histogram as hist
@@ -201,6 +202,8 @@ OPS: dict[object, OpSpec] = {
     aten.avg_pool2d.default: OpSpec(pool.avg_pool2d, pool.supported),
     aten._adaptive_avg_pool2d.default: OpSpec(pool.adaptive_avg_pool2d, pool.supported),
     aten.adaptive_max_pool2d.default: OpSpec(pool.adaptive_max_pool2d, pool.supported),
+    # sampling at grid points (deformable attention, spatial transformers): grid_sample.py
+    aten.grid_sampler_2d.default: OpSpec(gs.grid_sampler_2d, gs.supported),
     # batch norm (eval): batchnorm.py
     aten._native_batch_norm_legit_no_training.default: OpSpec(bn.batch_norm_no_training, bn.supported),
     # batch norm with the batch's statistics (instance norm; training mode): batch_stats.py

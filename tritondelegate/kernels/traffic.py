@@ -334,6 +334,14 @@ TRAFFIC: dict[str, KernelTraffic] = {
         writes=(Access("out_ptr"),),
         flops=_conv_flops,
     ),
+    # each output element reads its grid point and 4 taps (bilinear: 3 mul-adds and 8 weight ops each
+    # side) or 1 (nearest); the input counts at most the taps
+    "grid_sample": KernelTraffic(
+        reads=(Access("x_ptr", at_most=lambda a: a["total"] * (4 if a["MODE"] == "bilinear" else 1)),
+               Access("grid_ptr")),
+        writes=(Access("out_ptr"),),
+        flops=lambda a: a["total"] * (20 if a["MODE"] == "bilinear" else 6),
+    ),
     # one op per window tap; without indices idx_ptr is out, never written
     "pool2d": KernelTraffic(
         reads=(Access("x_ptr"),),

@@ -480,6 +480,17 @@ def _pool2d(x: LaunchArgs) -> Footprint:
     return Footprint(acc, (_cdiv(total, x.c["BLOCK_M"]),), {"total": total, "window": x.c["KH"] * x.c["KW"]})
 
 
+def _grid_sample(x: LaunchArgs) -> Footprint:
+    total, H, W = x.i("total"), x.i("H"), x.i("W")
+    n, c, oh, ow = _unravel(total, x.d("C", "OH", "OW"))
+    # the taps are masked to [0, H) x [0, W); the grid's two coordinates sit gs_k apart
+    acc = [Access("x_ptr", ((n, x.i("xs_n")), (c, x.i("xs_c")), (H, x.i("xs_h")), (W, x.i("xs_w")))),
+           Access("grid_ptr", ((n, x.i("gs_n")), (oh, x.i("gs_h")), (ow, x.i("gs_w")), (2, x.i("gs_k")))),
+           Access("out_ptr", _walk((n, c, oh, ow), (x.i("os_n"), x.i("os_c"), x.i("os_h"), x.i("os_w"))),
+                  write=True)]
+    return Footprint(acc, (_cdiv(total, x.c["BLOCK"]),), {"total": total})
+
+
 def _batch_norm(x: LaunchArgs) -> Footprint:
     numel = x.i("numel")
     n, c, s = _unravel(numel, x.d("C", "S"))
@@ -631,6 +642,9 @@ RULES: dict[str, KernelRule] = {
         "COUNT_INCLUDE_PAD": FLAG, "DIVISOR_OVERRIDE": FLAG, "WRITE_INDICES": FLAG,
         "BLOCK_M": pow2(1, 4096), "BLOCK_K": pow2(1, 4096)}, (("BLOCK_M", "BLOCK_K"),)),
     "batch_norm": KernelRule(_batch_norm, {"HAS_WEIGHT": FLAG, "HAS_BIAS": FLAG, "BLOCK": BLOCK}),
+    "grid_sample": KernelRule(_grid_sample, {"MODE": one_of("bilinear", "nearest"),
+                                             "PADDING": one_of("zeros", "border", "reflection"), "ALIGN": FLAG,
+                                             "BLOCK": BLOCK}),
     "attention": KernelRule(_attention, _ATTENTION, _ATTENTION_TILES),
     "attention_append": KernelRule(_attention_append, _ATTENTION, _ATTENTION_TILES),
     "attention_combine": KernelRule(_attention_combine, {

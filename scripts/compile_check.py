@@ -410,6 +410,22 @@ def _pads(dtype):
     return Fn(fn), (_randn(2, 32, 56, 56, dtype=dtype), torch.randint(0, 99, (3, 100, 100)))
 
 
+def _resizes(dtype):
+    """Every resize mode (kernels/resize.py) at decoder sizes: a UNet / YOLO neck's nearest 2x and an FPN's
+    bilinear 2x of a [1, 64, 40, 40] map (one read channels-last), a segmentation head's bilinear to an
+    explicit size with corners aligned, nearest-exact and bicubic downsampling, 1-D linear and nearest
+    (a vocoder's), a 3-D trilinear and nearest."""
+    fn = lambda x, v, a: (  # noqa: E731
+        F.interpolate(x, scale_factor=2), F.interpolate(x, scale_factor=2, mode="bilinear"),
+        F.interpolate(x.contiguous(memory_format=torch.channels_last), scale_factor=2, mode="bilinear"),
+        F.interpolate(x, size=(97, 131), mode="bilinear", align_corners=True),
+        F.interpolate(x, scale_factor=0.5, mode="nearest-exact"), F.interpolate(x, scale_factor=1.5, mode="bicubic"),
+        F.interpolate(a, scale_factor=3, mode="linear"), F.interpolate(a, scale_factor=2),
+        F.interpolate(v, scale_factor=2, mode="trilinear"), F.interpolate(v, size=(5, 24, 24), mode="nearest"))
+    return Fn(fn), (_randn(1, 64, 40, 40, dtype=dtype), _randn(1, 8, 6, 12, 12, dtype=dtype),
+                    _randn(1, 80, 300, dtype=dtype))
+
+
 def _matmuls(dtype):
     fn = lambda a, b, c, bias, x, y: (  # noqa: E731
         a @ b, torch.addmm(bias, a, b), torch.bmm(x, y), torch.baddbmm(x[:, :, :64], x, y, alpha=0.5),
@@ -617,6 +633,7 @@ def _per_dtype(d) -> dict[str, callable]:
         "matmul": lambda: _matmuls(d),
         **_moe_cases(d),
         "pad": lambda: _pads(d),
+        "resize": lambda: _resizes(d),
         "epilogue_prefill": lambda: _epilogues(d, 384, 384),
         "epilogue_decode": lambda: _epilogues(d, 1, 512),
         "layer_norm_mlp_prefill": lambda: _layer_norm_mlp(d, 200),
@@ -817,6 +834,11 @@ def cases() -> dict[str, callable]:
             MLP([784, 1024, 1000]).eval().to(d), (_randn(8, 784, dtype=d),), {"x": {0: torch.export.Dim("batch", max=64)}})
         out[f"dynamic_batch_convnet/{suffix}"] = lambda d=dtype: (
             ConvNet().eval().to(d), (_randn(2, 3, 64, 64, dtype=d),), {"x": {0: torch.export.Dim("batch", max=8)}})
+        # a UNet decoder's resizes at a dynamic height and width (sizes and scales computed per call)
+        out[f"dynamic_resize/{suffix}"] = lambda d=dtype: (
+            Fn(lambda x: (F.interpolate(x, scale_factor=2), F.interpolate(x, scale_factor=2, mode="bilinear"))),
+            (_randn(1, 32, 48, 64, dtype=d),),
+            {"args": ({2: torch.export.Dim("h", min=8, max=128), 3: torch.export.Dim("w", min=8, max=128)},)})
     return out
 
 

@@ -108,7 +108,11 @@ def export_decomposed(model, args, keep=()):
 
 def run_delegated(model, args, keep=()):
     """Export ``model``, lower all its compute into one delegate and run it. Returns (outputs, plan)."""
-    ep = export_decomposed(model, args, keep)
+    return run_program(export_decomposed(model, args, keep), args)
+
+
+def run_program(ep, args):
+    """:func:`run_delegated` of an exported program as it is (decomposed or not)."""
     graph = ep.graph_module.graph
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     nodes = [n for n in graph.nodes if n.op == "call_function"]

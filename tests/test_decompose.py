@@ -76,12 +76,6 @@ class Elu(torch.nn.Module):
 
 
 UNCLAIMED = {  # core ATen keeps each of these whole; no kernel claims them
-    "nearest 2x": (Resize(scale_factor=2, mode="nearest"), (2, 3, 5, 6)),
-    "nearest to 7x9": (Resize(size=(7, 9), mode="nearest"), (1, 2, 5, 6)),
-    "nearest-exact 1-D": (Resize(scale_factor=1.5, mode="nearest-exact"), (2, 3, 7)),
-    "bilinear": (Resize(scale_factor=2, mode="bilinear", align_corners=False), (2, 3, 5, 6)),
-    "bilinear, corners aligned": (Resize(size=(9, 11), mode="bilinear", align_corners=True), (1, 3, 5, 6)),
-    "linear 1-D": (Resize(scale_factor=3, mode="linear"), (2, 3, 5)),
     "flip": (Flip(), (3, 4, 5)),
     "elu, selu": (Elu(), (4, 9)),
     "bidirectional GRU (flip)": (torch.nn.GRU(6, 5, batch_first=True, bidirectional=True), (2, 4, 6)),
@@ -103,9 +97,29 @@ def test_an_unclaimed_op_runs_on_the_device_as_its_decomposition(name):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_nearest_resize_is_one_gather():
-    lowered = _lower(Resize(scale_factor=2, mode="nearest"), torch.randn(2, 3, 5, 6))
-    assert sum(lowered.reports["forward"].launches.values()) == 1
+RESIZES = {  # kept whole (the default table would gather and lerp): the resize kernel claims each
+    "nearest 2x": (Resize(scale_factor=2, mode="nearest"), (2, 3, 5, 6)),
+    "nearest to 7x9": (Resize(size=(7, 9), mode="nearest"), (1, 2, 5, 6)),
+    "nearest-exact 1-D": (Resize(scale_factor=1.5, mode="nearest-exact"), (2, 3, 7)),
+    "bilinear": (Resize(scale_factor=2, mode="bilinear", align_corners=False), (2, 3, 5, 6)),
+    "bilinear, corners aligned": (Resize(size=(9, 11), mode="bilinear", align_corners=True), (1, 3, 5, 6)),
+    "linear 1-D": (Resize(scale_factor=3, mode="linear"), (2, 3, 5)),
+    "bicubic": (Resize(scale_factor=1.5, mode="bicubic"), (1, 2, 5, 6)),
+}
+
+
+@pytest.mark.parametrize("name", RESIZES)
+def test_a_resize_is_one_launch_of_the_resize_kernel(name):
+    from harness import plan_launches
+
+    torch.manual_seed(0)
+    model, shape = RESIZES[name]
+    x = torch.randn(shape)
+    lowered = _lower(model, x)
+    nodes = lowered.reports["forward"].nodes
+    assert nodes.delegated == nodes.total == 1, lowered.summary()
+    assert [launch.kernel for launch in plan_launches(lowered)] == ["resize"]
+    torch.testing.assert_close(lowered.load().load_method()(x), model(x), atol=1e-5, rtol=1e-5)
 
 
 def test_an_op_whose_decomposition_still_needs_the_host_stays_whole():
@@ -143,11 +157,17 @@ def test_a_resize_at_a_dynamic_batch_runs_on_the_device(mode):
     check_dynamic(model, calls, ({0: torch.export.Dim("batch", max=3)},), example=(torch.randn(2, 2, 4, 5),))
 
 
-def test_a_resize_at_a_dynamic_height_stays_whole_on_the_host():
-    # its decomposition scales coordinates by height / (2 * height), a SymFloat no kernel takes
+def test_a_resize_at_a_dynamic_height_runs_on_the_device():
+    # torch's decomposition would scale coordinates by height / (2 * height), a SymFloat no kernel takes;
+    # the resize kernel takes the sizes and computes the scale itself
+    from harness import plan_launches
+
     ep = torch.export.export(Resize(scale_factor=2, mode="nearest"), (torch.randn(2, 2, 5, 5),),
                              dynamic_shapes=({2: torch.export.Dim("height", min=2, max=6)},))
     lowered = _lower_ep(ep)
-    assert [op for _, op, _ in lowered.reports["forward"].nodes.host] == ["aten.upsample_nearest2d.vec"]
-    x = torch.randn(2, 2, 3, 5)
-    torch.testing.assert_close(lowered.load().load_method()(x), Resize(scale_factor=2, mode="nearest")(x))
+    assert lowered.reports["forward"].nodes.host == []
+    assert [launch.kernel for launch in plan_launches(lowered)] == ["resize"]
+    method = lowered.load().load_method()
+    for height in (3, 6, 2):
+        x = torch.randn(2, 2, height, 5)
+        torch.testing.assert_close(method(x), Resize(scale_factor=2, mode="nearest")(x))

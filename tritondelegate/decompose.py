@@ -5,8 +5,8 @@ scaled_dot_product_attention, linear, ... when the kernel registry has them), so
 replaces a chain of small ones. Ops that only check metadata are then dropped: they do no work and
 would otherwise be left as host instructions.
 
-Core ATen keeps some ops whole that no kernel claims (``upsample_bilinear2d``, ``elu``, ``flip``,
-instance norm's ``_native_batch_norm_legit``, ``adaptive_max_pool2d``, ...). When the partitioner says
+Core ATen keeps some ops whole that no kernel claims (``elu``, ``flip``, ``adaptive_max_pool2d``,
+``grid_sampler_2d``, ...). When the partitioner says
 which ops it claims, each such op that torch can decompose into claimed ops only is decomposed further
 (``decompose_unclaimed``): it then runs on the device instead of the host. One whose decomposition
 still leaves something unclaimed stays whole (one host op, not several). The same holds for a node of
@@ -44,6 +44,27 @@ KEEP_CANDIDATES = (
     aten.replication_pad1d.default,
     aten.replication_pad2d.default,
     aten.replication_pad3d.default,
+    # resizing, one launch each (kernels/resize.py) where the default table would gather and lerp
+    aten.upsample_nearest1d.vec,
+    aten.upsample_nearest1d.default,
+    aten.upsample_nearest2d.vec,
+    aten.upsample_nearest2d.default,
+    aten.upsample_nearest3d.vec,
+    aten.upsample_nearest3d.default,
+    aten._upsample_nearest_exact1d.vec,
+    aten._upsample_nearest_exact1d.default,
+    aten._upsample_nearest_exact2d.vec,
+    aten._upsample_nearest_exact2d.default,
+    aten._upsample_nearest_exact3d.vec,
+    aten._upsample_nearest_exact3d.default,
+    aten.upsample_linear1d.vec,
+    aten.upsample_linear1d.default,
+    aten.upsample_bilinear2d.vec,
+    aten.upsample_bilinear2d.default,
+    aten.upsample_trilinear3d.vec,
+    aten.upsample_trilinear3d.default,
+    aten.upsample_bicubic2d.vec,
+    aten.upsample_bicubic2d.default,
 )
 
 METADATA_ONLY = {

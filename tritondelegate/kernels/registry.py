@@ -31,6 +31,7 @@ from . import pad
 from . import pool
 from . import ranking
 from . import reduce as red
+from . import resize
 from . import router
 from . import rotary as rot
 from . import scatter as sc
@@ -204,6 +205,27 @@ OPS: dict[object, OpSpec] = {
     aten.adaptive_max_pool2d.default: OpSpec(pool.adaptive_max_pool2d, pool.supported),
     # sampling at grid points (deformable attention, spatial transformers): grid_sample.py
     aten.grid_sampler_2d.default: OpSpec(gs.grid_sampler_2d, gs.supported),
+    # resizing (F.interpolate, nn.Upsample: nearest, nearest-exact, (bi/tri)linear, bicubic): resize.py
+    aten.upsample_nearest1d.vec: OpSpec(resize.resize, resize.supported),
+    aten.upsample_nearest1d.default: OpSpec(resize.resize, resize.supported),
+    aten.upsample_nearest2d.vec: OpSpec(resize.resize, resize.supported),
+    aten.upsample_nearest2d.default: OpSpec(resize.resize, resize.supported),
+    aten.upsample_nearest3d.vec: OpSpec(resize.resize, resize.supported),
+    aten.upsample_nearest3d.default: OpSpec(resize.resize, resize.supported),
+    aten._upsample_nearest_exact1d.vec: OpSpec(resize.resize, resize.supported),
+    aten._upsample_nearest_exact1d.default: OpSpec(resize.resize, resize.supported),
+    aten._upsample_nearest_exact2d.vec: OpSpec(resize.resize, resize.supported),
+    aten._upsample_nearest_exact2d.default: OpSpec(resize.resize, resize.supported),
+    aten._upsample_nearest_exact3d.vec: OpSpec(resize.resize, resize.supported),
+    aten._upsample_nearest_exact3d.default: OpSpec(resize.resize, resize.supported),
+    aten.upsample_linear1d.vec: OpSpec(resize.resize, resize.supported),
+    aten.upsample_linear1d.default: OpSpec(resize.resize, resize.supported),
+    aten.upsample_bilinear2d.vec: OpSpec(resize.resize, resize.supported),
+    aten.upsample_bilinear2d.default: OpSpec(resize.resize, resize.supported),
+    aten.upsample_trilinear3d.vec: OpSpec(resize.resize, resize.supported),
+    aten.upsample_trilinear3d.default: OpSpec(resize.resize, resize.supported),
+    aten.upsample_bicubic2d.vec: OpSpec(resize.resize, resize.supported),
+    aten.upsample_bicubic2d.default: OpSpec(resize.resize, resize.supported),
     # batch norm (eval): batchnorm.py
     aten._native_batch_norm_legit_no_training.default: OpSpec(bn.batch_norm_no_training, bn.supported),
     # batch norm with the batch's statistics (instance norm; training mode): batch_stats.py

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import fractions
 import functools
 
 import sympy
@@ -118,7 +119,7 @@ def upper(x) -> int:
 def _text(e) -> str:
     """Python integer-expression text for a sympy size expression (see ``symbolic.Expr``). Every
     compound part is parenthesized: ``2*floor(x/32)`` must not read as ``(2*x)//32``."""
-    from torch.utils._sympy.functions import CeilDiv, FloorDiv, Max, Min, Mod, PythonMod
+    from torch.utils._sympy.functions import CeilDiv, FloorDiv, Max, Min, Mod, PythonMod, TruncToInt
 
     if e.is_Integer:
         return str(int(e))
@@ -148,7 +149,28 @@ def _text(e) -> str:
     if isinstance(e, (sympy.Max, sympy.Min, Max, Min)):  # sympy's, and torch's own (export's symbolic sizes)
         name = "max" if isinstance(e, (sympy.Max, Max)) else "min"
         return f"{name}({', '.join(_text(a) for a in e.args)})"
+    if isinstance(e, TruncToInt):
+        return _scaled(e)
     raise SymbolicShapeError(f"size {e} ({type(e).__name__}) has no runtime form")
+
+
+def _scaled(e) -> str:
+    """``TruncToInt(c * ToFloat(n))``: the size ``F.interpolate`` computes from a scale factor ``c`` at a
+    dynamic size ``n`` (``int(n * c)`` in double), as ``(p*n)//q`` where c = p / q exactly (q a power of
+    two). The two agree wherever the double product is exact: when p and n's largest value fit in 53 bits
+    together (1.5 or 0.75 at any size; not 1/3 or 1.1, whose products round)."""
+    from torch.utils._sympy.functions import ToFloat
+
+    factors = e.args[0].args if e.args[0].is_Mul else ()
+    scale = [f for f in factors if f.is_Float]
+    sized = [f.args[0] for f in factors if isinstance(f, ToFloat)]
+    if len(factors) != 2 or len(scale) != 1 or len(sized) != 1:
+        raise SymbolicShapeError(f"size {e} ({type(e).__name__}) has no runtime form")
+    c = fractions.Fraction(float(scale[0]))
+    if c <= 0 or c.numerator.bit_length() + upper(sized[0]).bit_length() > 53:
+        raise SymbolicShapeError(f"size {e}: the scale {float(scale[0])!r} times the size rounds in double, "
+                                 "so it has no exact integer form")
+    return f"(({c.numerator}*{_text(sized[0])})//({c.denominator}))"
 
 
 def to_plan(x):

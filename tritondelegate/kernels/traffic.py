@@ -211,6 +211,26 @@ def _reduce_flops(a: Args) -> int:
     return a["rows"] * (a["cols"] * (per + pro) + epi)
 
 
+RESIZE_TAPS = {"nearest": 1, "nearest_exact": 1, "linear": 2, "cubic": 4}  # taps per resized dim
+RESIZE_FLOPS = {"nearest": 0, "nearest_exact": 0, "linear": 3, "cubic": 7}  # per combination of taps
+
+
+def _resize_reads(a: Args) -> int:
+    """The input elements a resize can read: per (n, c), along each resized dim at most ``taps`` per
+    output index and never more than the input size (downsampling skips rows and columns)."""
+    out = a["OD"] * a["OH"] * a["OW"]
+    taps = RESIZE_TAPS[a["MODE"]]
+    spatial = math.prod(min(a[f"O{d}"] * taps, a[d]) for d in "DHW"[3 - a["DIMS"]:])
+    return a["total"] // max(out, 1) * spatial
+
+
+def _resize_flops(a: Args) -> int:
+    """Per output element: linear one lerp (2 multiplies, an add) per pair of taps combined, 2^DIMS - 1
+    of them; cubic 4 multiply-adds per row of 4 taps, (4^DIMS - 1) / 3 rows; nearest none."""
+    taps = RESIZE_TAPS[a["MODE"]]
+    return a["total"] * RESIZE_FLOPS[a["MODE"]] * (taps ** a["DIMS"] - 1) // max(taps - 1, 1)
+
+
 def _part_used(k: int) -> Callable[[Args], bool]:
     return lambda a: k < a["PARTS"]
 
@@ -348,6 +368,10 @@ TRAFFIC: dict[str, KernelTraffic] = {
         writes=(Access("out_ptr"), Access("idx_ptr", _flag("WRITE_INDICES"))),
         flops=lambda a: a["total"] * a["KH"] * a["KW"],
     ),
+    # out = the taps of x around each output element's source index: x's elements at most as
+    # _resize_reads counts them (taps actually read), the output once
+    "resize": KernelTraffic(reads=(Access("x_ptr", at_most=_resize_reads),), writes=(Access("out_ptr"),),
+                            flops=_resize_flops),
     # (x - mean) * rsqrt(var + eps) [* weight] [+ bias]; absent weight/bias pass mean as a stand-in
     "batch_norm": KernelTraffic(
         reads=(Access("x_ptr"), Access("mean_ptr"), Access("var_ptr"),

@@ -491,6 +491,22 @@ def _grid_sample(x: LaunchArgs) -> Footprint:
     return Footprint(acc, (_cdiv(total, x.c["BLOCK"]),), {"total": total})
 
 
+def _resize(x: LaunchArgs) -> Footprint:
+    """Along each of the last DIMS spatial dims the source index is clamped into [0, in - 1] (each input
+    size must be at least 1); a leading dim that is not resized is read at the output's index."""
+    total = x.i("total")
+    n, c, *walked = _unravel(total, x.d("C", "OD", "OH", "OW"))
+    size_in = [x.i(name) for name in ("D", "H", "W")]
+    for name, v in zip("DHW", size_in):
+        if v < 1:
+            raise DelegateError(f"{x.where}: argument {name!r} is {v}; the kernel clamps source indices to "
+                                f"[0, {name} - 1], so it must be at least 1")
+    read = [o if k < 3 - x.c["DIMS"] else v for k, (o, v) in enumerate(zip(walked, size_in))]
+    acc = [Access("x_ptr", _walk((n, c, *read), [x.i(f"xs_{k}") for k in "ncdhw"])),
+           Access("out_ptr", _walk((n, c, *walked), [x.i(f"os_{k}") for k in "ncdhw"]), write=True)]
+    return Footprint(acc, (_cdiv(total, x.c["BLOCK"]),), {"total": total})
+
+
 def _batch_norm(x: LaunchArgs) -> Footprint:
     numel = x.i("numel")
     n, c, s = _unravel(numel, x.d("C", "S"))
@@ -641,6 +657,9 @@ RULES: dict[str, KernelRule] = {
         "MODE": one_of("max", "avg", "adaptive_avg", "adaptive_max"), "KH": in_range(1, 4096), "KW": in_range(1, 4096),
         "COUNT_INCLUDE_PAD": FLAG, "DIVISOR_OVERRIDE": FLAG, "WRITE_INDICES": FLAG,
         "BLOCK_M": pow2(1, 4096), "BLOCK_K": pow2(1, 4096)}, (("BLOCK_M", "BLOCK_K"),)),
+    "resize": KernelRule(_resize, {
+        "MODE": one_of("nearest", "nearest_exact", "linear", "cubic"), "DIMS": in_range(1, 3),
+        "ALIGN_CORNERS": FLAG, "SHORTCUTS": FLAG, "BLOCK": BLOCK}),
     "batch_norm": KernelRule(_batch_norm, {"HAS_WEIGHT": FLAG, "HAS_BIAS": FLAG, "BLOCK": BLOCK}),
     "grid_sample": KernelRule(_grid_sample, {"MODE": one_of("bilinear", "nearest"),
                                              "PADDING": one_of("zeros", "border", "reflection"), "ALIGN": FLAG,

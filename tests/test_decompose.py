@@ -123,10 +123,11 @@ def test_a_resize_is_one_launch_of_the_resize_kernel(name):
 
 
 def test_an_op_whose_decomposition_still_needs_the_host_stays_whole():
-    # grid_sample decomposes into gathers of 4 index tensors, which the index kernel refuses
+    # bicubic grid_sample (its kernel takes bilinear and nearest) decomposes into gathers of 4 index
+    # tensors, which the index kernel refuses
     class Sample(torch.nn.Module):
         def forward(self, x, grid):
-            return torch.nn.functional.grid_sample(x, grid, align_corners=False)
+            return torch.nn.functional.grid_sample(x, grid, mode="bicubic", align_corners=False)
 
     lowered = _lower(Sample(), torch.randn(1, 3, 6, 6), torch.rand(1, 4, 5, 2) * 2 - 1)
     nodes = lowered.reports["forward"].nodes

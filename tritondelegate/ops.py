@@ -643,3 +643,23 @@ def _sdpa_softcap_fake(q, k, v, attn_mask, softcap, scale, enable_gqa):
 
 OPS["tritondelegate::sdpa_softcap"] = torch.ops.tritondelegate.sdpa_softcap.default
 sdpa_softcap = torch.ops.tritondelegate.sdpa_softcap.default
+
+
+# --- tritondelegate::sigmoid_gate: x * sigmoid(scale * x) (swish, CLIP's quick GELU) ----------------------
+_lib.define("sigmoid_gate(Tensor x, float scale) -> Tensor")
+
+
+@torch.library.impl(_lib, "sigmoid_gate", "CompositeExplicitAutograd")
+def _sigmoid_gate(x, scale):
+    """As a model writes it: ``x * torch.sigmoid(scale * x)`` (``passes/fuse_activations.py``; one
+    pointwise op, so it runs in the epilogue of the linear before it)."""
+    return x * torch.sigmoid(x * scale)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::sigmoid_gate")
+def _sigmoid_gate_fake(x, scale):
+    return torch.empty_like(x)
+
+
+OPS["tritondelegate::sigmoid_gate"] = torch.ops.tritondelegate.sigmoid_gate.default
+sigmoid_gate = torch.ops.tritondelegate.sigmoid_gate.default

@@ -116,6 +116,23 @@ def round_as(v, ROUND: tl.constexpr):
 
 
 @triton.jit
+def _log1p(a):
+    """log(1 + a) without losing a small a: log(u) * a / (u - 1), u = 1 + a rounded."""
+    u = 1.0 + a
+    r = tl.where(u == 1.0, a, tl.log(u) * (a / (u - 1.0)))
+    return tl.where(u == float("inf"), u, r)
+
+
+@triton.jit
+def _expm1(a):
+    """exp(a) - 1 without losing a small a: (u - 1) * a / log(u), u = exp(a)."""
+    u = tl.exp(a)
+    r = tl.where(u == 1.0, a, (u - 1.0) * (a / tl.log(u)))
+    r = tl.where(u - 1.0 == -1.0, -1.0, r)
+    return tl.where(u == float("inf"), u, r)
+
+
+@triton.jit
 def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
     """One pointwise op on a (and b, c): the ops of one operand here, the rest in _binary_formula."""
     if OP == "copy":
@@ -126,15 +143,10 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = tl.exp(a)
     elif OP == "log":
         r = tl.log(a)
-    elif OP == "log1p":  # log(1 + a) without losing a small a: log(u) * a / (u - 1), u = 1 + a rounded
-        u = 1.0 + a
-        r = tl.where(u == 1.0, a, tl.log(u) * (a / (u - 1.0)))
-        r = tl.where(u == float("inf"), u, r)
-    elif OP == "expm1":  # exp(a) - 1 without losing a small a: (u - 1) * a / log(u), u = exp(a)
-        u = tl.exp(a)
-        r = tl.where(u == 1.0, a, (u - 1.0) * (a / tl.log(u)))
-        r = tl.where(u - 1.0 == -1.0, -1.0, r)
-        r = tl.where(u == float("inf"), u, r)
+    elif OP == "log1p":
+        r = _log1p(a)
+    elif OP == "expm1":
+        r = _expm1(a)
     elif OP == "sqrt":
         r = tl.sqrt(a)
     elif OP == "floor":
@@ -169,6 +181,13 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = 0.5 * a * (1.0 + tl.erf(a * 0.7071067811865476))
     elif OP == "gelu_tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
         r = 0.5 * a * (1.0 + _tanh(0.7978845608028654 * (a + 0.044715 * a * a * a)))
+    elif OP == "mish":  # x tanh(log(1 + e^x))
+        r = a * _tanh(_log1p(tl.exp(a)))
+    elif OP == "hardswish":  # x min(max(x + 3, 0), 6) / 6
+        r = a * tl.minimum(tl.maximum(a + 3.0, 0.0, propagate_nan=tl.PropagateNan.ALL), 6.0,
+                           propagate_nan=tl.PropagateNan.ALL) / 6.0
+    elif OP == "erf":
+        r = tl.erf(a)
     elif OP == "cos":
         r = tl.cos(a)
     elif OP == "sin":
@@ -239,6 +258,16 @@ def _binary_formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = a | b
     elif OP == "bitwise_xor":
         r = a ^ b
+    elif OP == "leaky_relu":  # a > 0 ? a : a * b (PReLU's b is a per-channel tensor); NaN kept
+        r = tl.where(a > 0, a, a * b)
+    elif OP == "elu":  # a > 0 ? a : b * (e^a - 1), b = alpha
+        r = tl.where(a > 0, a, b * _expm1(a))
+    elif OP == "celu":  # a > 0 ? a : b * (e^(a / b) - 1), b = alpha
+        r = tl.where(a > 0, a, b * _expm1(a / b))
+    elif OP == "sigmoid_gate":  # a * sigmoid(a * b): swish (b = 1), CLIP's quick GELU (b = 1.702)
+        r = a * tl.sigmoid(a * b)
+    elif OP == "softplus":  # a > b ? a : log(1 + e^a), b = the threshold
+        r = tl.where(a > b, a, _log1p(tl.exp(a)))
     elif OP == "clamp":  # min(max(a, b), c); a NaN in a or a bound gives NaN
         r = tl.minimum(tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL), c, propagate_nan=tl.PropagateNan.ALL)
     elif OP == "where":  # a ? b : c
@@ -446,7 +475,8 @@ def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | No
         if any(isinstance(o, float) for o in operands):
             dtypes.append(torch.float32)
         if op in {"div", "pow", "exp", "expm1", "log", "log1p", "sqrt", "rsqrt", "sigmoid", "silu", "tanh", "gelu",
-                  "gelu_tanh", "cos", "sin", "reciprocal"}:
+                  "gelu_tanh", "cos", "sin", "reciprocal", "mish", "hardswish", "leaky_relu", "elu", "celu",
+                  "softplus", "sigmoid_gate", "erf"}:
             dtypes.append(torch.float32)
         if op == "where":
             dtypes = dtypes[1:] if len(dtypes) > 1 else dtypes

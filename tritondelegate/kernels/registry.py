@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from .. import ops as td_ops  # noqa: F401  (registers the tritondelegate:: ops)
+from . import activations as act
 from . import attention as attn
 from . import batch_stats as bs
 from . import batchnorm as bn
@@ -113,6 +114,7 @@ OPS: dict[object, OpSpec] = {
     aten.tanh.default: OpSpec(ew.unary("tanh"), ew.supported_float),
     aten.cos.default: OpSpec(ew.unary("cos"), ew.supported_float),
     aten.sin.default: OpSpec(ew.unary("sin"), ew.supported_float),
+    aten.erf.default: OpSpec(ew.unary("erf"), ew.supported_float),
     aten.logical_not.default: OpSpec(ew.unary("logical_not")),
     aten.isinf.default: OpSpec(ew.unary("isinf")),
     aten.isnan.default: OpSpec(ew.unary("isnan")),
@@ -123,6 +125,15 @@ OPS: dict[object, OpSpec] = {
     aten.clamp_min.default: OpSpec(ew.clamp),
     aten.clamp_max.default: OpSpec(ew.clamp),
     aten.hardtanh.default: OpSpec(ew.hardtanh),
+    # activations with parameters, one pointwise op each: activations.py
+    aten.leaky_relu.default: OpSpec(act.leaky_relu, ew.supported_float),
+    aten.prelu.default: OpSpec(act.prelu, act.supported_prelu),
+    aten.elu.default: OpSpec(act.elu, act.supported_elu),
+    aten.celu.default: OpSpec(act.celu, ew.supported_float),
+    aten.softplus.default: OpSpec(act.softplus, act.supported_softplus),
+    aten.mish.default: OpSpec(act.unary("mish"), ew.supported_float),
+    aten.hardswish.default: OpSpec(act.unary("hardswish"), ew.supported_float),
+    td_ops.sigmoid_gate: OpSpec(act.sigmoid_gate, ew.supported_float),
     aten.clone.default: OpSpec(ew.copy),
     aten._to_copy.default: OpSpec(ew.copy, ew.supported_copy),
     # views and layout: layout.py

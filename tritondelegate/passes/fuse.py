@@ -10,6 +10,8 @@ constant folding and partitioning:
   T5 in low precision) becomes that norm of the row (the kernel computes in fp32 anyway);
 * ``fuse_gelu``: a tanh GELU written out (GPT-2's ``0.5 * x * (1 + tanh(...))``) becomes one
   ``aten.gelu(approximate="tanh")``, which runs in the epilogue of the matmul before it;
+* ``fuse_activations``: swish, CLIP's quick GELU, the erf GELU and hardswish written out as x times a
+  function of x become one pointwise op each, which runs in the epilogue of the matmul before it;
 * ``fuse_rotary``: a rotary embedding written out (``x * cos + rotate_half(x) * sin``) becomes one
   ``tritondelegate::rotary`` op (one launch instead of four per tensor), and two that share their cos
   and sin tables (q and k) one ``tritondelegate::rotary_pair`` (one launch for both);
@@ -68,6 +70,7 @@ from .dedupe import dedupe
 from .eager_attention import eager_attention
 from .expert_dispatch import expert_dispatch
 from .fuse_batchnorm import fuse_batchnorm
+from .fuse_activations import fuse_activations
 from .fuse_gelu import fuse_gelu
 from .fuse_glu import fuse_glu
 from .fuse_grouped_glu import fuse_grouped_glu
@@ -86,8 +89,9 @@ from .rope_positions import rope_positions
 def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool) -> list[str]:
     """All the rewrites, in order; ``fold``: constant folding will run (projections need it to store
     their concatenated weights once)."""
-    done = (dedupe(ep) + fuse_rms_norm(ep) + centered_norm(ep) + norm_casts(ep) + fuse_gelu(ep) + complex_rotary(ep)
-            + halves_rotary(ep, fold) + fuse_rotary(ep, fold) + eager_attention(ep) + position_mask(ep))
+    done = (dedupe(ep) + fuse_rms_norm(ep) + centered_norm(ep) + norm_casts(ep) + fuse_gelu(ep)
+            + fuse_activations(ep) + complex_rotary(ep) + halves_rotary(ep, fold) + fuse_rotary(ep, fold)
+            + eager_attention(ep) + position_mask(ep))
     if fold:  # these store new constants (concatenated or folded weights): folding computes them once
         done += (fuse_glu(ep, state) + fuse_grouped_glu(ep, state) + fuse_projections(ep, state)
                  + fuse_rope_linear(ep, state) + rope_positions(ep) + fuse_batchnorm(ep, state))

@@ -138,15 +138,15 @@ def test_an_op_whose_decomposition_still_needs_the_host_stays_whole():
 def test_only_what_the_partitioner_claims_counts():
     import tritondelegate as td
 
-    x = torch.randn(4, 9)
-    limited = _lower(Elu(), x, partitioner=td.TritonPartitioner(ops=["aten.add.Tensor"]))
+    x = torch.randn(3, 4, 5)
+    limited = _lower(Flip(), x, partitioner=td.TritonPartitioner(ops=["aten.mul.Tensor"]))
     nodes = limited.reports["forward"].nodes
-    assert (nodes.total, nodes.delegated) == (3, 1), limited.summary()  # elu and selu's elu stay whole
-    assert "aten.elu.default x2" in limited.summary()
-    ep = decompose(torch.export.export(Elu(), (x,)))
-    assert aten.elu.default in _targets(ep)  # core ATen keeps it whole
-    assert aten.elu.default not in _targets(decompose_unclaimed(ep, td.TritonPartitioner().claims))
-    assert aten.elu.default in _targets(decompose_unclaimed(ep, td.Partitioner().claims))  # claims all
+    assert (nodes.total, nodes.delegated) == (2, 1), limited.summary()  # index_select is not claimed
+    assert "aten.flip.default x1" in limited.summary()
+    ep = decompose(torch.export.export(Flip(), (x,)))
+    assert aten.flip.default in _targets(ep)  # core ATen keeps it whole
+    assert aten.flip.default not in _targets(decompose_unclaimed(ep, td.TritonPartitioner().claims))
+    assert aten.flip.default in _targets(decompose_unclaimed(ep, td.Partitioner().claims))  # claims all
 
 
 @pytest.mark.parametrize("mode", ["nearest", "bilinear"])

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from tritondelegate.decompose import decompose, decompose_unclaimed
+from tritondelegate.decompose import decompose
+from tritondelegate.unclaimed import decompose_unclaimed
 
 aten = torch.ops.aten
 

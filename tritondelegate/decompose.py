@@ -5,19 +5,13 @@ scaled_dot_product_attention, linear, ... when the kernel registry has them), so
 replaces a chain of small ones. Ops that only check metadata are then dropped: they do no work and
 would otherwise be left as host instructions.
 
-Core ATen keeps some ops whole that no kernel claims (``elu``, ``flip``, ``adaptive_max_pool2d``,
-``grid_sampler_2d``, ...). When the partitioner says
-which ops it claims, each such op that torch can decompose into claimed ops only is decomposed further
-(``decompose_unclaimed``): it then runs on the device instead of the host. One whose decomposition
-still leaves something unclaimed stays whole (one host op, not several). The same holds for a node of
-a claimed op that its kernel refuses (an unsupported argument) when torch decomposes the op.
+Ops that core ATen keeps whole but no kernel claims are decomposed further by ``unclaimed.py``.
 """
 
 from __future__ import annotations
 
 import functools
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
@@ -98,58 +92,6 @@ def decompose(ep: torch.export.ExportedProgram, keep: Iterable | None = None) ->
     ep.graph_module.recompile()
     _mutated_parameters_as_buffers(ep)
     return ep
-
-
-def _flip(x: torch.Tensor, dims) -> torch.Tensor:
-    """``flip`` as one ``index_select`` per flipped dim by a reversed ``arange`` (folded to a constant at a
-    static size); torch's own decomposition is a ``prims.rev``, which no kernel claims."""
-    for d in dims:
-        d = d % x.dim()
-        x = aten.index_select(x, d, torch.arange(x.shape[d] - 1, -1, -1, device=x.device))
-    return x
-
-
-# Decompositions tried for ops no kernel claims: torch's, with flip's replaced, but for the ops that
-# passes/ rewrite whole before partitioning (eager attention's softmax, an eval batch norm folded into
-# its convolution, complex rotary's polar).
-FALLBACK = {op: fn for op, fn in {**torch._decomp.decomposition_table, aten.flip.default: _flip}.items()
-            if op not in (aten._safe_softmax.default, aten.native_batch_norm.default, aten.polar.default)}
-
-
-def _census(ep: torch.export.ExportedProgram, claims: Callable) -> tuple[Counter, Counter]:
-    """How many tensor-valued nodes of each op ``ep`` has that the partitioner does not claim, and that
-    it claims."""
-    unclaimed, claimed = Counter(), Counter()
-    for node in ep.graph_module.graph.nodes:
-        vals = node.meta.get("val")
-        tensors = any(isinstance(v, torch.Tensor) for v in (vals if isinstance(vals, (tuple, list)) else [vals]))
-        if (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and tensors
-                and node.target not in METADATA_ONLY):
-            (claimed if claims(node) else unclaimed)[node.target] += 1
-    return unclaimed, claimed
-
-
-def decompose_unclaimed(ep: torch.export.ExportedProgram, claims: Callable,
-                        keep: Iterable | None = None) -> torch.export.ExportedProgram:
-    """``ep`` (decomposed with ``keep``) with each op of nodes the partitioner does not claim (``claims``:
-    node -> bool; sizes over the method's symbols decided for their range, as the partitioner decides
-    them) decomposed where that leaves fewer unclaimed nodes and keeps every claimed one. Each op is
-    tried on its own; it stays whole when its decomposition adds an unclaimed node of any op (one host
-    op rather than several, with copies between them and the device), when retracing with it decomposes
-    a claimed node too (a functional batch norm retraces through the in-place one), or when it does not
-    retrace."""
-    table = _table(frozenset(default_keep() if keep is None else keep), *_registered())
-    unclaimed, claimed = _census(ep, claims)
-    chosen = {}
-    for op in sorted((op for op in unclaimed if op in FALLBACK), key=str):
-        try:
-            left, kept = _census(ep.run_decompositions({**table, op: FALLBACK[op]}), claims)
-        except Exception:  # noqa: BLE001 - torch's tracing of that decomposition failed: the op stays whole
-            continue
-        if (left[op] == 0 and left <= unclaimed - Counter({op: unclaimed[op]})
-                and all(kept[t] >= n for t, n in claimed.items())):
-            chosen[op] = FALLBACK[op]
-    return ep.run_decompositions({**table, **chosen}) if chosen else ep
 
 
 def _registered() -> tuple:

@@ -11,7 +11,7 @@ from torch.export.graph_signature import InputKind
 from . import progress as progress_module
 from .binaries import check_archs, compile_binaries
 from .config import LowerConfig
-from .decompose import decompose, decompose_unclaimed
+from .decompose import decompose
 from .emit import ConstantTable, NodeInfo, emit_method
 from .errors import LoweringError
 from .kernels.sizes import is_size_node, symbol_ranges
@@ -30,6 +30,7 @@ from .passes.state import (MethodGraph, StateBuffer, cast_state_updates, drop_un
                            reinplace)
 from .passes.verify import verify_method
 from .program import InstrKind, Program, Symbol
+from .unclaimed import decompose_unclaimed
 
 
 @dataclass

@@ -401,7 +401,10 @@ def _clamp(node, symmetric: bool, readers: int):
 
 
 def _gated(glu) -> tuple | None:
-    """(g's clamp, alpha) of ``g * sigmoid(g * alpha)``, else None."""
+    """(g's clamp, alpha) of ``g * sigmoid(g * alpha)`` (or its ``sigmoid_gate``, passes/fuse_activations.py),
+    else None."""
+    if is_call(glu, ops.sigmoid_gate):
+        return glu.args[0], glu.args[1]
     for g, sig in (glu.args, glu.args[::-1]):
         if is_call(sig, aten.sigmoid.default) and only_read_by(sig, glu):
             found = number_operand(sig.args[0], aten.mul.Tensor)
@@ -415,12 +418,13 @@ def _match_clamped_glu(out) -> tuple | None:
         return None
     for up1, glu in (out.args, out.args[::-1]):
         plus = number_operand(up1, aten.add.Tensor)
-        if plus is None or plus[1] != 1 or not is_call(glu, aten.mul.Tensor) or not only_read_by(glu, out):
+        if plus is None or plus[1] != 1 or not is_call(glu, aten.mul.Tensor, ops.sigmoid_gate):
             continue
-        gated = _gated(glu)
+        gated = _gated(glu) if only_read_by(glu, out) else None
         if gated is None or not only_read_by(up1, out):
             continue
-        (g, alpha), u, g_in = gated, _clamp(plus[0], True, 1), _clamp(gated[0], False, 2)
+        readers = 1 if is_call(glu, ops.sigmoid_gate) else 2  # g * sigmoid(g * alpha) reads g twice
+        (g, alpha), u, g_in = gated, _clamp(plus[0], True, 1), _clamp(gated[0], False, readers)
         if u is None or g_in is None or u[1] != g_in[1]:
             continue
         if not (only_read_by(g_in[0], g) and only_read_by(u[0], plus[0])):

@@ -100,6 +100,33 @@ class ConvNet(nn.Module):
         return F.adaptive_avg_pool2d(x, 1).flatten(1), F.avg_pool2d(x, 2), F.adaptive_max_pool2d(x, 3), F.adaptive_avg_pool2d(x, 3)
 
 
+class UNet3dBlock(nn.Module):
+    """A 3-D UNet / video VAE residual block at 32 channels: k3 p1 conv, ReLU (its epilogue), k3 p1 conv
+    with the skip connection's add in its epilogue."""
+
+    def __init__(self, channels=32):
+        super().__init__()
+        self.conv1 = nn.Conv3d(channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv3d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv2(torch.relu(self.conv1(x))) + x
+
+
+class Pool3d(nn.Module):
+    """3-D pooling of a video model's stem output: max (with indices and without), average, adaptive
+    average and adaptive max, and a LocalResponseNorm (an avg_pool3d of window (5, 1, 1))."""
+
+    def __init__(self):
+        super().__init__()
+        self.lrn = nn.LocalResponseNorm(5)
+
+    def forward(self, x):
+        return (F.max_pool3d(x, (1, 3, 3), (1, 2, 2), (0, 1, 1)), F.max_pool3d(x, 3, 2, 1, return_indices=True),
+                F.avg_pool3d(x, 2), F.adaptive_avg_pool3d(x, (2, 7, 7)), F.adaptive_max_pool3d(x, (2, 7, 7)),
+                self.lrn(x[:, :, 0]))
+
+
 class _GridSample(nn.Module):
     def forward(self, x, grid):
         return (F.grid_sample(x, grid, align_corners=False),
@@ -610,6 +637,18 @@ def _per_dtype(d) -> dict[str, callable]:
                                                                      _randn(1, 32, 64, 64, dtype=d))),
         "conv_transpose_1d_vocoder": lambda: (nn.ConvTranspose1d(512, 256, 16, 8, 4).eval().to(d),
                                               (_randn(1, 512, 100, dtype=d),)),
+        # VideoMAE's tubelet embedding: 16 frames of 224 x 224 into 2 x 16 x 16 patches of 768 channels
+        "conv3d_tubelet": lambda: (nn.Conv3d(3, 768, (2, 16, 16), (2, 16, 16)).eval().to(d),
+                                   (_randn(1, 3, 16, 224, 224, dtype=d),)),
+        "conv3d_unet_block": lambda: (UNet3dBlock().eval().to(d), (_randn(1, 32, 16, 64, 64, dtype=d),)),
+        # its next level down: 64 -> 128 channels (64 x 64 tiles) over 8 x 32 x 32, transposed back up
+        "conv3d_unet_down": lambda: (nn.Sequential(nn.Conv3d(64, 128, 3, padding=1), nn.SiLU(),
+                                                   nn.ConvTranspose3d(128, 64, 2, stride=2)).eval().to(d),
+                                     (_randn(1, 64, 8, 32, 32, dtype=d),)),
+        # a 3-D UNet's / video VAE decoder's upsampling: k2 s2, 64 -> 32 channels, 8 x 32 x 32 -> 16 x 64 x 64
+        "conv_transpose_3d": lambda: (nn.ConvTranspose3d(64, 32, 2, stride=2).eval().to(d),
+                                      (_randn(1, 64, 8, 32, 32, dtype=d),)),
+        "pool3d": lambda: (Pool3d().eval().to(d), (_randn(2, 64, 8, 56, 56, dtype=d),)),
         # Deformable DETR's sampling: 8 heads x 32 channels of a 100 x 100 level at 300 queries x 4 points,
         # bilinear and nearest, zeros and reflection padding
         "grid_sample": lambda: (_GridSample().eval(), (_randn(8, 32, 100, 100, dtype=d),

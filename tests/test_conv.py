@@ -2,10 +2,13 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.export import Dim
 
-from harness import FLOAT_DTYPES, check_dynamic, check_launches, check_model, export_decomposed, plan_launches
+from harness import FLOAT_DTYPES, Fn, check_dynamic, check_launches, check_model, export_decomposed, plan_launches
 from tritondelegate.kernels import conv
+from tritondelegate.kernels.table import KERNELS
+from tritondelegate.runtime.footprints import kernel_parameters
 
 # (C_in, C_out, kernel, stride, padding, dilation, groups, bias, (N, H, W)): odd channels and sizes.
 CASES = {
@@ -90,19 +93,31 @@ def _conv_node(model, x):
 
 
 @pytest.mark.parametrize("model, x, reason", [
-    (torch.nn.ConvTranspose3d(3, 4, 3), torch.randn(1, 3, 5, 5, 5), "3-D transposed convolution is not supported"),
-    (torch.nn.Conv3d(3, 4, 3), torch.randn(1, 3, 5, 5, 5), "3-D convolution is not supported"),
     (torch.nn.Conv2d(3, 4, 3).double(), torch.randn(1, 3, 5, 5, dtype=torch.float64),
+     "dtype torch.float64 is not supported"),
+    (torch.nn.Conv3d(3, 4, 3).double(), torch.randn(1, 3, 5, 5, 5, dtype=torch.float64),
      "dtype torch.float64 is not supported"),
 ])
 def test_unsupported_convolutions_are_refused_with_a_reason(model, x, reason):
     assert reason in conv.supported(_conv_node(model.eval(), x))
 
 
+def test_a_convolution_of_four_spatial_dims_is_refused():
+    # No module exports one (PyTorch has no 4-D convolution backend): a graph written by hand.
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    x.meta["val"], w.meta["val"] = torch.randn(1, 2, 3, 3, 3, 3), torch.randn(4, 2, 1, 1, 1, 1)
+    node = graph.call_function(torch.ops.aten.convolution.default,
+                               (x, w, None, [1] * 4, [0] * 4, [1] * 4, False, [0] * 4, 1))
+    assert "4-D convolution is not supported (1-D, 2-D and 3-D only)" in conv.supported(node)
+
+
 @pytest.mark.parametrize("model, x", [
     (torch.nn.Conv2d(4, 6, 3, groups=2), torch.randn(1, 4, 5, 5)),
     (torch.nn.ConvTranspose2d(4, 6, 3, stride=2, output_padding=1, groups=2), torch.randn(1, 4, 5, 5)),
     (torch.nn.ConvTranspose1d(3, 4, 3), torch.randn(1, 3, 9)),
+    (torch.nn.Conv3d(4, 6, 3, groups=2), torch.randn(1, 4, 5, 5, 5)),
+    (torch.nn.ConvTranspose3d(3, 4, 3, stride=2), torch.randn(1, 3, 3, 4, 5)),
 ])
 def test_supported_convolutions_have_no_reason(model, x):
     assert conv.supported(_conv_node(model.eval(), x)) is None
@@ -185,3 +200,114 @@ def test_conv_transpose_dynamic_height_and_width():
     lowered, _ = check_dynamic(model, [(torch.randn(1, 3, a, b),) for a, b in ((4, 5), (2, 9), (9, 3))],
                                {"input": {2: h, 3: w}})
     assert [launch.kernel for launch in plan_launches(lowered)] == ["conv2d"]
+
+
+# --- 3-D --------------------------------------------------------------------------------------------
+# (C_in, C_out, kernel, stride, padding, dilation, groups, bias, (N, D, H, W)): odd channels and sizes
+CASES_3D = {
+    "k3_pad1": (3, 5, 3, 1, 1, 1, 1, True, (2, 5, 6, 7)),
+    "stride2_rect": (4, 6, (3, 2, 3), (2, 1, 2), (1, 0, 1), 1, 1, True, (1, 5, 6, 7)),
+    "dilation2_no_bias": (3, 4, 3, 1, 2, (2, 1, 2), 1, False, (1, 6, 5, 6)),
+    "groups2": (4, 6, 3, 1, (0, 1, 1), 1, 2, True, (1, 4, 5, 5)),
+    "depthwise_stride2": (5, 5, 3, 2, 1, 1, 5, False, (1, 5, 7, 6)),
+    "videomae_tubelet": (3, 17, (2, 4, 4), (2, 4, 4), 0, 1, 1, True, (2, 4, 8, 12)),  # VideoMAE/ViViT patches
+    "pseudo_3d_k133": (5, 4, (1, 3, 3), (2, 1, 1), (0, 1, 1), 1, 1, True, (1, 5, 6, 6)),  # KD 1, still 3-D
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("case", sorted(CASES_3D))
+def test_conv3d(case, dtype):
+    c_in, c_out, k, stride, padding, dilation, groups, bias, (n, d, h, w) = CASES_3D[case]
+    model = torch.nn.Conv3d(c_in, c_out, k, stride, padding, dilation, groups, bias).eval()
+    model, x, reference = _low_precision(model, torch.randn(n, c_in, d, h, w), dtype)
+    _, plan = check_model(model, (x,), reference_args=reference)
+    (launch,) = plan.launches
+    assert launch.kernel == "conv2d" and launch.constexprs["DEPTH"].value is True
+    assert launch.constexprs["KD"].value == model.kernel_size[0]
+
+
+def test_conv3d_strided_input_needs_no_copy():
+    """A channels-last [N, D, H, W, C] video read through a permute and a slice of its frames."""
+    conv3d = torch.nn.Conv3d(5, 4, 3, stride=(1, 2, 2), padding=1).eval()
+    _, plan = check_model(Fn(lambda x: conv3d(x.permute(0, 4, 1, 2, 3)[:, :, 1:])), (torch.randn(2, 5, 7, 6, 5),))
+    assert [launch.kernel for launch in plan.launches] == ["conv2d"]
+
+
+class CausalConv3d(torch.nn.Module):
+    """A causal video VAE's convolution: k3, the frames padded on the left only (2 zeros), the spatial
+    dims on both sides, no padding of its own (the pad folds into it: kernels/fuse_pad.py)."""
+
+    def __init__(self, c_in=3, c_out=4):
+        super().__init__()
+        self.conv = torch.nn.Conv3d(c_in, c_out, 3)
+
+    def forward(self, x):
+        return self.conv(F.pad(x, (1, 1, 1, 1, 2, 0)))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_causal_video_vae_conv3d(dtype):
+    model, x, reference = _low_precision(CausalConv3d().eval(), torch.randn(2, 3, 5, 6, 7), dtype)
+    _, plan = check_model(model, (x,), reference_args=reference)
+    (launch,) = plan.launches
+    assert launch.kernel == "conv2d" and launch.op.startswith("constant_pad_nd+")
+    names, _ = kernel_parameters(KERNELS["conv2d"])
+    args = {name: arg.value for name, arg in zip(names, launch.args)}
+    assert (args["pad_d"], args["pad_h"], args["pad_w"]) == (2, 1, 1)  # the zeros before, as its own padding
+
+
+# Transposed 3-D: (C_in, C_out, kernel, stride, padding, output_padding, dilation, groups, bias, (N, D, H, W))
+CASES_T3D = {
+    "unet_k2_s2": (4, 3, 2, 2, 0, 0, 1, 1, True, (1, 3, 4, 5)),
+    "k3_s2_p1_op1": (3, 4, 3, 2, 1, 1, 1, 1, True, (2, 3, 3, 4)),
+    "rect_groups2_no_bias": (4, 6, (3, 2, 3), (2, 2, 1), (1, 0, 1), (1, 0, 0), 1, 2, False, (1, 3, 4, 3)),
+    "dilation2": (3, 2, 3, (1, 2, 2), 1, 0, 2, 1, True, (1, 4, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("case", sorted(CASES_T3D))
+def test_conv_transpose3d(case, dtype):
+    c_in, c_out, k, stride, padding, output_padding, dilation, groups, bias, (n, d, h, w) = CASES_T3D[case]
+    model = torch.nn.ConvTranspose3d(c_in, c_out, k, stride, padding, output_padding, groups, bias, dilation)
+    model, x, reference = _low_precision(model.eval(), torch.randn(n, c_in, d, h, w), dtype)
+    _, plan = check_model(model, (x,), reference_args=reference)
+    (launch,) = plan.launches
+    assert launch.kernel == "conv2d"
+    assert launch.constexprs["TRANSPOSED"].value is True and launch.constexprs["DEPTH"].value is True
+
+
+class Block3d(torch.nn.Module):
+    """A 3-D UNet / video VAE step: conv, ReLU, the skip connection, and a per-frame shift broadcast over
+    H and W (every operand addressed through the epilogue's five strides)."""
+
+    def __init__(self, transposed=False):
+        super().__init__()
+        conv = torch.nn.ConvTranspose3d if transposed else torch.nn.Conv3d
+        self.conv = conv(6, 4, 2, stride=2) if transposed else conv(6, 4, 3, padding=1)
+
+    def forward(self, x, skip, frames):
+        return torch.relu(self.conv(x)) + skip + frames[:, :, :, None, None]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transposed"])
+def test_conv3d_epilogue(dtype, transposed):
+    torch.manual_seed(0)
+    model = Block3d(transposed).eval().to(dtype)
+    n, d, h, w = (2, 3, 5, 4)
+    od, oh, ow = (2 * d, 2 * h, 2 * w) if transposed else (d, h, w)
+    args = (torch.randn(n, 6, d, h, w), torch.randn(n, 4, od, oh, ow), torch.randn(1, 4, od))
+    (launch,) = check_launches(model, tuple(a.to(dtype) for a in args), dtype)
+    assert launch.kernel == "conv2d" and launch.constexprs["EPILOGUE"].value == 3
+    assert launch.constexprs["DEPTH"].value is True
+
+
+def test_conv3d_dynamic_batch():
+    torch.manual_seed(0)
+    batch = Dim("batch", max=5)
+    calls = [(torch.randn(n, 6, 3, 5, 4), torch.randn(n, 4, 3, 5, 4), torch.randn(1, 4, 3)) for n in (2, 1, 5, 3)]
+    lowered, _ = check_dynamic(Block3d().eval(), calls, {"x": {0: batch}, "skip": {0: batch}, "frames": None})
+    (launch,) = plan_launches(lowered)
+    assert launch.constexprs["DEPTH"].value is True and launch.constexprs["EPILOGUE"].value == 3

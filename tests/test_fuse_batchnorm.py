@@ -43,8 +43,8 @@ def folding(monkeypatch):
     monkeypatch.setattr(lower_module, "fuse_patterns", fuse_patterns)
 
 
-def _bn(channels, affine=True):
-    norm = nn.BatchNorm2d(channels, affine=affine)
+def _bn(channels, affine=True, kind=nn.BatchNorm2d):
+    norm = kind(channels, affine=affine)
     norm.running_mean.normal_()
     norm.running_var.uniform_(0.5, 2.0)
     if affine:
@@ -167,6 +167,32 @@ def test_conv_bn_relu(folding, dtype):
     else:  # the weight and bias as they are, and the scale and shift per channel in fp32
         name = dtype_name(dtype)
         assert constants == [((6,), name), ((6, 1, 1), "float32"), ((6, 1, 1), "float32"), ((6, 3, 3, 3), name)]
+    _check(lowered, model, x, dtype)
+
+
+class Conv3dBN(nn.Module):
+    """A 3-D UNet / video model's conv, BatchNorm3d and ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(3, 5, 3, padding=(0, 1, 1), bias=False)
+        self.bn = _bn(5, kind=nn.BatchNorm3d)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_conv3d_bn_relu(folding, dtype):
+    model, x = Conv3dBN().eval().to(dtype), torch.randn(2, 3, 4, 5, 6).to(dtype)
+    lowered = _lower(model, (x,))
+    assert len(_folded(lowered)) == 1
+    assert _launches(lowered) == ["conv2d"]
+    constants = sorted((tuple(c.shape), c.dtype) for c in lowered.program.constants)
+    if dtype == torch.float32:
+        assert constants == [((5,), "float32"), ((5, 3, 3, 3, 3), "float32")]
+    else:  # the scale and shift per channel in fp32, over [C, D, H, W]
+        assert constants == [((5, 1, 1, 1), "float32"), ((5, 1, 1, 1), "float32"), ((5, 3, 3, 3, 3), "float16")]
     _check(lowered, model, x, dtype)
 
 

@@ -1,6 +1,7 @@
 """Zero padding that only convolutions read is their own padding (kernels/fuse_pad.py): TensorFlow's
-``SAME`` padding on one side, a causal 1-D convolution's left padding, a pad read by two
-convolutions; a pad that something else reads, or of another value or mode, stays a launch."""
+``SAME`` padding on one side, a causal 1-D convolution's left padding, a causal video VAE's 3-D one, a
+pad read by two convolutions; a pad that something else reads, or of another value or mode, stays a
+launch."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from harness import FLOAT_DTYPES, check_launches
 
 torch.manual_seed(0)
-W2, W1 = torch.randn(4, 3, 3, 3), torch.randn(5, 3, 3)
+W2, W1, W3 = torch.randn(4, 3, 3, 3), torch.randn(5, 3, 3), torch.randn(4, 3, 3, 3, 3)
 
 
 def _kernels(model, x, dtype=torch.float32) -> list[str]:
@@ -24,6 +25,7 @@ class Conv(torch.nn.Module):
         super().__init__()
         self.fn = fn
         self.w2, self.w1 = torch.nn.Parameter(W2.clone()), torch.nn.Parameter(W1.clone())
+        self.w3 = torch.nn.Parameter(W3.clone())
 
     def forward(self, x):
         return self.fn(self, x)
@@ -53,6 +55,22 @@ def test_causal_1d_convolution(dtype):
         return F.conv1d(F.pad(x, (4, 0)), m.w1, dilation=2)
 
     assert _kernels(Conv(causal), torch.randn(2, 3, 11), dtype) == ["conv2d"]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_causal_3d_convolution(dtype):
+    # a causal video VAE: two zeros before the frames, one on each side of H and W, strided in H and W
+    def causal(m, x):
+        return torch.relu(F.conv3d(F.pad(x, (1, 1, 1, 1, 2, 0)), m.w3, stride=(1, 2, 2)))
+
+    assert _kernels(Conv(causal), torch.randn(2, 3, 4, 7, 6), dtype) == ["conv2d"]
+
+
+def test_a_3d_pad_on_top_of_the_convolutions_own_padding():
+    def padded(m, x):
+        return F.conv3d(F.pad(x, (0, 1, 2, 0, 1, 1)), m.w3, padding=(1, 0, 1), dilation=(1, 2, 1))
+
+    assert _kernels(Conv(padded), torch.randn(1, 3, 4, 6, 5)) == ["conv2d"]
 
 
 def test_a_pad_two_convolutions_read():

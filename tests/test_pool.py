@@ -1,8 +1,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.export import Dim
 
-from harness import FLOAT_DTYPES, Fn, check_model, export_decomposed, run_delegated
+from harness import FLOAT_DTYPES, Fn, check_dynamic, check_model, export_decomposed, plan_launches, run_delegated
 from tritondelegate.kernels import pool
 
 
@@ -125,3 +126,112 @@ def test_pool_of_other_dtypes_is_refused():
     node = _node(lambda x: F.avg_pool2d(x, 2), torch.randn(1, 3, 8, 8, dtype=torch.float64),
                  torch.ops.aten.avg_pool2d.default)
     assert "dtype torch.float64 is not supported" in pool.supported(node)
+
+
+# --- 3-D --------------------------------------------------------------------------------------------
+MAX_POOLS_3D = {  # returns (values, indices): the indices ((id * H + ih) * W + iw) are compared exactly
+    "k3_s2_p1": lambda x: F.max_pool3d(x, 3, 2, 1, return_indices=True),
+    "k2_default_stride": lambda x: F.max_pool3d(x, 2, return_indices=True),
+    "rect_dilation2": lambda x: F.max_pool3d(x, (2, 2, 3), (1, 2, 2), (1, 0, 1), dilation=(2, 1, 2),
+                                             return_indices=True),
+    "ceil_mode": lambda x: F.max_pool3d(x, 3, 2, 0, ceil_mode=True, return_indices=True),
+    "spatial_only_k133": lambda x: F.max_pool3d(x, (1, 3, 3), (1, 2, 2), (0, 1, 1), return_indices=True),
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 5, 6, 7), (1, 17, 4, 9, 5)], ids=str)
+def test_max_pool3d_with_indices(shape, dtype):
+    _, plan = check(all_of(MAX_POOLS_3D), torch.randn(shape), dtype)
+    assert [launch.kernel for launch in plan.launches] == ["pool2d"] * len(MAX_POOLS_3D)
+    assert all(launch.constexprs["DEPTH"].value for launch in plan.launches)
+
+
+def test_max_pool3d_ties_take_the_first_maximum():
+    # Small integers: every window has ties, and eager's index is the first maximum in (d, h, w) order.
+    x = torch.randint(-2, 3, (2, 3, 5, 7, 6)).float()
+    check(all_of({k: MAX_POOLS_3D[k] for k in ("k3_s2_p1", "rect_dilation2")}), x, torch.float32)
+
+
+def test_max_pool3d_nan_and_minus_inf():
+    x = torch.randn(1, 2, 5, 5, 5)
+    x[0, 0, 0:3, 1:4, 1:4] = float("-inf")  # a window of -inf: the first tap inside the input wins
+    x[0, 1, 2, 2, 2] = float("nan")  # NaN propagates; the last NaN of the window is its index
+    x[0, 1, 3, 1, 2] = float("nan")
+    fn = MAX_POOLS_3D["k3_s2_p1"]
+    (values, indices), _ = run_delegated(Fn(fn), (x,))
+    expected_values, expected_indices = fn(x)
+    assert values[0, 1, 1, 1, 1].isnan()
+    torch.testing.assert_close(values, expected_values, equal_nan=True)
+    assert torch.equal(indices, expected_indices)
+
+
+AVG_POOLS_3D = {
+    "k3_s2_p1": lambda x: F.avg_pool3d(x, 3, 2, 1),
+    "exclude_pad": lambda x: F.avg_pool3d(x, 3, 2, 1, count_include_pad=False),
+    "ceil_mode": lambda x: F.avg_pool3d(x, (3, 2, 3), 2, (1, 0, 1), ceil_mode=True),
+    "ceil_mode_exclude_pad": lambda x: F.avg_pool3d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+    "divisor_override": lambda x: F.avg_pool3d(x, 2, divisor_override=3),
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_avg_pool3d(dtype):
+    _, plan = check(all_of(AVG_POOLS_3D), torch.randn(2, 3, 6, 9, 7), dtype)
+    assert [launch.kernel for launch in plan.launches] == ["pool2d"] * len(AVG_POOLS_3D)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("out_size, shape", [
+    ((2, 3, 2), (2, 3, 5, 7, 9)),  # windows of uneven size that overlap
+    ((3, 1, 4), (1, 17, 9, 4, 4)),
+    ((4, 5, 3), (1, 2, 4, 5, 3)),  # output as large as the input: each window one voxel
+], ids=str)
+def test_adaptive_avg_pool3d(out_size, shape, dtype):
+    _, plan = check(lambda x: F.adaptive_avg_pool3d(x, out_size), torch.randn(shape), dtype)
+    assert [launch.constexprs["MODE"].value for launch in plan.launches] == ["adaptive_avg"]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("out_size, shape", [((2, 3, 2), (2, 4, 5, 7, 9)), (2, (1, 3, 4, 4, 4))], ids=str)
+def test_adaptive_max_pool3d_with_indices(out_size, shape, dtype):
+    _, plan = check(lambda x: F.adaptive_max_pool3d(x, out_size, return_indices=True), torch.randn(shape), dtype)
+    assert [launch.constexprs["MODE"].value for launch in plan.launches] == ["adaptive_max"]
+
+
+def test_adaptive_max_pool3d_ties_and_nan():
+    x = torch.randint(-2, 3, (2, 3, 5, 7, 6)).float()  # ties everywhere: the first maximum's index
+    x[0, 1, 0, 0, 0] = x[0, 1, 1, 2, 1] = float("nan")  # the last NaN of a window is its index
+    fn = lambda x: F.adaptive_max_pool3d(x, (2, 3, 2), return_indices=True)  # noqa: E731
+    (values, indices), _ = run_delegated(Fn(fn), (x,))
+    expected_values, expected_indices = fn(x)
+    torch.testing.assert_close(values, expected_values, equal_nan=True)
+    assert torch.equal(indices, expected_indices)
+
+
+def test_unbatched_input_3d():
+    fns = {"max": MAX_POOLS_3D["k3_s2_p1"], "avg": AVG_POOLS_3D["exclude_pad"],
+           "adaptive": lambda x: F.adaptive_avg_pool3d(x, (2, 3, 2)),
+           "adaptive_max": lambda x: F.adaptive_max_pool3d(x, 2)}
+    check(all_of(fns), torch.randn(3, 5, 7, 6), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_local_response_norm_runs_on_the_device(dtype):
+    # nn.LocalResponseNorm: an avg_pool3d of window (size, 1, 1) over the padded square viewed as
+    # [N, 1, C, H, W], between pointwise ops; a dynamic batch
+    torch.manual_seed(0)
+    model = torch.nn.LocalResponseNorm(3, alpha=0.5, k=1.5).to(dtype)
+    calls = [(torch.randn(n, 7, 5, 6).to(dtype),) for n in (2, 1, 3)]
+    lowered, _ = check_dynamic(model, calls, {"input": {0: Dim("batch", max=4)}}, dtype=dtype,
+                               reference=lambda x: model.float()(x.float()))
+    assert "pool2d" in [launch.kernel for launch in plan_launches(lowered)]
+
+
+def test_pool3d_support_checks():
+    node = _node(lambda x: F.avg_pool3d(x, 2), torch.randn(1, 3, 8, 8, dtype=torch.float64),
+                 torch.ops.aten.avg_pool3d.default)
+    assert "dtype torch.float64 is not supported" in pool.supported_3d(node)
+    node = _node(lambda x: F.avg_pool3d(x, 2), torch.randn(1, 2, 3, 4, 4), torch.ops.aten.avg_pool3d.default)
+    assert pool.supported_3d(node) is None
+    assert "input of rank 5 is not supported (2-D pooling" in pool.supported(node)

@@ -140,6 +140,21 @@ def test_convolution_flops_count_the_taps_that_contribute():
     assert launch.bytes_read == (2 * 3 * 5 * 7 + 3 * 4 * 3 * 3) * F32
     assert launch.bytes_written == 2 * 4 * 10 * 14 * F32
 
+
+def test_3d_convolution_and_pooling_flops_count_the_depth():
+    conv3d, conv_t = torch.nn.functional.conv3d, torch.nn.functional.conv_transpose3d
+    x = torch.randn(2, 3, 4, 5, 7)
+    # 2 * N*OD*OH*OW output voxels * C_out * C_in*KD*KH*KW (padding (0, 1, 1): OD = 2)
+    launch, _ = _only(lambda x, w: conv3d(x, w, padding=(0, 1, 1)), x, torch.randn(4, 3, 3, 3, 3))
+    assert launch.kernel == "conv2d" and launch.flops == 2 * (2 * 2 * 5 * 7) * 4 * (3 * 3 * 3 * 3)
+    # transposed: each input voxel's taps, 2 * N*D*H*W * C_in * C_out*KD*KH*KW; the output is [2, 4, 8, 10, 14]
+    launch, _ = _only(lambda x, w: conv_t(x, w, stride=2), x, torch.randn(3, 4, 2, 2, 2))
+    assert launch.kernel == "conv2d" and launch.flops == 2 * (2 * 4 * 5 * 7) * 3 * (4 * 2 * 2 * 2)
+    assert launch.bytes_written == 2 * 4 * 8 * 10 * 14 * F32
+    # one op per window tap: [2, 3, 2, 2, 3] outputs of 2 x 2 x 2 taps
+    launch, _ = _only(lambda x: torch.nn.functional.avg_pool3d(x, 2), x)
+    assert launch.kernel == "pool2d" and launch.flops == (2 * 3 * 2 * 2 * 3) * 8
+
 def _desc(offset, shape, strides):
     return TensorDesc(Base.SCRATCH, 0, offset * F32, "float32", shape, strides)
 

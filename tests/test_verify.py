@@ -549,3 +549,49 @@ def test_a_transposed_convolution_loads_and_its_damage_is_refused():
         program = copy.deepcopy(lowered.program)
         damage(program.methods[0].delegates[d].plan.launches[k])
         _refused(lowered, program, rf"{where}.*{match}")
+
+
+# -- a 3-D convolution with an epilogue and 3-D pooling (the depth's arguments and DEPTH) ----------------
+class Video(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.ConvTranspose3d(3, 4, 2, stride=2)
+
+    def forward(self, x, skip):
+        y = torch.relu(self.conv(x)) + skip
+        return F.max_pool3d(y, 3, 2, 1, return_indices=True), F.avg_pool3d(y, (2, 1, 2))
+
+
+VIDEO_DAMAGE = {
+    "conv2d": [
+        ("input depth stride", _set_int("xs_d", 10**6), r"argument 'x_ptr' reaches"),
+        ("weight depth stride", _set_int("ws_d", 10**6), r"argument 'w_ptr' reaches"),
+        ("output depth stride", _set_int("os_d", 10**6), r"argument 'out_ptr' reaches"),
+        ("the skip's depth stride", _set_int("e1s2", 10**6), r"argument 'e1_ptr' reaches"),
+        ("not a flag", _set_constexpr("DEPTH", 2), "constexpr DEPTH=2 is not allowed"),
+    ],
+    "pool2d": [
+        ("input depth stride", _set_int("xs_d", 10**6), r"argument 'x_ptr' reaches"),
+        ("a deeper input", _set_int("D", 100), r"argument 'x_ptr' reaches"),
+        ("output depth 0", _set_int("OD", 0), r"argument 'OD' is 0"),
+    ],
+}
+
+
+def test_3d_convolution_and_pooling_load_and_their_damage_is_refused():
+    torch.manual_seed(0)
+    model, args = Video().eval(), (torch.randn(2, 3, 3, 4, 5), torch.randn(2, 4, 6, 8, 10))
+    lowered = td.lower(torch.export.export(model, args), config=RESIDENT)
+    launches = _launches(lowered.program)
+    assert [launch.kernel for _, _, launch in launches] == ["conv2d", "pool2d", "pool2d"]
+    assert all(launch.constexprs["DEPTH"].value for _, _, launch in launches)
+    with torch.no_grad():
+        for r, e in zip(torch.utils._pytree.tree_leaves(_load(lowered)(*args)),
+                        torch.utils._pytree.tree_leaves(model(*args))):
+            torch.testing.assert_close(r, e)
+    for d, k, launch in launches[:2]:
+        where = rf"delegate {d} \('triton_0'\) launch {k} \('{launch.kernel}'"
+        for _, damage, match in VIDEO_DAMAGE[launch.kernel]:
+            program = copy.deepcopy(lowered.program)
+            damage(program.methods[0].delegates[d].plan.launches[k])
+            _refused(lowered, program, rf"{where}.*{match}")

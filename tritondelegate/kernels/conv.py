@@ -1,42 +1,48 @@
-"""Convolution (``aten.convolution.default``, NCHW, what ``nn.Conv2d`` and ``nn.ConvTranspose2d`` export
-to; 1-D ones run as 2-D over a height of 1) as an implicit GEMM. For each group g, with Cg = C_in / groups
-input and Og = C_out / groups output channels:
+"""Convolution (``aten.convolution.default``, N C [D] H W, what ``nn.Conv2d``, ``nn.Conv3d`` and their
+transposes export to; 1-D ones run as 2-D over a height of 1) as an implicit GEMM. For each group g, with
+Cg = C_in / groups input and Og = C_out / groups output channels:
 
-    out[n, g*Og + o, oh, ow] = bias[g*Og + o] + sum_k A[m, k] * B[k, o]
-        m = (n, oh, ow)                       M = N * OH * OW
-        k = (ci, kh, kw)                      K = Cg * KH * KW   (the weight's own layout)
-        A[m, k] = x[n, g*Cg + ci, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]   (0 in the padding)
-        B[k, o] = weight[g*Og + o, ci, kh, kw]                              (weight [C_out, Cg, KH, KW])
+    out[n, g*Og + o, od, oh, ow] = bias[g*Og + o] + sum_k A[m, k] * B[k, o]
+        m = (n, od, oh, ow)                   M = N * OD * OH * OW
+        k = (ci, kd, kh, kw)                  K = Cg * KD * KH * KW   (the weight's own layout)
+        A[m, k] = x[n, g*Cg + ci, od*sd - pd + kd*dd, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]  (0 in the padding)
+        B[k, o] = weight[g*Og + o, ci, kd, kh, kw]                  (weight [C_out, Cg, KD, KH, KW])
+
+A 2-D convolution is the same without the depth (od, kd): the kernel's DEPTH constexpr is False, KD is 1
+and no depth term is computed at all, so 2-D and 1-D convolutions compile to the instructions (and, their
+arguments in the same places, the registers: scripts/compile_check.py) they had before 3-D ones existed.
+A 3-D one of kernel depth 1 (a (1, 3, 3) "pseudo-3-D" conv) still walks od (DEPTH).
 
 A transposed convolution (``transposed=True``: the gradient of a convolution with respect to its input)
-scatters each input pixel over a KH x KW window of the output, which read from the output's side is the
-same sum over other taps:
+scatters each input pixel over a KD x KH x KW window of the output, which read from the output's side is
+the same sum over other taps:
 
-        A[m, k] = x[n, g*Cg + ci, ih, iw]   where ih = (oh + ph - kh*dh) / sh is an integer in [0, H)
-                                            (and iw likewise; 0 elsewhere)
-        B[k, o] = weight[g*Cg + ci, o, kh, kw]                              (weight [C_in, Og, KH, KW])
+        A[m, k] = x[n, g*Cg + ci, id, ih, iw]   where ih = (oh + ph - kh*dh) / sh is an integer in [0, H)
+                                                (and id, iw likewise; 0 elsewhere)
+        B[k, o] = weight[g*Cg + ci, o, kd, kh, kw]                  (weight [C_in, Og, KD, KH, KW])
 
 ``output_padding`` only adds rows and columns to the output's size (taken from the output tensor). The
 exactness test needs no division of negatives: with t = oh + ph >= 0 and d = kh*dh >= 0, t - d is a
 multiple of sh exactly when t % sh == d % sh, and then ih = t // sh - d // sh (``_rows`` and ``_taps``).
-The kernel walks every tap and masks those that are not exact, so a stride of (sh, sw) does sh*sw times
-the multiply-adds that contribute (a DCGAN k4 s2 layer or a UNet k2 s2 one 4x). A masked tap multiplies
-a 0 by its weight: a non-finite weight (inf, NaN) gives NaN at outputs that eager, which adds up only
-real products, leaves finite (non-finite inputs propagate as in eager). The weight is addressed per
-group through ``ws_g`` (Og * its dim-0 stride, or for a transposed one Cg * its dim-0 stride) so one
-formula reads both layouts: w_ptr + g*ws_g + o*ws_o + ci*ws_i + kh*ws_h + kw*ws_w.
+The kernel walks every tap and masks those that are not exact, so a stride of (sd, sh, sw) does sd*sh*sw
+times the multiply-adds that contribute (a DCGAN k4 s2 layer or a UNet k2 s2 one 4x, a 3-D k2 s2 one 8x).
+A masked tap multiplies a 0 by its weight: a non-finite weight (inf, NaN) gives NaN at outputs that
+eager, which adds up only real products, leaves finite (non-finite inputs propagate as in eager). The
+weight is addressed per group through ``ws_g`` (Og * its dim-0 stride, or for a transposed one Cg * its
+dim-0 stride) so one formula reads both layouts: w_ptr + g*ws_g + o*ws_o + ci*ws_i + kd*ws_d + kh*ws_h
++ kw*ws_w.
 
 An epilogue (``fusion.py`` folds the pointwise chain that alone reads the result into it, as for
 matmuls: an activation, a residual add) runs on the tile before the store, with the steps of
-``elementwise._epilogue``: each operand Ek is addressed by its own (n, c, h, w) strides (0 where it
-broadcasts) or is a scalar; the result goes to the chain's output, and the convolution's own result
-is never stored.
+``elementwise._epilogue``: each operand Ek is addressed by its own strides over the output's dims
+((n, c, h, w), or (n, c, d, h, w); 0 where it broadcasts) or is a scalar; the result goes to the chain's
+output, and the convolution's own result is never stored.
 
 A is never materialized: each program gathers its [BLOCK_M, BLOCK_K] tile of A straight from x with
 masked loads (the mask is the zero padding), so x, weight and out may have any strides (a permuted
-NHWC input needs no copy). K runs over (ci, kh, kw) flattened, which keeps the tile dense when Cg is
-small (a 3-channel stem, a depthwise conv); a depthwise conv still pays for a 16-wide dot on one
-output channel per group (tl.dot needs every dimension >= 16).
+NHWC input needs no copy). K runs over (ci, kd, kh, kw) flattened, which keeps the tile dense when Cg is
+small (a 3-channel stem or tubelet embedding, a depthwise conv); a depthwise conv still pays for a
+16-wide dot on one output channel per group (tl.dot needs every dimension >= 16).
 """
 
 from __future__ import annotations
@@ -54,8 +60,8 @@ from .refs import TRef, node_value
 from .sizes import next_power_of_2
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The K step (at most; less when C_in * KH * KW is smaller). fp32 takes 16: its IEEE dots run on the FMA
-# units, and a K step of 32 next to the gathered A tile's int64 index math spilled on sm_90
+# The K step (at most; less when C_in * KD * KH * KW is smaller). fp32 takes 16: its IEEE dots run on the
+# FMA units, and a K step of 32 next to the gathered A tile's int64 index math spilled on sm_90
 # (scripts/compile_check.py, 8 warps): 64x32 3x3 with a ReLU epilogue 255 registers and 32 bytes of
 # stack (106 registers and none at 16), 64x64 1x1 255 and 16 bytes (188 and none at 16). fp16/bf16
 # (tensor-core dots, 206 registers at most for 64x32x32) keep 32.
@@ -91,6 +97,33 @@ def _taps(base, residue, tap, size, stride, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def _coords(offs_m, OD, OH, OW, DEPTH: tl.constexpr):
+    """(n, od, oh, ow) of flat output pixels m = ((n * OD + od) * OH + oh) * OW + ow; without DEPTH
+    m = (n * OH + oh) * OW + ow and od is 0 (a constant: terms in it vanish)."""
+    ow = offs_m % OW
+    rest = offs_m // OW
+    oh = rest % OH
+    n = rest // OH
+    od = 0
+    if DEPTH:
+        od = n % OD
+        n = n // OD
+    return n, od, oh, ow
+
+
+@triton.jit
+def _dot(acc, a, bt, DOT_UPCAST: tl.constexpr):
+    """acc + a @ bt in fp32."""
+    if DOT_UPCAST:  # the Triton interpreter computes low-precision dots wrongly
+        acc = tl.dot(a.to(tl.float32), bt.to(tl.float32), acc, input_precision="ieee")
+    elif a.dtype == tl.float32:  # "ieee": full fp32 products, as eager computes them (no TF32)
+        acc = tl.dot(a, bt, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, bt, acc)
+    return acc
+
+
+@triton.jit
 def conv2d_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
     M, H, W, OH, OW, CIN_G, COUT_G,
@@ -98,13 +131,17 @@ def conv2d_kernel(
     ws_g, ws_o, ws_i, ws_h, ws_w,
     os_n, os_c, os_h, os_w,
     stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-    # epilogue operands per step k < EPILOGUE: pointer, scalar, (n, c, h, w) strides (else stand-ins)
+    # epilogue operands per step k < EPILOGUE: pointer, scalar, strides over the output's (n, c, h, w) or
+    # (n, c, d, h, w) (else stand-ins): eks0..eks3 here, eks4 last with the depth's arguments, so that a
+    # 2-D launch's arguments keep the places (and its code the registers) they had before 3-D existed
     e0_ptr, e1_ptr, e2_ptr, e3_ptr,
     e0_scalar, e1_scalar, e2_scalar, e3_scalar,
     e0s0, e0s1, e0s2, e0s3, e1s0, e1s1, e1s2, e1s3,
     e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3,
-    KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSED: tl.constexpr,
+    D, OD, xs_d, ws_d, os_d, stride_d, pad_d, dil_d, e0s4, e1s4, e2s4, e3s4,
+    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DEPTH: tl.constexpr = False,  # 3-D: x and out have a depth (D, OD); else every depth term is absent
     EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
     EOP0: tl.constexpr = "copy", EARITY0: tl.constexpr = 1, ESWAP0: tl.constexpr = False,
     EOP1: tl.constexpr = "copy", EARITY1: tl.constexpr = 1, ESWAP1: tl.constexpr = False,
@@ -117,13 +154,12 @@ def conv2d_kernel(
     pid_n = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)
 
-    # Rows: output pixels (n, oh, ow). Columns: output channels of group g.
+    # Rows: output pixels (n, [od,] oh, ow). Columns: output channels of group g.
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    ow = offs_m % OW
-    rest = offs_m // OW
-    oh = rest % OH
-    n = rest // OH
+    n, od, oh, ow = _coords(offs_m, OD, OH, OW, DEPTH)
+    if DEPTH:
+        id0, d_residue = _rows(od, stride_d, pad_d, TRANSPOSED)
     ih0, h_residue = _rows(oh, stride_h, pad_h, TRANSPOSED)
     iw0, w_residue = _rows(ow, stride_w, pad_w, TRANSPOSED)
     x_rows = x_ptr + n * xs_n + g * CIN_G * xs_c  # [BLOCK_M] pointers
@@ -133,38 +169,48 @@ def conv2d_kernel(
     co = g * COUT_G + offs_n  # int64: absolute output channel
     w_cols = w_ptr + g * ws_g + offs_n.to(tl.int64) * ws_o  # [BLOCK_N] pointers
 
-    K = CIN_G * KH * KW
+    K = CIN_G * KD * KH * KW
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        ci = (offs_k // (KH * KW)).to(tl.int64)
+        ci = (offs_k // (KD * KH * KW)).to(tl.int64)
         kh = (offs_k // KW) % KH
         kw = offs_k % KW
         ih, h_real = _taps(ih0, h_residue, kh * dil_h, H, stride_h, TRANSPOSED)
         iw, w_real = _taps(iw0, w_residue, kw * dil_w, W, stride_w, TRANSPOSED)
         a_mask = mask_m[:, None] & mask_k[None, :] & h_real & w_real
-        a = tl.load(x_rows[:, None] + ci[None, :] * xs_c + ih * xs_h + iw * xs_w, mask=a_mask, other=0.0)
+        a_ptrs = x_rows[:, None] + ci[None, :] * xs_c + ih * xs_h + iw * xs_w
+        if DEPTH:  # tap kd of k = (ci, kd, kh, kw)
+            kd = (offs_k // (KH * KW)) % KD
+            i_d, d_real = _taps(id0, d_residue, kd * dil_d, D, stride_d, TRANSPOSED)
+            a_mask = a_mask & d_real
+            a_ptrs += i_d * xs_d
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         w_offs = ci * ws_i + kh * ws_h + kw * ws_w
+        if DEPTH:
+            w_offs += kd * ws_d
         bt = tl.load(w_cols[None, :] + w_offs[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if DOT_UPCAST:  # the Triton interpreter computes low-precision dots wrongly
-            acc = tl.dot(a.to(tl.float32), bt.to(tl.float32), acc, input_precision="ieee")
-        elif a.dtype == tl.float32:  # "ieee": full fp32 products, as eager computes them (no TF32)
-            acc = tl.dot(a, bt, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, bt, acc)
+        acc = _dot(acc, a, bt, DOT_UPCAST)
 
     if HAS_BIAS:
         bias = tl.load(bias_ptr + co, mask=mask_n, other=0.0).to(tl.float32)
         acc += bias[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if EPILOGUE > 0:  # operands addressed by (n, c, h, w) strides
-        acc = _epilogue(acc, mask, n[:, None], co[None, :], oh[:, None], ow[:, None],
+    if EPILOGUE > 0:  # operands addressed by their strides over the output's dims
+        i2, i3, i4 = oh[:, None], ow[:, None], 0  # 2-D: no fifth index (its 0 strides fold away)
+        if DEPTH:
+            i2, i3, i4 = od[:, None], oh[:, None], ow[:, None]
+        acc = _epilogue(acc, mask, n[:, None], co[None, :], i2, i3, i4,
                         e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
-                        e0s0, e0s1, e0s2, e0s3, e1s0, e1s1, e1s2, e1s3, e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3,
+                        e0s0, e0s1, e0s2, e0s3, e0s4, e1s0, e1s1, e1s2, e1s3, e1s4,
+                        e2s0, e2s1, e2s2, e2s3, e2s4, e3s0, e3s1, e3s2, e3s3, e3s4,
                         EPILOGUE, ROUND_TO, EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1, EIS_SCALAR1,
                         EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
-    out_offs = (n * os_n + oh * os_h + ow * os_w)[:, None] + (co * os_c)[None, :]
+    out_rows = n * os_n + oh * os_h + ow * os_w
+    if DEPTH:
+        out_rows += od * os_d
+    out_offs = out_rows[:, None] + (co * os_c)[None, :]
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -174,22 +220,40 @@ def _block(size, lo: int, hi: int) -> int:
     return max(lo, min(hi, next_power_of_2(size)))
 
 
-def _nchw(shape, strides) -> tuple[tuple, tuple]:
-    """(shape, strides) of an operand as NCHW: a 1-D convolution's [N, C, L] as [N, C, 1, L]."""
-    if len(shape) == 3:
-        shape = (shape[0], shape[1], 1, shape[2])
-    return tuple(shape), _nchw_strides(strides)
+def _ncdhw(shape, strides) -> tuple[tuple, tuple]:
+    """(shape, strides) of an operand as [N, C, D, H, W]: a 2-D convolution's NCHW at a depth of 1, a 1-D
+    one's NCL at a depth and height of 1 (stride 0 along the added dims)."""
+    missing = 5 - len(shape)
+    return (*shape[:2], *(1,) * missing, *shape[2:]), (*strides[:2], *(0,) * missing, *strides[2:])
 
 
-def _nchw_strides(strides) -> tuple:
-    """Strides over [N, C, L] as over [N, C, 1, L] (4-D strides unchanged)."""
-    return (strides[0], strides[1], 0, strides[2]) if len(strides) == 3 else tuple(strides)
+def _epilogue_strides(strides) -> tuple:
+    """An epilogue operand's strides over the output's dims as the kernel's five epilogue indices take
+    them: (n, c, d, h, w) for a 3-D convolution, (n, c, h, w, 0) for a 2-D one, (n, c, 0, l, 0) for a
+    1-D one (a 2-D one of height 1)."""
+    if len(strides) == 5:
+        return tuple(strides)
+    if len(strides) == 3:
+        strides = (strides[0], strides[1], 0, strides[2])
+    return (*strides, 0)
+
+
+def _epilogue_args(out: TRef, steps, operands, round_to: str) -> tuple[list, list, dict]:
+    """``elementwise.epilogue_args`` over the kernel's first four epilogue indices, the operands' strides
+    over the fifth (``_epilogue_strides``; 0 for a scalar or absent operand), and the constexprs."""
+    walks = [(o[0], _epilogue_strides(o[1])) if isinstance(o, tuple) else o for o in operands]
+    args, constexprs = ew.epilogue_args(out, steps, [(o[0], o[1][:4]) if isinstance(o, tuple) else o
+                                                     for o in walks], 4, round_to)
+    fifth = [o[1][4] if isinstance(o, tuple) else 0 for o in walks]
+    return args, fifth + [0] * (ew.MAX_CHAIN - len(walks)), constexprs
 
 
 @dataclass(frozen=True)
 class ConvOp:
     """One ``conv2d`` launch; its launch record carries it (``LaunchRecord.op``, as a matmul's does) so that
-    ``fusion.py`` can relaunch it with an epilogue (:meth:`epilogue_launch`)."""
+    ``fusion.py`` can relaunch it with an epilogue (:meth:`launch`). ``stride``, ``padding`` and
+    ``dilation`` have one entry per spatial dim the kernel walks: (d, h, w) for a 3-D convolution, (h, w)
+    for a 2-D one and a 1-D one (height 1: (1, s), (0, p), (1, d))."""
 
     x: TRef
     weight: TRef
@@ -199,54 +263,68 @@ class ConvOp:
     padding: tuple
     dilation: tuple
     groups: int
-    transposed: bool = False  # weight [C_in, C_out / groups, KH, KW]; the module docstring's second form
+    transposed: bool = False  # weight [C_in, C_out / groups, (KD,) KH, KW]; the module docstring's second form
 
     @property
     def reads(self) -> tuple[TRef, ...]:
         return (self.x, self.weight) + ((self.bias,) if self.bias is not None else ())
 
+    @property
+    def depth(self) -> bool:
+        """Whether the operands have a depth dim (a 3-D convolution: the kernel's DEPTH)."""
+        return len(self.stride) == 3
+
     def launch(self, out: TRef | None = None, steps=(), operands=()) -> tuple[tuple, list, dict]:
         """(grid, arguments, constexprs): storing into ``out`` (default: the result) after an epilogue
-        of ``steps`` ((op, arity, swap)) reading ``operands`` (a (TRef, its (n, c, h, w) strides) pair,
-        a Python scalar, or None where the step is unary). 1-D operands ([N, C, L], strides (n, c, l))
-        run as NCHW of height 1."""
+        of ``steps`` ((op, arity, swap)) reading ``operands`` (a (TRef, its strides over ``out``'s dims)
+        pair, a Python scalar, or None where the step is unary). Every operand is walked as
+        [N, C, D, H, W] (``_ncdhw``: 1-D and 2-D ones at a depth of 1)."""
         out = self.c if out is None else out
         x, weight = self.x, self.weight
-        (n, _, h, w), x_strides = _nchw(x.shape, x.strides)
-        (_, _, oh, ow), out_strides = _nchw(out.shape, out.strides)
-        (_, _, kh, kw), _ = _nchw(weight.shape, weight.strides)
-        cin_g, cout_g, w_strides = self._weight_walk()
-        m = n * oh * ow
-        block_m, block_n = _block(m, 16, 64), _block(cout_g, 16, 64)
-        block_k = _block(cin_g * kh * kw, 16, FP32_K_STEP if x.dtype.itemsize >= 4 else K_STEP)
+        (n, _, d, h, w), (xs_n, xs_c, xs_d, xs_h, xs_w) = _ncdhw(x.shape, x.strides)
+        (_, _, od, oh, ow), (os_n, os_c, os_d, os_h, os_w) = _ncdhw(out.shape, out.strides)
+        (_, _, kd, kh, kw), _ = _ncdhw(weight.shape, weight.strides)
+        cin_g, cout_g, (ws_g, ws_o, ws_i, ws_d, ws_h, ws_w) = self._weight_walk()
+        m = n * od * oh * ow
+        block_m, block_n, block_k = self._blocks(m, cout_g, cin_g * kd * kh * kw)
         grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
-        operands = [(o[0], _nchw_strides(o[1])) if isinstance(o, tuple) else o for o in operands]
-        epilogue, constexprs = ew.epilogue_args(out, steps, operands, 4, dtype_name(self.c.dtype))
+        epilogue, fifth, constexprs = _epilogue_args(out, steps, operands, dtype_name(self.c.dtype))
+        lead = 3 - len(self.stride)  # (d, h, w): a 2-D convolution walks a depth of 1 with no padding
+        (sd, *s_hw), (pd, *p_hw), (dd, *d_hw) = ((fill,) * lead + tuple(v) for fill, v in (
+            (1, self.stride), (0, self.padding), (1, self.dilation)))
         args = [x, weight, self.bias if self.bias is not None else out, out,  # out stands in for a missing bias
-                m, h, w, oh, ow, cin_g, cout_g, *x_strides, *w_strides, *out_strides,
-                *self.stride, *self.padding, *self.dilation, *epilogue]
+                m, h, w, oh, ow, cin_g, cout_g, xs_n, xs_c, xs_h, xs_w, ws_g, ws_o, ws_i, ws_h, ws_w,
+                os_n, os_c, os_h, os_w, *s_hw, *p_hw, *d_hw, *epilogue,
+                d, od, xs_d, ws_d, os_d, sd, pd, dd, *fifth]  # the depth's, last (see the kernel)
         # 8 warps: the gathered A tile's int64 addresses and masks ([BLOCK_M, BLOCK_K] each) next to the
         # accumulator spill at 4 warps on sm_90 (scripts/compile_check.py); spread over 256 threads they fit.
-        constexprs.update(KH=kh, KW=kw, HAS_BIAS=self.bias is not None, TRANSPOSED=self.transposed,
+        constexprs.update(KD=kd, KH=kh, KW=kw, HAS_BIAS=self.bias is not None, TRANSPOSED=self.transposed,
                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_UPCAST=False, num_warps=8)
+        if self.depth:
+            constexprs["DEPTH"] = True
         return grid, args, constexprs
 
+    def _blocks(self, m, cout_g, k) -> tuple[int, int, int]:
+        """(BLOCK_M, BLOCK_N, BLOCK_K) for M rows, Og columns and K = Cg * KD * KH * KW."""
+        k_step = FP32_K_STEP if self.x.dtype.itemsize >= 4 else K_STEP
+        return _block(m, 16, 64), _block(cout_g, 16, 64), _block(k, 16, k_step)
+
     def _weight_walk(self) -> tuple:
-        """(Cg, Og, the weight's strides (ws_g, ws_o, ws_i, ws_h, ws_w)): ws_g steps from group to group,
-        ws_o over a group's output channels, ws_i over its input channels."""
-        (w0, w1, _, _), (s0, s1, s_h, s_w) = _nchw(self.weight.shape, self.weight.strides)
-        if self.transposed:  # [C_in, Og, KH, KW]: group g's input channels are rows g*Cg + ci
+        """(Cg, Og, the weight's strides (ws_g, ws_o, ws_i, ws_d, ws_h, ws_w)): ws_g steps from group to
+        group, ws_o over a group's output channels, ws_i over its input channels."""
+        (w0, w1, _, _, _), (s0, s1, *taps) = _ncdhw(self.weight.shape, self.weight.strides)
+        if self.transposed:  # [C_in, Og, (KD,) KH, KW]: group g's input channels are rows g*Cg + ci
             cin_g = w0 // self.groups
-            return cin_g, w1, (cin_g * s0, s1, s0, s_h, s_w)
-        cout_g = w0 // self.groups  # [C_out, Cg, KH, KW]: group g's output channels are rows g*Og + o
-        return w1, cout_g, (cout_g * s0, s0, s1, s_h, s_w)
+            return cin_g, w1, (cin_g * s0, s1, s0, *taps)
+        cout_g = w0 // self.groups  # [C_out, Cg, (KD,) KH, KW]: group g's output channels are rows g*Og + o
+        return w1, cout_g, (cout_g * s0, s0, s1, *taps)
 
 
 def launch_conv2d(b, out, x, weight, bias, stride, padding, dilation, groups: int, transposed: bool = False
                   ) -> None:
-    """``out = conv2d(x, weight, bias)`` (``conv_transpose2d`` when ``transposed``); every operand a 4-D
-    NCHW TRef, or all 3-D NCL (a 1-D convolution, stride, padding and dilation given for (1, L)); bias 1-D
-    or None."""
+    """``out = conv(x, weight, bias)`` (transposed when ``transposed``); every operand a 5-D NCDHW TRef
+    (stride, padding and dilation given for (d, h, w)), a 4-D NCHW one (given for (h, w)), or all 3-D NCL
+    (a 1-D convolution, given for (1, L)); bias 1-D or None."""
     op = ConvOp(x, weight, bias, out, tuple(stride), tuple(padding), tuple(dilation), groups, transposed)
     grid, args, constexprs = op.launch()
     record = b.launch("conv2d", grid, *args, **constexprs)
@@ -262,9 +340,10 @@ def _args(node):
     return {**dict(zip(names, node.args)), **node.kwargs}
 
 
-def _pair(v):
+def _per_dim(v, dims: int) -> tuple:
+    """A stride, padding or dilation list with one entry per spatial dim (one entry given: all of them)."""
     v = list(v)
-    return (v[0], v[0]) if len(v) == 1 else tuple(v)
+    return tuple(v * dims) if len(v) == 1 else tuple(v)
 
 
 def supported(node) -> str | None:
@@ -272,11 +351,12 @@ def supported(node) -> str | None:
     x, weight, bias = (node_value(t) for t in (a["input"], a["weight"], a.get("bias")))
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return "input or weight is not a tensor"
-    if weight.dim() not in (3, 4):
+    if weight.dim() not in (3, 4, 5):
         kind = "transposed convolution" if a.get("transposed") else "convolution"
-        return f"{weight.dim() - 2}-D {kind} is not supported (1-D and 2-D only)"
+        return f"{weight.dim() - 2}-D {kind} is not supported (1-D, 2-D and 3-D only)"
     if x.dim() != weight.dim():
-        return f"convolution input of rank {x.dim()} with a {weight.dim()}-D weight (NCL or NCHW, batched)"
+        return (f"convolution input of rank {x.dim()} with a {weight.dim()}-D weight "
+                "(NCL, NCHW or NCDHW, batched)")
     for name, t in (("input", x), ("weight", weight), ("bias", bias), ("output", node.meta.get("val"))):
         if t is None and name == "bias" and a.get("bias") is None:
             continue
@@ -291,14 +371,15 @@ def supported(node) -> str | None:
 
 
 def convolution(b, node):
-    """2-D convolution, and 1-D (Whisper's, wav2vec's front ends) as 2-D over a height of 1; either one
-    transposed (a UNet's or a VAE decoder's upsampling, a vocoder's), its ``output_padding`` already in the
-    output's size."""
+    """2-D and 3-D convolutions (a video model's tubelet embedding, a 3-D UNet's or video VAE's), and 1-D
+    ones (Whisper's, wav2vec's front ends) as 2-D over a height of 1; any of them transposed (a UNet's or
+    a VAE decoder's upsampling, a vocoder's), its ``output_padding`` already in the output's size."""
     a = _args(node)
     bias = a.get("bias")
     out, x, weight = b.out(node), b.ref(a["input"]), b.ref(a["weight"])
-    stride, padding, dilation = _pair(a["stride"]), _pair(a["padding"]), _pair(a["dilation"])
-    if weight.ndim == 3:  # a 2-D convolution of height 1 (ConvOp walks [N, C, L] as [N, C, 1, L])
+    dims = weight.ndim - 2
+    stride, padding, dilation = (_per_dim(a[k], dims) for k in ("stride", "padding", "dilation"))
+    if dims == 1:  # a 2-D convolution of height 1 (ConvOp walks [N, C, L] as [N, C, 1, 1, L])
         stride, padding, dilation = (1, stride[0]), (0, padding[0]), (1, dilation[0])
     launch_conv2d(b, out, x, weight, b.ref(bias) if bias is not None else None, stride, padding, dilation,
                   int(a["groups"]), bool(a.get("transposed")))

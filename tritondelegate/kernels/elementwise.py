@@ -351,28 +351,29 @@ def _chain_step(r, ptr, scalar, i0, i1, i2, i3, i4, s0, s1, s2, s3, s4, mask,
 
 # The epilogue of a GEMM-like kernel (matmul.py, conv.py) on its fp32 tile ``acc``: start from the
 # result as eager stores it (rounded to ROUND_TO), then up to four chain steps in fp32. Operand k is
-# addressed as ek_ptr + i0*eks0 + i1*eks1 + i2*eks2 + i3*eks3 (index tensors broadcast to the tile).
+# addressed as ek_ptr + i0*eks0 + i1*eks1 + i2*eks2 + i3*eks3 + i4*eks4 (index tensors broadcast to the
+# tile; a kernel that walks fewer dims passes literal zeros, which fold away).
 @triton.jit
-def _epilogue(acc, mask, i0, i1, i2, i3,
+def _epilogue(acc, mask, i0, i1, i2, i3, i4,
               e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
-              e0s0, e0s1, e0s2, e0s3, e1s0, e1s1, e1s2, e1s3,
-              e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3,
+              e0s0, e0s1, e0s2, e0s3, e0s4, e1s0, e1s1, e1s2, e1s3, e1s4,
+              e2s0, e2s1, e2s2, e2s3, e2s4, e3s0, e3s1, e3s2, e3s3, e3s4,
               EPILOGUE: tl.constexpr, ROUND_TO: tl.constexpr,
               EOP0: tl.constexpr, EARITY0: tl.constexpr, ESWAP0: tl.constexpr, EIS_SCALAR0: tl.constexpr,
               EOP1: tl.constexpr, EARITY1: tl.constexpr, ESWAP1: tl.constexpr, EIS_SCALAR1: tl.constexpr,
               EOP2: tl.constexpr, EARITY2: tl.constexpr, ESWAP2: tl.constexpr, EIS_SCALAR2: tl.constexpr,
               EOP3: tl.constexpr, EARITY3: tl.constexpr, ESWAP3: tl.constexpr, EIS_SCALAR3: tl.constexpr):
     acc = round_as(acc, ROUND_TO)
-    acc = _chain_step(acc, e0_ptr, e0_scalar, i0, i1, i2, i3, 0, e0s0, e0s1, e0s2, e0s3, 0, mask,
+    acc = _chain_step(acc, e0_ptr, e0_scalar, i0, i1, i2, i3, i4, e0s0, e0s1, e0s2, e0s3, e0s4, mask,
                       EOP0, EARITY0, ESWAP0, EIS_SCALAR0, "f32")
     if EPILOGUE >= 2:
-        acc = _chain_step(acc, e1_ptr, e1_scalar, i0, i1, i2, i3, 0, e1s0, e1s1, e1s2, e1s3, 0, mask,
+        acc = _chain_step(acc, e1_ptr, e1_scalar, i0, i1, i2, i3, i4, e1s0, e1s1, e1s2, e1s3, e1s4, mask,
                           EOP1, EARITY1, ESWAP1, EIS_SCALAR1, "f32")
     if EPILOGUE >= 3:
-        acc = _chain_step(acc, e2_ptr, e2_scalar, i0, i1, i2, i3, 0, e2s0, e2s1, e2s2, e2s3, 0, mask,
+        acc = _chain_step(acc, e2_ptr, e2_scalar, i0, i1, i2, i3, i4, e2s0, e2s1, e2s2, e2s3, e2s4, mask,
                           EOP2, EARITY2, ESWAP2, EIS_SCALAR2, "f32")
     if EPILOGUE >= 4:
-        acc = _chain_step(acc, e3_ptr, e3_scalar, i0, i1, i2, i3, 0, e3s0, e3s1, e3s2, e3s3, 0, mask,
+        acc = _chain_step(acc, e3_ptr, e3_scalar, i0, i1, i2, i3, i4, e3s0, e3s1, e3s2, e3s3, e3s4, mask,
                           EOP3, EARITY3, ESWAP3, EIS_SCALAR3, "f32")
     return acc
 

@@ -14,7 +14,9 @@ input's end (the output's size stays the convolution's own):
 
 P merges into its readers when all of these hold:
   - P pads with zeros and crops nothing (``pad.ZeroPad``), on the convolution's spatial dims only
-    (the last two of NCHW, the last of a 1-D convolution's NCL);
+    (the last three of NCDHW, the last two of NCHW, the last of a 1-D convolution's NCL: a causal video
+    VAE's ``F.pad(x, (1, 1, 1, 1, 2, 0))`` before a k3 Conv3d folds into its padding (2, 1, 1) on the
+    input's side: the kernel reads depth -2 and -1 as zeros);
   - t's buffer is scratch, not a delegate output nor viewed by one, and every launch that touches it
     after P is a convolution reading exactly t as its input (not a transposed one: its padding crops
     its output instead);
@@ -55,9 +57,9 @@ def merge_pads(records: list[LaunchRecord], touched: list[set[int]], writes: lis
 
 
 def _spatial_only(pad: ZeroPad) -> bool:
-    """Whether the pad's zeros are on the spatial dims of an NCHW or NCL tensor only (not its batch or
-    channels)."""
-    return (pad.x.ndim in (3, 4) and not any(pad.before[:2])
+    """Whether the pad's zeros are on the spatial dims of an NCDHW, NCHW or NCL tensor only (not its batch
+    or channels)."""
+    return (pad.x.ndim in (3, 4, 5) and not any(pad.before[:2])
             and tuple(pad.x.shape[:2]) == tuple(pad.out.shape[:2]))
 
 
@@ -72,10 +74,10 @@ def _reads_padded(op, pad: ZeroPad) -> bool:
 def _unpadded(record: LaunchRecord, pad: ZeroPad, pad_name: str) -> LaunchRecord:
     """The convolution of ``record`` reading the pad's input, its padding grown by the zeros before."""
     op = record.op
-    if pad.x.ndim == 4:
-        padding = (op.padding[0] + pad.before[2], op.padding[1] + pad.before[3])
-    else:  # a 1-D convolution runs as 2-D over a height of 1: its padding is (0, p)
+    if pad.x.ndim == 3:  # a 1-D convolution runs as 2-D over a height of 1: its padding is (0, p)
         padding = (op.padding[0], op.padding[1] + pad.before[2])
+    else:  # (h, w) or (d, h, w): one entry per spatial dim
+        padding = tuple(p + b for p, b in zip(op.padding, pad.before[2:], strict=True))
     grown = replace(op, x=pad.x, padding=padding)
     grid, args, constexprs = grown.launch()
     fused = LaunchRecord(new_launch("conv2d", grid, args, constexprs, f"{pad_name}+{record.launch.op}"))

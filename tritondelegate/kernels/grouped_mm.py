@@ -249,9 +249,9 @@ def grouped_mm_kernel(
     else:
         mask = mask_m[:, None] & mask_n[None, :]
     if EPILOGUE > 0:  # a chain that reads the result (a MoE router's weights), operands by (row, column)
-        acc = _epilogue(acc, mask, rows[:, None], offs_n[None, :], 0, 0,
+        acc = _epilogue(acc, mask, rows[:, None], offs_n[None, :], 0, 0, 0,
                         e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
-                        e0s0, e0s1, 0, 0, e1s0, e1s1, 0, 0, e2s0, e2s1, 0, 0, e3s0, e3s1, 0, 0,
+                        e0s0, e0s1, 0, 0, 0, e1s0, e1s1, 0, 0, 0, e2s0, e2s1, 0, 0, 0, e3s0, e3s1, 0, 0, 0,
                         EPILOGUE, ROUND_TO, EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1, EIS_SCALAR1,
                         EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
     tl.store(out_ptr + rows[:, None] * stride_os + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),

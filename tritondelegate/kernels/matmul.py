@@ -286,9 +286,9 @@ def matmul_kernel(
     if GLU != "":  # columns (gate, up) pair up: the tile, its columns and C are half as wide
         acc, offs_n, mask = _glu_tile(acc, pid_n, mask_m, N, GLU, GLU_ROUND, BLOCK_M, BLOCK_N)
     if EPILOGUE > 0:  # operands addressed by (z, row, column) strides
-        acc = _epilogue(acc, mask, z, offs_m[:, None], offs_n[None, :], 0,
+        acc = _epilogue(acc, mask, z, offs_m[:, None], offs_n[None, :], 0, 0,
                         e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
-                        e0s0, e0s1, e0s2, 0, e1s0, e1s1, e1s2, 0, e2s0, e2s1, e2s2, 0, e3s0, e3s1, e3s2, 0,
+                        e0s0, e0s1, e0s2, 0, 0, e1s0, e1s1, e1s2, 0, 0, e2s0, e2s1, e2s2, 0, 0, e3s0, e3s1, e3s2, 0, 0,
                         EPILOGUE, ROUND_TO, EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1, EIS_SCALAR1,
                         EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
     if ROPE != "":

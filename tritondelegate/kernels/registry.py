@@ -214,6 +214,10 @@ OPS: dict[object, OpSpec] = {
     aten.avg_pool2d.default: OpSpec(pool.avg_pool2d, pool.supported),
     aten._adaptive_avg_pool2d.default: OpSpec(pool.adaptive_avg_pool2d, pool.supported),
     aten.adaptive_max_pool2d.default: OpSpec(pool.adaptive_max_pool2d, pool.supported),
+    aten.max_pool3d_with_indices.default: OpSpec(pool.max_pool3d_with_indices, pool.supported_3d),
+    aten.avg_pool3d.default: OpSpec(pool.avg_pool3d, pool.supported_3d),  # nn.LocalResponseNorm's too
+    aten._adaptive_avg_pool3d.default: OpSpec(pool.adaptive_avg_pool3d, pool.supported_3d),
+    aten.adaptive_max_pool3d.default: OpSpec(pool.adaptive_max_pool3d, pool.supported_3d),
     # sampling at grid points (deformable attention, spatial transformers): grid_sample.py
     aten.grid_sampler_2d.default: OpSpec(gs.grid_sampler_2d, gs.supported),
     # resizing (F.interpolate, nn.Upsample: nearest, nearest-exact, (bi/tri)linear, bicubic): resize.py

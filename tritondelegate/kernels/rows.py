@@ -86,9 +86,9 @@ def row_index(r, n1, n2):
 def _chain(r, mask, ix, c, ops, OPS: tl.constexpr):
     """``elementwise._epilogue`` on the tile ``r``: ``ops`` are the steps' 4 pointers, 4 scalars and
     4 x 4 [i0, i1, i2, column] strides, ``OPS`` (steps, rounding, then op, arity, swap, is-scalar per step)."""
-    return _epilogue(r, mask, ix[0], ix[1], ix[2], c, ops[0], ops[1], ops[2], ops[3], ops[4], ops[5], ops[6],
-                     ops[7], ops[8], ops[9], ops[10], ops[11], ops[12], ops[13], ops[14], ops[15], ops[16],
-                     ops[17], ops[18], ops[19], ops[20], ops[21], ops[22], ops[23], OPS[0], OPS[1], OPS[2],
+    return _epilogue(r, mask, ix[0], ix[1], ix[2], c, 0, ops[0], ops[1], ops[2], ops[3], ops[4], ops[5], ops[6],
+                     ops[7], ops[8], ops[9], ops[10], ops[11], 0, ops[12], ops[13], ops[14], ops[15], 0, ops[16],
+                     ops[17], ops[18], ops[19], 0, ops[20], ops[21], ops[22], ops[23], 0, OPS[0], OPS[1], OPS[2],
                      OPS[3], OPS[4], OPS[5], OPS[6], OPS[7], OPS[8], OPS[9], OPS[10], OPS[11], OPS[12],
                      OPS[13], OPS[14], OPS[15], OPS[16], OPS[17])
 

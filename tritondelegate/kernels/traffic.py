@@ -127,14 +127,16 @@ def _matmul_flops(a: Args) -> int:
 
 
 def _conv_flops(a: Args) -> int:
-    # implicit GEMM per group: M = N*OH*OW rows, COUT_G columns, K = CIN_G*KH*KW; groups = grid axis 2.
-    # Transposed, the taps that contribute: each of the N*H*W input pixels' KH*KW taps, 2*CIN_G*COUT_G
-    # per group (the kernel walks all M*K and masks the inexact ones, stride_h*stride_w times as many;
-    # taps landing in the cropped padding are counted too)
+    # implicit GEMM per group: M = N*OD*OH*OW rows, COUT_G columns, K = CIN_G*KD*KH*KW; groups = grid axis 2
+    # (a 2-D launch: OD = D = KD = 1). Transposed, the taps that contribute: each of the N*D*H*W input
+    # pixels' KD*KH*KW taps, 2*CIN_G*COUT_G per group (the kernel walks all M*K and masks the inexact ones,
+    # stride_d*stride_h*stride_w times as many; taps landing in the cropped padding are counted too)
     cout = a["COUT_G"] * a["grid"][2]
     bias = a["M"] * cout if a["HAS_BIAS"] else 0
-    pixels = a["M"] // max(a["OH"] * a["OW"], 1) * a["H"] * a["W"] if a["TRANSPOSED"] else a["M"]
-    return 2 * pixels * cout * a["CIN_G"] * a["KH"] * a["KW"] + bias
+    depth = a.get("DEPTH", False)
+    od, d = (a["OD"], a["D"]) if depth else (1, 1)
+    pixels = a["M"] // max(od * a["OH"] * a["OW"], 1) * d * a["H"] * a["W"] if a["TRANSPOSED"] else a["M"]
+    return 2 * pixels * cout * a["CIN_G"] * a["KD"] * a["KH"] * a["KW"] + bias
 
 
 def _causal_pairs(lq: int, lk: int) -> int:
@@ -367,7 +369,7 @@ TRAFFIC: dict[str, KernelTraffic] = {
     "pool2d": KernelTraffic(
         reads=(Access("x_ptr"),),
         writes=(Access("out_ptr"), Access("idx_ptr", _flag("WRITE_INDICES"))),
-        flops=lambda a: a["total"] * a["KH"] * a["KW"],
+        flops=lambda a: a["total"] * a["KD"] * a["KH"] * a["KW"],
     ),
     # out = the taps of x around each output element's source index: x's elements at most as
     # _resize_reads counts them (taps actually read), the output once

@@ -1,13 +1,13 @@
-"""Folding an eval-mode batch norm into the 2-D convolution before it.
+"""Folding an eval-mode batch norm into the 2-D or 3-D convolution before it.
 
-``nn.Conv2d`` followed by ``nn.BatchNorm2d`` in eval mode decomposes to a convolution, then a batch
-norm over its result with the running statistics (``_native_batch_norm_legit_no_training`` and a
-``getitem`` of its output, or ``aten.batch_norm`` / ``aten.native_batch_norm`` with ``training=False``
-where one is kept whole). The batch norm is an affine map per output channel, so it folds into the
-convolution's weight and bias:
+``nn.Conv2d`` followed by ``nn.BatchNorm2d`` (or ``nn.Conv3d`` and ``nn.BatchNorm3d``) in eval mode
+decomposes to a convolution, then a batch norm over its result with the running statistics
+(``_native_batch_norm_legit_no_training`` and a ``getitem`` of its output, or ``aten.batch_norm`` /
+``aten.native_batch_norm`` with ``training=False`` where one is kept whole). The batch norm is an affine
+map per output channel, so it folds into the convolution's weight and bias:
 
     y = conv(x, W, b)                         scale = gamma / sqrt(var + eps)      (gamma None: 1)
-    z = batch_norm(y, gamma, beta,     ->     W' = W * scale[:, None, None, None]
+    z = batch_norm(y, gamma, beta,     ->     W' = W * scale[:, None, None, None(, None)]
                    mean, var, eps)            b' = (b - mean) * scale + beta       (b, beta None: 0)
                                               z  = conv(x, W', b')  (same stride, padding, groups...)
 
@@ -21,7 +21,7 @@ it, is scaled and shifted per channel in fp32 (``(y * scale + shift).to(dtype)``
 epilogue), as eager's batch norm computes in fp32 (rounding ``W'`` and ``b'`` to half precision lost
 what the normalization's cancellation needs).
 
-Folded when the convolution is 2-D and not transposed, the batch norm reads its result and nothing
+Folded when the convolution is 2-D or 3-D and not transposed, the batch norm reads its result and nothing
 else does (a convolution whose output is also used elsewhere keeps it, and its batch norm), the
 batch norm's other outputs (``save_mean``/``save_rstd``) are unused, and ``W``, ``b``, ``gamma``,
 ``beta``, ``mean`` and ``var`` are constant placeholders (parameter, buffer or lifted constant that
@@ -52,7 +52,7 @@ _CONVS = (aten.convolution.default, aten.conv2d.default)
 
 
 def _conv_operands(conv: torch.fx.Node, constants: set[torch.fx.Node]):
-    """(weight, bias or None) when ``conv`` is a 2-D, non-transposed convolution with constant
+    """(weight, bias or None) when ``conv`` is a 2-D or 3-D, non-transposed convolution with constant
     weight and bias, else None."""
     if conv.op != "call_function" or conv.target not in _CONVS or conv.kwargs:
         return None
@@ -63,7 +63,7 @@ def _conv_operands(conv: torch.fx.Node, constants: set[torch.fx.Node]):
     if weight not in constants or (bias is not None and bias not in constants):
         return None
     wv, yv = tensor_val(weight), tensor_val(conv)
-    if wv is None or yv is None or wv.ndim != 4 or yv.ndim != 4 or wv.dtype not in _FLOATS:
+    if wv is None or yv is None or wv.ndim not in (4, 5) or yv.ndim != wv.ndim or wv.dtype not in _FLOATS:
         return None
     if not isinstance(wv.shape[0], int) or yv.dtype != wv.dtype:
         return None
@@ -168,7 +168,8 @@ def _fold(ep: torch.export.ExportedProgram, conv, bn, outs, weight, bias, operan
         # The last node of each is named, for the summary's list of what constant folding computed.
         names = (f"{conv.name}_bn_weight", f"{conv.name}_bn_bias")
         last = (lambda i: names[i]) if dtype == compute else (lambda i: None)
-        w = new(aten.mul.Tensor, up(weight), new(aten.view.default, scale, [channels, 1, 1, 1]), name=last(0))
+        per_channel = [channels] + [1] * (tensor_val(weight).ndim - 1)  # over W's [C_out, Cg, (KD,) KH, KW]
+        w = new(aten.mul.Tensor, up(weight), new(aten.view.default, scale, per_channel), name=last(0))
         shift = new(aten.sub.Tensor, up(bias), up(mean)) if bias is not None else new(aten.neg.default, up(mean))
         b = new(aten.mul.Tensor, shift, scale, name=None if beta is not None else last(1))
         if beta is not None:
@@ -194,8 +195,9 @@ def _affine_after(ep, new, conv, bn, outs, operands, scale, up, channels: int, d
     _, beta, mean, _, _ = operands
     shift = new(aten.mul.Tensor, up(mean), scale)
     shift = new(aten.sub.Tensor, up(beta), shift) if beta is not None else new(aten.neg.default, shift)
-    scale = new(aten.view.default, scale, [channels, 1, 1], name=f"{conv.name}_bn_scale")
-    shift = new(aten.view.default, shift, [channels, 1, 1], name=f"{conv.name}_bn_shift")
+    per_channel = [channels] + [1] * (tensor_val(conv).ndim - 2)  # over y's [C, (D,) H, W]
+    scale = new(aten.view.default, scale, per_channel, name=f"{conv.name}_bn_scale")
+    shift = new(aten.view.default, shift, per_channel, name=f"{conv.name}_bn_shift")
     with graph.inserting_before(bn):
         after = _Builder(graph, bn.meta)
         z = after.cast(after(aten.add.Tensor, after(aten.mul.Tensor, conv, scale), shift), dtype)
@@ -208,7 +210,7 @@ def _affine_after(ep, new, conv, bn, outs, operands, scale, up, channels: int, d
 
 
 def fuse_batchnorm(ep: torch.export.ExportedProgram, state: set[str] = frozenset()) -> list[str]:
-    """Fold every eval batch norm that follows a 2-D convolution with constant operands into that
+    """Fold every eval batch norm that follows a 2-D or 3-D convolution with constant operands into that
     convolution's weight and bias, in place. ``state``: FQNs of program state (mutable buffers), never
     treated as constants. Returns one description per folded batch norm. Relies on constant folding
     to compute the new weights once."""

@@ -204,25 +204,34 @@ def _grouped_mm(x: LaunchArgs) -> Footprint:
 
 
 def _conv2d(x: LaunchArgs) -> Footprint:
-    """Input coordinates are masked to [0, H) x [0, W) (a transposed conv's too: its exact taps only);
-    group g's weight rows start at g * ws_g and its output channels at g * COUT_G, so the weight box is
-    the same formula for both layouts ([C_out, Cg, KH, KW], or transposed [C_in, Og, KH, KW])."""
+    """Input coordinates are masked to [0, D) x [0, H) x [0, W) (a transposed conv's too: its exact taps
+    only); group g's weight rows start at g * ws_g and its output channels at g * COUT_G, so the weight box
+    is the same formula for both layouts ([C_out, Cg, KD, KH, KW], or transposed [C_in, Og, KD, KH, KW]).
+    Without DEPTH (2-D) the kernel computes no depth term: rows are (n, oh, ow), and the depth counts are 1
+    (D and OD never read, the depth strides reach nothing)."""
     M, H, W, cin, cout = (x.i(name) for name in ("M", "H", "W", "CIN_G", "COUT_G"))
-    oh_, ow_ = x.d("OH", "OW")
-    n, oh, ow = _unravel(M, (oh_, ow_))
-    groups, KH, KW = x.grid[2], x.c["KH"], x.c["KW"]
+    depth = x.c["DEPTH"]
+    if depth:
+        D = x.i("D")
+        n, od, oh, ow = _unravel(M, x.d("OD", "OH", "OW"))
+    else:
+        D, od = 1, 1
+        n, oh, ow = _unravel(M, x.d("OH", "OW"))
+    groups, KD, KH, KW = x.grid[2], x.c["KD"], x.c["KH"], x.c["KW"]
     co = groups * cout  # output channels: group g's are g * COUT_G + [0, COUT_G)
-    k_loop = cin * KH * KW
+    k_loop = cin * KD * KH * KW
     acc = [
-        Access("x_ptr", ((n, x.i("xs_n")), (groups * cin, x.i("xs_c")), (H, x.i("xs_h")), (W, x.i("xs_w")))),
-        Access("w_ptr", ((groups, x.i("ws_g")), (cout, x.i("ws_o")), (cin, x.i("ws_i")), (KH, x.i("ws_h")),
-                         (KW, x.i("ws_w")))),
-        Access("out_ptr", ((n, x.i("os_n")), (co, x.i("os_c")), (oh, x.i("os_h")), (ow, x.i("os_w"))),
-               write=True),
+        Access("x_ptr", ((n, x.i("xs_n")), (groups * cin, x.i("xs_c")), (D, x.i("xs_d")), (H, x.i("xs_h")),
+                         (W, x.i("xs_w")))),
+        Access("w_ptr", ((groups, x.i("ws_g")), (cout, x.i("ws_o")), (cin, x.i("ws_i")), (KD, x.i("ws_d")),
+                         (KH, x.i("ws_h")), (KW, x.i("ws_w")))),
+        Access("out_ptr", ((n, x.i("os_n")), (co, x.i("os_c")), (od, x.i("os_d")), (oh, x.i("os_h")),
+                           (ow, x.i("os_w"))), write=True),
     ]
     if x.c["HAS_BIAS"]:
         acc.append(Access("bias_ptr", ((co, 1),)))
-    acc += _epilogue(x, (n, co, oh, ow), 4)
+    # epilogue operands: strides over (n, c, d, h, w) with DEPTH, else over (n, c, h, w) and a 0
+    acc += _epilogue(x, (n, co, od, oh, ow) if depth else (n, co, oh, ow, 1), 5)
     grid = (_cdiv(M, x.c["BLOCK_M"]), _cdiv(cout, x.c["BLOCK_N"]), groups)
     return Footprint(acc, grid, {"output elements": max(M, 0) * max(co, 0), "K": k_loop})
 
@@ -468,16 +477,22 @@ def _sort_offsets(x: LaunchArgs) -> Footprint:
 
 
 def _pool2d(x: LaunchArgs) -> Footprint:
+    """Input coordinates are masked to [0, D) x [0, H) x [0, W) (adaptive windows end at D, H and W too).
+    Without DEPTH (2-D) no depth term is computed: the depth counts are 1."""
     total, H, W = x.i("total"), x.i("H"), x.i("W")
-    n, c, oh, ow = _unravel(total, x.d("C", "OH", "OW"))
-    # input rows and columns are masked to [0, H) and [0, W) (adaptive windows end at H and W too)
-    acc = [Access("x_ptr", ((n, x.i("xs_n")), (c, x.i("xs_c")), (H, x.i("xs_h")), (W, x.i("xs_w")))),
-           Access("out_ptr", _walk((n, c, oh, ow), (x.i("os_n"), x.i("os_c"), x.i("os_h"), x.i("os_w"))),
-                  write=True)]
+    if x.c["DEPTH"]:
+        D = x.i("D")
+        n, c, od, oh, ow = _unravel(total, x.d("C", "OD", "OH", "OW"))
+    else:
+        D, od = 1, 1
+        n, c, oh, ow = _unravel(total, x.d("C", "OH", "OW"))
+    coords = (n, c, od, oh, ow)
+    acc = [Access("x_ptr", _walk((n, c, D, H, W), [x.i(f"xs_{k}") for k in "ncdhw"])),
+           Access("out_ptr", _walk(coords, [x.i(f"os_{k}") for k in "ncdhw"]), write=True)]
     if x.c["MODE"] in ("max", "adaptive_max") and x.c["WRITE_INDICES"]:
-        acc.append(Access("idx_ptr", _walk((n, c, oh, ow), (x.i("is_n"), x.i("is_c"), x.i("is_h"), x.i("is_w"))),
-                          write=True))
-    return Footprint(acc, (_cdiv(total, x.c["BLOCK_M"]),), {"total": total, "window": x.c["KH"] * x.c["KW"]})
+        acc.append(Access("idx_ptr", _walk(coords, [x.i(f"is_{k}") for k in "ncdhw"]), write=True))
+    window = x.c["KD"] * x.c["KH"] * x.c["KW"]
+    return Footprint(acc, (_cdiv(total, x.c["BLOCK_M"]),), {"total": total, "window": window})
 
 
 def _grid_sample(x: LaunchArgs) -> Footprint:
@@ -651,12 +666,14 @@ RULES: dict[str, KernelRule] = {
         "GLU_ROUND": one_of(*DTYPE_NAMES), "ROWS": FLAG, "DEST": FLAG,
         "PROLOGUE": one_of("", "rms"), "HAS_PW": FLAG, "HAS_BIAS": FLAG, **_epilogue_constexprs()},
         _GEMM_TILES + (("BLOCK_M", "BLOCK_K", "BLOCK_N"), ("BLOCK_M", "BLOCK_E"))),
-    "conv2d": KernelRule(_conv2d, {**_GEMM, "KH": in_range(1, 4096), "KW": in_range(1, 4096), "HAS_BIAS": FLAG,
-                                   "TRANSPOSED": FLAG, **_epilogue_constexprs()}, _GEMM_TILES),
+    "conv2d": KernelRule(_conv2d, {**_GEMM, "KD": in_range(1, 4096), "KH": in_range(1, 4096), "KW": in_range(1, 4096),
+                                   "HAS_BIAS": FLAG, "TRANSPOSED": FLAG, "DEPTH": FLAG, **_epilogue_constexprs()},
+                         _GEMM_TILES),
     "pool2d": KernelRule(_pool2d, {
-        "MODE": one_of("max", "avg", "adaptive_avg", "adaptive_max"), "KH": in_range(1, 4096), "KW": in_range(1, 4096),
-        "COUNT_INCLUDE_PAD": FLAG, "DIVISOR_OVERRIDE": FLAG, "WRITE_INDICES": FLAG,
-        "BLOCK_M": pow2(1, 4096), "BLOCK_K": pow2(1, 4096)}, (("BLOCK_M", "BLOCK_K"),)),
+        "MODE": one_of("max", "avg", "adaptive_avg", "adaptive_max"), "KD": in_range(1, 4096),
+        "KH": in_range(1, 4096), "KW": in_range(1, 4096), "COUNT_INCLUDE_PAD": FLAG, "DIVISOR_OVERRIDE": FLAG,
+        "WRITE_INDICES": FLAG, "BLOCK_M": pow2(1, 4096), "BLOCK_K": pow2(1, 4096), "DEPTH": FLAG},
+        (("BLOCK_M", "BLOCK_K"),)),
     "resize": KernelRule(_resize, {
         "MODE": one_of("nearest", "nearest_exact", "linear", "cubic"), "DIMS": in_range(1, 3),
         "ALIGN_CORNERS": FLAG, "SHORTCUTS": FLAG, "BLOCK": BLOCK}),

@@ -150,6 +150,25 @@ def test_only_what_the_partitioner_claims_counts():
     assert aten.flip.default in _targets(decompose_unclaimed(ep, td.Partitioner().claims))  # claims all
 
 
+def test_a_node_nothing_uses_does_not_keep_an_op_whole():
+    # an unused value whose only user was a metadata check (OWL-ViT's logit_scale.exp().to(dtype)): dropped
+    # with the check, else a retrace drops it and that reads as flip's decomposition taking it apart
+    class Dead(torch.nn.Module):
+        def forward(self, x):
+            x.sigmoid().to(torch.float32)
+            return torch.flip(x, [0])
+
+    import tritondelegate as td
+
+    ep = decompose(torch.export.export(Dead(), (torch.randn(4, 9),)))
+    assert _targets(ep) == [aten.flip.default]
+    assert aten.flip.default not in _targets(decompose_unclaimed(ep, td.TritonPartitioner().claims))
+    x = torch.randn(4, 9)
+    lowered = _lower(Dead(), x)
+    assert not lowered.reports["forward"].nodes.host, lowered.summary()
+    torch.testing.assert_close(lowered.load().load_method()(x), torch.flip(x, [0]))
+
+
 @pytest.mark.parametrize("mode", ["nearest", "bilinear"])
 def test_a_resize_at_a_dynamic_batch_runs_on_the_device(mode):
     from harness import check_dynamic

@@ -86,8 +86,10 @@ def decompose(ep: torch.export.ExportedProgram, keep: Iterable | None = None) ->
     keep = frozenset(default_keep() if keep is None else keep)
     ep = ep.run_decompositions(_table(keep, *_registered()))
     graph = ep.graph_module.graph
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target in METADATA_ONLY and not node.users:
+    freed = set()  # nodes whose only users were such checks (``x.exp().to(x.dtype)`` unused): dead now
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and not node.users and (node.target in METADATA_ONLY or node in freed):
+            freed.update(node.all_input_nodes)
             graph.erase_node(node)
     ep.graph_module.recompile()
     _mutated_parameters_as_buffers(ep)

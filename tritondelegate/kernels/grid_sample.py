@@ -80,12 +80,7 @@ def grid_sample_kernel(
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
-    ow = offs % OW
-    rest = offs // OW
-    oh = rest % OH
-    rest = rest // OH
-    c = rest % C
-    n = rest // C
+    n, _, c, oh, ow = ew.unravel5(offs, 1, C, OH, OW)
     g = grid_ptr + n * gs_n + oh * gs_h + ow * gs_w
     x = _source(tl.load(g, mask=mask, other=0.0).to(tl.float32), W, PADDING, ALIGN)
     y = _source(tl.load(g + gs_k, mask=mask, other=0.0).to(tl.float32), H, PADDING, ALIGN)

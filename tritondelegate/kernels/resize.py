@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import elementwise as ew
 from .refs import FLOAT_DTYPES, node_value
 from .sizes import next_power_of_2
 
@@ -175,14 +176,7 @@ def resize_kernel(
     # out[n, c, od, oh, ow] = the taps of x[n, c] around each dim's source index (module docstring)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
-    ow = offs % OW
-    rest = offs // OW
-    oh = rest % OH
-    rest = rest // OH
-    od = rest % OD
-    rest = rest // OD
-    c = rest % C
-    n = rest // C
+    n, c, od, oh, ow = ew.unravel5(offs, C, OD, OH, OW)
     base = x_ptr + n * xs_n + c * xs_c
     if MODE == "nearest" or MODE == "nearest_exact":
         d = _nearest(od, D, OD, scale_d, MODE, SHORTCUTS, DIMS >= 3)

@@ -485,12 +485,237 @@ SEQ2SEQ = {
                         "decoder_start_token_id": 2}, "ids"),
 }
 
-ENCODERS.update({**TEXT, **VISION, **AUDIO, **SEQ2SEQ})
+# Families probed (2026-12), run through ``Call`` (kind "probe": PROBE_IO names each model's keyword inputs,
+# how to make them at a batch size, and how many outputs are compared; batch is the dynamic dim):
+#   dense prediction on ViT / CNN backbones (depth: DPT, GLPN, Depth Anything, ZoeDepth; segmentation:
+#   UperNet on ConvNeXt and Swin, Segformer / BEiT / Data2VecVision / MobileViT heads, MaskFormer,
+#   Mask2Former, CLIPSeg; SAM's vision encoder and the whole SAM with one point prompt),
+#   detection (DETR and Conditional DETR on a tiny ResNet, YOLOS, OWL-ViT, OWLv2, Deformable DETR, RT-DETR,
+#   Grounding DINO), audio (SpeechT5's HiFi-GAN vocoder, EnCodec, DAC, UnivNet, Wav2Vec2 with a CTC head,
+#   Whisper's decoder), video (VideoMAE, ViViT, TimeSformer), time series (PatchTST, PatchTSMixer, Informer
+#   with full attention, Autoformer, TimesFM), and Perceiver (text), FNet (FFT), Pix2Struct's vision encoder.
+# Skips: EnCodec does not export (its conv padding is computed from tensors: a data-dependent guard, with
+# either pad mode); at a dynamic batch ZoeDepth, CLIPSeg, RT-DETR and TimesFM specialize the batch (export's
+# "Constraints violated"). MaskFormer and Mask2Former build their losses with scipy (pip install scipy).
+RESNET = dict(model_type="resnet", num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+              layer_type="basic")
+TINY_DETR = dict(d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=8)
+CNX4 = dict(model_type="convnext", num_channels=3, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1],
+            out_features=["stage1", "stage2", "stage3", "stage4"])
+SWIN4 = dict(model_type="swin", image_size=32, patch_size=2, embed_dim=8, depths=[1, 1, 1, 1],
+             num_heads=[1, 1, 2, 2], window_size=2, mlp_ratio=2.0,
+             out_features=["stage1", "stage2", "stage3", "stage4"])
+TEXT_CFG = dict(**TOK, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=16)
+VIS_CFG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+               patch_size=8)
+VIT4 = {**VIT, "num_hidden_layers": 4, "image_size": 32}
+SEG = VISION["segformer"][2]
+PROBE = {
+    # dense prediction
+    "dpt": ("DPTConfig", "DPTForDepthEstimation",
+            {**VIT4, "backbone_out_indices": [0, 1, 2, 3], "neck_hidden_sizes": [8, 16, 32, 32],
+             "fusion_hidden_size": 16, "use_auxiliary_head": False}, "probe"),
+    "glpn": ("GLPNConfig", "GLPNForDepthEstimation",
+             dict(num_encoder_blocks=4, depths=[1, 1, 1, 1], sr_ratios=[4, 2, 1, 1], hidden_sizes=[8, 16, 16, 32],
+                  num_attention_heads=[1, 1, 2, 2], mlp_ratios=[2, 2, 2, 2], decoder_hidden_size=16,
+                  drop_path_rate=0.0), "probe"),
+    "depth_anything": ("DepthAnythingConfig", "DepthAnythingForDepthEstimation",
+                       dict(backbone_config=dict(model_type="dinov2", hidden_size=32, num_hidden_layers=4,
+                                                 num_attention_heads=4, mlp_ratio=2, image_size=32, patch_size=4,
+                                                 out_indices=[1, 2, 3, 4], reshape_hidden_states=False),
+                            patch_size=4, reassemble_hidden_size=32, neck_hidden_sizes=[8, 16, 32, 32],
+                            fusion_hidden_size=16, head_hidden_size=8), "probe"),
+    "zoedepth": ("ZoeDepthConfig", "ZoeDepthForDepthEstimation",
+                 dict(backbone_config=dict(model_type="beit", hidden_size=32, num_hidden_layers=4,
+                                           num_attention_heads=4, intermediate_size=64, image_size=32, patch_size=4,
+                                           out_indices=[1, 2, 3, 4], use_relative_position_bias=True,
+                                           reshape_hidden_states=False),
+                      neck_hidden_sizes=[8, 16, 32, 32], fusion_hidden_size=16, bottleneck_features=16,
+                      num_relative_features=8, num_attractors=[4, 2, 2, 1], bin_embedding_dim=16,
+                      bin_configurations=[dict(n_bins=8, min_depth=0.001, max_depth=10.0, name="nyu")],
+                      num_patch_transformer_layers=1, patch_transformer_hidden_size=16,
+                      patch_transformer_intermediate_size=32, patch_transformer_num_attention_heads=2), "probe"),
+    "upernet_convnext": ("UperNetConfig", "UperNetForSemanticSegmentation",
+                         dict(backbone_config=CNX4, hidden_size=16, use_auxiliary_head=False), "probe"),
+    "upernet_swin": ("UperNetConfig", "UperNetForSemanticSegmentation",
+                     dict(backbone_config=SWIN4, hidden_size=16, use_auxiliary_head=False), "probe"),
+    "segformer_seg": ("SegformerConfig", "SegformerForSemanticSegmentation", SEG, "probe"),
+    "beit_seg": ("BeitConfig", "BeitForSemanticSegmentation",
+                 {**VIT4, "vocab_size": 64, "use_relative_position_bias": True, "out_indices": [1, 2, 3, 4],
+                  "use_auxiliary_head": False, "pool_scales": [1, 2]}, "probe"),
+    "data2vec_vision_seg": ("Data2VecVisionConfig", "Data2VecVisionForSemanticSegmentation",
+                            {**VIT4, "use_relative_position_bias": True, "out_indices": [1, 2, 3, 4],
+                             "use_auxiliary_head": False, "pool_scales": [1, 2]}, "probe"),
+    "mobilevit_seg": ("MobileViTConfig", "MobileViTForSemanticSegmentation",
+                      {**VISION["mobilevit"][2], "aspp_out_channels": 16, "atrous_rates": [2, 4, 6]}, "probe"),
+    "maskformer": ("MaskFormerConfig", "MaskFormerForInstanceSegmentation",
+                   dict(backbone_config=SWIN4, fpn_feature_size=32, mask_feature_size=32,
+                        decoder_config=dict(model_type="detr", **TINY_DETR)), "probe"),
+    "mask2former": ("Mask2FormerConfig", "Mask2FormerForUniversalSegmentation",
+                    dict(backbone_config=SWIN4, feature_size=32, mask_feature_size=32, hidden_dim=32,
+                         encoder_feedforward_dim=32, encoder_layers=1, decoder_layers=2, num_attention_heads=2,
+                         dim_feedforward=32, num_queries=8), "probe"),  # use_auxiliary_loss: its forward needs it
+    "clipseg": ("CLIPSegConfig", "CLIPSegForImageSegmentation",
+                dict(text_config=TEXT_CFG, vision_config=VIS_CFG, projection_dim=32, extract_layers=[0, 1],
+                     reduce_dim=16, decoder_num_attention_heads=2, decoder_intermediate_size=32), "probe"),
+    "sam_vision": ("SamVisionConfig", "SamVisionModel",
+                   dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4,
+                        image_size=64, patch_size=8, window_size=4, global_attn_indexes=[1], mlp_dim=64), "probe"),
+    "sam": ("SamConfig", "SamModel",
+            dict(vision_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4,
+                                    image_size=64, patch_size=8, window_size=4, global_attn_indexes=[1],
+                                    mlp_dim=64, num_pos_feats=8),
+                 prompt_encoder_config=dict(hidden_size=16, image_size=64, patch_size=8, mask_input_channels=4),
+                 mask_decoder_config=dict(hidden_size=16, mlp_dim=32, num_hidden_layers=2, num_attention_heads=2,
+                                          iou_head_hidden_dim=16)), "probe"),
+    # detection
+    "detr": ("DetrConfig", "DetrForObjectDetection",
+             {**TINY_DETR, "use_timm_backbone": False, "use_pretrained_backbone": False, "backbone": None,
+              "backbone_config": {**RESNET, "out_features": ["stage2"]}}, "probe"),
+    "conditional_detr": ("ConditionalDetrConfig", "ConditionalDetrForObjectDetection",
+                         {**TINY_DETR, "use_timm_backbone": False, "use_pretrained_backbone": False,
+                          "backbone": None, "backbone_config": {**RESNET, "out_features": ["stage2"]}}, "probe"),
+    "deformable_detr": ("DeformableDetrConfig", "DeformableDetrForObjectDetection",
+                        {**TINY_DETR, "backbone_config": {**RESNET, "out_features": ["stage1", "stage2"]},
+                         "num_feature_levels": 2, "encoder_n_points": 2, "decoder_n_points": 2,
+                         "disable_custom_kernels": True}, "probe"),
+    "rt_detr": ("RTDetrConfig", "RTDetrForObjectDetection",
+                dict(backbone_config=dict(model_type="rt_detr_resnet", embedding_size=8, hidden_sizes=[8, 16, 32, 64],
+                                          depths=[1, 1, 1, 1], layer_type="basic",
+                                          out_features=["stage2", "stage3", "stage4"]),
+                     encoder_hidden_dim=16, encoder_in_channels=[16, 32, 64], encoder_ffn_dim=32,
+                     encoder_attention_heads=2, d_model=16, num_queries=8, decoder_in_channels=[16, 16, 16],
+                     decoder_ffn_dim=32, decoder_n_points=2, decoder_layers=1, decoder_attention_heads=2,
+                     num_denoising=0, anchor_image_size=None), "probe"),
+    "grounding_dino": ("GroundingDinoConfig", "GroundingDinoForObjectDetection",
+                       {**TINY_DETR, "backbone_config": {**SWIN4, "out_features": ["stage2", "stage3", "stage4"]},
+                        "text_config": dict(model_type="bert", **TEXT_CFG), "num_feature_levels": 3,
+                        "encoder_n_points": 2, "decoder_n_points": 2, "max_text_len": 16,
+                        "disable_custom_kernels": True}, "probe"),
+    "yolos": ("YolosConfig", "YolosForObjectDetection",
+              {**VIT, "image_size": [32, 32], "num_detection_tokens": 4}, "probe"),
+    "owlvit": ("OwlViTConfig", "OwlViTForObjectDetection",
+               dict(text_config=TEXT_CFG, vision_config=VIS_CFG, projection_dim=32), "probe"),
+    "owlv2": ("Owlv2Config", "Owlv2ForObjectDetection",
+              dict(text_config=TEXT_CFG, vision_config=VIS_CFG, projection_dim=32), "probe"),
+    # audio
+    "hifigan": ("SpeechT5HifiGanConfig", "SpeechT5HifiGan",
+                dict(model_in_dim=8, upsample_initial_channel=16, upsample_rates=[2, 2], upsample_kernel_sizes=[4, 4],
+                     resblock_kernel_sizes=[3, 5], resblock_dilation_sizes=[[1, 3], [1, 3]]), "probe"),
+    "encodec": ("EncodecConfig", "EncodecModel",
+                dict(target_bandwidths=[1.5], hidden_size=16, num_filters=4, upsampling_ratios=[4, 2],
+                     num_lstm_layers=1, codebook_size=16, sampling_rate=800, pad_mode="constant"), "probe"),
+    "dac": ("DacConfig", "DacModel",
+            dict(encoder_hidden_size=4, downsampling_ratios=[2, 4], decoder_hidden_size=16, n_codebooks=2,
+                 codebook_size=16, codebook_dim=4), "probe"),
+    "univnet": ("UnivNetConfig", "UnivNetModel",
+                dict(model_in_channels=8, model_hidden_channels=8, num_mel_bins=8, resblock_kernel_sizes=[3],
+                     resblock_stride_sizes=[4], resblock_dilation_sizes=[[1, 3]], kernel_predictor_num_blocks=1,
+                     kernel_predictor_hidden_channels=8), "probe"),
+    "wav2vec2_ctc": ("Wav2Vec2Config", "Wav2Vec2ForCTC", W2V, "wave"),
+    "whisper_decoder": ("WhisperConfig", "WhisperForConditionalGeneration", ENCODERS["whisper_encoder"][2],
+                        "probe"),
+    # video
+    "videomae": ("VideoMAEConfig", "VideoMAEModel", {**VIT, "num_frames": 4, "tubelet_size": 2}, "image"),
+    "vivit": ("VivitConfig", "VivitModel", {**VIT, "num_frames": 4, "tubelet_size": [2, 4, 4]}, "image"),
+    "timesformer": ("TimesformerConfig", "TimesformerModel", {**VIT, "num_frames": 4}, "image"),
+    # time series
+    "patchtst": ("PatchTSTConfig", "PatchTSTForPrediction",
+                 dict(num_input_channels=3, context_length=32, patch_length=8, patch_stride=8, prediction_length=8,
+                      d_model=16, num_attention_heads=2, num_hidden_layers=2, ffn_dim=32), "probe"),
+    "patchtsmixer": ("PatchTSMixerConfig", "PatchTSMixerForPrediction",
+                     dict(num_input_channels=3, context_length=32, patch_length=8, patch_stride=8,
+                          prediction_length=8, d_model=16, num_layers=2), "probe"),
+    "informer": ("InformerConfig", "InformerModel",
+                 dict(prediction_length=4, context_length=8, lags_sequence=[1, 2], num_time_features=1, d_model=16,
+                      encoder_layers=2, decoder_layers=1, attention_type="full", distil=False), "probe"),
+    "autoformer": ("AutoformerConfig", "AutoformerModel",
+                   dict(prediction_length=4, context_length=8, lags_sequence=[1, 2], num_time_features=1, d_model=16,
+                        encoder_layers=2, decoder_layers=1), "probe"),
+    "timesfm": ("TimesFmConfig", "TimesFmModelForPrediction",
+                dict(patch_length=8, context_length=32, horizon_length=8, num_hidden_layers=2, hidden_size=32,
+                     intermediate_size=64, head_dim=8, num_attention_heads=4), "probe"),
+    # others
+    "perceiver": ("PerceiverConfig", "PerceiverForMaskedLM",
+                  dict(num_latents=8, d_latents=32, d_model=32, num_blocks=1, num_self_attends_per_block=1,
+                       num_self_attention_heads=4, num_cross_attention_heads=4, vocab_size=64,
+                       max_position_embeddings=64), "probe"),
+    "fnet": ("FNetConfig", "FNetModel", {**ENC, "use_tpu_fourier_optimizations": False}, "ids"),
+    "pix2struct_vision": ("Pix2StructVisionConfig", "Pix2StructVisionModel",
+                          dict(hidden_size=32, patch_embed_hidden_size=48, d_ff=64, d_kv=8, num_hidden_layers=2,
+                               num_attention_heads=4, seq_len=16), "probe"),
+}
+
+
+def _img(shape):
+    return lambda c, b, g: (torch.randn(b, *shape, generator=g),)
+
+
+def _ids_img(c, b, g, size=32):
+    return (torch.randint(0, 64, (b, 5), generator=g), torch.randn(b, 3, size, size, generator=g))
+
+
+def _series(c, b, g):  # Informer / Autoformer: past window (context + largest lag), a time feature, a future
+    past, n = c.context_length + max(c.lags_sequence), c.prediction_length
+    t = torch.arange(past + n, dtype=torch.float32)[None, :, None].expand(b, -1, -1) / 10
+    return (torch.randn(b, past, generator=g), t[:, :past].contiguous(), torch.ones(b, past),
+            t[:, past:].contiguous())
+
+
+def _patches(c, b, g, rows=4, cols=4):  # Pix2Struct: (row, col) ids then 3 x 4 x 4 pixels per patch
+    r, k = torch.meshgrid(torch.arange(1, rows + 1.0), torch.arange(1, cols + 1.0), indexing="ij")
+    ids = torch.stack([r.flatten(), k.flatten()], -1)[None].expand(b, -1, -1)
+    return (torch.cat([ids, torch.randn(b, rows * cols, c.patch_embed_hidden_size, generator=g)], -1),)
+
+
+# name -> (input keywords, (config, batch, generator) -> inputs, outputs compared, keyword constants, dict outputs)
+PROBE_IO = {
+    **{k: (["pixel_values"], _img((3, 32, 32)), 1, {}, True)
+       for k in ("dpt", "glpn", "depth_anything", "zoedepth", "upernet_convnext", "upernet_swin", "segformer_seg",
+                 "beit_seg", "data2vec_vision_seg")},
+    "mobilevit_seg": (["pixel_values"], _img((3, 64, 64)), 1, {}, True),
+    "maskformer": (["pixel_values"], _img((3, 32, 32)), 2, {}, True),
+    "mask2former": (["pixel_values"], _img((3, 32, 32)), 2, {}, True),
+    "clipseg": (["input_ids", "pixel_values"], _ids_img, 1, {}, True),
+    "sam_vision": (["pixel_values"], _img((3, 64, 64)), 1, {}, True),
+    "sam": (["pixel_values", "input_points"],
+            lambda c, b, g: (torch.randn(b, 3, 64, 64, generator=g), 64 * torch.rand(b, 1, 1, 2, generator=g)), 2,
+            {"multimask_output": False}, True),
+    **{k: (["pixel_values"], _img((3, 32, 32)), 2, {}, True)
+       for k in ("detr", "conditional_detr", "deformable_detr", "rt_detr", "yolos")},
+    "grounding_dino": (["input_ids", "pixel_values"], _ids_img, 2, {}, True),
+    "owlvit": (["input_ids", "pixel_values"], _ids_img, 2, {}, True),
+    "owlv2": (["input_ids", "pixel_values"], _ids_img, 2, {}, True),
+    "hifigan": (["spectrogram"], lambda c, b, g: (torch.randn(b, 10, c.model_in_dim, generator=g),), 1, {}, False),
+    "encodec": (["input_values"], lambda c, b, g: (torch.randn(b, 1, 64, generator=g),), 2, {}, True),
+    "dac": (["input_values"], lambda c, b, g: (torch.randn(b, 1, 64, generator=g),), 5, {}, True),
+    "univnet": (["input_features", "noise_sequence"],
+                lambda c, b, g: (torch.randn(b, 10, c.num_mel_bins, generator=g),
+                                 torch.randn(b, 10, c.model_in_channels, generator=g)), 1, {}, True),
+    "whisper_decoder": (["input_features", "decoder_input_ids"],
+                        lambda c, b, g: (torch.randn(b, c.num_mel_bins, 2 * c.max_source_positions, generator=g),
+                                         torch.randint(3, 64, (b, 5), generator=g)), 1, {"use_cache": False}, True),
+    "patchtst": (["past_values"], lambda c, b, g: (torch.randn(b, 32, 3, generator=g),), 1, {}, True),
+    "patchtsmixer": (["past_values"], lambda c, b, g: (torch.randn(b, 32, 3, generator=g),), 1, {}, True),
+    "informer": (["past_values", "past_time_features", "past_observed_mask", "future_time_features"], _series, 1,
+                 {"use_cache": False}, True),
+    "autoformer": (["past_values", "past_time_features", "past_observed_mask", "future_time_features"], _series, 1,
+                   {"use_cache": False}, True),
+    "timesfm": (["past_values"], lambda c, b, g: (torch.randn(b, 32, generator=g),), 2, {}, True),
+    "perceiver": (["inputs"], lambda c, b, g: (torch.randint(0, 64, (b, 7), generator=g),), 1, {}, True),
+    "pix2struct_vision": (["flattened_patches"], _patches, 1, {}, True),
+}
+
+ENCODERS.update({**TEXT, **VISION, **AUDIO, **SEQ2SEQ, **PROBE})
 GET_ENCODER = set(SEQ2SEQ) | {"whisper_encoder"}
 IMAGE_SHAPE = {"swin": (3, 32, 32), "swinv2": (3, 32, 32), "segformer": (3, 32, 32), "poolformer": (3, 32, 32),
                "efficientnet": (3, 32, 32), "regnet": (3, 32, 32), "mobilevit": (3, 64, 64),
                "mobilevitv2": (3, 64, 64), "focalnet": (3, 32, 32), "pvt_v2": (3, 32, 32), "hiera": (3, 64, 64),
-               "bit": (3, 32, 32), "levit": (3, 64, 64)}  # (channels, height, width); 3 x 16 x 16 otherwise
+               "bit": (3, 32, 32), "levit": (3, 64, 64),
+               "videomae": (4, 3, 16, 16), "vivit": (4, 3, 16, 16), "timesformer": (4, 3, 16, 16)}
+# (channels, height, width), or (frames, channels, height, width) for video; 3 x 16 x 16 otherwise
 WAVE_LEN = 400  # audio samples: 79 frames after the stride-5 conv, 39 after the stride-2 one
 ARCHS = list(DECODERS) + list(ENCODERS)
 CASES = ("forward", "generate", "dynamic", "batch2", "mask", "eager_attn", "bf16", "long", "long_gen", "wide", "dyn_gen", "fp16", "dyn2")
@@ -505,6 +730,22 @@ class First(torch.nn.Module):
 
     def forward(self, x):
         return self.model(**{self.key: x}, return_dict=False)[0]
+
+
+class Call(torch.nn.Module):
+    """A model as positional tensors (its keywords ``keys``, with constants ``fixed``) -> its first ``n``
+    outputs (``dict_out=False``: a model that returns a tensor and takes no ``return_dict``)."""
+
+    def __init__(self, model, keys, n=1, fixed=None, dict_out=True):
+        super().__init__()
+        self.model, self.keys, self.n, self.fixed, self.dict_out = model, keys, n, fixed or {}, dict_out
+
+    def forward(self, *xs):
+        kw = {**dict(zip(self.keys, xs)), **self.fixed}
+        out = self.model(**kw, return_dict=False) if self.dict_out else self.model(**kw)
+        if isinstance(out, torch.Tensor):
+            return out
+        return out[0] if self.n == 1 else tuple(out[:self.n])
 
 
 class FreshCaches(First):
@@ -578,6 +819,9 @@ def _inputs(name, model, batch=1, length=7):
     if kind == "image":
         wrap = FreshCaches if name == "levit" else First
         return wrap(model, "pixel_values"), (torch.randn(batch, *IMAGE_SHAPE.get(name, (3, 16, 16)), generator=g),), 0
+    if kind == "probe":
+        keys, make, n, fixed, dict_out = PROBE_IO[name]
+        return Call(model, keys, n, fixed, dict_out), make(model.config, batch, g), 0
     if kind == "wave":
         return First(model, "input_values"), (torch.randn(batch, WAVE_LEN, generator=g),), 0
     c = model.config
@@ -611,7 +855,12 @@ def _facts(lowered):
         nodes = report.nodes
         share = min(share, 100.0 * nodes.delegated / max(nodes.total, 1))
         host.update(str(op).replace("aten.", "") for _, op, _ in nodes.host)
+        for node, op, reason in nodes.host:
+            REASONS.setdefault((str(op).replace("aten.", ""), reason), []).append(node)
     return launches, share, host
+
+
+REASONS = {}  # (host op, reason) -> nodes, of the latest case (printed with --verbose)
 
 
 def _diff(out, ref):
@@ -626,7 +875,8 @@ def _diff(out, ref):
         same_nan = o.isnan() & r.isnan()
         if (o.isnan() != r.isnan()).any():
             return float("inf"), f"NaN where eager has none ({int((o.isnan() & ~r.isnan()).sum())})"
-        o, r = o.masked_fill(same_nan, 0), r.masked_fill(same_nan, 0)
+        same = same_nan | (o == r)  # and equal infinities (a -inf mask), whose difference is NaN
+        o, r = o.masked_fill(same, 0), r.masked_fill(same, 0)
         d = (o - r).abs().max().item() / max(1e-6, r.abs().max().item()) if o.numel() else 0.0
         worst = max(worst, d if d == d else float("inf"))
     return worst, ""
@@ -725,7 +975,8 @@ def case_dynamic(name, model):
     module, args, dim = _inputs(name, model, batch=2)  # batch 1 would specialize a dynamic batch
     bound = 16 if dim == 1 else 4
     d = torch.export.Dim("n", min=1 if dim == 0 else 2, max=bound)
-    ep = _export(module, args, dynamic_shapes=({dim: d},))
+    shapes = tuple({dim: d} for _ in args)
+    ep = _export(module, args, dynamic_shapes=(shapes,) if isinstance(module, Call) else shapes)  # Call: *xs
     lowered = td.lower(ep, config=_config())
     method = lowered.load().load_method("forward")
     worst, note = 0.0, ""
@@ -893,6 +1144,7 @@ def run_case(name, case, timeout, verbose):
     signal.alarm(timeout)
     if case in ("generate", "long_gen", "dyn_gen") and name not in DECODERS:
         return None
+    REASONS.clear()
     try:
         model = _build(name, case)
         worst, note, launches, share, host = CASE_FUNCTIONS[case](name, model)
@@ -900,6 +1152,9 @@ def run_case(name, case, timeout, verbose):
             f"mismatch ({worst:.3g}{'; ' + note if note else ''})"
         hosted = ", ".join(f"{op}x{c}" for op, c in host.most_common(4))
         extra = f"  host: {hosted}" if hosted else ""
+        if verbose:
+            for (op, reason), nodes in REASONS.items():
+                extra += f"\n    on the host: {op} x{len(nodes)} ({nodes[0]}): {reason}"
         return f"{status:<40} launches={launches:<4} delegated={share:5.1f}%{extra}", time.time() - start
     except Skip as e:
         return f"skip ({e})", time.time() - start

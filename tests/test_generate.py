@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tritondelegate as td
+from tritondelegate import cli
 from tritondelegate.decompose import decompose
 from tritondelegate.generate import Generator
 from tritondelegate.kernels.traffic import method_traffic
@@ -22,12 +23,16 @@ from tritondelegate.models import (
     generate_eager,
     hf_llama_static_cache,
     kv_cache_decoder,
+    llm_constant_methods,
 )
 from tritondelegate.passes.fold_repeat_kv import fold_repeat_kv
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=32)
 PROMPT_LEN = 8
 CACHE_BYTES = 2 * TINY["n_layers"] * TINY["n_kv_heads"] * TINY["max_seq_len"] * (TINY["dim"] // TINY["n_heads"]) * 4
+
+
+RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
 
 
 def tiny_model():
@@ -334,3 +339,91 @@ def test_a_row_stops_at_its_stop_token_and_generation_ends_when_all_have(batch_o
     assert len(result.steps) == max(first)
     program.reset_state()
     assert generator.generate(prompts, 6, stop_tokens=[]).stopped == [False, False]
+
+
+@pytest.fixture(scope="module")
+def chunked():
+    """The tiny decoder with a prefill of 1 to 6 tokens, lowered with its constant methods."""
+    model = tiny_model()
+    return td.lower(export_prefill_decode(model, 4, max_prompt_len=6),
+                    partitioner=td.TritonPartitioner(device="cuda:0"), config=RESIDENT, constant_methods=llm_constant_methods(model))
+
+
+def long_prompt(length: int = 15) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (1, length), generator=torch.Generator().manual_seed(7))
+
+
+def test_constant_methods_are_stored_in_the_file_and_a_bad_one_is_refused(chunked, tmp_path, capsys):
+    expected = {"get_max_seq_len": TINY["max_seq_len"], "get_max_batch_size": 1, "get_vocab_size": TINY["vocab_size"],
+                "use_kv_cache": True}
+    assert chunked.constant_methods == expected
+    chunked.save(tmp_path / "lm.tdp")
+    assert td.load(tmp_path / "lm.tdp").constant_methods == expected
+    assert cli.main(["inspect", str(tmp_path / "lm.tdp")]) == 0
+    assert "constant methods: get_max_seq_len = 32, get_max_batch_size = 1," in capsys.readouterr().out
+    ep = export_prefill_decode(tiny_model(), 4)["decode"]  # refused before lowering: no warnings
+    for bad, error in [({"decode": 1}, "name of one of the program's methods"), ({"max len": 1}, "not an identifier"),
+                       ({"eos": {"id": 2}}, "holds a dict"), ({"scale": float("inf")}, "JSON cannot store")]:
+        with pytest.raises((TypeError, ValueError), match=error):
+            td.lower({"decode": ep}, constant_methods=bad)
+    chunked.program.constant_methods[0].value = "[1, "  # a damaged file names the entry
+    try:
+        chunked.save(tmp_path / "bad.tdp")
+    finally:
+        chunked.program.constant_methods[0].value = str(TINY["max_seq_len"])
+    with pytest.raises(td.ProgramError, match="constant method 0 .'get_max_seq_len'.: its value is not JSON"):
+        td.load(tmp_path / "bad.tdp")
+
+
+def test_a_long_prompt_is_prefilled_in_calls_and_its_tokens_stream(chunked):
+    """A 15-token prompt through a prefill of at most 6 tokens: calls of 6, 6 and 3 at their positions;
+    the tokens are eager's, ``on_token`` sees each as it is picked, the kept logits are the prompt's."""
+    generator = Generator(chunked.load())
+    assert generator.prompt_lengths == (1, 6) and generator.max_seq_len == TINY["max_seq_len"]
+    seen = []
+    result = generator.generate(long_prompt(), 5, keep_logits=True, on_token=seen.append)
+    tokens, logits = generate_eager(tiny_model(), long_prompt(), 5)
+    assert result.tokens.tolist() == tokens.tolist() == torch.cat(seen, dim=1).tolist()
+    assert_logits_close(result.logits, logits)
+    assert result.next_position == 15 + 4  # the last token is picked, not yet read
+
+
+def test_the_next_turn_continues_the_cache_from_next_position(chunked):
+    generator = Generator(chunked.load())
+    prompt, reply = long_prompt()[:, :9], long_prompt()[:, 9:]
+    first = generator.generate(prompt, 4)
+    second = generator.generate(torch.cat([first.tokens[:, -1:], reply], dim=1), 3, start=first.next_position)
+    expected, _ = generate_eager(tiny_model(), torch.cat([prompt, first.tokens, reply], dim=1), 3)
+    assert second.tokens.tolist() == expected.tolist()
+
+
+def test_a_generation_that_would_pass_the_cache_is_refused_before_any_call(chunked, program_file):
+    program = chunked.load()
+    generator = Generator(program)
+    with pytest.raises(ValueError, match="15 token.s. at position 0 and 20 new token.s. need 34 cache positions; "
+                                         "the cache has 32"):
+        generator.generate(long_prompt(), 20)
+    with pytest.raises(ValueError, match="need 33 cache positions"):
+        generator.generate(long_prompt()[:, :2], 1, start=31)
+    assert generator.prefill.stats.calls == 0
+    assert generator.generate(long_prompt(), 18).tokens.shape == (1, 18)  # exactly fills the cache
+    # A program without get_max_seq_len: the caller gives it; a static prefill takes its length only.
+    fixed = Generator(td.load(program_file), max_seq_len=TINY["max_seq_len"])
+    with pytest.raises(ValueError, match="need 39 cache positions"):
+        fixed.generate(prompt(1), 32)
+    with pytest.raises(ValueError, match=f"takes {PROMPT_LEN} tokens per call; a 12-token prompt splits into calls "
+                                         f"of {PROMPT_LEN} with 4 left over"):
+        fixed.generate(long_prompt(12), 2)
+
+
+def test_the_programs_eos_ids_stop_generation_unless_stop_tokens_are_given(chunked):
+    full = Generator(chunked.load()).generate(long_prompt(), 6)
+    eos = int(full.tokens[0, 2])
+    at = full.tokens[0].tolist().index(eos)
+    with_eos = td.lower(export_prefill_decode(tiny_model(), 4, max_prompt_len=6), config=RESIDENT,
+                        constant_methods={**chunked.constant_methods, "get_eos_ids": [eos]})
+    generator = Generator(with_eos.load())
+    stopped = generator.generate(long_prompt(), 6)
+    assert stopped.stopped == [True] and stopped.tokens.shape[1] == at + 1
+    generator.program.reset_state()
+    assert generator.generate(long_prompt(), 6, stop_tokens=()).tokens.tolist() == full.tokens.tolist()

@@ -111,7 +111,7 @@ def _generate(args) -> dict:
 
     import tritondelegate as td
     from tritondelegate.generate import Generator
-    from tritondelegate.models import export_prefill_decode, generate_eager, kv_cache_decoder
+    from tritondelegate.models import export_prefill_decode, generate_eager, kv_cache_decoder, llm_constant_methods
 
     cfg, prompt_len = GENERATE_MODEL, args.prompt_len
     if not 1 <= prompt_len <= GENERATE_MAX_PROMPT_LEN:
@@ -133,7 +133,8 @@ def _generate(args) -> dict:
         skip_h2d_for_constants=True, state_on_device=not args.state_on_host))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", td.PerCallCopyWarning)  # the per-step bytes below show the copies
-        lowered = td.lower(programs, partitioner=td.TritonPartitioner(device="cuda:0"), config=config)
+        lowered = td.lower(programs, partitioner=td.TritonPartitioner(device="cuda:0"), config=config,
+                           constant_methods=llm_constant_methods(model))
     timings["lower_s"] = time.perf_counter() - start
     # The lowered program keeps the cache values it was lowered with; eager generation may now write them.
     expected_tokens, expected_logits = generate_eager(model, prompt, args.tokens)

@@ -20,6 +20,7 @@ when every row is done.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,7 @@ class Generation:
     memory: dict  # program.memory() after the run
     logits: list[torch.Tensor] | None = field(default=None, repr=False)  # per call, with keep_logits
     stopped: list[bool] = field(default_factory=list)  # per row: whether it picked a stop token
+    next_position: int = 0  # the first cache position no call has written: where a next turn starts
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -78,6 +80,7 @@ class Generation:
             "steps": [s.__dict__ for s in self.steps],
             "memory": self.memory,
             "stopped": self.stopped,
+            "next_position": self.next_position,
         }
 
 
@@ -87,45 +90,70 @@ class Generator:
     ``graphs=True`` loads decode with CUDA graphs (each delegate replayed as one graph from its third
     call). ``stream``: every copy and launch of both methods runs on it. Calls are sequential; the
     cache persists between :meth:`generate` calls until ``program.reset_state()``.
+
+    ``max_seq_len``: the cache's positions, which a prompt and the tokens after it must fit in; by
+    default the program's ``get_max_seq_len`` constant method, else unchecked (positions past the cache
+    write nothing, so their tokens would be garbage). The program's ``get_eos_ids`` are the default
+    ``stop_tokens``.
     """
 
     def __init__(self, program, *, graphs: bool = False, stream=None,
-                 prefill: str = "prefill", decode: str = "decode"):
+                 prefill: str = "prefill", decode: str = "decode", max_seq_len: int | None = None):
         self.program = program
         self.stream = stream
         self.prefill = program.load_method(prefill, stream=stream)
         self.decode = program.load_method(decode, stream=stream, graphs=graphs)
+        facts = program.constant_methods
+        self.max_seq_len = facts.get("get_max_seq_len") if max_seq_len is None else max_seq_len
+        self.eos_ids = tuple(facts.get("get_eos_ids", ()))
+        self.prompt_lengths = _prompt_lengths(self.prefill)  # (min, max) tokens of one prefill call
 
     def generate(self, prompt: torch.Tensor, new_tokens: int, keep_logits: bool = False, *,
-                 sampling: Sampling | None = None, stop_tokens=()) -> Generation:
-        """Prefill ``prompt`` [B, T] at positions 0..T-1, then up to ``new_tokens - 1`` decode steps:
-        greedy, or drawn by ``sampling``; fewer when every row has picked one of ``stop_tokens``.
+                 sampling: Sampling | None = None, stop_tokens=None, start: int = 0,
+                 on_token: Callable[[torch.Tensor], None] | None = None) -> Generation:
+        """Prefill ``prompt`` [B, T] at positions ``start``..``start + T - 1``, then up to
+        ``new_tokens - 1`` decode steps: greedy, or drawn by ``sampling``; fewer when every row has
+        picked one of ``stop_tokens`` (default: the program's ``get_eos_ids``; ``()``: none).
 
-        The prompt length must be one prefill takes: the length it was exported with, or any length in
-        its range when exported with a dynamic prompt length. ``keep_logits`` keeps each call's
-        logits (prefill [B, T, V], then [B, 1, V] per step) in the result.
+        A prompt longer than one prefill call takes (its exported length, or the top of its dynamic
+        range) is prefilled in calls of that many tokens. ``start`` > 0 continues what the cache holds
+        at positions below it (a conversation's next turn: ``start`` = the previous result's
+        ``next_position``, the prompt beginning with its last token, which no call has read yet).
+        ``on_token`` is called with each row's new token [B, 1] as it is picked (streaming).
+        ``keep_logits`` keeps each call's logits in the result (the prompt's, then [B, 1, V] per step).
         """
         if new_tokens < 1:
             raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
         pick = greedy if sampling is None else sampling.pick
+        stop_tokens = self.eos_ids if stop_tokens is None else stop_tokens
         batch, length = prompt.shape
-        start = time.perf_counter()
-        logits = _call(self.prefill, prompt, torch.arange(length), self.stream)
-        prefill_s = time.perf_counter() - start
-        kept = [logits] if keep_logits else None
-        first = pick(logits)
-        start = time.perf_counter()
-        tokens, steps = self.decode_from(first, length, new_tokens - 1, kept, pick=pick, stop_tokens=stop_tokens)
-        decode_s = time.perf_counter() - start
+        self._check_room(start, length, new_tokens)
+        chunks = self._chunks(length)
+        begin = time.perf_counter()
+        logits = [_call(self.prefill, prompt[:, a:b], torch.arange(start + a, start + b), self.stream)
+                  for a, b in chunks]
+        prefill_s = time.perf_counter() - begin
+        kept = [_prompt_logits(logits, chunks)] if keep_logits else None
+        first = pick(logits[-1])
+        if on_token is not None:
+            on_token(first)
+        begin = time.perf_counter()
+        tokens, steps = self.decode_from(first, start + length, new_tokens - 1, kept, pick=pick,
+                                         stop_tokens=stop_tokens, on_token=on_token)
+        decode_s = time.perf_counter() - begin
         stopped = torch.isin(tokens, _ids(stop_tokens)).any(1).tolist()
-        return Generation(tokens, batch * length, prefill_s, decode_s, steps, self.program.memory(), kept, stopped)
+        return Generation(tokens, batch * length, prefill_s, decode_s, steps, self.program.memory(), kept, stopped,
+                          start + length + len(steps))
 
     def decode_from(self, token: torch.Tensor, position: int, steps: int, kept: list | None = None, *,
-                    pick=greedy, stop_tokens=()) -> tuple[torch.Tensor, list[StepStats]]:
+                    pick=greedy, stop_tokens=(), on_token=None) -> tuple[torch.Tensor, list[StepStats]]:
         """Up to ``steps`` decode calls: ``token`` [B, 1] at ``position``, then each picked successor
         (``pick(logits)`` -> [B, 1]) at the next position, until every row has picked one of
         ``stop_tokens`` (a row that has repeats its stop token). Returns (``token`` and the new tokens
-        [B, 1 + calls], per-call stats); appends each call's logits to ``kept`` when given."""
+        [B, 1 + calls], per-call stats); appends each call's logits to ``kept`` when given and passes
+        each picked [B, 1] to ``on_token``."""
+        if steps > 0:
+            self._check_room(position, 1, steps)
         stops = _ids(stop_tokens)
         tokens, stats, done = [token], [], torch.isin(token, stops)
         for i in range(steps):
@@ -138,7 +166,48 @@ class Generator:
             picked = torch.where(done, tokens[-1], pick(logits))
             done |= torch.isin(picked, stops)
             tokens.append(picked)
+            if on_token is not None:
+                on_token(picked)
         return torch.cat(tokens, dim=1), stats
+
+    def _check_room(self, start: int, length: int, new_tokens: int) -> None:
+        """That ``length`` tokens at ``start`` and the ``new_tokens - 1`` calls after them fit the cache."""
+        if start < 0:
+            raise ValueError(f"start must be a position >= 0, got {start}")
+        needed = start + length + max(new_tokens - 1, 0)
+        if self.max_seq_len is not None and needed > self.max_seq_len:
+            raise ValueError(f"{length} token(s) at position {start} and {new_tokens} new token(s) need "
+                             f"{needed} cache positions; the cache has {self.max_seq_len} (get_max_seq_len)")
+
+    def _chunks(self, length: int) -> list[tuple[int, int]]:
+        """[a, b) token ranges of the prefill calls a prompt of ``length`` tokens takes."""
+        low, high = self.prompt_lengths
+        chunks = [(a, min(a + high, length)) for a in range(0, length, high)]
+        last = chunks[-1][1] - chunks[-1][0] if chunks else 0
+        if not chunks or last < low:
+            takes = f"{low} to {high} tokens" if low < high else f"{high} tokens"
+            raise ValueError(f"prefill method {self.prefill.name!r} takes {takes} per call; a {length}-token "
+                             f"prompt splits into calls of {high} with {last} left over")
+        return chunks
+
+
+def _prompt_lengths(method) -> tuple[int, int]:
+    """(min, max) prompt tokens one call of ``method`` takes: its ids' dynamic range, or their length."""
+    ids = method.input_keywords.index("input_ids") if "input_ids" in method.input_keywords else 0
+    program = method.method
+    for symbol in program.symbols:
+        if symbol.input == ids and symbol.dim == 1:
+            return symbol.min, symbol.max
+    length = program.values[program.inputs[ids]].shape[1]
+    return length, length
+
+
+def _prompt_logits(logits: list[torch.Tensor], chunks: list[tuple[int, int]]) -> torch.Tensor:
+    """The prompt's logits from its prefill calls': every position's [B, T, V] when each call returned
+    all of its positions, else (a program that returns the last position's only) the last call's."""
+    if all(out.shape[1] == b - a for out, (a, b) in zip(logits, chunks)):
+        return torch.cat(logits, dim=1)
+    return logits[-1]
 
 
 def _ids(tokens) -> torch.Tensor:

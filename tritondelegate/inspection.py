@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .constant_methods import decode as decode_constant_methods
 from .kernels.traffic import method_traffic, traffic_line
 from .program import InstrKind, Program, Role
 
@@ -28,6 +29,7 @@ def describe(program: Program) -> dict:
              "triton_version": b.triton_version}
             for b in program.binaries
         ],
+        "constant_methods": decode_constant_methods(program.constant_methods),
     }
 
 
@@ -137,5 +139,7 @@ def format_description(facts: dict) -> str:
         kernels = ", ".join(f"{k} x{n}" for k, n in Counter(b["kernel"] for b in binaries).items())
         lines.append(f"kernel binaries {arch} (Triton {binaries[0]['triton_version']}): {len(binaries)}, "
                      f"{sum(b['bytes'] for b in binaries)} bytes ({kernels})")
+    if facts["constant_methods"]:
+        lines.append("constant methods: " + ", ".join(f"{k} = {v!r}" for k, v in facts["constant_methods"].items()))
     return "\n".join(lines)
 

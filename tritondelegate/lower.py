@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.export.graph_signature import InputKind
 
+from . import constant_methods as constant_methods_module
 from . import progress as progress_module
 from .binaries import check_archs, compile_binaries
 from .config import LowerConfig
@@ -60,6 +61,11 @@ class LoweredProgram:
     def method_names(self) -> list[str]:
         return [m.name for m in self.program.methods]
 
+    @property
+    def constant_methods(self) -> dict:
+        """The values given to ``lower(..., constant_methods=...)``, by name."""
+        return constant_methods_module.decode(self.program.constant_methods)
+
     def save(self, path: str | os.PathLike, key: bytes | None = None) -> list[str]:
         """Write the program file (and the external weights file, if any). Returns the paths written.
 
@@ -99,6 +105,7 @@ def lower(
     partitioner: Partitioner | None = None,
     config: LowerConfig | None = None,
     progress: bool | None = None,
+    constant_methods: dict | None = None,
 ) -> LoweredProgram:
     """Lower one exported program (method ``"forward"``) or a dict of them by method name.
 
@@ -108,6 +115,9 @@ def lower(
 
     ``progress``: a bar on stderr over the lowering's steps; None (auto) shows it when stderr is a
     terminal and lowering runs longer than ``progress.LOWER_DELAY_S``; True always, False never.
+
+    ``constant_methods``: named values stored with the program (``constant_methods.py``), e.g.
+    ``{"get_max_seq_len": 128}`` for a generation runner; the loaded program's ``constant_methods``.
     """
     if isinstance(programs, torch.export.ExportedProgram):
         programs = {"forward": programs}
@@ -116,12 +126,14 @@ def lower(
     partitioner = TritonPartitioner() if partitioner is None else partitioner
     config = LowerConfig() if config is None else config
     check_archs(config.kernel_archs)
+    stored = constant_methods_module.encode(constant_methods, programs)
     steps = 3 * len(programs) + 1 + bool(config.kernel_archs)  # per method: decompose, partition, lower
     gpu = resolve_target(config.target)
     with progress_module.bar("lowering", steps, progress, unit="step", delay=progress_module.LOWER_DELAY_S) as bar, \
             using_target(gpu):
         lowered = _lower(programs, partitioner, config, bar)
     lowered.target = gpu
+    lowered.program.constant_methods = stored
     return lowered
 
 

@@ -332,3 +332,30 @@ def hf_llama_static_cache(model: KVCacheDecoder, device: str | torch.device = "c
     hf.generation_config.use_cache = True
     hf.generation_config.cache_implementation = "static"
     return TorchExportableModuleWithStaticCache(hf, batch_size=model.max_batch, max_cache_len=c.max_seq_len)
+
+
+def llm_constant_methods(module: nn.Module) -> dict:
+    """What a generation runner reads about ``module`` (``lower(..., constant_methods=...)``): for a
+    :class:`KVCacheDecoder` or transformers' static-cache export wrapper
+    (``TorchExportableModuleWithStaticCache``, as :func:`hf_llama_static_cache` returns),
+    ``get_max_seq_len`` (cache positions), ``get_max_batch_size``, ``get_vocab_size``, ``use_kv_cache``,
+    and from a transformers model's generation config ``get_bos_id`` and ``get_eos_ids`` where it sets them.
+    """
+    if isinstance(module, KVCacheDecoder):
+        c = module.cfg
+        return {"get_max_seq_len": c.max_seq_len, "get_max_batch_size": module.max_batch,
+                "get_vocab_size": c.vocab_size, "use_kv_cache": True}
+    cache, model = getattr(module, "static_cache", None), getattr(module, "model", None)
+    if cache is None or model is None:
+        raise TypeError(f"llm_constant_methods takes a KVCacheDecoder or transformers' static-cache export "
+                        f"wrapper, got {type(module).__name__}")
+    keys = cache.layers[0].keys  # [batch, kv heads, max_cache_len, head dim]
+    methods = {"get_max_seq_len": keys.shape[2], "get_max_batch_size": keys.shape[0],
+               "get_vocab_size": model.config.get_text_config().vocab_size, "use_kv_cache": True}
+    generation = model.generation_config
+    if generation.bos_token_id is not None:
+        methods["get_bos_id"] = generation.bos_token_id
+    eos = generation.eos_token_id
+    if eos is not None:
+        methods["get_eos_ids"] = [eos] if isinstance(eos, int) else list(eos)
+    return methods

@@ -221,6 +221,16 @@ class KernelBinary:
 
 
 @dataclass
+class ConstantMethod:
+    """A named value stored with the program (``lower(..., constant_methods=...)``): what a runner needs
+    to know about the model without running it, e.g. ``get_max_seq_len``, the KV cache's positions.
+    ``value`` is its JSON text (``constant_methods.py`` checks what it may hold)."""
+
+    name: str
+    value: str
+
+
+@dataclass
 class Program:
     methods: list[Method]
     constants: list[Constant]
@@ -229,6 +239,7 @@ class Program:
     segments: list[Segment] = field(default_factory=list)
     slots: list[Slot] = field(default_factory=list)
     binaries: list[KernelBinary] = field(default_factory=list)
+    constant_methods: list[ConstantMethod] = field(default_factory=list)
 
 
 def value_lifetimes(method: Method) -> tuple[dict[int, int], dict[int, int]]:

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from .. import progress as _progress
+from ..constant_methods import decode as decode_constant_methods
 from ..dtypes import parse_dtype
 from ..program import Program
 from ..errors import ProgramError
@@ -176,6 +177,12 @@ class LoadedProgram:
     @property
     def method_names(self) -> list[str]:
         return [m.name for m in self.program.methods]
+
+    @property
+    def constant_methods(self) -> dict:
+        """The values stored with the program (``lower(..., constant_methods=...)``), by name, e.g.
+        ``get_max_seq_len``; empty when it has none."""
+        return decode_constant_methods(self.program.constant_methods)
 
     @property
     def device(self) -> str:

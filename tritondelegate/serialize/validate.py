@@ -12,6 +12,7 @@ import re
 
 import torch
 
+from .. import constant_methods
 from ..dtypes import DTYPES
 from ..plan import Base, DelegatePlan, KernelArgKind
 from ..program import Constant, HostArgKind, InstrKind, Instruction, Method, Program, Role, SegmentKind
@@ -89,6 +90,7 @@ class _Checker:
                 self.fail(f"two methods are named {m.name!r}")
             names.add(m.name)
             self.method(m)
+        self.constant_methods(names)
 
     def constant(self, c: Constant, i: int, keys: set) -> None:
         what = f"constant {i} ({c.name!r})"
@@ -150,6 +152,15 @@ class _Checker:
             for (_, a_end, a), (b_start, _, b) in zip(items, items[1:]):
                 if b_start < a_end:
                     self.fail(f"slots {a} and {b} overlap in segment {segment}")
+
+    def constant_methods(self, method_names: set) -> None:
+        try:
+            values = constant_methods.decode(self.p.constant_methods)
+        except ValueError as exc:
+            self.fail(str(exc))
+        clash = sorted(method_names & set(values))
+        if clash:
+            self.fail(f"constant method {clash[0]!r} has the name of one of the program's methods")
 
     def binaries(self) -> None:
         for i, b in enumerate(self.p.binaries):

@@ -4063,6 +4063,106 @@ class KernelBinaryT(object):
         return kernelBinary
 
 
+class ConstantMethod(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = ConstantMethod()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsConstantMethod(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def ConstantMethodBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x54\x44\x50\x31", size_prefixed=size_prefixed)
+
+    # ConstantMethod
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # ConstantMethod
+    def Name(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # ConstantMethod
+    def Value(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+def ConstantMethodStart(builder):
+    builder.StartObject(2)
+
+def ConstantMethodAddName(builder, name):
+    builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
+
+def ConstantMethodAddValue(builder, value):
+    builder.PrependUOffsetTRelativeSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(value), 0)
+
+def ConstantMethodEnd(builder):
+    return builder.EndObject()
+
+
+
+class ConstantMethodT(object):
+
+    # ConstantMethodT
+    def __init__(
+        self,
+        name = None,
+        value = None,
+    ):
+        self.name = name  # type: Optional[str]
+        self.value = value  # type: Optional[str]
+
+    @classmethod
+    def InitFromBuf(cls, buf, pos):
+        constantMethod = ConstantMethod()
+        constantMethod.Init(buf, pos)
+        return cls.InitFromObj(constantMethod)
+
+    @classmethod
+    def InitFromPackedBuf(cls, buf, pos=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
+        return cls.InitFromBuf(buf, pos+n)
+
+    @classmethod
+    def InitFromObj(cls, constantMethod):
+        x = ConstantMethodT()
+        x._UnPack(constantMethod)
+        return x
+
+    # ConstantMethodT
+    def _UnPack(self, constantMethod):
+        if constantMethod is None:
+            return
+        self.name = constantMethod.Name()
+        self.value = constantMethod.Value()
+
+    # ConstantMethodT
+    def Pack(self, builder):
+        if self.name is not None:
+            name = builder.CreateString(self.name)
+        if self.value is not None:
+            value = builder.CreateString(self.value)
+        ConstantMethodStart(builder)
+        if self.name is not None:
+            ConstantMethodAddName(builder, name)
+        if self.value is not None:
+            ConstantMethodAddValue(builder, value)
+        constantMethod = ConstantMethodEnd(builder)
+        return constantMethod
+
+
 class Program(object):
     __slots__ = ['_tab']
 
@@ -4232,8 +4332,32 @@ class Program(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
         return o == 0
 
+    # Program
+    def ConstantMethods(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            x = self._tab.Indirect(x)
+            obj = ConstantMethod()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Program
+    def ConstantMethodsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Program
+    def ConstantMethodsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        return o == 0
+
 def ProgramStart(builder):
-    builder.StartObject(7)
+    builder.StartObject(8)
 
 def ProgramAddVersion(builder, version):
     builder.PrependUint32Slot(0, version, 0)
@@ -4274,6 +4398,12 @@ def ProgramAddBinaries(builder, binaries):
 def ProgramStartBinariesVector(builder, numElems):
     return builder.StartVector(4, numElems, 4)
 
+def ProgramAddConstantMethods(builder, constantMethods):
+    builder.PrependUOffsetTRelativeSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(constantMethods), 0)
+
+def ProgramStartConstantMethodsVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
 def ProgramEnd(builder):
     return builder.EndObject()
 
@@ -4295,6 +4425,7 @@ class ProgramT(object):
         segments = None,
         slots = None,
         binaries = None,
+        constantMethods = None,
     ):
         self.version = version  # type: int
         self.methods = methods  # type: Optional[List[MethodT]]
@@ -4303,6 +4434,7 @@ class ProgramT(object):
         self.segments = segments  # type: Optional[List[SegmentT]]
         self.slots = slots  # type: Optional[List[SlotT]]
         self.binaries = binaries  # type: Optional[List[KernelBinaryT]]
+        self.constantMethods = constantMethods  # type: Optional[List[ConstantMethodT]]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -4370,6 +4502,14 @@ class ProgramT(object):
                 else:
                     kernelBinary_ = KernelBinaryT.InitFromObj(program.Binaries(i))
                     self.binaries.append(kernelBinary_)
+        if not program.ConstantMethodsIsNone():
+            self.constantMethods = []
+            for i in range(program.ConstantMethodsLength()):
+                if program.ConstantMethods(i) is None:
+                    self.constantMethods.append(None)
+                else:
+                    constantMethod_ = ConstantMethodT.InitFromObj(program.ConstantMethods(i))
+                    self.constantMethods.append(constantMethod_)
 
     # ProgramT
     def Pack(self, builder):
@@ -4421,6 +4561,14 @@ class ProgramT(object):
             for i in reversed(range(len(self.binaries))):
                 builder.PrependUOffsetTRelative(binarieslist[i])
             binaries = builder.EndVector()
+        if self.constantMethods is not None:
+            constantMethodslist = []
+            for i in range(len(self.constantMethods)):
+                constantMethodslist.append(self.constantMethods[i].Pack(builder))
+            ProgramStartConstantMethodsVector(builder, len(self.constantMethods))
+            for i in reversed(range(len(self.constantMethods))):
+                builder.PrependUOffsetTRelative(constantMethodslist[i])
+            constantMethods = builder.EndVector()
         ProgramStart(builder)
         ProgramAddVersion(builder, self.version)
         if self.methods is not None:
@@ -4435,6 +4583,8 @@ class ProgramT(object):
             ProgramAddSlots(builder, slots)
         if self.binaries is not None:
             ProgramAddBinaries(builder, binaries)
+        if self.constantMethods is not None:
+            ProgramAddConstantMethods(builder, constantMethods)
         program = ProgramEnd(builder)
         return program
 

@@ -613,6 +613,7 @@ def _attention_cases(d) -> dict[str, callable]:
 def _per_dtype(d) -> dict[str, callable]:
     """The cases run in each float dtype ``d``."""
     llama = dict(dim=512, n_layers=1, hidden_dim=1376)
+    dw7 = nn.Conv2d(96, 96, 7, padding=3, groups=96).eval().to(d)
     return {
         "demo_decoder": lambda: _demo(d),
         "decoder_prefill_h64": lambda: _decoder(d, 384, n_heads=8, n_kv_heads=2, max_seq_len=512, **llama),
@@ -641,6 +642,19 @@ def _per_dtype(d) -> dict[str, callable]:
         "conv3d_tubelet": lambda: (nn.Conv3d(3, 768, (2, 16, 16), (2, 16, 16)).eval().to(d),
                                    (_randn(1, 3, 16, 224, 224, dtype=d),)),
         "conv3d_unet_block": lambda: (UNet3dBlock().eval().to(d), (_randn(1, 32, 16, 64, 64, dtype=d),)),
+        # depthwise (kernels/depthwise.py): MobileNetV2's inverted residual (1x1 expand, 3x3 depthwise at
+        # stride 2, 1x1 project), ConvNeXt's 7x7 with a residual add, a Mamba-style causal conv1d over 4096
+        # channels (kernel 4) at a 16-token prefill and at a decode step (one output), a 3-D one
+        "depthwise_mobilenet": lambda: (nn.Sequential(
+            nn.Conv2d(32, 192, 1), nn.ReLU6(), nn.Conv2d(192, 192, 3, stride=2, padding=1, groups=192), nn.ReLU6(),
+            nn.Conv2d(192, 32, 1)).eval().to(d), (_randn(1, 32, 56, 56, dtype=d),)),
+        "depthwise_convnext": lambda: (Fn(lambda x: x + dw7(x)).eval(), (_randn(2, 96, 56, 56, dtype=d),)),
+        "depthwise_causal_conv1d": lambda: (nn.Sequential(nn.Conv1d(4096, 4096, 4, padding=3, groups=4096), nn.SiLU()
+                                                          ).eval().to(d), (_randn(1, 4096, 16, dtype=d),)),
+        "depthwise_conv1d_decode": lambda: (nn.Sequential(nn.Conv1d(4096, 4096, 4, groups=4096), nn.SiLU()
+                                                          ).eval().to(d), (_randn(1, 4096, 4, dtype=d),)),
+        "depthwise_3d": lambda: (nn.Conv3d(32, 32, 3, padding=1, groups=32).eval().to(d),
+                                 (_randn(1, 32, 8, 32, 32, dtype=d),)),
         # its next level down: 64 -> 128 channels (64 x 64 tiles) over 8 x 32 x 32, transposed back up
         "conv3d_unet_down": lambda: (nn.Sequential(nn.Conv3d(64, 128, 3, padding=1), nn.SiLU(),
                                                    nn.ConvTranspose3d(128, 64, 2, stride=2)).eval().to(d),

@@ -37,7 +37,7 @@ def test_conv2d(case, dtype):
     model = torch.nn.Conv2d(c_in, c_out, k, stride, padding, dilation, groups, bias).eval()
     model, x, reference = _low_precision(model, torch.randn(n, c_in, h, w), dtype)
     _, plan = check_model(model, (x,), reference_args=reference)
-    assert [launch.kernel for launch in plan.launches] == ["conv2d"]
+    assert [launch.kernel for launch in plan.launches] == ["depthwise_conv" if groups == c_in else "conv2d"]
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -84,7 +84,8 @@ def test_conv1d(case, dtype):
                                 torch.nn.GELU()).eval()
     model, x, reference = _low_precision(model, torch.randn(n, c_in, length), dtype)
     _, plan = check_model(model, (x.transpose(1, 2).contiguous().transpose(1, 2),), reference_args=reference)
-    assert [launch.kernel for launch in plan.launches] == ["conv2d"]  # the GELU in its epilogue, no copy
+    kernel = "depthwise_conv" if groups == c_in else "conv2d"
+    assert [launch.kernel for launch in plan.launches] == [kernel]  # the GELU in its epilogue, no copy
 
 
 def _conv_node(model, x):
@@ -223,8 +224,8 @@ def test_conv3d(case, dtype):
     model, x, reference = _low_precision(model, torch.randn(n, c_in, d, h, w), dtype)
     _, plan = check_model(model, (x,), reference_args=reference)
     (launch,) = plan.launches
-    assert launch.kernel == "conv2d" and launch.constexprs["DEPTH"].value is True
-    assert launch.constexprs["KD"].value == model.kernel_size[0]
+    assert launch.kernel == ("depthwise_conv" if groups == c_in else "conv2d")
+    assert launch.constexprs["DEPTH"].value is True and launch.constexprs["KD"].value == model.kernel_size[0]
 
 
 def test_conv3d_strided_input_needs_no_copy():

@@ -45,7 +45,10 @@ def test_mobilenet_v2_is_fully_delegated_and_matches_eager():
     kernels = collections.Counter(launch.kernel for d in lowered.program.methods[0].delegates
                                   for launch in d.plan.launches)
     convs = ops["aten.convolution.default"]
-    assert kernels["conv2d"] == convs and "pad" not in kernels and sum(kernels.values()) <= convs + 3, kernels
+    depthwise = sum(1 for n in decompose(ep).graph.nodes if n.target == torch.ops.aten.convolution.default
+                    and n.args[8] == n.args[0].meta["val"].shape[1])  # groups == C_in
+    assert depthwise > 0 and kernels["depthwise_conv"] == depthwise, kernels
+    assert kernels["conv2d"] + depthwise == convs and "pad" not in kernels and sum(kernels.values()) <= convs + 3
     logits = lowered.load().load_method("forward")(x)
     with torch.no_grad():
         expected = model(x)

@@ -41,8 +41,9 @@ output, and the convolution's own result is never stored.
 A is never materialized: each program gathers its [BLOCK_M, BLOCK_K] tile of A straight from x with
 masked loads (the mask is the zero padding), so x, weight and out may have any strides (a permuted
 NHWC input needs no copy). K runs over (ci, kd, kh, kw) flattened, which keeps the tile dense when Cg is
-small (a 3-channel stem or tubelet embedding, a depthwise conv); a depthwise conv still pays for a
-16-wide dot on one output channel per group (tl.dot needs every dimension >= 16).
+small (a 3-channel stem or tubelet embedding). A convolution with one input channel per group (a
+depthwise one) launches ``depthwise.py``'s direct convolution instead (:class:`ConvOp` ``kernel``): here
+it would pay for a 16-wide dot per output channel (tl.dot needs every dimension >= 16).
 """
 
 from __future__ import annotations
@@ -264,6 +265,7 @@ class ConvOp:
     dilation: tuple
     groups: int
     transposed: bool = False  # weight [C_in, C_out / groups, (KD,) KH, KW]; the module docstring's second form
+    kernel = "conv2d"  # the kernel its launch runs (a subclass's own: ``depthwise.DepthwiseOp``)
 
     @property
     def reads(self) -> tuple[TRef, ...]:
@@ -320,14 +322,17 @@ class ConvOp:
         return w1, cout_g, (cout_g * s0, s0, s1, *taps)
 
 
-def launch_conv2d(b, out, x, weight, bias, stride, padding, dilation, groups: int, transposed: bool = False
-                  ) -> None:
+def launch_conv2d(b, out, x, weight, bias, stride, padding, dilation, groups: int, transposed: bool = False,
+                  refine=None) -> None:
     """``out = conv(x, weight, bias)`` (transposed when ``transposed``); every operand a 5-D NCDHW TRef
     (stride, padding and dilation given for (d, h, w)), a 4-D NCHW one (given for (h, w)), or all 3-D NCL
-    (a 1-D convolution, given for (1, L)); bias 1-D or None."""
+    (a 1-D convolution, given for (1, L)); bias 1-D or None. ``refine(op)`` may replace the ConvOp by a
+    subclass launching another kernel (``depthwise.py``)."""
     op = ConvOp(x, weight, bias, out, tuple(stride), tuple(padding), tuple(dilation), groups, transposed)
+    if refine is not None:
+        op = refine(op)
     grid, args, constexprs = op.launch()
-    record = b.launch("conv2d", grid, *args, **constexprs)
+    record = b.launch(op.kernel, grid, *args, **constexprs)
     if record is not None:
         record.op = op  # fusion may give it an epilogue
 
@@ -370,7 +375,7 @@ def supported(node) -> str | None:
     return None
 
 
-def convolution(b, node):
+def convolution(b, node, refine=None):
     """2-D and 3-D convolutions (a video model's tubelet embedding, a 3-D UNet's or video VAE's), and 1-D
     ones (Whisper's, wav2vec's front ends) as 2-D over a height of 1; any of them transposed (a UNet's or
     a VAE decoder's upsampling, a vocoder's), its ``output_padding`` already in the output's size."""
@@ -382,4 +387,4 @@ def convolution(b, node):
     if dims == 1:  # a 2-D convolution of height 1 (ConvOp walks [N, C, L] as [N, C, 1, 1, L])
         stride, padding, dilation = (1, stride[0]), (0, padding[0]), (1, dilation[0])
     launch_conv2d(b, out, x, weight, b.ref(bias) if bias is not None else None, stride, padding, dilation,
-                  int(a["groups"]), bool(a.get("transposed")))
+                  int(a["groups"]), bool(a.get("transposed")), refine)

@@ -80,6 +80,6 @@ def _unpadded(record: LaunchRecord, pad: ZeroPad, pad_name: str) -> LaunchRecord
         padding = tuple(p + b for p, b in zip(op.padding, pad.before[2:], strict=True))
     grown = replace(op, x=pad.x, padding=padding)
     grid, args, constexprs = grown.launch()
-    fused = LaunchRecord(new_launch("conv2d", grid, args, constexprs, f"{pad_name}+{record.launch.op}"))
+    fused = LaunchRecord(new_launch(grown.kernel, grid, args, constexprs, f"{pad_name}+{record.launch.op}"))
     fused.op = grown
     return fused

@@ -227,7 +227,8 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     records, touched, writes, padded = fuse_pad.merge_pads(records, touched, writes, keep)
     launches = [r.launch for r in records]
     ops = {kind: {i: r.op for i, r in enumerate(records) if r.op is not None and r.launch.kernel in kernels}
-           for kind, kernels in (("pointwise", {"pointwise"}), ("matmul", {"matmul", "conv2d", "grouped_mm"}),
+           for kind, kernels in (("pointwise", {"pointwise"}),
+                                 ("matmul", {"matmul", "conv2d", "depthwise_conv", "grouped_mm"}),
                                  ("norm", {"norm"}), ("rows", {"norm", "softmax", "reduce"}),
                                  ("gather", {"gather"}))}
     users: dict[int, set[int]] = defaultdict(set)

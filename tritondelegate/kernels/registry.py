@@ -18,6 +18,7 @@ from . import attention as attn
 from . import batch_stats as bs
 from . import batchnorm as bn
 from . import conv
+from . import depthwise as dw
 from . import creation
 from . import index as idx
 from . import elementwise as ew
@@ -207,8 +208,8 @@ OPS: dict[object, OpSpec] = {
     aten.linear.default: OpSpec(mm.linear, mm.supported_linear),
     # grouped matmul (Mixture-of-Experts layers; the 2-D input, 3-D weight and offs form): grouped_mm.py
     aten._grouped_mm.default: OpSpec(gmm.grouped_mm, gmm.supported),
-    # convolution: conv.py
-    aten.convolution.default: OpSpec(conv.convolution, conv.supported),
+    # convolution: conv.py (depthwise ones: depthwise.py)
+    aten.convolution.default: OpSpec(dw.convolution, conv.supported),
     # pooling: pool.py (global average pooling exports to mean.dim: reduce.py below)
     aten.max_pool2d_with_indices.default: OpSpec(pool.max_pool2d_with_indices, pool.supported),
     aten.avg_pool2d.default: OpSpec(pool.avg_pool2d, pool.supported),

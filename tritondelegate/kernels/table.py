@@ -7,7 +7,7 @@ ATen ops). Each kernel's footprint rule (``runtime/footprints.py``) and traffic 
 from __future__ import annotations
 
 from . import attention, batchnorm, conv, creation, elementwise, index, layout, matmul, norm, pad, pool, reduce, rotary
-from . import grid_sample, grouped_mm, histogram, ranking, resize, router, scatter, softmax, sort_offsets
+from . import depthwise, grid_sample, grouped_mm, histogram, ranking, resize, router, scatter, softmax, sort_offsets
 
 KERNELS: dict[str, object] = {
     "pointwise": elementwise.pointwise_kernel,
@@ -26,6 +26,7 @@ KERNELS: dict[str, object] = {
     "matmul": matmul.matmul_kernel,
     "grouped_mm": grouped_mm.grouped_mm_kernel,
     "conv2d": conv.conv2d_kernel,
+    "depthwise_conv": depthwise.depthwise_conv_kernel,
     "pool2d": pool.pool2d_kernel,
     "grid_sample": grid_sample.grid_sample_kernel,
     "resize": resize.resize_kernel,

@@ -357,6 +357,13 @@ TRAFFIC: dict[str, KernelTraffic] = {
         writes=(Access("out_ptr"),),
         flops=_conv_flops,
     ),
+    # one multiply-add per output element and tap
+    "depthwise_conv": KernelTraffic(
+        reads=(Access("x_ptr"), Access("w_ptr"), Access("bias_ptr", _flag("HAS_BIAS")),
+               *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
+        writes=(Access("out_ptr"),),
+        flops=lambda a: a["M"] * a["COUT"] * (2 * a["KD"] * a["KH"] * a["KW"] + (1 if a["HAS_BIAS"] else 0)),
+    ),
     # each output element reads its grid point and 4 taps (bilinear: 3 mul-adds and 8 weight ops each
     # side) or 1 (nearest); the input counts at most the taps
     "grid_sample": KernelTraffic(

@@ -236,6 +236,33 @@ def _conv2d(x: LaunchArgs) -> Footprint:
     return Footprint(acc, grid, {"output elements": max(M, 0) * max(co, 0), "K": k_loop})
 
 
+def _depthwise_conv(x: LaunchArgs) -> Footprint:
+    """Output channel co reads input channel co // COUT_G and weight row co; input coordinates are masked
+    to [0, D) x [0, H) x [0, W); without DEPTH the depth counts are 1, as for ``conv2d``."""
+    M, H, W, cout, cout_g = (x.i(name) for name in ("M", "H", "W", "COUT", "COUT_G"))
+    depth = x.c["DEPTH"]
+    if depth:
+        D = x.i("D")
+        n, od, oh, ow = _unravel(M, x.d("OD", "OH", "OW"))
+    else:
+        D, od = 1, 1
+        n, oh, ow = _unravel(M, x.d("OH", "OW"))
+    cin = _cdiv(cout, max(cout_g, 1))
+    acc = [
+        Access("x_ptr", ((n, x.i("xs_n")), (cin, x.i("xs_c")), (D, x.i("xs_d")), (H, x.i("xs_h")),
+                         (W, x.i("xs_w")))),
+        Access("w_ptr", ((cout, x.i("ws_o")), (x.c["KD"], x.i("ws_d")), (x.c["KH"], x.i("ws_h")),
+                         (x.c["KW"], x.i("ws_w")))),
+        Access("out_ptr", ((n, x.i("os_n")), (cout, x.i("os_c")), (od, x.i("os_d")), (oh, x.i("os_h")),
+                           (ow, x.i("os_w"))), write=True),
+    ]
+    if x.c["HAS_BIAS"]:
+        acc.append(Access("bias_ptr", ((cout, 1),)))
+    acc += _epilogue(x, (n, cout, od, oh, ow) if depth else (n, cout, oh, ow, 1), 5)
+    grid = (_cdiv(M, x.c["BLOCK_M"]), _cdiv(cout, x.c["BLOCK_N"]))
+    return Footprint(acc, grid, {"output elements": max(M, 0) * max(cout, 0), "COUT_G": cout_g})
+
+
 def _attention(x: LaunchArgs) -> Footprint:
     H, group, pack = x.d("H", "GROUP") + [x.c["PACK"]]
     if H % pack:
@@ -669,6 +696,9 @@ RULES: dict[str, KernelRule] = {
     "conv2d": KernelRule(_conv2d, {**_GEMM, "KD": in_range(1, 4096), "KH": in_range(1, 4096), "KW": in_range(1, 4096),
                                    "HAS_BIAS": FLAG, "TRANSPOSED": FLAG, "DEPTH": FLAG, **_epilogue_constexprs()},
                          _GEMM_TILES),
+    "depthwise_conv": KernelRule(_depthwise_conv, {
+        "BLOCK_M": pow2(1, 4096), "BLOCK_N": pow2(16, 256), "KD": in_range(1, 4096), "KH": in_range(1, 4096),
+        "KW": in_range(1, 4096), "HAS_BIAS": FLAG, "DEPTH": FLAG, **_epilogue_constexprs()}, (("BLOCK_M", "BLOCK_N"),)),
     "pool2d": KernelRule(_pool2d, {
         "MODE": one_of("max", "avg", "adaptive_avg", "adaptive_max"), "KD": in_range(1, 4096),
         "KH": in_range(1, 4096), "KW": in_range(1, 4096), "COUNT_INCLUDE_PAD": FLAG, "DIVISOR_OVERRIDE": FLAG,

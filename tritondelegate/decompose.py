@@ -32,6 +32,12 @@ KEEP_CANDIDATES = (
     aten.mish.default,
     aten.hardswish.default,
     aten.prelu.default,
+    aten.log_sigmoid.default,
+    aten.threshold.default,
+    # torch's Autograd kernels decompose these two whatever the table says; passes/fuse_activations.py
+    # puts them back together
+    aten.hardshrink.default,
+    aten.softshrink.default,
     aten.softmax.int,
     aten.log_softmax.int,
     aten.embedding.default,

@@ -134,6 +134,12 @@ OPS: dict[object, OpSpec] = {
     aten.mish.default: OpSpec(act.unary("mish"), ew.supported_float),
     aten.hardswish.default: OpSpec(act.unary("hardswish"), ew.supported_float),
     td_ops.sigmoid_gate: OpSpec(act.sigmoid_gate, ew.supported_float),
+    td_ops.softsign: OpSpec(act.unary("softsign"), ew.supported_float),
+    td_ops.tanhshrink: OpSpec(act.unary("tanhshrink"), ew.supported_float),
+    aten.log_sigmoid.default: OpSpec(act.unary("logsigmoid"), ew.supported_float),
+    aten.hardshrink.default: OpSpec(act.hardshrink, ew.supported_float),
+    aten.softshrink.default: OpSpec(act.softshrink, ew.supported_float),
+    aten.threshold.default: OpSpec(act.threshold, ew.supported_float),
     aten.clone.default: OpSpec(ew.copy),
     aten._to_copy.default: OpSpec(ew.copy, ew.supported_copy),
     # views and layout: layout.py

@@ -80,6 +80,8 @@ POINTWISE_FLOPS = {
     "copy": 0, "sigmoid": 3, "silu": 4, "tanh": 4, "gelu": 5, "gelu_tanh": 9, "pow": 4, "clamp": 2,
     "logical_and": 2, "logical_or": 2, "div_floor": 6, "div_trunc": 2, "remainder": 3, "log1p": 4, "expm1": 4,
     "mish": 10, "hardswish": 5, "leaky_relu": 2, "elu": 6, "celu": 7, "softplus": 6, "sigmoid_gate": 5, "erf": 4,
+    "softsign": 3, "tanhshrink": 5, "logsigmoid": 6, "hardshrink": 3, "softshrink": 4, "threshold_mark": 2,
+    "threshold_fill": 2,
 }
 
 

@@ -145,7 +145,9 @@ def test_shrink_and_soft_activations_in_half_precision(dtype):
     acts = [make(8) for make in SHRINKS.values()]
     model = After(nn.Linear(12, 8), Fn(lambda y: tuple(act(y) for act in acts))).eval().to(dtype)
     x = (torch.randn(5, 12) * 3).to(dtype)
-    got = _run(lower_resident(model, (x,)), x)
+    lowered = lower_resident(model, (x,))
+    assert _launches(lowered) == 1 + len(SHRINKS), lowered.summary()  # each one op, though they share abs(y)
+    got = _run(lowered, x)
     with torch.no_grad():
         want = model.float()(x.float())
     for g, w in zip(got, want):

@@ -1,4 +1,4 @@
-"""Activations written out as x times a function of x become one pointwise op.
+"""Activations written out as x times a function of x (or over x twice) become one pointwise op.
 
 A chain of pointwise ops is linear (one running value, each step's other operand a tensor in memory
 or a number), so ``x * g(x)`` needs ``x`` twice: fused into the epilogue of the linear that produced
@@ -19,8 +19,10 @@ The last two are torch's own decompositions of hardshrink and softshrink: an Aut
 decomposes them while the program is decomposed, whatever table it is given, so they arrive written out
 (three and five launches) and become the ops again here.
 
-Not rewritten when an intermediate has a reader outside the pattern. The tanh GELU written out is
-``fuse_gelu``'s.
+Not rewritten when an intermediate has a reader outside the pattern, but for the ``abs(x)`` or
+``tanh(x)`` a pattern starts from (and hardshrink's 0): cheap, and shared between patterns once
+``dedupe`` merged them (softsign, hardshrink and softshrink of one x read one ``abs(x)``), it then
+stays for its other readers. The tanh GELU written out is ``fuse_gelu``'s.
 """
 
 from __future__ import annotations
@@ -111,28 +113,28 @@ def _softsign(y):
         return None
     x, d = y.args
     if is_call(d, aten.add.Tensor) and _only_reader(d, y) and _floating_like(y, x):
-        a = _split(d, 1.0)
-        if is_call(a, aten.abs.default) and _only_reader(a, d) and a.args[0] is x:
+        a = _split(d, 1.0)  # abs(x) may have other readers (as in _shrink_condition)
+        if is_call(a, aten.abs.default) and a.args[0] is x:
             return td_ops.softsign, (x,), [d, a]
     return None
 
 
 def _tanhshrink(y):
     """``tritondelegate::tanhshrink`` for ``y = x - tanh(x)``."""
-    ops = _operands(y)
+    ops = _operands(y)  # tanh(x) may have other readers: it then stays
     if len(ops) == 2 and is_call(ops[1], aten.tanh.default) and ops[1].args[0] is ops[0] \
-            and _only_reader(ops[1], y) and _floating_like(y, ops[0]):
+            and _floating_like(y, ops[0]):
         return td_ops.tanhshrink, (ops[0],), [ops[1]]
     return None
 
 
 def _shrink_condition(cond, y, compare):
-    """(x, l) when ``cond = compare(abs(x), l)``, a number l, read by ``y`` alone; else None."""
+    """(x, l) when ``cond = compare(abs(x), l)``, a number l, read by ``y`` alone; else None. ``abs(x)``
+    may have other readers (dedupe merges hardshrink's and softshrink's of one x): it then stays."""
     if not (is_call(cond, compare) and _only_reader(cond, y) and len(cond.args) == 2):
         return None
     a, lambd = cond.args
-    if is_call(a, aten.abs.default) and _only_reader(a, cond) and isinstance(lambd, (int, float)) \
-            and not isinstance(lambd, bool):
+    if is_call(a, aten.abs.default) and isinstance(lambd, (int, float)) and not isinstance(lambd, bool):
         return a.args[0], lambd
     return None
 
@@ -143,8 +145,8 @@ def _hardshrink(y):
     found = _shrink_condition(cond, y, aten.le.Scalar)
     if found is None or found[0] is not x or not _floating_like(y, x):
         return None
-    if is_call(zero, aten.scalar_tensor.default) and _only_reader(zero, y) and zero.args[0] == 0:
-        return aten.hardshrink.default, (x, found[1]), [cond, cond.args[0], zero]
+    if is_call(zero, aten.scalar_tensor.default) and zero.args[0] == 0:  # a constant others may share
+        return aten.hardshrink.default, (x, found[1]), [cond, cond.args[0]]
     return None
 
 

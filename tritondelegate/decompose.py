@@ -41,6 +41,7 @@ KEEP_CANDIDATES = (
     aten.softmax.int,
     aten.log_softmax.int,
     aten.embedding.default,
+    aten.cdist.default,  # one launch (kernels/distance.py); for p = 2 its own decomposition is 7
     aten.conv2d.default,
     aten.batch_norm.default,
     aten.reflection_pad1d.default,

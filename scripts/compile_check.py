@@ -307,6 +307,33 @@ def _embedding_epilogue(dtype):
     return Fn(fn), (torch.randint(0, 8192, (2, 300)), torch.randint(0, 8192, (4, 1)))
 
 
+def _shrink_activations(dtype):
+    """The shrink and soft activations after a linear (in its epilogue) and a convolution, and alone
+    (pointwise launches): softsign, logsigmoid, hardshrink, softshrink, tanhshrink, threshold."""
+    acts = [nn.Softsign(), nn.LogSigmoid(), nn.Hardshrink(0.7), nn.Softshrink(0.7), nn.Tanhshrink(),
+            nn.Threshold(0.3, -2.0)]
+    linears = nn.ModuleList(nn.Linear(256, 512) for _ in acts).to(dtype)
+    conv = nn.Conv2d(16, 32, 3, padding=1).to(dtype)
+    fn = lambda x, img: (  # noqa: E731  (a linear per x[k]: no projections merged, each act in an epilogue)
+        *(act(linear(x[k])) for k, (act, linear) in enumerate(zip(acts, linears))), *(act(x[0]) for act in acts),
+        acts[-1](conv(img)))
+    return Fn(fn), (_randn(len(acts), 300, 256, dtype=dtype), _randn(2, 16, 32, 32, dtype=dtype))
+
+
+def _bags_and_distances(dtype):
+    """EmbeddingBag (sum with per-sample weights over offsets, mean and max over bags of one length),
+    cdist for each p over [2, 300, 64] x [2, 200, 64] and a small one, and Bilinear (two GEMMs)."""
+    bags = [nn.EmbeddingBag(8192, 256, mode=mode).to(dtype) for mode in ("sum", "mean", "max")]
+    bilinear = nn.Bilinear(64, 48, 32).to(dtype)
+    fn = lambda ids, offs, w, flat, a, b, c, d: (  # noqa: E731
+        bags[0](ids, offs, per_sample_weights=w), bags[1](flat), bags[2](flat),
+        *(torch.cdist(a, b, p=p) for p in (2.0, 1.0, float("inf"), 0.0, 3.0)), torch.cdist(c, d),
+        bilinear(c, d[:, :48]))
+    return Fn(fn), (torch.randint(0, 8192, (1000,)), torch.arange(0, 1000, 7), _randn(1000, dtype=dtype),
+                    torch.randint(0, 8192, (64, 20)), _randn(2, 300, 64, dtype=dtype),
+                    _randn(2, 200, 64, dtype=dtype), _randn(5, 64, dtype=dtype), _randn(5, 64, dtype=dtype))
+
+
 def _scatter(dtype):
     """The scatter family on a KV-cache-shaped tensor: 1 to 3 index tensors, accumulating or not (fp16
     and bf16 accumulate in fp32), tensor and scalar sources."""
@@ -675,6 +702,8 @@ def _per_dtype(d) -> dict[str, callable]:
         "reductions_fused": lambda: _reductions_fused(d),
         "indexing": lambda: _indexing(d),
         "embedding_epilogue": lambda: _embedding_epilogue(d),
+        "shrink_activations": lambda: _shrink_activations(d),
+        "bags_and_distances": lambda: _bags_and_distances(d),
         "scatter": lambda: _scatter(d),
         "kv_cache_update": lambda: (KVCache(d), (torch.tensor([5]), _randn(1, 8, 1, 64, dtype=d))),
         "kv_cache_pair": lambda: (KVCachePair(d), (torch.arange(5, 12), _randn(1, 8, 7, 64, dtype=d),

@@ -1,7 +1,8 @@
 """Activations with parameters (kernels/activations.py) and activations written out as x times a
 function of x (passes/fuse_activations.py): each is one pointwise op, so after a linear or a
 convolution it runs in that launch's epilogue, and it matches eager in every float dtype, NaN and inf
-included."""
+included. The shrink and soft activations too, which torch writes out or decomposes into 2 to 5
+launches (softsign, tanhshrink, hardshrink, softshrink) or kept whole but had no kernel for."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness import FLOAT_DTYPES, Fn, check_low, lower_resident, run_delegated
+from harness import FLOAT_DTYPES, Fn, assert_close, check_low, lower_resident, run_delegated
 
 ACTIVATIONS = {
     "leaky_relu": lambda c: nn.LeakyReLU(0.2),
@@ -103,3 +104,52 @@ def test_nan_and_inf_as_eager(name):
     act = ACTIVATIONS[name](1)
     (out,), _ = run_delegated(Fn(act), (x,))
     torch.testing.assert_close(out, act(x), equal_nan=True)
+
+
+# launches before: alone 1, 2, 3, 5, 1, 2; after a linear 2, 3, 4, 6, 2, 3
+SHRINKS = {
+    "softsign": lambda c: nn.Softsign(),
+    "logsigmoid": lambda c: nn.LogSigmoid(),
+    "hardshrink": lambda c: nn.Hardshrink(0.7),
+    "softshrink": lambda c: nn.Softshrink(0.7),
+    "tanhshrink": lambda c: nn.Tanhshrink(),
+    "threshold": lambda c: nn.Threshold(0.3, -2.0),  # two steps through -inf, one launch
+}
+
+SPECIAL = torch.tensor([float("nan"), float("inf"), float("-inf"), -1e-8, 0.0, -0.0, 1e-8, 30.0, -30.0, 0.3,
+                        -0.7, 0.7, 0.71, -2.5, 2.5, 1e-3])
+
+
+def _run(lowered, *args):
+    with torch.no_grad():
+        return lowered.load().load_method()(*args)
+
+
+@pytest.mark.parametrize("name", SHRINKS)
+def test_a_shrink_or_soft_activation_is_one_launch_and_none_after_a_linear_or_conv(name):
+    act = SHRINKS[name](1)
+    lowered = lower_resident(Fn(act), (SPECIAL,))
+    assert _launches(lowered) == 1 and "on the host" not in lowered.summary(), lowered.summary()
+    torch.testing.assert_close(_run(lowered, SPECIAL), act(SPECIAL), equal_nan=True, atol=1e-6, rtol=1e-6)
+    for kind in ("linear", "conv"):
+        model, args = _cases(kind, SHRINKS[name])
+        lowered = lower_resident(model, args)
+        assert _launches(lowered) == 1, lowered.summary()
+        with torch.no_grad():
+            torch.testing.assert_close(_run(lowered, *args), model(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES[1:], ids=str)
+def test_shrink_and_soft_activations_in_half_precision(dtype):
+    torch.manual_seed(0)
+    acts = [make(8) for make in SHRINKS.values()]
+    model = After(nn.Linear(12, 8), Fn(lambda y: tuple(act(y) for act in acts))).eval().to(dtype)
+    x = (torch.randn(5, 12) * 3).to(dtype)
+    lowered = lower_resident(model, (x,))
+    assert _launches(lowered) == 1 + len(SHRINKS), lowered.summary()  # each one op, though they share abs(y)
+    got = _run(lowered, x)
+    with torch.no_grad():
+        want = model.float()(x.float())
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        assert_close(g, w.to(dtype).float(), dtype)

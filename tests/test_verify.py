@@ -30,7 +30,7 @@ class Zoo(torch.nn.Module):
     """One delegate over most kernel families: gather, norm, matmul, attention, softmax, cumsum, conv
     with an epilogue, batch norm, pooling, padding, a pointwise chain, a norm with a prologue, a reduction
     with an epilogue, a scatter, a top-k, a histogram, a router's top-k of a softmax, a cat of two parts, a
-    bilinear resize, a grid sample and a depthwise conv."""
+    bilinear resize, a grid sample, an embedding bag, a cdist and a depthwise conv."""
 
     def __init__(self):
         super().__init__()
@@ -39,6 +39,7 @@ class Zoo(torch.nn.Module):
         self.fc = torch.nn.Linear(8, 8)
         self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
         self.bn = torch.nn.BatchNorm2d(2)
+        self.bag = torch.nn.EmbeddingBag(10, 8, mode="mean")
         self.dw = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4)
 
     def forward(self, ids, img):
@@ -51,7 +52,8 @@ class Zoo(torch.nn.Module):
         return (s, torch.cumsum(ids, 0), y, p, s.amax(-1) * 2.0 - 1.0, z, *torch.topk(s[0], 3),
                 torch.histc(p, 5, -1, 1), *torch.topk(torch.softmax(h[0], -1), 2), p.exp() * 0.5,
                 torch.cat((h[0], s[0]), -1), F.interpolate(y, scale_factor=1.5, mode="bilinear"),
-                F.grid_sample(img, torch.tanh(h[:, :3, :4].reshape(1, 3, 2, 2)), align_corners=False), self.dw(y))
+                F.grid_sample(img, torch.tanh(h[:, :3, :4].reshape(1, 3, 2, 2)), align_corners=False),
+                self.bag(ids.view(2, 2)), torch.cdist(h[0], s[0]), self.dw(y))
 
 
 def _zoo_args():
@@ -104,7 +106,8 @@ def test_the_undamaged_program_loads_and_runs(zoo):
     model, lowered = zoo
     assert {launch.kernel for _, _, launch in _launches(lowered.program)} >= {
         "gather", "norm", "matmul", "attention", "softmax", "cumsum", "conv2d", "batch_norm", "pool2d", "pad",
-        "pointwise_chain", "reduce", "scatter", "rank", "histc", "router", "resize", "grid_sample", "depthwise_conv"}
+        "pointwise_chain", "reduce", "scatter", "rank", "histc", "router", "resize", "grid_sample",
+        "embedding_bag", "cdist", "depthwise_conv"}
     args = _zoo_args()
     with torch.no_grad():
         expected = model(*args)
@@ -200,7 +203,7 @@ SIZES = {"pointwise": "n", "pointwise_chain": "n", "matmul": "M", "conv2d": "M",
          "pool2d": "total", "batch_norm": "numel", "pad": "total", "arange": "n", "rotary": "rows",
          "grouped_mm": "S", "attention_combine": "S", "attention_append": "Lq", "rank": "length", "histc": "n",
          "router": "length", "group_router": "length", "sort_offsets": "n", "cat": "n", "resize": "total",
-         "grid_sample": "total", "depthwise_conv": "M"}
+         "grid_sample": "total", "depthwise_conv": "M", "embedding_bag": "n_bags", "cdist": "P"}
 
 
 def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):

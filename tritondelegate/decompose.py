@@ -32,9 +32,16 @@ KEEP_CANDIDATES = (
     aten.mish.default,
     aten.hardswish.default,
     aten.prelu.default,
+    aten.log_sigmoid.default,
+    aten.threshold.default,
+    # torch's Autograd kernels decompose these two whatever the table says; passes/fuse_activations.py
+    # puts them back together
+    aten.hardshrink.default,
+    aten.softshrink.default,
     aten.softmax.int,
     aten.log_softmax.int,
     aten.embedding.default,
+    aten.cdist.default,  # one launch (kernels/distance.py); for p = 2 its own decomposition is 7
     aten.conv2d.default,
     aten.batch_norm.default,
     aten.reflection_pad1d.default,

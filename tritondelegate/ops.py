@@ -663,3 +663,37 @@ def _sigmoid_gate_fake(x, scale):
 
 OPS["tritondelegate::sigmoid_gate"] = torch.ops.tritondelegate.sigmoid_gate.default
 sigmoid_gate = torch.ops.tritondelegate.sigmoid_gate.default
+
+
+# --- tritondelegate::softsign, tanhshrink: x / (1 + |x|), x - tanh(x) ----------------------------------
+# torch has no ATen op for either (F.softsign and F.tanhshrink are written in these ops), so written out
+# each reads x twice and cannot join the epilogue of the linear before it; as one op each it can
+# (``passes/fuse_activations.py``).
+_lib.define("softsign(Tensor x) -> Tensor")
+_lib.define("tanhshrink(Tensor x) -> Tensor")
+
+
+@torch.library.impl(_lib, "softsign", "CompositeExplicitAutograd")
+def _softsign(x):
+    return x / (x.abs() + 1)
+
+
+@torch.library.impl(_lib, "tanhshrink", "CompositeExplicitAutograd")
+def _tanhshrink(x):
+    return x - x.tanh()
+
+
+@torch.library.register_fake(f"{NAMESPACE}::softsign")
+def _softsign_fake(x):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::tanhshrink")
+def _tanhshrink_fake(x):
+    return torch.empty_like(x)
+
+
+OPS["tritondelegate::softsign"] = torch.ops.tritondelegate.softsign.default
+OPS["tritondelegate::tanhshrink"] = torch.ops.tritondelegate.tanhshrink.default
+softsign = torch.ops.tritondelegate.softsign.default
+tanhshrink = torch.ops.tritondelegate.tanhshrink.default

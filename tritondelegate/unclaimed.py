@@ -1,11 +1,11 @@
 """Ops that no kernel claims, decomposed further where torch decomposes them into claimed ops.
 
 Core ATen keeps some ops whole that no kernel claims (``elu`` before it had one, ``flip``, ``repeat`` over
-more dims than its kernel walks, a training-mode ``native_batch_norm`` form, ...). When the partitioner
-says what it claims (``Partitioner.claims(node)``), each such op whose decomposition (torch's, or
-``_flip``) leaves no unclaimed node is decomposed, and runs on the device instead of the host. One
-whose decomposition would still leave something on the host stays whole: one host op, not several
-with copies between them and the device. The same holds for a node of a claimed op that its kernel
+more dims than its kernel walks, a training-mode ``native_batch_norm`` form, ``_trilinear``, ...). When
+the partitioner says what it claims (``Partitioner.claims(node)``), each such op whose decomposition
+(torch's, or ``_flip``'s and ``_trilinear``'s here) leaves no unclaimed node is decomposed, and runs on
+the device instead of the host. One whose decomposition would still leave something on the host stays
+whole: one host op, not several with copies between them and the device. The same holds for a node of a claimed op that its kernel
 refuses (an unsupported argument) when torch decomposes the op.
 
 Each candidate is first tried alone, on a program of its one node (cheap: the method is not retraced
@@ -38,10 +38,28 @@ def _flip(x: torch.Tensor, dims) -> torch.Tensor:
     return x
 
 
-# Decompositions tried: torch's, with flip's replaced, but for the ops that passes/ rewrite whole before
-# partitioning (eager attention's softmax, an eval batch norm folded into its convolution, complex
-# rotary's polar).
-FALLBACK = {op: fn for op, fn in {**torch._decomp.decomposition_table, aten.flip.default: _flip}.items()
+def _trilinear(i1: torch.Tensor, i2: torch.Tensor, i3: torch.Tensor, expand1, expand2, expand3, sumdim,
+               unroll_dim: int = 1) -> torch.Tensor:
+    """``_trilinear`` (``nn.Bilinear``'s op: ``y[b, o] = sum_ij x1[b, i] W[o, i, j] x2[b, j]``) as one
+    einsum over its dims: input k lacks the dims ``expand_k``, the product is summed over ``sumdim``,
+    which the result drops. torch has no decomposition for it; its einsum contracts the inputs pairwise
+    with ``bmm`` (for Bilinear ``x1 @ W`` reshaped, then a batched product with x2), the weight's
+    permutation folded to a constant. ``unroll_dim`` only chooses how ATen loops."""
+    total = i1.dim() + len(expand1)
+    letters = "abcdefghijklmnopqrstuvwxyz"[:total]
+
+    def spec(dims):
+        dims = {d % total for d in dims}
+        return "".join(c for d, c in enumerate(letters) if d not in dims)
+
+    return torch.einsum(f"{spec(expand1)},{spec(expand2)},{spec(expand3)}->{spec(sumdim)}", i1, i2, i3)
+
+
+# Decompositions tried: torch's, with flip's replaced and trilinear's added, but for the ops that passes/
+# rewrite whole before partitioning (eager attention's softmax, an eval batch norm folded into its
+# convolution, complex rotary's polar).
+FALLBACK = {op: fn for op, fn in {**torch._decomp.decomposition_table, aten.flip.default: _flip,
+                                   aten._trilinear.default: _trilinear}.items()
             if op not in (aten._safe_softmax.default, aten.native_batch_norm.default, aten.polar.default)}
 
 

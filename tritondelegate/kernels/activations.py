@@ -13,6 +13,17 @@ after a linear instead of none.
     hardswish(x)                          x * min(max(x + 3, 0), 6) / 6
     tritondelegate::sigmoid_gate(x, c)    x * sigmoid(c * x): swish written out, CLIP's quick GELU
                                           (``passes/fuse_activations.py`` puts it in place of the pattern)
+    tritondelegate::softsign(x)           x / (1 + |x|)        (F.softsign and F.tanhshrink are written
+    tritondelegate::tanhshrink(x)         x - tanh(x)           out; the same pass makes them one op)
+    log_sigmoid(x)                        min(x, 0) - log(1 + e^-|x|)   (no overflow for any x)
+    hardshrink(x, lambd)                  -lambd <= x <= lambd ? 0 : x  (lambd rounded to x's dtype, as
+                                          eager compares)
+    softshrink(x, lambd)                  x > lambd ? x - lambd : x < -lambd ? x + lambd : x * 0
+    threshold(x, th, value)               x <= th ? value : x
+
+``threshold`` has two numbers, and a step of a chain or an epilogue takes one: it runs as two steps
+through -inf, ``x <= th ? -inf : x`` then ``-inf -> value`` (no x above th is -inf), which fusion merges
+into one launch or into the epilogue before them; a NaN th (nothing compares below it) is a copy.
 
 An ``elu`` with ``input_scale`` other than 1 and a ``softplus`` with ``beta`` other than 1 run as a chain
 of up to three steps (the scale, the op, the scale back), whose rounding of x on the positive side may
@@ -20,6 +31,10 @@ differ from eager's by an ulp.
 """
 
 from __future__ import annotations
+
+import math
+
+import torch
 
 from .elementwise import launch_pointwise, supported_float
 from .refs import node_value
@@ -74,6 +89,28 @@ def unary(op: str):
 
 def sigmoid_gate(b, node):
     launch_pointwise(b, "sigmoid_gate", b.out(node), [b.ref(node.args[0]), float(node.args[1])])
+
+
+def hardshrink(b, node):
+    x = b.ref(node.args[0])
+    lambd = float(torch.tensor(float(_arg(node, 1, "lambd", 0.5)), dtype=x.dtype))  # as eager compares
+    launch_pointwise(b, "hardshrink", b.out(node), [x, lambd])
+
+
+def softshrink(b, node):
+    launch_pointwise(b, "softshrink", b.out(node), [b.ref(node.args[0]), float(_arg(node, 1, "lambd", 0.5))])
+
+
+def threshold(b, node):
+    """threshold(x, th, value): two steps through -inf (the module docstring says why)."""
+    x, th, value = b.ref(node.args[0]), float(node.args[1]), float(node.args[2])
+    out = b.out(node)
+    if math.isnan(th):
+        launch_pointwise(b, "copy", out, [x])
+        return
+    marked = b.alloc(out.shape, out.dtype)
+    launch_pointwise(b, "threshold_mark", marked, [x, th])
+    launch_pointwise(b, "threshold_fill", out, [marked, value])
 
 
 def prelu(b, node):

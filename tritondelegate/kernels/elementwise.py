@@ -186,6 +186,12 @@ def _formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
     elif OP == "hardswish":  # x min(max(x + 3, 0), 6) / 6
         r = a * tl.minimum(tl.maximum(a + 3.0, 0.0, propagate_nan=tl.PropagateNan.ALL), 6.0,
                            propagate_nan=tl.PropagateNan.ALL) / 6.0
+    elif OP == "softsign":  # x / (1 + |x|)
+        r = a / (1.0 + tl.abs(a))
+    elif OP == "tanhshrink":  # x - tanh(x)
+        r = a - _tanh(a)
+    elif OP == "logsigmoid":  # min(x, 0) - log(1 + e^-|x|): no overflow for any x
+        r = tl.minimum(a, 0.0, propagate_nan=tl.PropagateNan.ALL) - _log1p(tl.exp(-tl.abs(a)))
     elif OP == "erf":
         r = tl.erf(a)
     elif OP == "cos":
@@ -268,6 +274,14 @@ def _binary_formula(a, b, c, OP: tl.constexpr, ALPHA: tl.constexpr):
         r = a * tl.sigmoid(a * b)
     elif OP == "softplus":  # a > b ? a : log(1 + e^a), b = the threshold
         r = tl.where(a > b, a, _log1p(tl.exp(a)))
+    elif OP == "hardshrink":  # -b <= a <= b ? 0 : a, b = lambda
+        r = tl.where((a >= -b) & (a <= b), 0.0, a)
+    elif OP == "softshrink":  # a > b ? a - b : a < -b ? a + b : a * 0 (-0.0 or NaN kept), b = lambda
+        r = tl.where(a > b, a - b, tl.where(a < -b, a + b, a * 0.0))
+    elif OP == "threshold_mark":  # a <= b ? -inf : a: threshold's first step (activations.py)
+        r = tl.where(a <= b, float("-inf"), a)
+    elif OP == "threshold_fill":  # a == -inf ? b : a: its second, b = the value
+        r = tl.where(a == float("-inf"), b, a)
     elif OP == "clamp":  # min(max(a, b), c); a NaN in a or a bound gives NaN
         r = tl.minimum(tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL), c, propagate_nan=tl.PropagateNan.ALL)
     elif OP == "where":  # a ? b : c
@@ -477,7 +491,8 @@ def launch_pointwise(b, op: str, out: TRef, operands, alpha=1, compute: str | No
             dtypes.append(torch.float32)
         if op in {"div", "pow", "exp", "expm1", "log", "log1p", "sqrt", "rsqrt", "sigmoid", "silu", "tanh", "gelu",
                   "gelu_tanh", "cos", "sin", "reciprocal", "mish", "hardswish", "leaky_relu", "elu", "celu",
-                  "softplus", "sigmoid_gate", "erf"}:
+                  "softplus", "sigmoid_gate", "erf", "softsign", "tanhshrink", "logsigmoid", "hardshrink",
+                  "softshrink", "threshold_mark", "threshold_fill"}:
             dtypes.append(torch.float32)
         if op == "where":
             dtypes = dtypes[1:] if len(dtypes) > 1 else dtypes

@@ -15,11 +15,13 @@ import torch
 from .. import ops as td_ops  # noqa: F401  (registers the tritondelegate:: ops)
 from . import activations as act
 from . import attention as attn
+from . import bags
 from . import batch_stats as bs
 from . import batchnorm as bn
 from . import conv
 from . import depthwise as dw
 from . import creation
+from . import distance as dist
 from . import index as idx
 from . import elementwise as ew
 from . import grid_sample as gs
@@ -135,6 +137,12 @@ OPS: dict[object, OpSpec] = {
     aten.mish.default: OpSpec(act.unary("mish"), ew.supported_float),
     aten.hardswish.default: OpSpec(act.unary("hardswish"), ew.supported_float),
     td_ops.sigmoid_gate: OpSpec(act.sigmoid_gate, ew.supported_float),
+    td_ops.softsign: OpSpec(act.unary("softsign"), ew.supported_float),
+    td_ops.tanhshrink: OpSpec(act.unary("tanhshrink"), ew.supported_float),
+    aten.log_sigmoid.default: OpSpec(act.unary("logsigmoid"), ew.supported_float),
+    aten.hardshrink.default: OpSpec(act.hardshrink, ew.supported_float),
+    aten.softshrink.default: OpSpec(act.softshrink, ew.supported_float),
+    aten.threshold.default: OpSpec(act.threshold, ew.supported_float),
     aten.clone.default: OpSpec(ew.copy),
     aten._to_copy.default: OpSpec(ew.copy, ew.supported_copy),
     # views and layout: layout.py
@@ -182,6 +190,12 @@ OPS: dict[object, OpSpec] = {
     aten.gather.default: OpSpec(idx.gather, idx.supported_gather),
     aten.index.Tensor: OpSpec(idx.index, idx.supported_index),
     aten.cumsum.default: OpSpec(idx.cumsum, idx.supported_cumsum),
+    # bags of embeddings, reduced (nn.EmbeddingBag): bags.py
+    aten._embedding_bag.default: OpSpec(bags.embedding_bag, bags.supported),
+    aten._embedding_bag_forward_only.default: OpSpec(bags.embedding_bag, bags.supported),
+    # pairwise distances (torch.cdist): distance.py
+    aten.cdist.default: OpSpec(dist.cdist, dist.supported),
+    aten._cdist_forward.default: OpSpec(dist.cdist, dist.supported),
     # sorting and counting (a Mixture-of-Experts router's top-k, expert order and tokens per expert):
     # ranking.py, histogram.py
     aten.topk.default: OpSpec(ranking.topk, ranking.supported),

@@ -7,7 +7,8 @@ ATen ops). Each kernel's footprint rule (``runtime/footprints.py``) and traffic 
 from __future__ import annotations
 
 from . import attention, batchnorm, conv, creation, elementwise, index, layout, matmul, norm, pad, pool, reduce, rotary
-from . import depthwise, grid_sample, grouped_mm, histogram, ranking, resize, router, scatter, softmax, sort_offsets
+from . import bags, depthwise, distance, grid_sample, grouped_mm, histogram, ranking, resize, router, scatter, softmax
+from . import sort_offsets
 
 KERNELS: dict[str, object] = {
     "pointwise": elementwise.pointwise_kernel,
@@ -17,6 +18,8 @@ KERNELS: dict[str, object] = {
     "pad": pad.pad_kernel,
     "gather": index.gather_kernel,
     "cumsum": index.cumsum_kernel,
+    "cdist": distance.cdist_kernel,
+    "embedding_bag": bags.embedding_bag_kernel,
     "rank": ranking.rank_kernel,
     "histc": histogram.histc_kernel,
     "sort_offsets": sort_offsets.sort_offsets_kernel,

@@ -80,6 +80,8 @@ POINTWISE_FLOPS = {
     "copy": 0, "sigmoid": 3, "silu": 4, "tanh": 4, "gelu": 5, "gelu_tanh": 9, "pow": 4, "clamp": 2,
     "logical_and": 2, "logical_or": 2, "div_floor": 6, "div_trunc": 2, "remainder": 3, "log1p": 4, "expm1": 4,
     "mish": 10, "hardswish": 5, "leaky_relu": 2, "elu": 6, "celu": 7, "softplus": 6, "sigmoid_gate": 5, "erf": 4,
+    "softsign": 3, "tanhshrink": 5, "logsigmoid": 6, "hardshrink": 3, "softshrink": 4, "threshold_mark": 2,
+    "threshold_fill": 2,
 }
 
 
@@ -294,6 +296,16 @@ TRAFFIC: dict[str, KernelTraffic] = {
     ),
     "cumsum": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
                             flops=lambda a: a["rows"] * a["length"]),
+    # each bag's rows gathered (the table counts at most the entries' rows) and reduced: one op per element
+    # (two with per-sample weights)
+    "embedding_bag": KernelTraffic(
+        reads=(Access("w_ptr", at_most=lambda a: a["n_indices"] * a["D"]), Access("idx_ptr"), Access("offs_ptr"),
+               Access("psw_ptr", _flag("HAS_PSW"))),
+        writes=(Access("out_ptr"),),
+        flops=lambda a: a["n_indices"] * a["D"] * (2 if a["HAS_PSW"] else 1)),
+    # per (batch, i, j) and column: a difference, its norm's map (|d|, d^2, ...) and a combine
+    "cdist": KernelTraffic(reads=(Access("a_ptr"), Access("b_ptr")), writes=(Access("out_ptr"),),
+                           flops=lambda a: 3 * a["grid"][2] * a["P"] * a["R"] * a["M"]),
     # every element of a row compared with every other (two compares and a sum each); ranks below k stored
     "rank": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("values_ptr"), Access("indices_ptr")),
                           flops=lambda a: 3 * a["rows"] * a["length"] * a["length"]),

@@ -11,7 +11,8 @@ constant folding and partitioning:
 * ``fuse_gelu``: a tanh GELU written out (GPT-2's ``0.5 * x * (1 + tanh(...))``) becomes one
   ``aten.gelu(approximate="tanh")``, which runs in the epilogue of the matmul before it;
 * ``fuse_activations``: swish, CLIP's quick GELU, the erf GELU and hardswish written out as x times a
-  function of x become one pointwise op each, which runs in the epilogue of the matmul before it;
+  function of x, and softsign and tanhshrink (torch writes them out), become one pointwise op each,
+  which runs in the epilogue of the matmul before it;
 * ``fuse_rotary``: a rotary embedding written out (``x * cos + rotate_half(x) * sin``) becomes one
   ``tritondelegate::rotary`` op (one launch instead of four per tensor), and two that share their cos
   and sin tables (q and k) one ``tritondelegate::rotary_pair`` (one launch for both);

@@ -450,6 +450,30 @@ def _cumsum(x: LaunchArgs) -> Footprint:
     return Footprint(acc, (_cdiv(rows, x.c["BLOCK_R"]),), {"rows": rows, "length": length})
 
 
+def _cdist(x: LaunchArgs) -> Footprint:
+    """Rows of x1 masked to [0, P), of x2 to [0, R), columns to [0, M); the batch is grid axis 2, unmasked,
+    split as (z // Z1, z % Z1)."""
+    P, R, M, Z = x.i("P"), x.i("R"), x.i("M"), x.grid[2]
+    z = _unravel(Z, x.d("Z1"))
+    acc = [Access("a_ptr", _walk(z, x.ints("as_z", 2)) + ((P, x.i("as_i")), (M, x.i("as_k")))),
+           Access("b_ptr", _walk(z, x.ints("bs_z", 2)) + ((R, x.i("bs_j")), (M, x.i("bs_k")))),
+           Access("out_ptr", _walk(z, x.ints("os_z", 2)) + ((P, x.i("os_i")), (R, x.i("os_j"))), write=True)]
+    grid = (_cdiv(P, x.c["BLOCK_M"]), _cdiv(R, x.c["BLOCK_N"]), Z)
+    return Footprint(acc, grid, {"batch x P x R": Z * max(P, 0) * max(R, 0), "M": M})
+
+
+def _embedding_bag(x: LaunchArgs) -> Footprint:
+    """Program (bag, column block); indices are masked to [0, num_embeddings), entries to [0, n_indices);
+    a bag reads offsets[bag] and, below n_offsets, offsets[bag + 1]."""
+    bags, n, n_offsets, rows, D = (x.i(k) for k in ("n_bags", "n_indices", "n_offsets", "num_embeddings", "D"))
+    acc = [Access("w_ptr", ((rows, x.i("ws_n")), (D, x.i("ws_d")))), Access("idx_ptr", ((n, x.i("is_t")),)),
+           Access("offs_ptr", ((max(bags, min(bags + 1, n_offsets)), x.i("os_o")),)),
+           Access("out_ptr", ((bags, x.i("out_b")), (D, x.i("out_d"))), write=True)]
+    if x.c["HAS_PSW"]:
+        acc.append(Access("psw_ptr", ((n, x.i("ps_t")),)))
+    return Footprint(acc, (bags, _cdiv(D, x.c["BLOCK_D"])), {"bags x D": bags * max(D, 0), "indices": n})
+
+
 def _ranked_rows(x: LaunchArgs) -> tuple[list, int, int]:
     """(accesses, rows, length) of a ranking launch: rows over (n0, n1, n2) of x read whole, the first
     min(k, length) ranks of each stored into values and indices (ranking.py, router.py)."""
@@ -662,6 +686,12 @@ RULES: dict[str, KernelRule] = {
     "gather": KernelRule(_gather, {"NUM_INDICES": in_range(1, 3), "BLOCK": BLOCK, **_epilogue_constexprs()}),
     "cumsum": KernelRule(_cumsum, {"IS_FLOAT": FLAG, "BLOCK_R": pow2(1, 4096), "BLOCK_L": pow2(1, 4096)},
                          (("BLOCK_R", "BLOCK_L"),)),
+    "embedding_bag": KernelRule(_embedding_bag, {"MODE": one_of("sum", "mean", "max"), "HAS_PSW": FLAG,
+                                                 "BLOCK_T": pow2(1, 1024), "BLOCK_D": pow2(1, 4096)},
+                                (("BLOCK_T", "BLOCK_D"),)),
+    "cdist": KernelRule(_cdist, {"NORM": one_of("two", "one", "inf", "zero", "p"), "BLOCK_M": pow2(1, 256),
+                                 "BLOCK_N": pow2(1, 256), "BLOCK_K": pow2(1, 64)},
+                        (("BLOCK_M", "BLOCK_N", "BLOCK_K"),)),
     "rank": KernelRule(_rank, {"DESCENDING": FLAG, "BLOCK_I": pow2(1, 4096), "BLOCK_J": pow2(1, 4096)},
                        (("BLOCK_I", "BLOCK_J"),)),
     "router": KernelRule(_router, {"SOFTMAX_FIRST": FLAG, "RENORMALIZE": FLAG,

@@ -168,7 +168,7 @@ def _reductions(dtype):
 
 def _int_reductions():
     fn = lambda i: (i.sum(1), i.sum(), (i > 0).sum(0), i.int().sum(-1), i.int().prod(0),  # noqa: E731
-                    i.amax(1), i.min(), i.int().amin(0))
+                    i.amax(1), i.min(), i.int().amin(0), i.argmax(1), i.int().argmin(0), i.max(1))
     return Fn(fn), (torch.randint(-9, 9, (300, 77)),)
 
 
@@ -1037,7 +1037,11 @@ def compile_variant(v: Variant, target, max_shared: int) -> None:
             compiled = triton.compile(ASTSource(v.kernel_fn, v.signature, v.constexprs, v.attrs),
                                       target=target, options=v.options.__dict__)
     except Exception as exc:  # a compiler error of any kind is this check's finding
-        found = (str(exc).strip(), diagnostics[0].strip() if diagnostics else "")
+        root = exc
+        while root.__cause__ is not None:  # Triton's CompilationError names the line; its cause says why
+            root = root.__cause__
+        why = f"{type(root).__name__}: {root}".strip() if root is not exc else ""
+        found = (str(exc).strip(), why, diagnostics[0].strip() if diagnostics else "")
         detail = "\n".join(s for s in found if s)
         v.error = f"{type(exc).__name__}: {detail}"
         v.seconds = time.time() - start

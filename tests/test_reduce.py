@@ -112,6 +112,23 @@ def test_integer_sums_and_dtype_argument():
     assert [r.dtype for r in results] == [torch.int64] * 4 + [torch.float32] * 2 + [torch.int64]
 
 
+def test_integer_arg_extremes_compare_exactly(monkeypatch):
+    """argmax / argmin / max.dim / min.dim of int64 and int32 in int64: values past 2**24 (which fp32 would
+    round together) and ties keep the first index; over 32-wide chunks as well as in one tile. CLIP-style
+    text pooling (``ids.int().argmax(-1)``) runs on the device."""
+    big = 2 ** 40
+    i = torch.randint(-big, big, (4, 70))
+    i[0, 3], i[0, 50] = big + 1, big + 2  # one apart: equal in fp32
+    i[1] = 7  # all ties: index 0
+    i[2, 9] = i[2, 60] = big + 5  # a tie: the first
+    fn = lambda i: (i.argmax(1), i.argmin(-1), i.max(1), i.min(0), i.int().argmax(-1), i.int().max(1),  # noqa: E731
+                    i.argmax())
+    results, plan = check_model(Fn(fn), (i,))
+    assert results[0].tolist()[:3] == [50, 0, 9] and kernels(plan).count("reduce") >= 6
+    monkeypatch.setattr(red, "MAX_BLOCK_C", 32)
+    check_model(Fn(fn), (i,))
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_prod_and_vector_norms(dtype):
     x = (torch.rand(4, 33, dtype=dtype) + 0.5)

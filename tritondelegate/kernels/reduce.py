@@ -50,6 +50,7 @@ SPLIT_MIN_COLS = 16384
 SPLIT_BLOCKS = 4  # BLOCK_C chunks per split program
 MAX_SPLIT = 1024
 INT_BIG = 2147483647
+INT64_MAX = tl.constexpr(9223372036854775807)  # a jit function reads only constexpr globals
 
 
 # --- kernel ---------------------------------------------------------------------------------------
@@ -136,36 +137,59 @@ def _fold(x_row, rmask, c_begin, c_end, sc, MAP: tl.constexpr, COMBINE: tl.const
 
 
 @triton.jit
-def _arg_extreme(x_row, rmask, c_begin, c_end, sc, IS_MIN: tl.constexpr,
+def _arg_extreme(x_row, rmask, c_begin, c_end, sc, IS_MIN: tl.constexpr, INT_ACC: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    if IS_MIN:
-        worst = float("inf")
+    """(value, first index) of each row's max (min); floats compared in fp32, NaN winning; integers
+    (``INT_ACC``) in int64, exactly."""
+    if INT_ACC:
+        acc_ty = tl.int64
+        if IS_MIN:
+            worst = INT64_MAX
+        else:
+            worst = -INT64_MAX - 1
     else:
-        worst = float("-inf")
-    acc = tl.full([BLOCK_R, BLOCK_C], worst, dtype=tl.float32)
+        acc_ty = tl.float32
+        if IS_MIN:
+            worst = float("inf")
+        else:
+            worst = float("-inf")
+    acc = tl.full([BLOCK_R, BLOCK_C], worst, dtype=acc_ty)
     idx = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
     for start in range(c_begin, c_end, BLOCK_C):
         c = start + tl.arange(0, BLOCK_C)
         mask = rmask[:, None] & (c < c_end)[None, :]
-        v = tl.load(x_row + c.to(tl.int64)[None, :] * sc, mask=mask, other=worst).to(tl.float32)
+        if INT_ACC:  # a masked lane never wins (below): any value will do, one of x's dtype
+            v = tl.load(x_row + c.to(tl.int64)[None, :] * sc, mask=mask, other=0).to(acc_ty)
+        else:
+            v = tl.load(x_row + c.to(tl.int64)[None, :] * sc, mask=mask, other=worst).to(acc_ty)
         if IS_MIN:
             better = v < acc
         else:
             better = v > acc
-        # strict comparisons keep each lane's first occurrence; the first NaN beats everything
-        better = better | ((v != v) & (acc == acc))
+        # strict comparisons keep each lane's first occurrence; the first NaN beats everything; a masked
+        # lane (worst) never wins, and an all-worst row keeps index 0 below
+        if not INT_ACC:
+            better = better | ((v != v) & (acc == acc))
+        better = better & mask
         acc = tl.where(better, v, acc)
         idx = tl.where(better, c[None, :], idx)
-    isnan = acc != acc
-    any_nan = tl.max(isnan.to(tl.int32), axis=1) > 0
-    clean = tl.where(isnan, worst, acc)
-    if IS_MIN:
-        best = tl.min(clean, axis=1)
+    if INT_ACC:
+        if IS_MIN:
+            value = tl.min(acc, axis=1)
+        else:
+            value = tl.max(acc, axis=1)
+        index = tl.min(tl.where(acc == value[:, None], idx, 2147483647), axis=1)
     else:
-        best = tl.max(clean, axis=1)
-    pick = tl.where(any_nan[:, None], isnan, clean == best[:, None])
-    index = tl.min(tl.where(pick, idx, 2147483647), axis=1)
-    value = tl.where(any_nan, float("nan"), best)
+        isnan = acc != acc
+        any_nan = tl.max(isnan.to(tl.int32), axis=1) > 0
+        clean = tl.where(isnan, worst, acc)
+        if IS_MIN:
+            best = tl.min(clean, axis=1)
+        else:
+            best = tl.max(clean, axis=1)
+        pick = tl.where(any_nan[:, None], isnan, clean == best[:, None])
+        index = tl.min(tl.where(pick, idx, 2147483647), axis=1)
+        value = tl.where(any_nan, float("nan"), best)
     return value, index
 
 
@@ -215,7 +239,7 @@ def reduce_kernel(
         tl.store(out_ptr + out_off, (m2 / divisor).to(out_ptr.dtype.element_ty), mask=rmask)
         tl.store(out2_ptr + out_off, mean.to(out2_ptr.dtype.element_ty), mask=rmask)
     elif COMBINE == "argmax" or COMBINE == "argmin":
-        value, index = _arg_extreme(x_row, rmask, c_begin, c_end, sc, COMBINE == "argmin", BLOCK_R, BLOCK_C)
+        value, index = _arg_extreme(x_row, rmask, c_begin, c_end, sc, COMBINE == "argmin", INT_ACC, BLOCK_R, BLOCK_C)
         tl.store(out_ptr + out_off, value.to(out_ptr.dtype.element_ty), mask=rmask)
         tl.store(out2_ptr + out_off, index.to(out2_ptr.dtype.element_ty), mask=rmask)
     else:
@@ -269,7 +293,7 @@ def launch_reduce(b, x: TRef, dims, out: TRef, out2: TRef | None = None, *, map_
     row-major order of the kept dims, so ``keepdim`` does not matter here. ``divisor``: a float, or
     an integer size (possibly symbolic). A one-pass sum, prod, max or min of floats into a float
     ``out`` records a :class:`RowReduce`, for ``fuse_reduce.py``."""
-    int_acc = not x.dtype.is_floating_point and combine in ("sum", "prod", "max", "min")
+    int_acc = not x.dtype.is_floating_point and combine in ("sum", "prod", "max", "min", "argmax", "argmin")
     laid_out, plan = rw.lay_out(b, x, dims)
     if laid_out is not x:  # a contiguous copy, its dims permuted: the kept dims first
         dims = list(range(x.ndim - len(dims), x.ndim))
@@ -361,6 +385,12 @@ def supported_float(node) -> str | None:
 def supported_extreme(node) -> str | None:
     """amax / amin / max / min of all elements: floating inputs, or int64 / int32 compared in int64
     (Phi-3 longrope's ``max(position_ids)``)."""
+    return _check(node, FLOAT_DTYPES + (torch.int64, torch.int32), FLOAT_DTYPES + (torch.int64, torch.int32))
+
+
+def supported_arg(node) -> str | None:
+    """argmax / argmin and max.dim / min.dim: floating inputs, or int64 / int32 compared in int64 (CLIP's
+    text pooling takes ``input_ids.int().argmax(-1)``)."""
     return _check(node, FLOAT_DTYPES + (torch.int64, torch.int32), FLOAT_DTYPES + (torch.int64, torch.int32))
 
 

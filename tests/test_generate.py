@@ -427,3 +427,34 @@ def test_the_programs_eos_ids_stop_generation_unless_stop_tokens_are_given(chunk
     assert stopped.stopped == [True] and stopped.tokens.shape[1] == at + 1
     generator.program.reset_state()
     assert generator.generate(long_prompt(), 6, stop_tokens=()).tokens.tolist() == full.tokens.tolist()
+
+
+def test_one_dynamic_method_serves_prefill_and_decode_as_transformers_exports_it():
+    """``TorchExportableModuleForDecoderOnlyLM.export`` with a dynamic length gives one ``forward``: it is
+    both the prefill (an 11-token prompt in calls of at most 8) and the decode method, and its constant
+    methods come from the wrapper (the cache's 32 positions, the config's eos id). The tokens are
+    transformers' own static-cache generation's."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.cache_implementation = "static"
+    wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=32)
+    seq = torch.export.Dim("seq", max=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = wrapper.export(input_ids=torch.zeros(1, 4, dtype=torch.long), cache_position=torch.arange(4),
+                            dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}})
+    methods = llm_constant_methods(wrapper)
+    assert (methods["get_max_seq_len"], methods["get_eos_ids"]) == (32, [config.eos_token_id])
+    lowered = td.lower({"forward": ep}, config=RESIDENT, constant_methods=methods)
+    generator = Generator(lowered.load(), prefill="forward", decode="forward")
+    prompt = torch.randint(0, 64, (1, 11), generator=torch.Generator().manual_seed(3))
+    result = generator.generate(prompt, 6)
+    expected = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static")[0, 11:]
+    assert result.tokens[0, :len(expected)].tolist() == expected.tolist()
+    with pytest.raises(ValueError, match="the cache has 32"):
+        generator.generate(prompt, 30)

@@ -337,7 +337,8 @@ def hf_llama_static_cache(model: KVCacheDecoder, device: str | torch.device = "c
 def llm_constant_methods(module: nn.Module) -> dict:
     """What a generation runner reads about ``module`` (``lower(..., constant_methods=...)``): for a
     :class:`KVCacheDecoder` or transformers' static-cache export wrapper
-    (``TorchExportableModuleWithStaticCache``, as :func:`hf_llama_static_cache` returns),
+    (``TorchExportableModuleWithStaticCache``, as :func:`hf_llama_static_cache` returns, or the
+    ``TorchExportableModuleForDecoderOnlyLM`` around one),
     ``get_max_seq_len`` (cache positions), ``get_max_batch_size``, ``get_vocab_size``, ``use_kv_cache``,
     and from a transformers model's generation config ``get_bos_id`` and ``get_eos_ids`` where it sets them.
     """
@@ -345,7 +346,10 @@ def llm_constant_methods(module: nn.Module) -> dict:
         c = module.cfg
         return {"get_max_seq_len": c.max_seq_len, "get_max_batch_size": module.max_batch,
                 "get_vocab_size": c.vocab_size, "use_kv_cache": True}
-    cache, model = getattr(module, "static_cache", None), getattr(module, "model", None)
+    inner = module
+    while getattr(inner, "static_cache", None) is None and isinstance(getattr(inner, "model", None), nn.Module):
+        inner = inner.model  # TorchExportableModuleForDecoderOnlyLM holds the static-cache wrapper
+    cache, model = getattr(inner, "static_cache", None), getattr(inner, "model", None)
     if cache is None or model is None:
         raise TypeError(f"llm_constant_methods takes a KVCacheDecoder or transformers' static-cache export "
                         f"wrapper, got {type(module).__name__}")

@@ -405,6 +405,9 @@ def test_a_generation_that_would_pass_the_cache_is_refused_before_any_call(chunk
         generator.generate(long_prompt(), 20)
     with pytest.raises(ValueError, match="need 33 cache positions"):
         generator.generate(long_prompt()[:, :2], 1, start=31)
+    for bad in (long_prompt()[0], long_prompt().int(), [[1, 2]]):
+        with pytest.raises(ValueError, match="the prompt must be token ids .batch, length. as int64"):
+            generator.generate(bad, 2)
     assert generator.prefill.stats.calls == 0
     assert generator.generate(long_prompt(), 18).tokens.shape == (1, 18)  # exactly fills the cache
     # A program without get_max_seq_len: the caller gives it; a static prefill takes its length only.

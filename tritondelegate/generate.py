@@ -124,6 +124,9 @@ class Generator:
         """
         if new_tokens < 1:
             raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.int64:
+            got = f"{prompt.dtype} {list(prompt.shape)}" if isinstance(prompt, torch.Tensor) else type(prompt).__name__
+            raise ValueError(f"the prompt must be token ids [batch, length] as int64, got {got}")
         pick = greedy if sampling is None else sampling.pick
         stop_tokens = self.eos_ids if stop_tokens is None else stop_tokens
         batch, length = prompt.shape

@@ -114,8 +114,8 @@ def _generate(args) -> dict:
     from tritondelegate.models import export_prefill_decode, generate_eager, kv_cache_decoder, llm_constant_methods
 
     cfg, prompt_len = GENERATE_MODEL, args.prompt_len
-    if not 1 <= prompt_len <= GENERATE_MAX_PROMPT_LEN:
-        raise SystemExit(f"--prompt-len must be in 1..{GENERATE_MAX_PROMPT_LEN}")
+    if not 1 <= prompt_len <= cfg["max_seq_len"]:
+        raise SystemExit(f"--prompt-len must be in 1..{cfg['max_seq_len']}")
     if not 1 <= args.tokens <= cfg["max_seq_len"] - prompt_len + 1:
         raise SystemExit(f"--tokens must be in 1..{cfg['max_seq_len'] - prompt_len + 1} "
                          f"(a {prompt_len}-token prompt in a {cfg['max_seq_len']}-position cache)")
@@ -123,8 +123,9 @@ def _generate(args) -> dict:
     start = time.perf_counter()
     model = kv_cache_decoder(seed=args.seed, **cfg)
     prompt = torch.randint(0, cfg["vocab_size"], (1, prompt_len))
-    # Exported once with an example length; the program takes any prompt length up to the bound. Prefill
-    # returns its last position's logits only: the next token's.
+    # Exported once with an example length; the program takes any prompt length up to the bound (the
+    # generator prefills a longer one in calls of that many). Prefill returns its last position's logits
+    # only: the next token's.
     programs = export_prefill_decode(model, 16, max_prompt_len=GENERATE_MAX_PROMPT_LEN, last_logits=True)
     timings["export_s"] = time.perf_counter() - start
 
@@ -279,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--tokens", type=int, default=8, help="tokens to generate (default 8)")
     gen.add_argument("--prompt-len", type=int, default=11,
-                     help=f"prompt tokens, 1..{GENERATE_MAX_PROMPT_LEN} (default 11; one program for every length)")
+                     help=f"prompt tokens, 1..{GENERATE_MODEL['max_seq_len']} (default 11; one program for every "
+                          f"length: up to {GENERATE_MAX_PROMPT_LEN} in one prefill call, longer ones in calls of that many)")
     gen.add_argument("--device", default="auto", choices=["auto", "cuda", "simulated"])
     gen.add_argument("--graphs", action="store_true", help="load decode with CUDA graphs")
     gen.add_argument("--state-on-host", action="store_true",

@@ -1,11 +1,13 @@
 import copy
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.export import Dim
 
-from harness import FLOAT_DTYPES, Fn, check_dynamic, check_launches, check_model, export_decomposed, plan_launches
+from harness import (FLOAT_DTYPES, Fn, check_dynamic, check_launches, check_model, export_decomposed, plan_launches,
+                     run_delegated)
 from tritondelegate.kernels import conv
 from tritondelegate.kernels.table import KERNELS
 from tritondelegate.runtime.footprints import kernel_parameters
@@ -133,6 +135,9 @@ CASES_T = {
     "odd_5x7_rect": (3, 5, (3, 2), (2, 3), (1, 0), (1, 2), 1, 1, True, (1, 5, 7)),
     "k2_s2_no_overlap": (8, 4, 2, 2, 0, 0, 1, 1, True, (1, 4, 4)),
     "no_bias": (3, 4, 3, 2, 1, 0, 1, 1, False, (2, 4, 4)),
+    # kernels smaller than the stride: the phases of residue >= the kernel have no taps (bias only)
+    "k1_s2_op1": (4, 3, 1, 2, 0, 1, 1, 1, True, (1, 3, 4)),
+    "k2_s3_p1_op2": (3, 4, 2, 3, 1, 2, 1, 1, True, (2, 3, 4)),
 }
 
 
@@ -145,6 +150,7 @@ def test_conv_transpose2d(case, dtype):
     _, plan = check_model(model, (x,), reference_args=reference)
     assert [launch.kernel for launch in plan.launches] == ["conv2d"]
     assert plan.launches[0].constexprs["TRANSPOSED"].value is True
+    assert ("PHASED" in plan.launches[0].constexprs) == (dilation == 1)  # by stride phase unless dilated
 
 
 # Transposed 1-D: (C_in, C_out, kernel, stride, padding, output_padding, dilation, groups, bias, (N, L))
@@ -163,6 +169,7 @@ def test_conv_transpose1d(case, dtype):
     model, x, reference = _low_precision(model.eval(), torch.randn(n, c_in, length), dtype)
     _, plan = check_model(model, (x.transpose(1, 2).contiguous().transpose(1, 2),), reference_args=reference)
     assert [launch.kernel for launch in plan.launches] == ["conv2d"]  # read through its strides, no copy
+    assert ("PHASED" in plan.launches[0].constexprs) == (dilation == 1)
 
 
 class UpBlock(torch.nn.Module):
@@ -200,7 +207,63 @@ def test_conv_transpose_dynamic_height_and_width():
     h, w = Dim("h", min=2, max=9), Dim("w", min=2, max=9)
     lowered, _ = check_dynamic(model, [(torch.randn(1, 3, a, b),) for a, b in ((4, 5), (2, 9), (9, 3))],
                                {"input": {2: h, 3: w}})
-    assert [launch.kernel for launch in plan_launches(lowered)] == ["conv2d"]
+    (launch,) = plan_launches(lowered)
+    assert launch.kernel == "conv2d" and launch.constexprs["PHASED"].value is True
+
+
+def _exact_pairs(out: int, k: int, stride: int, pad: int) -> int:
+    """Along one dim of a transposed conv: the (output index o, tap t) pairs with o + pad - t a multiple
+    of the stride, the taps that land on o (their input inside x or not)."""
+    return sum((o + pad - t) % stride == 0 for o in range(out) for t in range(k))
+
+
+@pytest.mark.parametrize("model, x", [
+    (torch.nn.ConvTranspose1d(8, 6, 16, 8, 4), torch.randn(1, 8, 5)),  # HiFi-GAN: 2 of 16 taps per phase
+    (torch.nn.ConvTranspose2d(4, 6, 3, 2, 1, 1, groups=2), torch.randn(2, 4, 3, 4)),  # 1, 2 or 4 of 9
+    (torch.nn.ConvTranspose3d(4, 3, 2, 2, bias=False), torch.randn(1, 4, 2, 3, 2)),  # 1 of 8
+], ids=["1d_k16_s8_p4", "2d_k3_s2_p1_op1_groups2", "3d_k2_s2"])
+def test_conv_transpose_walks_only_the_exact_taps(model, x):
+    # By stride phase: grid axis 0 = (phases) x (tiles of the largest phase's rows), and the launch's
+    # FLOPs (traffic.py: what its K walk multiplies) count 2 per output pixel, exact tap, input channel
+    # of its group and output channel, where walking every tap counts stride product times as many.
+    out = model.eval()(x)
+    _, plan = check_model(model, (x,))
+    (launch,) = plan.launches
+    assert launch.constexprs["PHASED"].value is True
+    c_in, c_out, spatial = x.shape[1], out.shape[1], out.shape[2:]
+    strides, pads, kernel = model.stride, model.padding, model.kernel_size
+    rows = x.shape[0] * math.prod(-(-o // s) for o, s in zip(spatial, strides))
+    assert launch.grid[0] == math.prod(strides) * -(-rows // launch.constexprs["BLOCK_M"].value)
+    macs = x.shape[0] * math.prod(_exact_pairs(*d) for d in zip(spatial, kernel, strides, pads)) * c_in // model.groups
+    bias = out.numel() if model.bias is not None else 0
+    assert launch.flops == 2 * macs * c_out + bias
+    every_tap = 2 * out.numel() * c_in // model.groups * math.prod(kernel) + bias
+    assert launch.flops < every_tap and (every_tap - bias) / (launch.flops - bias) >= math.prod(strides) * 0.5
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # 0 * inf in rows never stored
+@pytest.mark.parametrize("tap", [(1, 1), (0, 0)], ids=["interior", "corner"])
+def test_conv_transpose_inf_weight(tap):
+    # A finite input and one inf weight (input channel 0 -> output channel 1). Interior tap (its input
+    # exists for every output of its phase): every output as eager's, inf where eager's is, the other
+    # phases finite. Corner tap: its phase's outputs at the last row or column read it outside x (masked:
+    # 0 * inf = NaN) where eager adds nothing; every other output as eager's.
+    torch.manual_seed(0)
+    model = torch.nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1).eval()
+    with torch.no_grad():
+        model.weight[0, 1][tap] = float("inf")
+    x = torch.randn(1, 2, 4, 5)
+    with torch.no_grad():
+        expected = model(x)
+    (result,), plan = run_delegated(model, (x,))
+    assert plan.launches[0].constexprs["PHASED"].value is True
+    assert torch.isinf(expected).any() and not torch.isnan(expected).any()
+    border = torch.zeros_like(expected, dtype=torch.bool)
+    if tap == (0, 0):  # kh = 0 is exact at odd oh, read at ih = (oh + 1) // 2: H (outside x) at oh = 7
+        border[0, 1, 1::2, 1::2] = True
+        border[0, 1, 1:-1:2, 1:-1:2] = False
+    assert torch.equal(torch.isnan(result), border)
+    torch.testing.assert_close(result[~border], expected[~border])
 
 
 # --- 3-D --------------------------------------------------------------------------------------------
@@ -277,6 +340,7 @@ def test_conv_transpose3d(case, dtype):
     (launch,) = plan.launches
     assert launch.kernel == "conv2d"
     assert launch.constexprs["TRANSPOSED"].value is True and launch.constexprs["DEPTH"].value is True
+    assert ("PHASED" in launch.constexprs) == (dilation == 1)
 
 
 class Block3d(torch.nn.Module):

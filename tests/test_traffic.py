@@ -133,8 +133,10 @@ def test_convolution_flops_count_the_taps_that_contribute():
     # 2 * N*OH*OW output pixels * C_out * C_in*KH*KW
     launch, _ = _only(lambda x, w: conv2d(x, w, padding=1), x, torch.randn(4, 3, 3, 3))
     assert launch.kernel == "conv2d" and launch.flops == 2 * (2 * 5 * 7) * 4 * (3 * 3 * 3)
-    # transposed: each input pixel's taps, 2 * N*H*W * C_in * C_out*KH*KW (the kernel walks 2 * 2 times as
-    # many and masks the inexact ones); the output is [2, 4, 10, 14]
+    # transposed, by stride phase: each output pixel's exact taps, (5 * 1 + 5 * 2) x (7 * 1 + 7 * 2) over
+    # the [10, 14] output (even rows take tap 1, odd ones taps 0 and 2; likewise columns), as many as each
+    # input pixel's 3 x 3 (2 * N*H*W * C_in * C_out*KH*KW; walking every tap would count 2 * 2 times as
+    # many); the output is [2, 4, 10, 14]
     launch, _ = _only(lambda x, w: conv_t(x, w, stride=2, padding=1, output_padding=1), x, torch.randn(3, 4, 3, 3))
     assert launch.kernel == "conv2d" and launch.flops == 2 * (2 * 5 * 7) * 3 * (4 * 3 * 3)
     assert launch.bytes_read == (2 * 3 * 5 * 7 + 3 * 4 * 3 * 3) * F32
@@ -147,7 +149,8 @@ def test_3d_convolution_and_pooling_flops_count_the_depth():
     # 2 * N*OD*OH*OW output voxels * C_out * C_in*KD*KH*KW (padding (0, 1, 1): OD = 2)
     launch, _ = _only(lambda x, w: conv3d(x, w, padding=(0, 1, 1)), x, torch.randn(4, 3, 3, 3, 3))
     assert launch.kernel == "conv2d" and launch.flops == 2 * (2 * 2 * 5 * 7) * 4 * (3 * 3 * 3 * 3)
-    # transposed: each input voxel's taps, 2 * N*D*H*W * C_in * C_out*KD*KH*KW; the output is [2, 4, 8, 10, 14]
+    # transposed k2 s2, by stride phase: one exact tap per output voxel, as many as each input voxel's
+    # 2 x 2 x 2, 2 * N*D*H*W * C_in * C_out*KD*KH*KW; the output is [2, 4, 8, 10, 14]
     launch, _ = _only(lambda x, w: conv_t(x, w, stride=2), x, torch.randn(3, 4, 2, 2, 2))
     assert launch.kernel == "conv2d" and launch.flops == 2 * (2 * 4 * 5 * 7) * 3 * (4 * 2 * 2 * 2)
     assert launch.bytes_written == 2 * 4 * 8 * 10 * 14 * F32

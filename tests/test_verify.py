@@ -536,6 +536,11 @@ CONV_T_DAMAGE = [
     ("output channel stride", _set_int("ws_o", 100000), r"argument 'w_ptr' reaches"),
     ("a third group", lambda launch: _set_grid(*launch.grid[:2], 3)(launch), r"argument '(x|w|out)_ptr' reaches"),
     ("not a flag", _set_constexpr("TRANSPOSED", 2), "constexpr TRANSPOSED=2 is not allowed"),
+    # by stride phase: (2 x 2 phases) x (tiles of the largest phase's rows) programs, padding >= 0
+    ("a program past the phases", lambda launch: _set_grid(launch.grid[0] + 1, *launch.grid[1:])(launch),
+     "grid axis 0 has"),
+    ("negative padding", _set_int("pad_w", -1), "argument 'pad_w' is -1; a PHASED convolution's padding"),
+    ("PHASED not a flag", _set_constexpr("PHASED", 2), "constexpr PHASED=2 is not allowed"),
 ]
 
 
@@ -545,7 +550,8 @@ def test_a_transposed_convolution_loads_and_its_damage_is_refused():
     args = (torch.randn(1, 4, 3, 5),)
     lowered = td.lower(torch.export.export(model, args), config=RESIDENT)
     ((d, k, launch),) = [x for x in _launches(lowered.program) if x[2].kernel == "conv2d"]
-    assert launch.constexprs["TRANSPOSED"].value is True and launch.grid[2] == 2
+    assert launch.constexprs["TRANSPOSED"].value is True and launch.constexprs["PHASED"].value is True
+    assert launch.grid[2] == 2
     with torch.no_grad():
         torch.testing.assert_close(_load(lowered)(*args), model(*args))
     where = rf"delegate {d} \('triton_0'\) launch {k} \('conv2d'"

@@ -11,6 +11,8 @@ Cg = C_in / groups input and Og = C_out / groups output channels:
 A 2-D convolution is the same without the depth (od, kd): the kernel's DEPTH constexpr is False, KD is 1
 and no depth term is computed at all, so 2-D and 1-D convolutions compile to the instructions (and, their
 arguments in the same places, the registers: scripts/compile_check.py) they had before 3-D ones existed.
+(Their PTX is still that; since the K walk moved into helpers, whose line info ptxas reads, one of
+compile_check's 2-D variants gets 42 registers where it had 46.)
 A 3-D one of kernel depth 1 (a (1, 3, 3) "pseudo-3-D" conv) still walks od (DEPTH).
 
 A transposed convolution (``transposed=True``: the gradient of a convolution with respect to its input)
@@ -22,15 +24,34 @@ the same sum over other taps:
         B[k, o] = weight[g*Cg + ci, o, kd, kh, kw]                  (weight [C_in, Og, KD, KH, KW])
 
 ``output_padding`` only adds rows and columns to the output's size (taken from the output tensor). The
-exactness test needs no division of negatives: with t = oh + ph >= 0 and d = kh*dh >= 0, t - d is a
-multiple of sh exactly when t % sh == d % sh, and then ih = t // sh - d // sh (``_rows`` and ``_taps``).
-The kernel walks every tap and masks those that are not exact, so a stride of (sd, sh, sw) does sd*sh*sw
-times the multiply-adds that contribute (a DCGAN k4 s2 layer or a UNet k2 s2 one 4x, a 3-D k2 s2 one 8x).
-A masked tap multiplies a 0 by its weight: a non-finite weight (inf, NaN) gives NaN at outputs that
-eager, which adds up only real products, leaves finite (non-finite inputs propagate as in eager). The
 weight is addressed per group through ``ws_g`` (Og * its dim-0 stride, or for a transposed one Cg * its
 dim-0 stride) so one formula reads both layouts: w_ptr + g*ws_g + o*ws_o + ci*ws_i + kd*ws_d + kh*ws_h
 + kw*ws_w.
+
+Of dilation 1 on every dim (nearly every model's: a UNet's, a VAE decoder's or a DCGAN's upsampling, a
+vocoder's), the kernel walks only the exact taps, by stride phase (PHASED, ``_phase_rows`` and
+``_phase_walk``). The output pixels with oh = oh0 + j*sh, oh0 < sh (likewise d and w) form a phase: they
+share the residue rh = (oh0 + ph) % sh, so their exact taps are the same, kh = rh + th*sh < KH for th <
+cdiv(KH - rh, sh), read at ih = (oh + ph) // sh - th. A program takes BLOCK_M pixels of one phase (grid
+axis 0: tile * phases + phase, phases = sd*sh*sw, tiles of the largest phase's cdiv(OD, sd) *
+cdiv(OH, sh) * cdiv(OW, sw) pixels per image; a smaller phase's rows past its end are masked) and walks
+per tap of its phase its Cg input channels: K = Cg * (its taps), a dense GEMM with nothing masked but the
+input's bounds, where walking every tap did sd*sh*sw times the multiply-adds that contribute (a DCGAN k4
+s2 layer or a UNet k2 s2 one 4x, a 3-D k2 s2 one 8x, a HiFi-GAN k16 s8 one 8x). A phase with no taps
+(KH < sh) walks none: its outputs get the bias (and the epilogue) only. A tap whose input falls outside
+x (ih < 0 or >= H: outputs at the borders) is still walked, masked: a 0 times its weight. So a
+non-finite weight (inf, NaN) still gives NaN at those border outputs, where eager (whose col2im adds
+only the products of real input pixels) stays finite; every other output adds exactly the products
+eager adds (an inf weight in a tap whose inputs all exist gives inf where eager's does and leaves the
+other phases finite), and non-finite inputs propagate as in eager. The phase's pixels lie sw apart in
+the output: its stores are strided (and a transposed 3-D program takes at most 32 rows:
+``ConvOp._blocks``).
+
+A dilated transposed convolution (rare) walks every tap and masks those that are not exact, sd*sh*sw
+times the multiply-adds that contribute; a masked tap multiplies a 0 by its weight, so there a
+non-finite weight gives NaN at every output where its tap is not real. The exactness test needs no
+division of negatives: with t = oh + ph >= 0 and d = kh*dh >= 0, t - d is a multiple of sh exactly when
+t % sh == d % sh, and then ih = t // sh - d // sh (``_rows`` and ``_taps``).
 
 An epilogue (``fusion.py`` folds the pointwise chain that alone reads the result into it, as for
 matmuls: an activation, a residual add) runs on the tile before the store, with the steps of
@@ -43,11 +64,15 @@ masked loads (the mask is the zero padding), so x, weight and out may have any s
 NHWC input needs no copy). K runs over (ci, kd, kh, kw) flattened, which keeps the tile dense when Cg is
 small (a 3-channel stem or tubelet embedding). A convolution with one input channel per group (a
 depthwise one) launches ``depthwise.py``'s direct convolution instead (:class:`ConvOp` ``kernel``): here
-it would pay for a 16-wide dot per output channel (tl.dot needs every dimension >= 16).
+it would pay for a 16-wide dot per output channel (tl.dot needs every dimension >= 16). A PHASED one
+steps over Cg per tap instead (the row part of an address is the program's, the tap's a scalar), so a
+Cg below BLOCK_K leaves part of the tile empty (transposed convolutions with so few input channels per
+group are rare).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +138,134 @@ def _coords(offs_m, OD, OH, OW, DEPTH: tl.constexpr):
 
 
 @triton.jit
+def _phase_rows(pid, M, OD, OH, OW, sd, sh, sw, BLOCK_M: tl.constexpr, DEPTH: tl.constexpr):
+    """The rows of a PHASED program ``pid`` = tile * phases + phase (phases = sd * sh * sw): phase p's
+    outputs start at (od0, oh0, ow0) < (sd, sh, sw) (p = (od0 * sh + oh0) * sw + ow0) and step by the
+    stride; flat j = ((n * ODP + jd) * OHP + jh) * OWP + jw over the largest phase's counts (ODP, OHP,
+    OWP) = cdiv((OD, OH, OW), stride), tile ``tile`` of them. Returns (n, od, oh, ow, mask: the real
+    output pixels among them, (od0, oh0, ow0))."""
+    phases = sh * sw
+    if DEPTH:
+        phases *= sd
+    p = (pid % phases).to(tl.int32)  # scalars of the phase in int32 (its loops: int32 induction variables)
+    n, jd, jh, jw = _coords((pid // phases) * BLOCK_M + tl.arange(0, BLOCK_M),
+                            (OD + sd - 1) // sd, (OH + sh - 1) // sh, (OW + sw - 1) // sw, DEPTH)
+    od0, oh0, ow0 = p // (sw * sh), (p // sw) % sh, p % sw  # od0 0 without DEPTH (p < sh * sw)
+    oh, ow = oh0 + jh * sh, ow0 + jw * sw
+    if DEPTH:
+        od = od0 + jd * sd
+        mask = (n < M // (OD * OH * OW)) & (od < OD) & (oh < OH) & (ow < OW)
+    else:
+        od = 0
+        mask = (n < M // (OH * OW)) & (oh < OH) & (ow < OW)
+    return n, od, oh, ow, mask, od0, oh0, ow0
+
+
+@triton.jit
+def _phase_walk(acc, x_rows, mask_m, w_cols, mask_n, od, oh, ow, od0, oh0, ow0, D, H, W, CIN_G,
+                xs_c, xs_d, xs_h, xs_w, ws_i, ws_d, ws_h, ws_w, sd, sh, sw, pd, ph, pw,
+                KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, BLOCK_K: tl.constexpr,
+                DEPTH: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """acc + the K walk of a PHASED program's rows, which share their phase (first row (od0, oh0, ow0),
+    residues (rd, rh, rw) = ((od0, oh0, ow0) + pad) % stride): its taps (kd, kh, kw) = (rd + td*sd,
+    rh + th*sh, rw + tw*sw) < (KD, KH, KW) (none: acc as it is), each read at ih = (oh + ph) // sh - th
+    (likewise d, w; masked outside the input), and per tap its Cg input channels in steps of BLOCK_K."""
+    rh, rw = (oh0 + ph) % sh, (ow0 + pw) % sw
+    taps_h, taps_w = (KH + sh - 1 - rh) // sh, (KW + sw - 1 - rw) // sw  # cdiv(KH - rh, sh), rh < sh
+    # the rows' tap-0 inputs, int32 (a masked row's ih0 -1: no tap real), and x at them ([BLOCK_M] pointers)
+    ih0 = tl.where(mask_m, (oh + ph) // sh, -1).to(tl.int32)
+    iw0 = ((ow + pw) // sw).to(tl.int32)
+    rows = x_rows + ih0.to(tl.int64) * xs_h + iw0.to(tl.int64) * xs_w
+    taps = taps_h * taps_w
+    if DEPTH:
+        rd = (od0 + pd) % sd
+        taps_d, id0 = (KD + sd - 1 - rd) // sd, ((od + pd) // sd).to(tl.int32)
+        taps *= taps_d
+        rows += id0.to(tl.int64) * xs_d
+    steps = (CIN_G + BLOCK_K - 1) // BLOCK_K  # channel steps per tap
+    for i in range(0, taps * steps):  # i = t * steps + channel step, t = (td * taps_h + th) * taps_w + tw
+        t = i // steps
+        th, tw = (t // taps_w) % taps_h, t % taps_w
+        real = (ih0 >= th) & (ih0 - th < H) & (iw0 >= tw) & (iw0 - tw < W)
+        x_tap = th.to(tl.int64) * xs_h + tw.to(tl.int64) * xs_w  # x at the tap: rows - x_tap
+        w_tap = (rh + th * sh).to(tl.int64) * ws_h + (rw + tw * sw).to(tl.int64) * ws_w
+        if DEPTH:
+            td = t // (taps_w * taps_h)
+            real = real & (id0 >= td) & (id0 - td < D)
+            x_tap += td.to(tl.int64) * xs_d
+            w_tap += (rd + td * sd).to(tl.int64) * ws_d
+        ci = (i - t * steps) * BLOCK_K + tl.arange(0, BLOCK_K)
+        c_real = ci < CIN_G
+        ci = ci.to(tl.int64)
+        a = tl.load(rows[:, None] + (ci * xs_c - x_tap)[None, :], mask=real[:, None] & c_real[None, :], other=0.0)
+        bt = tl.load(w_cols[None, :] + (ci * ws_i + w_tap)[:, None], mask=c_real[:, None] & mask_n[None, :],
+                     other=0.0)
+        acc = _dot(acc, a, bt, DOT_UPCAST)
+    return acc
+
+
+@triton.jit
+def _tile_rows(pid, M, OD, OH, OW, sd, sh, sw, pd, ph, pw, BLOCK_M: tl.constexpr, TRANSPOSED: tl.constexpr,
+               DEPTH: tl.constexpr):
+    """The rows of program ``pid`` (not PHASED): flat output pixels [pid * BLOCK_M, + BLOCK_M) < M, their
+    (n, od, oh, ow) (``_coords``), and per dim what their taps share (``_rows``: (id0, d_res), (ih0, h_res),
+    (iw0, w_res); without DEPTH the first pair stands in for the absent depth and is never read)."""
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    n, od, oh, ow = _coords(offs_m, OD, OH, OW, DEPTH)
+    if DEPTH:
+        id0, d_res = _rows(od, sd, pd, TRANSPOSED)
+    else:
+        id0, d_res = oh, oh
+    ih0, h_res = _rows(oh, sh, ph, TRANSPOSED)
+    iw0, w_res = _rows(ow, sw, pw, TRANSPOSED)
+    return n, od, oh, ow, mask_m, id0, d_res, ih0, h_res, iw0, w_res
+
+
+@triton.jit
+def _gather(x_rows, mask_m, offs_k, K, id0, d_res, ih0, h_res, iw0, w_res, D, H, W,
+            xs_c, xs_d, xs_h, xs_w, ws_i, ws_d, ws_h, ws_w, sd, sh, sw, dil_d, dil_h, dil_w,
+            KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, TRANSPOSED: tl.constexpr, DEPTH: tl.constexpr):
+    """Step ``offs_k`` of the K walk over k = (ci, kd, kh, kw), (Cg, KD, KH, KW): the A tile [BLOCK_M,
+    BLOCK_K] gathered from x at the rows' taps (``_rows``' tap-0 inputs and residues; 0 where a tap is not
+    real), and the taps' weight offsets (from group g's output channel 0) and mask [BLOCK_K]."""
+    mask_k = offs_k < K
+    ci = (offs_k // (KD * KH * KW)).to(tl.int64)
+    kh = (offs_k // KW) % KH
+    kw = offs_k % KW
+    ih, h_real = _taps(ih0, h_res, kh * dil_h, H, sh, TRANSPOSED)
+    iw, w_real = _taps(iw0, w_res, kw * dil_w, W, sw, TRANSPOSED)
+    a_mask = mask_m[:, None] & mask_k[None, :] & h_real & w_real
+    a_ptrs = x_rows[:, None] + ci[None, :] * xs_c + ih * xs_h + iw * xs_w
+    if DEPTH:  # tap kd of k = (ci, kd, kh, kw)
+        kd = (offs_k // (KH * KW)) % KD
+        i_d, d_real = _taps(id0, d_res, kd * dil_d, D, sd, TRANSPOSED)
+        a_mask = a_mask & d_real
+        a_ptrs += i_d * xs_d
+    a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    w_offs = ci * ws_i + kh * ws_h + kw * ws_w
+    if DEPTH:
+        w_offs += kd * ws_d
+    return a, w_offs, mask_k
+
+
+@triton.jit
+def _walk(acc, x_rows, mask_m, w_cols, mask_n, id0, d_res, ih0, h_res, iw0, w_res, D, H, W, CIN_G,
+          xs_c, xs_d, xs_h, xs_w, ws_i, ws_d, ws_h, ws_w, sd, sh, sw, dil_d, dil_h, dil_w,
+          KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSED: tl.constexpr,
+          DEPTH: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """acc + the K walk of a program (not PHASED): K = Cg * KD * KH * KW in steps of BLOCK_K (``_gather``)."""
+    K = CIN_G * KD * KH * KW
+    for k0 in range(0, K, BLOCK_K):
+        a, w_offs, mask_k = _gather(x_rows, mask_m, k0 + tl.arange(0, BLOCK_K), K, id0, d_res, ih0, h_res, iw0,
+                                    w_res, D, H, W, xs_c, xs_d, xs_h, xs_w, ws_i, ws_d, ws_h, ws_w, sd, sh, sw,
+                                    dil_d, dil_h, dil_w, KD, KH, KW, TRANSPOSED, DEPTH)
+        bt = tl.load(w_cols[None, :] + w_offs[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = _dot(acc, a, bt, DOT_UPCAST)
+    return acc
+
+
+@triton.jit
 def _dot(acc, a, bt, DOT_UPCAST: tl.constexpr):
     """acc + a @ bt in fp32."""
     if DOT_UPCAST:  # the Triton interpreter computes low-precision dots wrongly
@@ -143,6 +296,7 @@ def conv2d_kernel(
     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr,
     DEPTH: tl.constexpr = False,  # 3-D: x and out have a depth (D, OD); else every depth term is absent
+    PHASED: tl.constexpr = False,  # transposed, dilation 1: by stride phase (the module docstring)
     EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
     EOP0: tl.constexpr = "copy", EARITY0: tl.constexpr = 1, ESWAP0: tl.constexpr = False,
     EOP1: tl.constexpr = "copy", EARITY1: tl.constexpr = 1, ESWAP1: tl.constexpr = False,
@@ -155,14 +309,13 @@ def conv2d_kernel(
     pid_n = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)
 
-    # Rows: output pixels (n, [od,] oh, ow). Columns: output channels of group g.
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    n, od, oh, ow = _coords(offs_m, OD, OH, OW, DEPTH)
-    if DEPTH:
-        id0, d_residue = _rows(od, stride_d, pad_d, TRANSPOSED)
-    ih0, h_residue = _rows(oh, stride_h, pad_h, TRANSPOSED)
-    iw0, w_residue = _rows(ow, stride_w, pad_w, TRANSPOSED)
+    # Rows: output pixels (n, [od,] oh, ow), PHASED those of one phase. Columns: output channels of group g.
+    if PHASED:
+        n, od, oh, ow, mask_m, od0, oh0, ow0 = _phase_rows(pid_m, M, OD, OH, OW, stride_d, stride_h, stride_w,
+                                                           BLOCK_M, DEPTH)
+    else:
+        n, od, oh, ow, mask_m, id0, d_res, ih0, h_res, iw0, w_res = _tile_rows(
+            pid_m, M, OD, OH, OW, stride_d, stride_h, stride_w, pad_d, pad_h, pad_w, BLOCK_M, TRANSPOSED, DEPTH)
     x_rows = x_ptr + n * xs_n + g * CIN_G * xs_c  # [BLOCK_M] pointers
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,29 +323,15 @@ def conv2d_kernel(
     co = g * COUT_G + offs_n  # int64: absolute output channel
     w_cols = w_ptr + g * ws_g + offs_n.to(tl.int64) * ws_o  # [BLOCK_N] pointers
 
-    K = CIN_G * KD * KH * KW
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        ci = (offs_k // (KD * KH * KW)).to(tl.int64)
-        kh = (offs_k // KW) % KH
-        kw = offs_k % KW
-        ih, h_real = _taps(ih0, h_residue, kh * dil_h, H, stride_h, TRANSPOSED)
-        iw, w_real = _taps(iw0, w_residue, kw * dil_w, W, stride_w, TRANSPOSED)
-        a_mask = mask_m[:, None] & mask_k[None, :] & h_real & w_real
-        a_ptrs = x_rows[:, None] + ci[None, :] * xs_c + ih * xs_h + iw * xs_w
-        if DEPTH:  # tap kd of k = (ci, kd, kh, kw)
-            kd = (offs_k // (KH * KW)) % KD
-            i_d, d_real = _taps(id0, d_residue, kd * dil_d, D, stride_d, TRANSPOSED)
-            a_mask = a_mask & d_real
-            a_ptrs += i_d * xs_d
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        w_offs = ci * ws_i + kh * ws_h + kw * ws_w
-        if DEPTH:
-            w_offs += kd * ws_d
-        bt = tl.load(w_cols[None, :] + w_offs[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = _dot(acc, a, bt, DOT_UPCAST)
+    if PHASED:
+        acc = _phase_walk(acc, x_rows, mask_m, w_cols, mask_n, od, oh, ow, od0, oh0, ow0, D, H, W, CIN_G,
+                          xs_c, xs_d, xs_h, xs_w, ws_i, ws_d, ws_h, ws_w, stride_d, stride_h, stride_w,
+                          pad_d, pad_h, pad_w, KD, KH, KW, BLOCK_K, DEPTH, DOT_UPCAST)
+    else:
+        acc = _walk(acc, x_rows, mask_m, w_cols, mask_n, id0, d_res, ih0, h_res, iw0, w_res, D, H, W, CIN_G,
+                    xs_c, xs_d, xs_h, xs_w, ws_i, ws_d, ws_h, ws_w, stride_d, stride_h, stride_w, dil_d, dil_h, dil_w,
+                    KD, KH, KW, BLOCK_K, TRANSPOSED, DEPTH, DOT_UPCAST)
 
     if HAS_BIAS:
         bias = tl.load(bias_ptr + co, mask=mask_n, other=0.0).to(tl.float32)
@@ -272,6 +411,11 @@ class ConvOp:
         return (self.x, self.weight) + ((self.bias,) if self.bias is not None else ())
 
     @property
+    def phased(self) -> bool:
+        """Whether the kernel walks it by stride phase (PHASED): a transposed convolution of dilation 1."""
+        return self.transposed and all(d == 1 for d in self.dilation)
+
+    @property
     def depth(self) -> bool:
         """Whether the operands have a depth dim (a 3-D convolution: the kernel's DEPTH)."""
         return len(self.stride) == 3
@@ -288,12 +432,18 @@ class ConvOp:
         (_, _, kd, kh, kw), _ = _ncdhw(weight.shape, weight.strides)
         cin_g, cout_g, (ws_g, ws_o, ws_i, ws_d, ws_h, ws_w) = self._weight_walk()
         m = n * od * oh * ow
-        block_m, block_n, block_k = self._blocks(m, cout_g, cin_g * kd * kh * kw)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
-        epilogue, fifth, constexprs = _epilogue_args(out, steps, operands, dtype_name(self.c.dtype))
         lead = 3 - len(self.stride)  # (d, h, w): a 2-D convolution walks a depth of 1 with no padding
         (sd, *s_hw), (pd, *p_hw), (dd, *d_hw) = ((fill,) * lead + tuple(v) for fill, v in (
             (1, self.stride), (0, self.padding), (1, self.dilation)))
+        epilogue, fifth, constexprs = _epilogue_args(out, steps, operands, dtype_name(self.c.dtype))
+        if self.phased:  # programs (tile, phase) on axis 0, tiles of the largest phase's rows; K per tap: Cg
+            rows = n * math.prod(triton.cdiv(o, s) for o, s in zip((od, oh, ow), (sd, *s_hw)))
+            block_m, block_n, block_k = self._blocks(rows, cout_g, cin_g)
+            grid = (sd * math.prod(s_hw) * triton.cdiv(rows, block_m), triton.cdiv(cout_g, block_n), self.groups)
+            constexprs["PHASED"] = True
+        else:
+            block_m, block_n, block_k = self._blocks(m, cout_g, cin_g * kd * kh * kw)
+            grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
         args = [x, weight, self.bias if self.bias is not None else out, out,  # out stands in for a missing bias
                 m, h, w, oh, ow, cin_g, cout_g, xs_n, xs_c, xs_h, xs_w, ws_g, ws_o, ws_i, ws_h, ws_w,
                 os_n, os_c, os_h, os_w, *s_hw, *p_hw, *d_hw, *epilogue,
@@ -307,9 +457,15 @@ class ConvOp:
         return grid, args, constexprs
 
     def _blocks(self, m, cout_g, k) -> tuple[int, int, int]:
-        """(BLOCK_M, BLOCK_N, BLOCK_K) for M rows, Og columns and K = Cg * KD * KH * KW."""
+        """(BLOCK_M, BLOCK_N, BLOCK_K) for M rows, Og columns and a K walk of k (Cg * KD * KH * KW; PHASED
+        Cg per tap). A transposed 3-D one takes at most 32 rows: at 64 rows it spilled on sm_90
+        (compile_check.py: PHASED, a 128 -> 64 channel k2 s2 one at 64 x 64, 255 registers and 8 to 48 bytes
+        of stack, its rows' coordinates held per thread across the K walk in the strided store's layout;
+        146 to 162 registers at 32 x 64. Dilated (64 -> 32 channels, k3 s(1, 2, 2) d(1, 2, 2), fp16): 255
+        and 8 bytes at 64 x 32, 164 at 32 x 32)."""
         k_step = FP32_K_STEP if self.x.dtype.itemsize >= 4 else K_STEP
-        return _block(m, 16, 64), _block(cout_g, 16, 64), _block(k, 16, k_step)
+        rows = 32 if self.transposed and self.depth else 64
+        return _block(m, 16, rows), _block(cout_g, 16, 64), _block(k, 16, k_step)
 
     def _weight_walk(self) -> tuple:
         """(Cg, Og, the weight's strides (ws_g, ws_o, ws_i, ws_d, ws_h, ws_w)): ws_g steps from group to

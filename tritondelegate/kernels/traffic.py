@@ -128,17 +128,29 @@ def _matmul_flops(a: Args) -> int:
     return z * (2 * a["M"] * a["N"] * a["K"] + epilogue * a["M"] * a["N"])
 
 
+def _phase_taps(out: int, stride: int, pad: int, k: int) -> int:
+    """Along one dim of a PHASED transposed conv: the (output row, tap) pairs its programs walk, summed over
+    the phases o0 < stride: cdiv(out - o0, stride) rows, each walking the cdiv(k - (o0 + pad) % stride,
+    stride) taps of its residue."""
+    return sum(max(0, -(-(out - o0) // stride)) * max(0, -(-(k - (o0 + pad) % stride) // stride))
+               for o0 in range(stride))
+
+
 def _conv_flops(a: Args) -> int:
-    # implicit GEMM per group: M = N*OD*OH*OW rows, COUT_G columns, K = CIN_G*KD*KH*KW; groups = grid axis 2
-    # (a 2-D launch: OD = D = KD = 1). Transposed, the taps that contribute: each of the N*D*H*W input
-    # pixels' KD*KH*KW taps, 2*CIN_G*COUT_G per group (the kernel walks all M*K and masks the inexact ones,
-    # stride_d*stride_h*stride_w times as many; taps landing in the cropped padding are counted too)
+    # implicit GEMM per group: M = N*OD*OH*OW rows, COUT_G columns, K = CIN_G*KD*KH*KW taps walked per row;
+    # groups = grid axis 2 (a 2-D launch: KD = 1). A dilated transposed one walks every tap too, masking
+    # those that are not exact (stride_d*stride_h*stride_w times the useful ones); one by stride phase
+    # (PHASED) walks each row's exact taps only, CIN_G per tap: N * CIN_G * the product over dims of
+    # _phase_taps (taps whose input lies outside x, at the borders, are walked and masked)
     cout = a["COUT_G"] * a["grid"][2]
     bias = a["M"] * cout if a["HAS_BIAS"] else 0
-    depth = a.get("DEPTH", False)
-    od, d = (a["OD"], a["D"]) if depth else (1, 1)
-    pixels = a["M"] // max(od * a["OH"] * a["OW"], 1) * d * a["H"] * a["W"] if a["TRANSPOSED"] else a["M"]
-    return 2 * pixels * cout * a["CIN_G"] * a["KD"] * a["KH"] * a["KW"] + bias
+    if not a.get("PHASED"):
+        return 2 * a["M"] * cout * a["CIN_G"] * a["KD"] * a["KH"] * a["KW"] + bias
+    dims = ("d", "h", "w") if a.get("DEPTH") else ("h", "w")
+    sizes = {"d": a["OD"], "h": a["OH"], "w": a["OW"]}
+    batch = a["M"] // max(math.prod(sizes[d] for d in dims), 1)
+    pairs = math.prod(_phase_taps(sizes[d], a[f"stride_{d}"], a[f"pad_{d}"], a[f"K{d.upper()}"]) for d in dims)
+    return 2 * batch * pairs * cout * a["CIN_G"] + bias
 
 
 def _causal_pairs(lq: int, lk: int) -> int:

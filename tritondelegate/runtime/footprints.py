@@ -220,6 +220,17 @@ def _conv2d(x: LaunchArgs) -> Footprint:
     groups, KD, KH, KW = x.grid[2], x.c["KD"], x.c["KH"], x.c["KW"]
     co = groups * cout  # output channels: group g's are g * COUT_G + [0, COUT_G)
     k_loop = cin * KD * KH * KW
+    programs = _cdiv(M, x.c["BLOCK_M"])
+    if x.c["PHASED"]:  # programs (tile, phase): tiles of the largest phase's rows (n, od, oh, ow), masked to
+        # the same box; its taps kh = (oh + pad_h) % stride_h + th * stride_h < KH are in [0, KH) when pad_h >= 0
+        dims = ("d", "h", "w") if depth else ("h", "w")
+        strides = [1] * (3 - len(dims)) + x.d(*(f"stride_{d}" for d in dims))
+        for name in (f"pad_{d}" for d in dims):
+            if x.i(name) < 0:
+                raise DelegateError(f"{x.where}: argument {name!r} is {x.i(name)}; a PHASED convolution's padding "
+                                    "is at least 0")
+        phase_rows = n * _cdiv(od, strides[0]) * _cdiv(oh, strides[1]) * _cdiv(ow, strides[2])
+        programs = strides[0] * strides[1] * strides[2] * _cdiv(phase_rows, x.c["BLOCK_M"])
     acc = [
         Access("x_ptr", ((n, x.i("xs_n")), (groups * cin, x.i("xs_c")), (D, x.i("xs_d")), (H, x.i("xs_h")),
                          (W, x.i("xs_w")))),
@@ -232,8 +243,11 @@ def _conv2d(x: LaunchArgs) -> Footprint:
         acc.append(Access("bias_ptr", ((co, 1),)))
     # epilogue operands: strides over (n, c, d, h, w) with DEPTH, else over (n, c, h, w) and a 0
     acc += _epilogue(x, (n, co, od, oh, ow) if depth else (n, co, oh, ow, 1), 5)
-    grid = (_cdiv(M, x.c["BLOCK_M"]), _cdiv(cout, x.c["BLOCK_N"]), groups)
-    return Footprint(acc, grid, {"output elements": max(M, 0) * max(co, 0), "K": k_loop})
+    grid = (programs, _cdiv(cout, x.c["BLOCK_N"]), groups)
+    sizes = {"output elements": max(M, 0) * max(co, 0), "K": k_loop}
+    if x.c["PHASED"]:  # every phase walks the largest phase's tiles: a stride past the output's size adds empty ones
+        sizes["rows of the phases' tiles"] = programs * x.c["BLOCK_M"]
+    return Footprint(acc, grid, sizes)
 
 
 def _depthwise_conv(x: LaunchArgs) -> Footprint:
@@ -724,7 +738,8 @@ RULES: dict[str, KernelRule] = {
         "PROLOGUE": one_of("", "rms"), "HAS_PW": FLAG, "HAS_BIAS": FLAG, **_epilogue_constexprs()},
         _GEMM_TILES + (("BLOCK_M", "BLOCK_K", "BLOCK_N"), ("BLOCK_M", "BLOCK_E"))),
     "conv2d": KernelRule(_conv2d, {**_GEMM, "KD": in_range(1, 4096), "KH": in_range(1, 4096), "KW": in_range(1, 4096),
-                                   "HAS_BIAS": FLAG, "TRANSPOSED": FLAG, "DEPTH": FLAG, **_epilogue_constexprs()},
+                                   "HAS_BIAS": FLAG, "TRANSPOSED": FLAG, "DEPTH": FLAG, "PHASED": FLAG,
+                                   **_epilogue_constexprs()},
                          _GEMM_TILES),
     "depthwise_conv": KernelRule(_depthwise_conv, {
         "BLOCK_M": pow2(1, 4096), "BLOCK_N": pow2(16, 256), "KD": in_range(1, 4096), "KH": in_range(1, 4096),

@@ -160,3 +160,25 @@ def test_a_restride_of_size_one_dims_with_a_dynamic_batch_is_a_view():
     for n in (1, 3):
         y = torch.randn(n, 6, 3, 3).to(memory_format=torch.channels_last)
         torch.testing.assert_close(method(y), pool(y) * 2)
+
+
+def test_unfold_is_a_strided_view_with_overlapping_windows():
+    """``x.unfold(dim, size, step)`` (UniVNet's kernel predictor, PatchTST's patches): overlapping windows
+    read through their strides, no copy and no host op, at a static and a dynamic length."""
+    lin = torch.nn.Linear(4, 8)
+    fn = lambda x: (lin(x.unfold(-1, 4, 2)), x.transpose(1, 2).unfold(1, 3, 1).sum(-1))  # noqa: E731
+    x = torch.randn(2, 3, 11)
+    lowered = lower_resident(Fn(fn), (x,))
+    assert not lowered.reports["forward"].nodes.host
+    assert [launch.kernel for launch in plan_launches(lowered)] == ["matmul", "reduce"]
+    for got, want in zip(lowered.load().load_method()(x), fn(x)):
+        torch.testing.assert_close(got, want)
+    windows = lambda x: (x.unfold(-1, 4, 1).amax(-1), x.unfold(1, 2, 1) * 3)  # noqa: E731
+    length = torch.export.Dim("length", min=6, max=40)
+    lowered = lower_resident(Fn(windows), (x,), dynamic_shapes={"args": ({2: length},)})
+    assert not lowered.reports["forward"].nodes.host
+    method = lowered.load().load_method()
+    for n in (11, 6, 29):
+        y = torch.randn(2, 3, n)
+        for got, want in zip(method(y), windows(y)):
+            torch.testing.assert_close(got, want)

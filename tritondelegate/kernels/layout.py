@@ -74,6 +74,12 @@ def expand(b, node):
     _apply(b, node, aten.expand.default, node.args[1])
 
 
+def unfold(b, node):
+    """``x.unfold(dim, size, step)``: windows of ``size`` every ``step`` along ``dim`` as a new last dim,
+    a strided view whose windows overlap when step < size (kernels read it through its strides)."""
+    _apply(b, node, aten.unfold.default, *node.args[1:])
+
+
 def slice_(b, node):
     _apply(b, node, aten.slice.Tensor, *node.args[1:])
 

@@ -156,6 +156,7 @@ OPS: dict[object, OpSpec] = {
     aten.expand.default: _view(layout.expand),
     aten.as_strided.default: _view(layout.as_strided, layout.supported_strided),
     aten.slice.Tensor: _view(layout.slice_),
+    aten.unfold.default: _view(layout.unfold),
     aten.select.int: _view(layout.select),
     aten.unsqueeze.default: _view(layout.unsqueeze),
     aten.squeeze.dim: _view(layout.squeeze),

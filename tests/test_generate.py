@@ -346,7 +346,8 @@ def chunked():
     """The tiny decoder with a prefill of 1 to 6 tokens, lowered with its constant methods."""
     model = tiny_model()
     return td.lower(export_prefill_decode(model, 4, max_prompt_len=6),
-                    partitioner=td.TritonPartitioner(device="cuda:0"), config=RESIDENT, constant_methods=llm_constant_methods(model))
+                    partitioner=td.TritonPartitioner(device="cuda:0"), config=RESIDENT,
+                    constant_methods=llm_constant_methods(model))
 
 
 def long_prompt(length: int = 15) -> torch.Tensor:

@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--tokens", type=int, default=8, help="tokens to generate (default 8)")
     gen.add_argument("--prompt-len", type=int, default=11,
                      help=f"prompt tokens, 1..{GENERATE_MODEL['max_seq_len']} (default 11; one program for every "
-                          f"length: up to {GENERATE_MAX_PROMPT_LEN} in one prefill call, longer ones in calls of that many)")
+                          f"length: up to {GENERATE_MAX_PROMPT_LEN} in one prefill call, longer ones in calls of "
+                          "that many)")
     gen.add_argument("--device", default="auto", choices=["auto", "cuda", "simulated"])
     gen.add_argument("--graphs", action="store_true", help="load decode with CUDA graphs")
     gen.add_argument("--state-on-host", action="store_true",

@@ -203,6 +203,15 @@ def _grouped_mm(x: LaunchArgs) -> Footprint:
     return Footprint(acc, (tiles, _cdiv(N, x.c["BLOCK_N"])), {"S x N stored": S * n_out, "K": K, "E": E})
 
 
+def _conv_pixels(x: LaunchArgs, M: int) -> tuple:
+    """(DEPTH, the input depth, the counts of (n, od, oh, ow)) of a convolution launch's M output pixels;
+    without DEPTH the depths are 1 (D and OD never read)."""
+    if x.c["DEPTH"]:
+        return True, x.i("D"), _unravel(M, x.d("OD", "OH", "OW"))
+    n, oh, ow = _unravel(M, x.d("OH", "OW"))
+    return False, 1, (n, 1, oh, ow)
+
+
 def _conv2d(x: LaunchArgs) -> Footprint:
     """Input coordinates are masked to [0, D) x [0, H) x [0, W) (a transposed conv's too: its exact taps
     only); group g's weight rows start at g * ws_g and its output channels at g * COUT_G, so the weight box
@@ -210,13 +219,7 @@ def _conv2d(x: LaunchArgs) -> Footprint:
     Without DEPTH (2-D) the kernel computes no depth term: rows are (n, oh, ow), and the depth counts are 1
     (D and OD never read, the depth strides reach nothing)."""
     M, H, W, cin, cout = (x.i(name) for name in ("M", "H", "W", "CIN_G", "COUT_G"))
-    depth = x.c["DEPTH"]
-    if depth:
-        D = x.i("D")
-        n, od, oh, ow = _unravel(M, x.d("OD", "OH", "OW"))
-    else:
-        D, od = 1, 1
-        n, oh, ow = _unravel(M, x.d("OH", "OW"))
+    depth, D, (n, od, oh, ow) = _conv_pixels(x, M)
     groups, KD, KH, KW = x.grid[2], x.c["KD"], x.c["KH"], x.c["KW"]
     co = groups * cout  # output channels: group g's are g * COUT_G + [0, COUT_G)
     k_loop = cin * KD * KH * KW
@@ -254,13 +257,7 @@ def _depthwise_conv(x: LaunchArgs) -> Footprint:
     """Output channel co reads input channel co // COUT_G and weight row co; input coordinates are masked
     to [0, D) x [0, H) x [0, W); without DEPTH the depth counts are 1, as for ``conv2d``."""
     M, H, W, cout, cout_g = (x.i(name) for name in ("M", "H", "W", "COUT", "COUT_G"))
-    depth = x.c["DEPTH"]
-    if depth:
-        D = x.i("D")
-        n, od, oh, ow = _unravel(M, x.d("OD", "OH", "OW"))
-    else:
-        D, od = 1, 1
-        n, oh, ow = _unravel(M, x.d("OH", "OW"))
+    depth, D, (n, od, oh, ow) = _conv_pixels(x, M)
     cin = _cdiv(cout, max(cout_g, 1))
     acc = [
         Access("x_ptr", ((n, x.i("xs_n")), (cin, x.i("xs_c")), (D, x.i("xs_d")), (H, x.i("xs_h")),

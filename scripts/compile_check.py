@@ -294,7 +294,8 @@ def _indexing(dtype):
     emb = nn.Embedding(8192, 256).to(dtype)
     fn = lambda ids, x, i, j: (  # noqa: E731
         emb(ids), torch.index_select(x, 1, i), torch.gather(x, 1, j), x[i], x[i[:, None], i[None, :4]],
-        torch.cumsum(x, 1), torch.cumsum(x.t(), 1), torch.cumsum(ids, 1))
+        torch.cumsum(x, 1), torch.cumsum(x.t(), 1), torch.cumsum(ids, 1), torch.cummax(x, 1),
+        torch.cummin(x.t(), 1), torch.cummax(ids, 1))
     return Fn(fn), (torch.randint(0, 8192, (4, 300)), _randn(300, 1000, dtype=dtype),
                     torch.randint(0, 300, (40,)), torch.randint(0, 1000, (300, 7)))
 

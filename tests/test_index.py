@@ -146,6 +146,24 @@ def test_cumsum_strided_and_dtype():
                 reference_args=None, scale=4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_cummax_and_cummin_keep_eagers_indices(dtype):
+    """Ties keep the later index, NaN wins and a later NaN wins over an earlier one, a row of 300 crosses
+    the 256-wide chunks, and an empty scan writes nothing (Grounding DINO's text masks)."""
+    x = torch.randint(-3, 4, (5, 300)).to(dtype)  # many ties
+    if dtype.is_floating_point:
+        x[0, 7] = x[2, 100] = x[2, 250] = float("nan")
+    fn = lambda x: (torch.cummax(x, 1), torch.cummin(x, 0), torch.cummin(x.t(), 1),  # noqa: E731
+                    torch.cummax(x[:, :0], 1))
+    results, plan = run_delegated(Fn(fn), (x,))
+    expected = torch.utils._pytree.tree_leaves(fn(x))
+    assert len(results) == len(expected) == 8
+    for got, want in zip(results, expected):
+        torch.testing.assert_close(got, want, equal_nan=True, atol=0, rtol=0)
+    assert {launch.kernel for launch in plan.launches} == {"cumextreme"}
+    assert results[0][2, 260].isnan() == dtype.is_floating_point
+
+
 # --- split (layout.py; needed by GPT-2's fused qkv projection) ------------------------------------
 def test_split_with_sizes_is_a_view():
     x = torch.randn(2, 7, 96)

@@ -30,7 +30,7 @@ class Zoo(torch.nn.Module):
     """One delegate over most kernel families: gather, norm, matmul, attention, softmax, cumsum, conv
     with an epilogue, batch norm, pooling, padding, a pointwise chain, a norm with a prologue, a reduction
     with an epilogue, a scatter, a top-k, a histogram, a router's top-k of a softmax, a cat of two parts, a
-    bilinear resize, a grid sample, an embedding bag, a cdist and a depthwise conv."""
+    bilinear resize, a grid sample, an embedding bag, a cdist, a depthwise conv and a cummax."""
 
     def __init__(self):
         super().__init__()
@@ -53,7 +53,7 @@ class Zoo(torch.nn.Module):
                 torch.histc(p, 5, -1, 1), *torch.topk(torch.softmax(h[0], -1), 2), p.exp() * 0.5,
                 torch.cat((h[0], s[0]), -1), F.interpolate(y, scale_factor=1.5, mode="bilinear"),
                 F.grid_sample(img, torch.tanh(h[:, :3, :4].reshape(1, 3, 2, 2)), align_corners=False),
-                self.bag(ids.view(2, 2)), torch.cdist(h[0], s[0]), self.dw(y))
+                self.bag(ids.view(2, 2)), torch.cdist(h[0], s[0]), self.dw(y), *torch.cummax(p, -1))
 
 
 def _zoo_args():
@@ -107,7 +107,7 @@ def test_the_undamaged_program_loads_and_runs(zoo):
     assert {launch.kernel for _, _, launch in _launches(lowered.program)} >= {
         "gather", "norm", "matmul", "attention", "softmax", "cumsum", "conv2d", "batch_norm", "pool2d", "pad",
         "pointwise_chain", "reduce", "scatter", "rank", "histc", "router", "resize", "grid_sample",
-        "embedding_bag", "cdist", "depthwise_conv"}
+        "embedding_bag", "cdist", "depthwise_conv", "cumextreme"}
     args = _zoo_args()
     with torch.no_grad():
         expected = model(*args)
@@ -203,7 +203,8 @@ SIZES = {"pointwise": "n", "pointwise_chain": "n", "matmul": "M", "conv2d": "M",
          "pool2d": "total", "batch_norm": "numel", "pad": "total", "arange": "n", "rotary": "rows",
          "grouped_mm": "S", "attention_combine": "S", "attention_append": "Lq", "rank": "length", "histc": "n",
          "router": "length", "group_router": "length", "sort_offsets": "n", "cat": "n", "resize": "total",
-         "grid_sample": "total", "depthwise_conv": "M", "embedding_bag": "n_bags", "cdist": "P"}
+         "grid_sample": "total", "depthwise_conv": "M", "embedding_bag": "n_bags", "cdist": "P",
+         "cumextreme": "rows"}
 
 
 def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):

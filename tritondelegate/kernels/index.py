@@ -19,7 +19,10 @@ output's coordinates, stored by the chain's result strides (:class:`GatherOp` bu
     cumsum:  out[r, l] = sum_{m <= l} x[r, m]      rows r over every dim but ``dim``
 
 accumulated in fp32 for floating inputs and int64 otherwise, a block of rows per program, looping over
-the scanned dim in chunks with a running carry.
+the scanned dim in chunks with a running carry. ``cummax`` / ``cummin`` (Grounding DINO's text masks)
+scan (value, index) pairs the same way with ``tl.associative_scan``: the later element wins ties, and a
+NaN wins over any number and over an earlier NaN, as eager's CPU kernel does, which makes the combine a
+maximum over (is NaN, value, index) and so associative.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .refs import TRef, broadcast_strides, collapse_padded, node_value
 from .sizes import SymbolicShapeError, is_static, next_power_of_2
 
 MAX_RANK = 5
+FLOAT_OR_INT = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 MAX_INDICES = 3
 BLOCK = 1024
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -185,6 +189,66 @@ def cumsum_kernel(
         carry = tl.sum(tl.where(last, acc, 0), axis=1)
 
 
+@triton.jit
+def _later_max(v1, i1, v2, i2):
+    """The (value, index) of the pair a cummax keeps: the later one unless the earlier is larger or NaN
+    (a later NaN wins)."""
+    later = (v2 != v2) | ((v1 == v1) & (v2 >= v1))
+    return tl.where(later, v2, v1), tl.where(later, i2, i1)
+
+
+@triton.jit
+def _later_min(v1, i1, v2, i2):
+    later = (v2 != v2) | ((v1 == v1) & (v2 <= v1))
+    return tl.where(later, v2, v1), tl.where(later, i2, i1)
+
+
+@triton.jit
+def cumextreme_kernel(
+    out_ptr, idx_ptr, x_ptr,
+    rows, r1, r2, r3,
+    xs0, xs1, xs2, xs3,
+    os0, os1, os2, os3,
+    is0, is1, is2, is3,
+    length, x_stride, out_stride, idx_stride,
+    IS_MIN: tl.constexpr, IS_FLOAT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = r < rows
+    i3 = r % r3
+    rest = r // r3
+    i2 = rest % r2
+    rest = rest // r2
+    i1 = rest % r1
+    i0 = rest // r1
+    x_row = i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3
+    out_row = i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3
+    idx_row = i0 * is0 + i1 * is1 + i2 * is2 + i3 * is3
+    # the carry starts as element 0 itself, which its own prefix (element 0 again) replaces
+    first = tl.load(x_ptr + x_row, mask=row_mask & (r * 0 < length), other=0)  # no element 0 when empty
+    if IS_FLOAT:
+        carry = first.to(tl.float32)
+    else:
+        carry = first.to(tl.int64)
+    carry_i = tl.zeros([BLOCK_R], dtype=tl.int64)
+    last = (tl.arange(0, BLOCK_L) == BLOCK_L - 1)[None, :]
+    for start in range(0, length, BLOCK_L):
+        cols = start + tl.arange(0, BLOCK_L).to(tl.int64)
+        mask = row_mask[:, None] & (cols < length)[None, :]
+        x = tl.load(x_ptr + x_row[:, None] + cols[None, :] * x_stride, mask=mask, other=0).to(carry.dtype)
+        at = tl.broadcast_to(cols[None, :], [BLOCK_R, BLOCK_L])
+        if IS_MIN:  # columns past the end come after every real one: they never change a real prefix
+            v, i = tl.associative_scan((x, at), 1, _later_min)
+            v, i = _later_min(carry[:, None], carry_i[:, None], v, i)
+        else:
+            v, i = tl.associative_scan((x, at), 1, _later_max)
+            v, i = _later_max(carry[:, None], carry_i[:, None], v, i)
+        tl.store(out_ptr + out_row[:, None] + cols[None, :] * out_stride, v.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(idx_ptr + idx_row[:, None] + cols[None, :] * idx_stride, i, mask=mask)
+        carry = tl.sum(tl.where(last, v, 0), axis=1).to(carry.dtype)  # the chunk's last prefix
+        carry_i = tl.sum(tl.where(last, i, 0), axis=1)
+
+
 # --- host launchers -------------------------------------------------------------------------------
 def broadcast_shape(shapes) -> tuple:
     """The shape ``shapes`` broadcast to, as ``torch.broadcast_shapes``, for sizes that may be sympy
@@ -276,23 +340,34 @@ def launch_gather(b, out: TRef, src: TRef, direct, indices) -> None:
         record.op = op
 
 
-def launch_cumsum(b, out: TRef, x: TRef, dim: int) -> None:
+def _scan_rows(dim: int, *refs: TRef) -> tuple:
+    """(rows, the row sizes after the first, each ref's row strides, length, each ref's stride along
+    ``dim``, BLOCK_R, BLOCK_L) of a scan along ``dim`` of same-shape ``refs`` (x first)."""
+    x = refs[0]
     other = [d for d in range(x.ndim) if d != dim]
-    walk = collapse_padded([x.shape[d] for d in other],
-                           [[x.strides[d] for d in other], [out.strides[d] for d in other]], 4)
+    walk = collapse_padded([x.shape[d] for d in other], [[t.strides[d] for d in other] for t in refs], 4)
     if walk is None:
-        raise NotImplementedError("cumsum over rows of more than 4 non-mergeable dims")
-    sizes, (x_strides, out_strides) = walk
+        raise NotImplementedError("a scan over rows of more than 4 non-mergeable dims")
+    sizes, row_strides = walk
     length = x.shape[dim] if x.ndim else 1
     rows = math.prod(sizes)
     block_l = min(next_power_of_2(length), 256)
     block_r = max(1, min(next_power_of_2(rows), 1024 // block_l))
-    b.launch(
-        "cumsum", (triton.cdiv(rows, block_r),),
-        out, x, rows, *sizes[1:], *x_strides, *out_strides,
-        length, x.strides[dim] if x.ndim else 0, out.strides[dim] if x.ndim else 0,
-        IS_FLOAT=out.dtype.is_floating_point, BLOCK_R=block_r, BLOCK_L=block_l,
-    )
+    along = [t.strides[dim] if x.ndim else 0 for t in refs]
+    return rows, sizes[1:], row_strides, length, along, block_r, block_l
+
+
+def launch_cumsum(b, out: TRef, x: TRef, dim: int) -> None:
+    rows, sizes, (x_strides, out_strides), length, along, block_r, block_l = _scan_rows(dim, x, out)
+    b.launch("cumsum", (triton.cdiv(rows, block_r),), out, x, rows, *sizes, *x_strides, *out_strides,
+             length, *along, IS_FLOAT=out.dtype.is_floating_point, BLOCK_R=block_r, BLOCK_L=block_l)
+
+
+def launch_cumextreme(b, out: TRef, indices: TRef, x: TRef, dim: int, is_min: bool) -> None:
+    rows, sizes, strides, length, (xs, os_, is_), block_r, block_l = _scan_rows(dim, x, out, indices)
+    b.launch("cumextreme", (triton.cdiv(rows, block_r),), out, indices, x, rows, *sizes,
+             *(v for walk in strides for v in walk), length, xs, os_, is_, IS_MIN=is_min,
+             IS_FLOAT=x.dtype.is_floating_point, BLOCK_R=block_r, BLOCK_L=block_l)
 
 
 # --- lowerings ------------------------------------------------------------------------------------
@@ -362,6 +437,16 @@ def cumsum(b, node):  # cumsum(x, dim, dtype=None)
     launch_cumsum(b, out, x, node.args[1] % max(x.ndim, 1))
 
 
+def cumextreme(is_min: bool):
+    """cummax / cummin(x, dim) -> (values, indices)."""
+
+    def lower(b, node):
+        x = b.ref(node.args[0])
+        launch_cumextreme(b, b.out(node, 0), b.out(node, 1), x, node.args[1] % max(x.ndim, 1), is_min)
+
+    return lower
+
+
 # --- support checks -------------------------------------------------------------------------------
 def _dtype_reason(val, what: str, allowed) -> str | None:
     if not isinstance(val, torch.Tensor):
@@ -418,6 +503,14 @@ def supported_index(node) -> str | None:
     if len(entries) > MAX_INDICES:
         return f"{len(entries)} index tensors (at most {MAX_INDICES})"
     return _supported_gather_op(node, node.args[0], entries)
+
+
+def supported_cumextreme(node) -> str | None:
+    x = node_value(node.args[0])
+    reason = _dtype_reason(x, "the input", FLOAT_OR_INT)
+    if reason:
+        return reason
+    return f"input has {x.ndim} dims (at most 5)" if x.ndim > 5 else None
 
 
 def supported_cumsum(node) -> str | None:

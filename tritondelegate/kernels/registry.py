@@ -191,6 +191,8 @@ OPS: dict[object, OpSpec] = {
     aten.gather.default: OpSpec(idx.gather, idx.supported_gather),
     aten.index.Tensor: OpSpec(idx.index, idx.supported_index),
     aten.cumsum.default: OpSpec(idx.cumsum, idx.supported_cumsum),
+    aten.cummax.default: OpSpec(idx.cumextreme(False), idx.supported_cumextreme),
+    aten.cummin.default: OpSpec(idx.cumextreme(True), idx.supported_cumextreme),
     # bags of embeddings, reduced (nn.EmbeddingBag): bags.py
     aten._embedding_bag.default: OpSpec(bags.embedding_bag, bags.supported),
     aten._embedding_bag_forward_only.default: OpSpec(bags.embedding_bag, bags.supported),

@@ -18,6 +18,7 @@ KERNELS: dict[str, object] = {
     "pad": pad.pad_kernel,
     "gather": index.gather_kernel,
     "cumsum": index.cumsum_kernel,
+    "cumextreme": index.cumextreme_kernel,
     "cdist": distance.cdist_kernel,
     "embedding_bag": bags.embedding_bag_kernel,
     "rank": ranking.rank_kernel,

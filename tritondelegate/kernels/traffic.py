@@ -308,6 +308,8 @@ TRAFFIC: dict[str, KernelTraffic] = {
     ),
     "cumsum": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
                             flops=lambda a: a["rows"] * a["length"]),
+    "cumextreme": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"), Access("idx_ptr")),
+                                flops=lambda a: a["rows"] * a["length"]),
     # each bag's rows gathered (the table counts at most the entries' rows) and reduced: one op per element
     # (two with per-sample weights)
     "embedding_bag": KernelTraffic(

@@ -461,6 +461,15 @@ def _cumsum(x: LaunchArgs) -> Footprint:
     return Footprint(acc, (_cdiv(rows, x.c["BLOCK_R"]),), {"rows": rows, "length": length})
 
 
+def _cumextreme(x: LaunchArgs) -> Footprint:
+    rows, length = x.i("rows"), x.i("length")
+    r = _unravel(rows, x.d("r1", "r2", "r3"))
+    acc = [Access("x_ptr", _walk(r, x.ints("xs", 4)) + ((length, x.i("x_stride")),)),
+           Access("out_ptr", _walk(r, x.ints("os", 4)) + ((length, x.i("out_stride")),), write=True),
+           Access("idx_ptr", _walk(r, x.ints("is", 4)) + ((length, x.i("idx_stride")),), write=True)]
+    return Footprint(acc, (_cdiv(rows, x.c["BLOCK_R"]),), {"rows": rows, "length": length})
+
+
 def _cdist(x: LaunchArgs) -> Footprint:
     """Rows of x1 masked to [0, P), of x2 to [0, R), columns to [0, M); the batch is grid axis 2, unmasked,
     split as (z // Z1, z % Z1)."""
@@ -695,6 +704,8 @@ RULES: dict[str, KernelRule] = {
     "arange": KernelRule(_arange, {"IS_FLOAT": FLAG, "BLOCK": BLOCK}),
     "pad": KernelRule(_pad, {"MODE": one_of("constant", "reflect", "replicate"), "BLOCK": BLOCK}),
     "gather": KernelRule(_gather, {"NUM_INDICES": in_range(1, 3), "BLOCK": BLOCK, **_epilogue_constexprs()}),
+    "cumextreme": KernelRule(_cumextreme, {"IS_MIN": FLAG, "IS_FLOAT": FLAG, "BLOCK_R": pow2(1, 4096),
+                                           "BLOCK_L": pow2(1, 4096)}, (("BLOCK_R", "BLOCK_L"),)),
     "cumsum": KernelRule(_cumsum, {"IS_FLOAT": FLAG, "BLOCK_R": pow2(1, 4096), "BLOCK_L": pow2(1, 4096)},
                          (("BLOCK_R", "BLOCK_L"),)),
     "embedding_bag": KernelRule(_embedding_bag, {"MODE": one_of("sum", "mean", "max"), "HAS_PSW": FLAG,

@@ -316,10 +316,18 @@ def test_sampling_keeps_the_top_k_and_the_nucleus_only():
     assert torch.isfinite(Sampling(top_p=0.1).filtered(logits)[0, 0])  # the most likely always stays
     picks = Sampling(top_p=0.8, seed=0).pick(logits[:, None].expand(1, 1, 4).repeat(64, 1, 1))
     assert set(picks.flatten().tolist()) == {0, 1}
+    floor = Sampling(min_p=0.2).filtered(logits)[0]  # 0.2 x 0.5: 0.05 goes, 0.15 stays
+    assert torch.isfinite(floor[:3]).all() and torch.isinf(floor[3])
+    penalized = Sampling(repetition_penalty=2.0).filtered(torch.tensor([[2.0, -1.0, 1.0]]), torch.tensor([[0, 1]]))
+    torch.testing.assert_close(penalized, torch.tensor([[1.0, -2.0, 1.0]]))
     with pytest.raises(ValueError, match="temperature"):
         Sampling(temperature=0)
     with pytest.raises(ValueError, match="top_p"):
         Sampling(top_p=1.5)
+    with pytest.raises(ValueError, match="min_p"):
+        Sampling(min_p=1.0)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        Sampling(repetition_penalty=0)
 
 
 def test_a_row_stops_at_its_stop_token_and_generation_ends_when_all_have(batch_of_two):
@@ -462,3 +470,19 @@ def test_one_dynamic_method_serves_prefill_and_decode_as_transformers_exports_it
     assert result.tokens[0, :len(expected)].tolist() == expected.tolist()
     with pytest.raises(ValueError, match="the cache has 32"):
         generator.generate(prompt, 30)
+
+
+def test_a_repetition_penalty_sees_the_prompt_and_the_tokens_generated(program_file):
+    """``top_k=1`` is greedy decoding; with a huge repetition penalty no token of the prompt or of the
+    generation so far comes back, and without one it is the plain greedy generation."""
+    from tritondelegate.sampling import Sampling
+
+    program = td.load(program_file)
+    generator = Generator(program)
+    greedy = generator.generate(prompt(1), 6).tokens
+    assert len(set(greedy[0].tolist())) < 6  # the tiny model repeats itself: the penalty has work to do
+    program.reset_state()
+    assert generator.generate(prompt(1), 6, sampling=Sampling(top_k=1)).tokens.tolist() == greedy.tolist()
+    program.reset_state()
+    tokens = generator.generate(prompt(1), 6, sampling=Sampling(top_k=1, repetition_penalty=1e6)).tokens[0].tolist()
+    assert len(set(tokens)) == 6 and not set(tokens) & set(prompt(1)[0].tolist())

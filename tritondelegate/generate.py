@@ -127,7 +127,7 @@ class Generator:
         if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.int64:
             got = f"{prompt.dtype} {list(prompt.shape)}" if isinstance(prompt, torch.Tensor) else type(prompt).__name__
             raise ValueError(f"the prompt must be token ids [batch, length] as int64, got {got}")
-        pick = greedy if sampling is None else sampling.pick
+        pick = greedy if sampling is None else _sampler(sampling, prompt)
         stop_tokens = self.eos_ids if stop_tokens is None else stop_tokens
         batch, length = prompt.shape
         self._check_room(start, length, new_tokens)
@@ -192,6 +192,21 @@ class Generator:
             raise ValueError(f"prefill method {self.prefill.name!r} takes {takes} per call; a {length}-token "
                              f"prompt splits into calls of {high} with {last} left over")
         return chunks
+
+
+def _sampler(sampling: Sampling, prompt: torch.Tensor):
+    """``sampling.pick`` as ``pick(logits)``; with a repetition penalty it also sees the prompt and the
+    tokens picked so far in this generation."""
+    if sampling.repetition_penalty == 1:
+        return sampling.pick
+    seen = [prompt]
+
+    def pick(logits):
+        token = sampling.pick(logits, torch.cat(seen, dim=1))
+        seen.append(token)
+        return token
+
+    return pick
 
 
 def _prompt_lengths(method) -> tuple[int, int]:

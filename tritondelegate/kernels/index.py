@@ -151,6 +151,16 @@ def gather_kernel(
 
 
 @triton.jit
+def _scan_coords(r, r1, r2, r3):
+    """The four row coordinates (i0, i1, i2, i3) of flat rows ``r`` of a scan over sizes (_, r1, r2, r3)."""
+    i3 = r % r3
+    rest = r // r3
+    i2 = rest % r2
+    rest = rest // r2
+    return rest // r1, rest % r1, i2, i3
+
+
+@triton.jit
 def cumsum_kernel(
     out_ptr, x_ptr,
     rows, r1, r2, r3,
@@ -162,12 +172,7 @@ def cumsum_kernel(
     pid = tl.program_id(0).to(tl.int64)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = r < rows
-    i3 = r % r3
-    rest = r // r3
-    i2 = rest % r2
-    rest = rest // r2
-    i1 = rest % r1
-    i0 = rest // r1
+    i0, i1, i2, i3 = _scan_coords(r, r1, r2, r3)
     x_row = i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3
     out_row = i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3
     if IS_FLOAT:
@@ -215,12 +220,7 @@ def cumextreme_kernel(
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = r < rows
-    i3 = r % r3
-    rest = r // r3
-    i2 = rest % r2
-    rest = rest // r2
-    i1 = rest % r1
-    i0 = rest // r1
+    i0, i1, i2, i3 = _scan_coords(r, r1, r2, r3)
     x_row = i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3
     out_row = i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3
     idx_row = i0 * is0 + i1 * is1 + i2 * is2 + i3 * is3

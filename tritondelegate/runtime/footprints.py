@@ -453,21 +453,23 @@ def _scatter(x: LaunchArgs) -> Footprint:
     return Footprint(acc, (_cdiv(n, x.c["BLOCK"]), len(pairs)), {"n": n * len(pairs)})
 
 
-def _cumsum(x: LaunchArgs) -> Footprint:
+def _scan(x: LaunchArgs, *operands: tuple) -> Footprint:
+    """A scan kernel's (cumsum, cumextreme) rows and their ``length`` columns, for each (pointer, prefix of
+    its four row strides, its stride along the scan, written)."""
     rows, length = x.i("rows"), x.i("length")
     r = _unravel(rows, x.d("r1", "r2", "r3"))
-    acc = [Access("x_ptr", _walk(r, x.ints("xs", 4)) + ((length, x.i("x_stride")),)),
-           Access("out_ptr", _walk(r, x.ints("os", 4)) + ((length, x.i("out_stride")),), write=True)]
+    acc = [Access(ptr, _walk(r, x.ints(prefix, 4)) + ((length, x.i(along)),), write=write)
+           for ptr, prefix, along, write in operands]
     return Footprint(acc, (_cdiv(rows, x.c["BLOCK_R"]),), {"rows": rows, "length": length})
+
+
+def _cumsum(x: LaunchArgs) -> Footprint:
+    return _scan(x, ("x_ptr", "xs", "x_stride", False), ("out_ptr", "os", "out_stride", True))
 
 
 def _cumextreme(x: LaunchArgs) -> Footprint:
-    rows, length = x.i("rows"), x.i("length")
-    r = _unravel(rows, x.d("r1", "r2", "r3"))
-    acc = [Access("x_ptr", _walk(r, x.ints("xs", 4)) + ((length, x.i("x_stride")),)),
-           Access("out_ptr", _walk(r, x.ints("os", 4)) + ((length, x.i("out_stride")),), write=True),
-           Access("idx_ptr", _walk(r, x.ints("is", 4)) + ((length, x.i("idx_stride")),), write=True)]
-    return Footprint(acc, (_cdiv(rows, x.c["BLOCK_R"]),), {"rows": rows, "length": length})
+    return _scan(x, ("x_ptr", "xs", "x_stride", False), ("out_ptr", "os", "out_stride", True),
+                 ("idx_ptr", "is", "idx_stride", True))
 
 
 def _cdist(x: LaunchArgs) -> Footprint:

@@ -383,14 +383,9 @@ def supported_float(node) -> str | None:
 
 
 def supported_extreme(node) -> str | None:
-    """amax / amin / max / min of all elements: floating inputs, or int64 / int32 compared in int64
-    (Phi-3 longrope's ``max(position_ids)``)."""
-    return _check(node, FLOAT_DTYPES + (torch.int64, torch.int32), FLOAT_DTYPES + (torch.int64, torch.int32))
-
-
-def supported_arg(node) -> str | None:
-    """argmax / argmin and max.dim / min.dim: floating inputs, or int64 / int32 compared in int64 (CLIP's
-    text pooling takes ``input_ids.int().argmax(-1)``)."""
+    """amax / amin / max / min of all elements, and argmax / argmin / max.dim / min.dim: floating inputs,
+    or int64 / int32 compared in int64 (Phi-3 longrope's ``max(position_ids)``, CLIP's text pooling by
+    ``input_ids.int().argmax(-1)``)."""
     return _check(node, FLOAT_DTYPES + (torch.int64, torch.int32), FLOAT_DTYPES + (torch.int64, torch.int32))
 
 

@@ -253,6 +253,16 @@ def test_last_logits_prefill_returns_the_next_tokens_logits_only(dynamic):
         assert generator.prefill.stats.call_d2h_bytes == 2 * TINY["vocab_size"] * 4
 
 
+def tiny_static_cache_llama(transformers, layers: int, positions: int):
+    """transformers' Llama (hidden 32, vocab 64, random weights, seed 0), set up for static-cache generation."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.cache_implementation = "static"
+    return model
+
+
 def test_generator_runs_a_transformers_static_cache_program_by_its_keywords():
     """transformers' export recipe exports prefill and decode with ``input_ids=`` and
     ``cache_position=``: the generator passes them by those names, and a positional call is refused
@@ -260,11 +270,7 @@ def test_generator_runs_a_transformers_static_cache_program_by_its_keywords():
     transformers = pytest.importorskip("transformers")
     from transformers.integrations.executorch import convert_and_export_with_cache
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.generation_config.cache_implementation = "static"
+    model = tiny_static_cache_llama(transformers, layers=1, positions=16)
     model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 16}
     ids = prompt(3)[:, :5]
     with warnings.catch_warnings():
@@ -449,11 +455,8 @@ def test_one_dynamic_method_serves_prefill_and_decode_as_transformers_exports_it
     transformers = pytest.importorskip("transformers")
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.generation_config.cache_implementation = "static"
+    model = tiny_static_cache_llama(transformers, layers=2, positions=32)
+    config = model.config
     wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=32)
     seq = torch.export.Dim("seq", max=8)
     with warnings.catch_warnings():

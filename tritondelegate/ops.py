@@ -697,3 +697,61 @@ OPS["tritondelegate::softsign"] = torch.ops.tritondelegate.softsign.default
 OPS["tritondelegate::tanhshrink"] = torch.ops.tritondelegate.tanhshrink.default
 softsign = torch.ops.tritondelegate.softsign.default
 tanhshrink = torch.ops.tritondelegate.tanhshrink.default
+
+
+# --- tritondelegate::dequant_weight: a weight-only quantized weight (int8 / uint8), dequantized ---------
+# q [*R, K] int8 or uint8; zero and scale [*R, K / G]: one per group of G consecutive columns (G = K:
+# one per row); each None when absent. The float weight a model computes from them, in its dtype order:
+#     t = q.to(sub_dtype) - zero          (zero converted to sub_dtype; both exact)
+#     t = t.to(mul_dtype) * scale         (the product rounded to mul_dtype)
+#     W = t.to(dtype)
+# (each step in fp32, rounded to its dtype). A matmul whose weight this is reads q (1 byte per element)
+# and dequantizes each tile in the kernel
+# (``passes/quant_weights.py``, ``matmul.py``'s ``QUANT``); W is never stored.
+_lib.define("dequant_weight(Tensor q, Tensor? zero, Tensor? scale, ScalarType sub_dtype, ScalarType mul_dtype, "
+            "ScalarType dtype) -> Tensor")
+QUANT_DTYPES = (torch.int8, torch.uint8)
+QUANT_FLOATS = (torch.float16, torch.bfloat16, torch.float32)  # the dtypes of its steps
+
+
+def _per_column(part: torch.Tensor, k: int) -> torch.Tensor:
+    """A [*R, K / G] group table spread over the K columns of its groups."""
+    return part.repeat_interleave(k // part.shape[-1], dim=-1)
+
+
+def dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype) -> torch.Tensor:
+    """The arithmetic in fp32, rounded to each step's dtype: eager's, whose 16-bit ops compute in fp32
+    and round once (the products and differences here are exact in fp32)."""
+    t = q.to(torch.float32)
+    if zero is not None:
+        t = (t - _per_column(zero, q.shape[-1]).to(torch.float32)).to(sub_dtype)
+    t = t.to(mul_dtype).to(torch.float32)
+    if scale is not None:
+        t = t * _per_column(scale, q.shape[-1]).to(torch.float32)
+    return t.to(mul_dtype).to(dtype)
+
+
+def _check_dequant(q, zero, scale) -> None:
+    if q.dtype not in QUANT_DTYPES:
+        raise ValueError(f"tritondelegate::dequant_weight: q is {q.dtype}, not int8 or uint8")
+    for name, part in (("zero", zero), ("scale", scale)):
+        if part is not None and (part.shape[:-1] != q.shape[:-1] or part.shape[-1] == 0
+                                 or q.shape[-1] % part.shape[-1]):
+            raise ValueError(f"tritondelegate::dequant_weight: {name} {tuple(part.shape)} does not hold whole "
+                             f"groups of q's rows {tuple(q.shape)}")
+
+
+@torch.library.impl(_lib, "dequant_weight", "CompositeExplicitAutograd")
+def _dequant_weight(q, zero, scale, sub_dtype, mul_dtype, dtype):
+    _check_dequant(q, zero, scale)
+    return dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::dequant_weight")
+def _dequant_weight_fake(q, zero, scale, sub_dtype, mul_dtype, dtype):
+    _check_dequant(q, zero, scale)
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+OPS["tritondelegate::dequant_weight"] = torch.ops.tritondelegate.dequant_weight.default
+dequant_weight = torch.ops.tritondelegate.dequant_weight.default

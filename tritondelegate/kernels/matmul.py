@@ -30,6 +30,12 @@ interleave gate and up) pairs the tile's columns after the bias: with B's column
 the tile becomes ``act(g) * u`` (g and u rounded to C's dtype first, as eager stores the two linears'
 results), half as wide, and C is [M, N / 2]; any epilogue then runs on that.
 
+A weight-only quantized B (``QUANT``; ``tritondelegate::dequant_weight``, ``passes/quant_weights.py``)
+is read as its int8 or uint8 ``q``: each K tile is dequantized as it is loaded, ``(q - zero) * scale``
+with the zero and scale of the tile's group per column (tables [N, K / G]; the K step divides G), in
+fp32 rounded as the model rounds, then to A's dtype for the product. The float weight is never stored:
+a decode step streams a byte per weight element.
+
 Skinny products (``GEMV``; decode, where every projection of a batch-1 step has M = 1) take the same
 kernel with tl.dot replaced by a broadcast multiply and a sum over K on the CUDA cores, so a tile may
 be 1, 2, 4 or 8 rows (tl.dot's tensor-core tile is 16 rows: 15 of 16 would be padding at M = 1) and
@@ -55,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import ops as td_ops
 from ..ops import GLU_ACTS
 from . import sizes, target
 from . import elementwise as ew
@@ -113,6 +120,21 @@ def _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k0, offs_k, k_left,
     if HAS_PB:
         y = y + tl.load(pb_ptr + (k0 + offs_k) * stride_pk, mask=inside, other=0.0).to(tl.float32)[None, :]
     return tl.where(inside[None, :], y, 0.0).to(a.dtype)
+
+
+@triton.jit
+def _dequant_tile(b, z_ptr, s_ptr, at, mask_n, QUANT: tl.constexpr, SUB_ROUND: tl.constexpr,
+                  MUL_ROUND: tl.constexpr):
+    """A K tile of a weight-only quantized B (int8 or uint8) as ``ops.dequant_weight_reference`` computes
+    it: ``(q - zero) * scale`` in fp32, rounded to each step's dtype; ``at`` addresses the tile's group
+    of the zero and scale tables per column (the tile's K columns share one group)."""
+    t = b.to(tl.float32)
+    if QUANT == "zero" or QUANT == "zero_scale":
+        t = round_as(t - tl.load(z_ptr + at, mask=mask_n, other=0.0).to(tl.float32), SUB_ROUND)
+    t = round_as(t, MUL_ROUND)
+    if QUANT == "scale" or QUANT == "zero_scale":
+        t = round_as(t * tl.load(s_ptr + at, mask=mask_n, other=0.0).to(tl.float32), MUL_ROUND)
+    return t
 
 
 @triton.jit
@@ -232,6 +254,8 @@ def matmul_kernel(
     p_ptr, pb_ptr, stride_pk, p_eps,
     # the rotary epilogue (ROPE, ``_rope_store``: its arguments in order; stand-ins without)
     r_ptr, rc_ptr, rs_ptr, r_inner, r_width, rc0, rc1, rcj, rs0, rs1, rsj, r_scale, rn_ptr, rn_pairs, rn_eps,
+    # a quantized B (QUANT): its zero and scale tables [N, K / q_group] by (column, group) strides
+    qz_ptr, qs_ptr, stride_qn, stride_qg, q_group,
     HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
@@ -244,6 +268,7 @@ def matmul_kernel(
     PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False, HAS_PB: tl.constexpr = False,
     GLU: tl.constexpr = "", GLU_ROUND: tl.constexpr = "", GEMV: tl.constexpr = False,
     ROPE: tl.constexpr = "", ROPE_ROUND: tl.constexpr = "", NORM_E: tl.constexpr = 0,
+    QUANT: tl.constexpr = "", QSUB_ROUND: tl.constexpr = "", QMUL_ROUND: tl.constexpr = "",
 ):
     # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]   (X only when HAS_BIAS); then the epilogue, if any
     z = tl.program_id(1).to(tl.int64)
@@ -272,6 +297,9 @@ def matmul_kernel(
             a, sumsq = _rms_tile(a, sumsq, p_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW)
         elif PROLOGUE == "layer":
             a = _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW, HAS_PB)
+        if QUANT != "":  # BLOCK_K divides q_group: one group per tile ("none": q converted only)
+            at = (k * BLOCK_K) // q_group * stride_qg + offs_n[None, :] * stride_qn
+            b = _dequant_tile(b, qz_ptr, qs_ptr, at, mask_n, QUANT, QSUB_ROUND, QMUL_ROUND).to(a.dtype)
         acc = _product(acc, a, b, GEMV, DOT_UPCAST)
         a_ptrs += step_a
         b_ptrs += step_b
@@ -432,6 +460,36 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class QuantWeight:
+    """A ``tritondelegate::dequant_weight`` node's lowered value: its parts, which only the matmuls that
+    take it as their weight read (no launch of its own)."""
+
+    q: TRef  # [N, K] int8 or uint8
+    zero: TRef | None  # [N, T]: a group of K / T columns per entry
+    scale: TRef | None
+    sub_round: str  # the dtype names the steps round to ("" for fp32)
+    mul_round: str
+
+    @property
+    def tables(self) -> tuple[TRef, ...]:
+        return tuple(t for t in (self.zero, self.scale) if t is not None)
+
+    def group(self, k: int) -> int:
+        """Columns per group (a power of two >= 16, or all of K)."""
+        return k // self.tables[0].shape[1] if self.tables else k
+
+    def args(self, k: int) -> list:
+        """The kernel's ``qz_ptr, qs_ptr, stride_qn, stride_qg, q_group``."""
+        first = self.tables[0] if self.tables else self.q
+        strides = first.strides if self.tables else (0, 0)
+        return [self.zero or first, self.scale or first, *strides, self.group(k)]
+
+    def constexprs(self) -> dict:
+        mode = "_".join(name for name, t in (("zero", self.zero), ("scale", self.scale)) if t is not None)
+        return dict(QUANT=mode or "none", QSUB_ROUND=self.sub_round, QMUL_ROUND=self.mul_round)
+
+
+@dataclass(frozen=True)
 class MatmulOp:
     """One ``matmul`` launch: ``c = alpha * (a @ bmat) + beta * bias``, all views [Z, M, ...].
 
@@ -453,6 +511,8 @@ class MatmulOp:
     glu: str = ""
     # The rotary epilogue (``rope_linear``): C's column pairs stored where ``pairs`` says, rotated.
     rope: "Rope | None" = None
+    # A weight-only quantized B (``bmat`` is then its integers): dequantized tile by tile.
+    quant: "QuantWeight | None" = None
 
     @property
     def n(self):
@@ -463,7 +523,8 @@ class MatmulOp:
     def reads(self) -> tuple[TRef, ...]:
         norm = tuple(t for t in (self.prologue or (None,) * 4)[1:3] if t is not None)
         rope = () if self.rope is None else self.rope.reads
-        return (self.a, self.bmat) + ((self.x,) if self.has_bias else ()) + norm + rope
+        quant = () if self.quant is None else self.quant.tables
+        return (self.a, self.bmat) + ((self.x,) if self.has_bias else ()) + norm + rope + quant
 
     def args(self, c: TRef | None = None, c_strides=None, operands=()) -> list:
         """The launch's positional arguments; with ``c``, storing into ``c`` (with ``c_strides``) after
@@ -480,9 +541,10 @@ class MatmulOp:
         prologue = [self.a if weight is None else weight, self.a if bias is None else bias,
                     0 if given is None else given.strides[0], float(eps)]
         rope = Rope.stand_in(self.a) if self.rope is None else self.rope.args()
+        quant = [self.a, self.a, 0, 0, 1] if self.quant is None else self.quant.args(K)
         return [self.a, self.bmat, c, x, M, N, K, self.alpha, self.beta,
                 *self.a.strides, *self.bmat.strides, *c_strides, *x_strides, *epilogue,
-                *prologue, *rope]
+                *prologue, *rope, *quant]
 
     @property
     def tiles(self) -> Config:
@@ -491,7 +553,10 @@ class MatmulOp:
         up columns (GLU). A rotary launch keeps ``cfg``: its tiles hold whole heads (``_rope_config``)
         and were sized for its epilogue already."""
         fused = (self.prologue is not None or bool(self.glu)) and self.rope is None
-        return fused_config(self.cfg, self.a.dtype, fused)
+        cfg = fused_config(self.cfg, self.a.dtype, fused)
+        if self.quant is not None and self.quant.group(self.a.shape[2]) < self.a.shape[2]:  # a group per K step
+            cfg = replace(cfg, block_k=min(cfg.block_k, self.quant.group(self.a.shape[2])))
+        return cfg
 
     def grid(self) -> tuple[int, int]:
         cfg = self.tiles
@@ -509,18 +574,22 @@ class MatmulOp:
             prologue.update(ROPE=self.rope.mode, ROPE_ROUND=self.rope.round)
             if self.rope.norm is not None:
                 prologue.update(NORM_E=self.rope.norm_dim)
+        if self.quant is not None:
+            prologue.update(self.quant.constexprs())
         return dict(HAS_BIAS=self.has_bias, DOT_UPCAST=False,
                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **prologue)
 
 
 def launch_matmul(b, a: TRef, bmat: TRef, c: TRef, bias: TRef | None = None,
-                  alpha: float = 1.0, beta: float = 1.0, glu: str = "", rope: Rope | None = None) -> None:
+                  alpha: float = 1.0, beta: float = 1.0, glu: str = "", rope: Rope | None = None,
+                  quant: "QuantWeight | None" = None) -> None:
     """Launch ``c = alpha * (a @ bmat) + beta * bias``. ``a`` [Z, M, K], ``bmat`` [Z, K, N] and
     ``c`` [Z, M, N] are 3-D views (stride 0 on a broadcast batch); ``bias`` is a view broadcast to
     ``[Z, M, N]``, or None. With ``glu`` (an activation name), ``c`` is [Z, M, N / 2]: the gated
     linear unit of B's alternating gate and up columns. With ``rope``, C's column pairs are stored
-    rotated where it says (``rope_linear``; one launch: the rows it indexes are the whole result's)."""
+    rotated where it says (``rope_linear``; one launch: the rows it indexes are the whole result's).
+    With ``quant``, ``bmat`` views its integers (``tritondelegate::dequant_weight``)."""
     batch, M, K = a.shape
     N = bmat.shape[2]
     cfg = choose_config(batch, M, N, K, a.dtype)
@@ -534,7 +603,7 @@ def launch_matmul(b, a: TRef, bmat: TRef, c: TRef, bias: TRef | None = None,
                             f"a launch holds {MAX_GRID_Y}")
     for start, count in chunks:
         views = [_batch_slice(b, t, start, count) for t in (a, bmat, c, x)]
-        op = MatmulOp(*views, has_bias, float(alpha), float(beta), cfg, glu=glu, rope=rope)
+        op = MatmulOp(*views, has_bias, float(alpha), float(beta), cfg, glu=glu, rope=rope, quant=quant)
         record = b.launch("matmul", op.grid(), *op.args(), **op.constexprs())
         if record is not None and count == batch:  # a product split over launches takes no epilogue
             record.op = op
@@ -733,7 +802,9 @@ def linear(b, node, glu: str = "", rope=None):
     place when their strides allow, else a batch axis), the weight is read transposed in place.
     With ``glu``, out is [..., N / 2] (``glu_linear``); ``rope(b, out)`` makes the rotary epilogue
     (``rope_linear``)."""
-    x, w = b.ref(node.args[0]), b.ref(node.args[1])
+    x, w = b.ref(node.args[0]), b.values(node.args[1])
+    quant = w if isinstance(w, QuantWeight) else None
+    w = b.ref(node.args[1]) if quant is None else quant.q
     bias = b.ref(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
     out = b.out(node)
     K, N = w.shape[1], w.shape[0]
@@ -747,7 +818,48 @@ def linear(b, node, glu: str = "", rope=None):
     n_out = out.shape[-1]  # N, or N / 2 under a gated linear unit
     c = b.view(out, (batch, M, n_out), (M * n_out, n_out, 1))  # out is contiguous: [batch, M, N]
     launch_matmul(b, a, wt, c, None if bias is None else _bias(b, bias, (batch, M, N)), glu=glu,
-                  rope=None if rope is None else rope(b, out))
+                  rope=None if rope is None else rope(b, out), quant=quant)
+
+
+def dequant_weight(b, node):
+    """``tritondelegate::dequant_weight(q, zero, scale, sub_dtype, mul_dtype, dtype)``: no launch; the
+    linears that read it as their weight (all its readers: :func:`supported_dequant`) read its parts."""
+    q, zero, scale = (None if a is None else b.ref(a) for a in node.args[:3])
+    sub_dtype, mul_dtype = node.args[3], node.args[4]
+    b.bind(node, QuantWeight(q, zero, scale, round_as_name(sub_dtype), round_as_name(mul_dtype)))
+
+
+def round_as_name(dtype: torch.dtype) -> str:
+    """The name ``elementwise.round_as`` rounds a 16-bit float by ("" for fp32: nothing to round)."""
+    return dtype_name(dtype) if dtype in (torch.float16, torch.bfloat16) else ""
+
+
+def supported_dequant(node) -> str | None:
+    """A dequantized weight stays in its readers' kernels: every reader must be a linear that takes it
+    as its weight, with groups the K step can divide (a power of two of at least 16 columns, or whole
+    rows), in a dtype the kernel rounds to."""
+    q, zero, scale = (node_value(a) for a in node.args[:3])
+    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype not in (torch.int8, torch.uint8):
+        return "q must be a 2-D int8 or uint8 tensor"
+    for name, t in (("zero", zero), ("scale", scale)):
+        if t is None:
+            continue
+        if t.dim() != 2 or t.shape[0] != q.shape[0] or q.shape[1] % t.shape[1]:
+            return f"{name} {tuple(t.shape)} does not hold whole groups of q's rows {tuple(q.shape)}"
+        group = q.shape[1] // t.shape[1]
+        if t.shape[1] > 1 and (group < MIN_BLOCK or group & (group - 1)):
+            return f"groups of {group} columns: the kernel takes a power of two of at least {MIN_BLOCK}"
+    if any(d not in (torch.float16, torch.bfloat16, torch.float32) for d in node.args[3:6]):
+        return f"dtypes {node.args[3:6]}: the kernel computes in fp16, bf16 or fp32"
+    checks = {torch.ops.aten.linear.default: supported_linear, td_ops.glu_linear: supported_glu,
+              td_ops.rope_linear: supported_rope}
+    for user in node.users:
+        if user.op != "call_function" or user.target not in checks or user.args[1] is not node or node in user.args[2:]:
+            return f"{user.name} reads it other than as a linear's weight"
+        refused = checks[user.target](user)
+        if refused:
+            return f"its reader {user.name} stays on the host: {refused}"
+    return None
 
 
 def glu_linear(b, node):

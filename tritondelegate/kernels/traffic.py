@@ -357,7 +357,9 @@ TRAFFIC: dict[str, KernelTraffic] = {
                Access("p_ptr", _flag("HAS_PW")), Access("pb_ptr", _flag("HAS_PB")),  # a norm prologue's
                # the rotary epilogue's pairs and tables (sin only with tables given)
                Access("r_ptr", _flag("ROPE")), Access("rc_ptr", _flag("ROPE")),
-               Access("rs_ptr", lambda a: a["ROPE"] in ("tables", "positions")), Access("rn_ptr", _flag("NORM_E"))),
+               Access("rs_ptr", lambda a: a["ROPE"] in ("tables", "positions")), Access("rn_ptr", _flag("NORM_E")),
+               # a quantized B's zero and scale tables
+               Access("qz_ptr", lambda a: "zero" in a["QUANT"]), Access("qs_ptr", lambda a: "scale" in a["QUANT"])),
         writes=(Access("c_ptr"),),
         flops=_matmul_flops,
     ),

@@ -23,6 +23,10 @@ from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
 from ..kernels.creation import EMPTY_OPS
 from ..kernels.registry import lookup
+from . import quant_weights
+from ..ops import QUANT_DTYPES
+from .quant_weights import PREFIX as QUANT_PREFIX
+from .quant_weights import QUANTIZED
 
 MAX_GROWTH_BYTES = 1 << 20
 FOLDED_PREFIX = "_folded_constant"
@@ -88,12 +92,17 @@ def fold_constants(ep: torch.export.ExportedProgram, state: set[str] = frozenset
         if n in foldable and n not in constants and isinstance(n.meta.get("val"), torch.Tensor)
         and any(u not in foldable for u in n.users) and not _is_view_only(n, constants)
     ]
-    if not frontier:
+    if not frontier and not any(QUANTIZED in n.meta for n in constants):
         return []
     values = _evaluate(graph, constants, foldable)
-    folded = []
+    quantized = quant_weights.evaluate(graph, constants, foldable, values)
+    folded = _keep_quantized(ep, constants, quantized, values)
     for node in frontier:
         value = values[node]
+        if node in quantized and quant_weights.reads_as_weight(node) and quant_weights.exact(quantized[node], value):
+            _dequantize_in_kernels(ep, node, quantized[node])
+            folded.append(node.name)
+            continue
         read = sum(_nbytes(values[p]) for p in _placeholders_under(node, constants))
         if _nbytes(value) > max(read, MAX_GROWTH_BYTES):
             continue
@@ -102,6 +111,48 @@ def fold_constants(ep: torch.export.ExportedProgram, state: set[str] = frozenset
     if folded:
         _drop_dead(ep)
     return folded
+
+
+def quantize_weights(ep: torch.export.ExportedProgram, state: set[str] = frozenset()) -> list[str]:
+    """Step 1 of ``quant_weights.py``: each subgraph that dequantizes an integer constant into a
+    weight becomes a float constant of the same value, tagged with its quantized parts."""
+    graph = ep.graph_module.graph
+    constants = constant_inputs(ep, set(state))
+    if not any(v.dtype in QUANT_DTYPES for v in constants.values()):
+        return []
+    foldable = foldable_nodes(graph, constants)
+    values = _evaluate(graph, constants, foldable)
+    quantized = quant_weights.evaluate(graph, constants, foldable, values)
+    done = []
+    for node, value in quantized.items():
+        if node in constants or all(u in quantized for u in node.users) or not quant_weights.exact(value, values[node]):
+            continue
+        placeholder = quant_weights.tagged(add_constant(ep, values[node].contiguous(), QUANT_PREFIX), value)
+        placeholder.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(placeholder)
+        done.append(f"{node.name} ({value.q.dtype} weight {list(value.shape)}, kept quantized)")
+    if done:
+        _drop_dead(ep)
+    return done
+
+
+def _dequantize_in_kernels(ep, node: torch.fx.Node, value) -> None:
+    """Step 2 of ``quant_weights.py``: ``dequant_weight`` over the parts, stored as new constants, in
+    ``node``'s place."""
+    parts = [None if t is None else add_constant(ep, t.contiguous(), QUANT_PREFIX)
+             for t in (value.q, value.zero, value.scale)]
+    quant_weights.dequant_node(ep.graph_module.graph, node, value, parts)
+
+
+def _keep_quantized(ep, constants: dict, quantized: dict, values: dict) -> list[str]:
+    """The quantized weights (``quant_weights.py``) that linears read as they are: dequantized in their
+    kernels."""
+    done = []
+    for node in constants:
+        if node in quantized and quant_weights.reads_as_weight(node) and quant_weights.exact(quantized[node], values[node]):
+            _dequantize_in_kernels(ep, node, quantized[node])
+            done.append(node.name)
+    return done
 
 
 def _evaluate(graph: torch.fx.Graph, constants: dict, foldable: set) -> dict:

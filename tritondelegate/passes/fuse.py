@@ -33,6 +33,9 @@ constant folding and partitioning:
 * ``position_mask``: an attention mask built per call from positions (``arange(S) <= positions``, a
   KV-cache decoder's, and ``arange(S) > positions - window`` too, a sliding-window layer's) of an sdpa,
   ``sdpa_softcap`` or ``sdpa_sinks`` becomes ``tritondelegate::sdpa_positions``, whose kernel compares indices;
+* ``quantize_weights`` (``passes/quant_weights.py``): a weight-only quantized weight, computed per
+  call from int8/uint8 integers and their scales (and zero points), becomes a constant the weight
+  passes below can rearrange, and stays quantized: its linears dequantize it tile by tile;
 * ``fuse_glu``: a gated MLP's ``act(linear(x, Wg)) * linear(x, Wu)`` becomes one
   ``tritondelegate::glu_linear`` over the two weights interleaved (one GEMM, the gating in its epilogue);
 * ``fuse_grouped_glu``: a Mixture-of-Experts layer's grouped gate/up GEMM split in halves and gated
@@ -70,6 +73,7 @@ from .complex_rotary import complex_rotary
 from .dedupe import dedupe
 from .eager_attention import eager_attention
 from .expert_dispatch import expert_dispatch
+from .fold_constants import quantize_weights
 from .fuse_batchnorm import fuse_batchnorm
 from .fuse_activations import fuse_activations
 from .fuse_gelu import fuse_gelu
@@ -94,7 +98,7 @@ def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool)
             + fuse_activations(ep) + complex_rotary(ep) + halves_rotary(ep, fold) + fuse_rotary(ep, fold)
             + eager_attention(ep) + position_mask(ep))
     if fold:  # these store new constants (concatenated or folded weights): folding computes them once
-        done += (fuse_glu(ep, state) + fuse_grouped_glu(ep, state) + fuse_projections(ep, state)
+        done += (quantize_weights(ep, state) + fuse_glu(ep, state) + fuse_grouped_glu(ep, state) + fuse_projections(ep, state)
                  + fuse_rope_linear(ep, state) + rope_positions(ep) + fuse_batchnorm(ep, state))
     done += expert_dispatch(ep) + fuse_router(ep) + cat_slices(ep) + head_norm(ep)
     if done:

@@ -174,6 +174,9 @@ def _matmul(x: LaunchArgs) -> Footprint:
     if x.c["PROLOGUE"] == "layer" and x.c["HAS_PB"]:
         acc.append(Access("pb_ptr", ((K, x.i("stride_pk")),)))
     acc += _epilogue(x, (Z, M, n_out), 3) + _rope(x, Z * M, N)
+    if x.c["QUANT"] not in ("", "none"):  # a quantized B's tables: group k * BLOCK_K // q_group of each column
+        box = ((N, x.i("stride_qn")), (_cdiv(K, max(x.i("q_group"), 1)), x.i("stride_qg")))
+        acc += [Access(p, box) for p, part in (("qz_ptr", "zero"), ("qs_ptr", "scale")) if part in x.c["QUANT"]]
     grid = (_cdiv(M, x.c["BLOCK_M"]) * _cdiv(N, x.c["BLOCK_N"]), Z)
     return Footprint(acc, grid, {"batch x M x N stored": Z * M * n_out, "K": K})
 
@@ -739,7 +742,9 @@ RULES: dict[str, KernelRule] = {
         # GEMV (no tl.dot) takes tiles of 1 to 8 rows and 8 columns; the accesses are the same
         "GEMV": FLAG, "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256),
         "ROPE": one_of("", "angles", "tables", "positions"), "ROPE_ROUND": one_of("", "float16", "bfloat16"),
-        "NORM_E": one_of(0, *(2 ** k for k in range(1, 10)))}, _GEMM_TILES),
+        "NORM_E": one_of(0, *(2 ** k for k in range(1, 10))),
+        "QUANT": one_of("", "none", "zero", "scale", "zero_scale"), "QSUB_ROUND": one_of("", "float16", "bfloat16"),
+        "QMUL_ROUND": one_of("", "float16", "bfloat16")}, _GEMM_TILES),
     "grouped_mm": KernelRule(_grouped_mm, {
         "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256), "BLOCK_K": pow2(16, 256), "BLOCK_E": pow2(2, 8192),
         "PER_ROW": FLAG, "DOT_UPCAST": FLAG, "GLU": one_of("", *sorted(GROUPED_GLU_ACTS)),

@@ -1,0 +1,338 @@
+"""Weight-only quantized weights stay quantized on the device.
+
+A model quantized weight-only keeps each linear's weight as int8 or uint8 ``q`` with a scale (and
+a zero point) per row or per group of G consecutive columns, and computes its float weight on every
+call, in its own dtype order:
+
+    W = ((q.to(dt) - zero) * scale).to(dtype)      zero, scale [N, 1] or, by groups, [N, K / G, 1]
+                                                   against q.view(N, K / G, G), viewed back to [N, K]
+
+Plain constant folding would compute W once at lower time and store it: twice the bytes in bf16,
+four times in fp32, read again by every decode step, which is bound by exactly those bytes. Here:
+
+1. :func:`quantize_weights` (first of the rewrites, so that the weight passes see an ordinary
+   constant weight) puts a float constant in place of each such subgraph, its value W bit for bit
+   (computed from the parts and checked against the subgraph's own result), tagged with its parts:
+   ``placeholder.meta["quantized"]``, a :class:`Quantized`.
+2. The weight passes (Q/K/V concatenation, gate/up interleaving, rotary row orders) rearrange rows of
+   it with ``cat``, ``stack``, ``index_select``, ``slice`` and views; constant folding evaluates those
+   on the parts (:func:`evaluate`), and where a linear (``linear``, ``glu_linear``, ``rope_linear``)
+   reads a quantized weight, :func:`dequantize_in_kernels` stores the parts (q, and the per-group
+   zero and scale tables) and puts ``tritondelegate::dequant_weight`` in W's place. The matmul
+   kernel reads q and dequantizes each tile as it loads it; W is never stored.
+
+A weight something else reads too (a tied embedding table) keeps its float constant. Anything the
+rules do not know (an op on K's axis, a second scale, a mismatch with the subgraph's own values)
+leaves the weight to plain folding: never a different result, at worst the bytes of today.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.fx
+
+from .. import ops
+from .rewrite import new_node
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+QUANTIZED = "quantized"  # the placeholder meta key of a quantized weight's parts
+PREFIX = "_quantized_weight"
+# the linears that read a weight as their second argument and dequantize it in their kernel
+LINEARS = (aten.linear.default, ops.glu_linear, ops.rope_linear)
+_CASTS = (aten._to_copy.default, aten.to.dtype, prims.convert_element_type.default)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A float weight as ``ops.dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype)``.
+
+    ``q`` is [*R, K]; ``zero`` and ``scale`` are [*R, T] (T divides K; None when absent). The weight
+    is seen as [*R, K], or as [*R, groups, K / groups] while a model scales its groups (``groups``)."""
+
+    q: torch.Tensor
+    zero: torch.Tensor | None
+    scale: torch.Tensor | None
+    sub_dtype: torch.dtype
+    mul_dtype: torch.dtype
+    dtype: torch.dtype
+    stage: int = 0  # 0: converted; 1: zero subtracted; 2: scaled; 3: cast to its result dtype
+    groups: int | None = None
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return tuple(self.q.shape[:-1])
+
+    @property
+    def k_dims(self) -> int:
+        return 1 if self.groups is None else 2
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        k = self.q.shape[-1]
+        return self.rows + ((k,) if self.groups is None else (self.groups, k // self.groups))
+
+    def dequantize(self) -> torch.Tensor:
+        w = ops.dequant_weight_reference(self.q, self.zero, self.scale, self.sub_dtype, self.mul_dtype, self.dtype)
+        return w.reshape(self.shape)
+
+    def parts(self, fn) -> "Quantized":
+        """``fn`` applied to q and to each table alike (an op on row dims only)."""
+        return replace(self, q=fn(self.q), zero=_maybe(fn, self.zero), scale=_maybe(fn, self.scale))
+
+
+def _maybe(fn, t):
+    return None if t is None else fn(t)
+
+
+# --- the rules: each op on a Quantized value, or None (the value is then plain from there on) --------
+def _cast(x, dtype) -> Quantized | None:
+    if isinstance(x, torch.Tensor):  # the start: an integer constant converted to a float dtype
+        if x.dtype in ops.QUANT_DTYPES and x.ndim >= 2 and dtype in ops.QUANT_FLOATS:
+            return Quantized(x, None, None, dtype, dtype, dtype)
+        return None
+    if dtype is None or dtype == x.dtype:
+        return x
+    if dtype not in ops.QUANT_FLOATS:
+        return None
+    if x.stage == 0:  # q.to(a).to(b): still exact
+        return replace(x, sub_dtype=dtype, mul_dtype=dtype, dtype=dtype)
+    if x.stage == 1:
+        return replace(x, mul_dtype=dtype, dtype=dtype)
+    return replace(x, dtype=dtype, stage=3)
+
+
+def _table(x: Quantized, operand) -> torch.Tensor | None:
+    """A sub or mul operand as a [*R, T] table of x's groups, or None when it varies within a group."""
+    if not isinstance(operand, torch.Tensor):
+        if isinstance(operand, bool) or not isinstance(operand, (int, float)):
+            return None
+        operand = torch.tensor(operand, dtype=torch.float32)  # eager's 16-bit ops take a scalar in fp32
+    if operand.ndim > len(x.shape) or (operand.ndim and operand.shape[-1] != 1):
+        return None
+    try:
+        full = operand.expand(*x.shape[:-1], 1)
+    except RuntimeError:
+        return None
+    table = full[..., 0]
+    return table if x.groups is not None else table.unsqueeze(-1)
+
+
+def _unify(x: Quantized, table: torch.Tensor) -> tuple[Quantized, torch.Tensor] | None:
+    """x and a new table over the same groups: a one-group-per-row table spreads over the other's."""
+    have = next((t.shape[-1] for t in (x.zero, x.scale) if t is not None), table.shape[-1])
+    want = max(have, table.shape[-1])
+    if min(have, table.shape[-1]) != 1 and have != table.shape[-1]:
+        return None
+    spread = lambda t: t.expand(*t.shape[:-1], want).contiguous()  # noqa: E731
+    if have != want:
+        x = replace(x, zero=_maybe(spread, x.zero), scale=_maybe(spread, x.scale))
+    return x, spread(table)
+
+
+def _arith(x, operand, stage: int) -> Quantized | None:
+    if not isinstance(x, Quantized) or x.stage >= stage or (stage == 1 and x.stage != 0):
+        return None
+    table = _table(x, operand)
+    unified = None if table is None else _unify(x, table)
+    if unified is None:
+        return None
+    x, table = unified
+    if isinstance(operand, torch.Tensor) and operand.ndim:  # (a 0-dim tensor promotes as a scalar does)
+        result = torch.promote_types(x.dtype, operand.dtype)
+    else:
+        result = x.dtype
+    if result not in ops.QUANT_FLOATS:
+        return None
+    if stage == 1:  # q.to(a) - zero: q is exact in any float dtype, so the sub runs in the result's
+        return replace(x, zero=table, sub_dtype=result, mul_dtype=result, dtype=result, stage=1)
+    return replace(x, scale=table, mul_dtype=result, dtype=result, stage=2)
+
+
+def _reshape(x: Quantized, shape) -> Quantized | None:
+    shape = [int(s) for s in shape]
+    if -1 in shape:
+        known = -torch.Size([s for s in shape if s != -1]).numel()
+        shape[shape.index(-1)] = x.q.numel() // known if known else 0
+    k = x.q.shape[-1]
+    kd = x.k_dims
+    if len(shape) >= kd and tuple(shape[-kd:]) == x.shape[-kd:]:  # rows only
+        rows = shape[:-kd]
+        return x.parts(lambda t: t.reshape(*rows, t.shape[-1]))
+    if x.groups is None and len(shape) >= 2 and tuple(shape[:-2]) == x.rows and shape[-2] * shape[-1] == k:
+        tables = [t.shape[-1] for t in (x.zero, x.scale) if t is not None]
+        if any(t not in (1, shape[-2]) for t in tables):
+            return None
+        spread = lambda t: t.expand(*t.shape[:-1], shape[-2]).contiguous()  # noqa: E731
+        return replace(x, zero=_maybe(spread, x.zero), scale=_maybe(spread, x.scale), groups=shape[-2])
+    if x.groups is not None and tuple(shape[:-1]) == x.rows and shape[-1] == k:
+        return replace(x, groups=None)
+    return None
+
+
+def _row_dim(x: Quantized, dim: int, extra: int = 0) -> int | None:
+    """``dim`` (of x's shape, or of one with ``extra`` more dims) as a row dim, or None (one of K's)."""
+    dim = dim + len(x.shape) + extra if dim < 0 else dim
+    return dim if 0 <= dim < len(x.rows) + extra else None
+
+
+def _permute(x: Quantized, dims) -> Quantized | None:
+    n = len(x.shape)
+    dims = [d % n for d in dims]
+    if dims[len(x.rows):] != list(range(len(x.rows), n)):
+        return None
+    rows = dims[:len(x.rows)]
+    return x.parts(lambda t: t.permute(*rows, len(rows)))
+
+
+def _transpose(x: Quantized, a: int, b: int) -> Quantized | None:
+    dims = list(range(len(x.shape)))
+    a, b = a % len(dims), b % len(dims)
+    dims[a], dims[b] = dims[b], dims[a]
+    return _permute(x, dims)
+
+
+def _along_rows(x, dim, fn, extra: int = 0) -> Quantized | None:
+    """``fn(t, d)`` on each part with ``dim`` a row dim, else None."""
+    if not isinstance(x, Quantized):
+        return None
+    d = _row_dim(x, dim, extra)
+    return None if d is None else x.parts(lambda t: fn(t, d))
+
+
+def _joined(values, dim, op, extra: int) -> Quantized | None:
+    """``cat`` (extra 0) or ``stack`` (extra 1) of Quantized values that differ only in their rows."""
+    if not values or not all(isinstance(v, Quantized) for v in values):
+        return None
+    first = values[0]
+    same = lambda v: (v.sub_dtype, v.mul_dtype, v.dtype, v.stage, v.groups, v.zero is None, v.scale is None,  # noqa: E731
+                      v.q.dtype, v.q.shape[-1], tuple(t.shape[-1] for t in (v.zero, v.scale) if t is not None))
+    d = _row_dim(first, dim, extra)
+    if d is None or any(same(v) != same(first) for v in values):
+        return None
+    parts = {name: None if getattr(first, name) is None else op([getattr(v, name) for v in values], d)
+             for name in ("q", "zero", "scale")}
+    return replace(first, **parts)
+
+
+def _squeeze(x, dims=None):
+    if not isinstance(x, Quantized):
+        return None
+    dims = [d for d in range(len(x.rows)) if x.rows[d] == 1] if dims is None else (
+        [dims] if isinstance(dims, int) else list(dims))
+    rows = [_row_dim(x, d) for d in dims]
+    if any(r is None for r in rows):
+        return None
+    return x.parts(lambda t: t.squeeze(rows) if rows else t)
+
+
+_IDENTITY = (aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
+             aten.lift_fresh_copy.default)
+_RULES = {
+    aten.sub.Tensor: lambda x, o, alpha=1: _arith(x, o, 1) if alpha == 1 else None,
+    aten.sub.Scalar: lambda x, o, alpha=1: _arith(x, o, 1) if alpha == 1 else None,
+    aten.mul.Tensor: lambda x, o: _arith(x, o, 2) if isinstance(x, Quantized) else _arith(o, x, 2),
+    aten.mul.Scalar: lambda x, o: _arith(x, o, 2),
+    aten.view.default: lambda x, s: _reshape(x, s) if isinstance(x, Quantized) else None,
+    aten._unsafe_view.default: lambda x, s: _reshape(x, s) if isinstance(x, Quantized) else None,
+    aten.reshape.default: lambda x, s: _reshape(x, s) if isinstance(x, Quantized) else None,
+    aten.permute.default: lambda x, d: _permute(x, d) if isinstance(x, Quantized) else None,
+    aten.transpose.int: lambda x, a, b: _transpose(x, a, b) if isinstance(x, Quantized) else None,
+    aten.unsqueeze.default: lambda x, d: _along_rows(x, d, torch.unsqueeze, 1),
+    aten.squeeze.dim: _squeeze,
+    aten.squeeze.dims: _squeeze,
+    aten.squeeze.default: _squeeze,
+    aten.cat.default: lambda xs, dim=0: _joined(list(xs), dim, torch.cat, 0),
+    aten.stack.default: lambda xs, dim=0: _joined(list(xs), dim, torch.stack, 1),
+    aten.index_select.default: lambda x, d, i: _along_rows(x, d, lambda t, r: t.index_select(r, i)),
+    aten.select.int: lambda x, d, i: _along_rows(x, d, lambda t, r: t.select(r, i)),
+    aten.slice.Tensor: lambda x, d=0, start=None, end=None, step=1: _along_rows(
+        x, d, lambda t, r: aten.slice.Tensor(t, r, start, end, step)),
+}
+
+
+def _cast_rule(node: torch.fx.Node, args, kwargs) -> Quantized | None:
+    x = args[0]
+    if node.target == prims.convert_element_type.default:
+        dtype = args[1]
+    elif node.target == aten.to.dtype:
+        dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+    else:
+        if set(kwargs) - {"dtype", "layout", "device", "memory_format", "non_blocking"}:
+            return None
+        dtype = kwargs.get("dtype")
+    return _cast(x, dtype)
+
+
+def apply(node: torch.fx.Node, args, kwargs) -> Quantized | None:
+    """``node``'s value as a Quantized, from its arguments' (some Quantized), or None."""
+    if node.target in _CASTS:
+        return _cast_rule(node, args, kwargs)
+    if not any(isinstance(a, Quantized) for a in _flat(args)):
+        return None
+    if node.target in _IDENTITY:
+        return args[0] if isinstance(args[0], Quantized) and not kwargs.get("memory_format") else None
+    rule = _RULES.get(node.target)
+    if rule is None:
+        return None
+    try:
+        return rule(*args, **kwargs)
+    except (TypeError, RuntimeError, IndexError, ValueError):
+        return None
+
+
+def _flat(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def evaluate(graph: torch.fx.Graph, constants: dict, foldable: set, values: dict) -> dict:
+    """The Quantized value of each foldable node that has one, from the tagged constants
+    (``meta["quantized"]``) and integer constants converted to a float dtype; ``values``: every
+    foldable node's plain value (what the arguments that are not Quantized take)."""
+    quant = {n: n.meta[QUANTIZED] for n in constants if isinstance(n.meta.get(QUANTIZED), Quantized)}
+    for node in graph.nodes:
+        if node in foldable and node not in constants and node.target is not operator.getitem:
+            args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: quant.get(n, values.get(n)))
+            value = apply(node, args, kwargs)
+            if value is not None:
+                quant[node] = value
+    return quant
+
+
+def exact(value: Quantized | None, plain) -> bool:
+    """Whether ``value`` is a whole [*R, K] weight equal, bit for bit, to ``plain`` (the subgraph's own)."""
+    return (isinstance(value, Quantized) and value.groups is None and value.q.ndim >= 2
+            and isinstance(plain, torch.Tensor) and plain.dtype == value.dtype
+            and tuple(plain.shape) == value.shape and torch.equal(value.dequantize(), plain))
+
+
+def reads_as_weight(node: torch.fx.Node) -> bool:
+    """Whether every reader of ``node`` is a linear that reads it as its weight (and only there)."""
+    return bool(node.users) and all(
+        u.op == "call_function" and u.target in LINEARS and u.args[1] is node
+        and sum(a is node for a in u.all_input_nodes) == 1 for u in node.users)
+
+
+def tagged(node: torch.fx.Node, value: Quantized) -> torch.fx.Node:
+    """``node`` (a new float constant's placeholder) tagged with its quantized parts."""
+    node.meta[QUANTIZED] = replace(value, q=value.q.contiguous())
+    return node
+
+
+def dequant_node(graph: torch.fx.Graph, node: torch.fx.Node, value: Quantized, parts) -> torch.fx.Node:
+    """``dequant_weight(*parts, ...)`` in ``node``'s place (``parts``: the placeholders of value's q,
+    zero and scale, None where absent), before its first reader."""
+    first = next(n for n in graph.nodes if n in node.users)
+    with graph.inserting_before(first):
+        dq = new_node(graph, ops.dequant_weight, (*parts, value.sub_dtype, value.mul_dtype, value.dtype),
+                      node.meta["val"], node.meta, f"{node.name}_dequant")
+    node.replace_all_uses_with(dq)
+    return dq

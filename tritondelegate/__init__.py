@@ -21,6 +21,7 @@ _EXPORTS = {
     "Partitioner": "partitioner", "PartitionResult": "partitioner",
     "DelegationSpec": "partitioner", "TritonPartitioner": "partitioner",
     "LoweringError": "errors", "Target": "kernels.target",
+    "quantize_linears": "quantize", "QuantizedLinear": "quantize",
     # runtime side
     "load": "runtime", "DeviceAllocator": "runtime", "InputError": "runtime",
     "register_allocator": "runtime",

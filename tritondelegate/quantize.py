@@ -1,0 +1,84 @@
+"""Weight-only quantization of a model's linears, in the form ``lower()`` keeps quantized on the device.
+
+    model = td.quantize_linears(model)                           # int8, a scale per output row
+    model = td.quantize_linears(model, group_size=64)            # a scale per 64 input columns
+    model = td.quantize_linears(model, zero_point=True)          # uint8 with a zero point (asymmetric)
+    ep = torch.export.export(model, args)                        # then lower as any model
+
+Each ``nn.Linear`` becomes a :class:`QuantizedLinear` whose forward computes its weight from the
+integers, ``(q - zero) * scale``, and calls ``F.linear``: exported, that is the pattern
+``passes/quant_weights.py`` recognizes, so the program stores the integers (a byte per weight) and
+the matmul kernels dequantize them tile by tile. Eager runs the same arithmetic, so the lowered
+program matches the quantized model (not the float one: quantization itself changes the weights,
+by up to half a step of its group's scale). A model quantized another way in the same form (its own
+modules, or a library's that export to it) is kept quantized too.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.nn.functional as F
+
+
+class QuantizedLinear(torch.nn.Module):
+    """``nn.Linear`` with its weight as int8 (``zero_point=False``: symmetric, q in [-127, 127]) or
+    uint8 (``zero_point=True``: q in [0, 255] around a zero point) and a scale per row, or per group of
+    ``group_size`` input columns; scale and zero point in the weight's dtype."""
+
+    def __init__(self, linear: torch.nn.Linear, group_size: int | None = None, zero_point: bool = False):
+        super().__init__()
+        w = linear.weight.detach()
+        n, k = w.shape
+        groups = 1 if group_size is None else k // group_size
+        if group_size is not None and (group_size < 1 or k % group_size):
+            raise ValueError(f"group_size {group_size} does not divide the {k} input features of {linear}")
+        g = w.float().reshape(n, groups, k // groups)
+        if zero_point:
+            low, high = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
+            scale = ((high - low) / 255).clamp(min=torch.finfo(torch.float32).tiny)
+            zero = torch.round(-low / scale)
+            q = torch.clamp(torch.round(g / scale) + zero, 0, 255).to(torch.uint8)
+            self.register_buffer("zero", zero[..., 0].to(w.dtype))
+        else:
+            scale = (g.abs().amax(-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+            q = torch.clamp(torch.round(g / scale), -127, 127).to(torch.int8)
+            self.zero = None
+        self.register_buffer("qweight", q.reshape(n, k))
+        self.register_buffer("scale", scale[..., 0].to(w.dtype))
+        self.bias = linear.bias
+        self.in_features, self.out_features = k, n
+
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight [out, in], in the scale's dtype."""
+        n, k = self.qweight.shape
+        groups = self.scale.shape[1]
+        w = self.qweight.to(self.scale.dtype).view(n, groups, k // groups)
+        if self.zero is not None:
+            w = w - self.zero.unsqueeze(-1)
+        return (w * self.scale.unsqueeze(-1)).view(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight(), self.bias)
+
+    def extra_repr(self) -> str:
+        group = self.in_features // self.scale.shape[1]
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.qweight.dtype}, "
+                f"group={group}, zero_point={self.zero is not None}")
+
+
+def quantize_linears(model: torch.nn.Module, *, group_size: int | None = None, zero_point: bool = False,
+                     skip=()) -> torch.nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place; returned) by a :class:`QuantizedLinear`,
+    except those whose qualified name matches a pattern of ``skip`` (``fnmatch``, e.g. ``"lm_head"``)
+    and those whose input features ``group_size`` does not divide (kept float, as are embeddings)."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if not isinstance(child, torch.nn.Linear) or any(fnmatch.fnmatch(full, p) for p in skip):
+                continue
+            if group_size is not None and child.in_features % group_size:
+                continue
+            setattr(module, child_name, QuantizedLinear(child, group_size, zero_point))
+    return model

@@ -71,6 +71,12 @@ def _decoder(dtype, seq, **cfg):
     return model, (torch.randint(0, model.cfg.vocab_size, (1, seq)),)
 
 
+def _quantized(case, **kwargs):
+    """A case's model with its linears weight-only quantized."""
+    model, args = case
+    return td.quantize_linears(model, **kwargs), args
+
+
 def _demo(dtype):
     model, args = demo_decoder()
     return model.to(dtype), args
@@ -652,6 +658,11 @@ def _per_dtype(d) -> dict[str, callable]:
         "decoder_decode_8b": lambda: _decoder(d, 1, dim=4096, n_layers=1, n_heads=32, n_kv_heads=8,
                                               hidden_dim=14336, max_seq_len=64),
         "decoder_8_tokens": lambda: _decoder(d, 8, n_heads=8, n_kv_heads=2, max_seq_len=64, **llama),  # GEMV, 8 rows
+        # weight-only quantized (td.quantize_linears): int8 per row at decode (GEMV), uint8 with zero points
+        # per group of 128 at prefill (tl.dot tiles, K step capped to the group)
+        "decoder_decode_int8": lambda: _quantized(_decoder(d, 1, n_heads=8, n_kv_heads=2, max_seq_len=64, **llama)),
+        "decoder_prefill_uint8_g128": lambda: _quantized(
+            _decoder(d, 384, n_heads=8, n_kv_heads=2, max_seq_len=512, **llama), group_size=128, zero_point=True),
         "mlp": lambda: (MLP([784, 1024, 1000]).eval().to(d), (_randn(64, 784, dtype=d),)),
         "mlp_decode": lambda: (MLP([2048, 4096, 2048]).eval().to(d), (_randn(1, 2048, dtype=d),)),
         "resnet_tiny": lambda: _resnet(d),

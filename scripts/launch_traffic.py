@@ -3,7 +3,8 @@ for the models issue "fewer, fatter launches" tracks: the demo decoder, transfor
 (tiny configs, random weights) and the ResNet-style CNN of the tests; transformers' MobileNetV2 at its
 default config; then a generation step with a KV cache, prefill and decode, for the demo's
 ``KVCacheDecoder`` and transformers' Llama through its static-cache export recipe; last, Llama-3-8B's
-decode attention before and after packing its query heads and splitting its keys. Needs no GPU: the figures come from the lowered plans (no kernel runs).
+decode attention before and after packing its query heads and splitting its keys; last, a decode step
+with weight-only quantized weights against bf16 ones. Needs no GPU: the figures come from the lowered plans (no kernel runs).
 
     python scripts/launch_traffic.py
 """
@@ -188,6 +189,31 @@ def _mobilenet() -> None:
               f"({traffic['ratio']:.2f}x)")
 
 
+def _quantized_decode() -> None:
+    """The demo's KV-cache decoder at the wide config in bf16 (2 layers, cache 256): a decode step's
+    modelled traffic and the resident constants, float against weight-only quantized
+    (``td.quantize_linears``)."""
+    from tritondelegate.models import export_prefill_decode, kv_cache_decoder
+
+    wide = WIDTHS["wide"]
+    print("KV-cache decode step, wide config, bf16 (2 layers): traffic, lower bound, constants, launches")
+    for label, kwargs in (("bf16 weights", None), ("int8 per row", {}),
+                          ("uint8 + zero point, groups of 128", dict(group_size=128, zero_point=True))):
+        model = kv_cache_decoder(n_layers=2, dim=wide["hidden"], hidden_dim=wide["mlp"], n_heads=wide["heads"],
+                                 n_kv_heads=wide["heads"] // 2, vocab_size=wide["vocab"], max_seq_len=256)
+        model = model.to(torch.bfloat16)
+        if kwargs is not None:
+            td.quantize_linears(model, **kwargs)
+        lowered = td.lower(export_prefill_decode(model, 5), config=CONFIG)
+        method = next(m for m in lowered.program.methods if m.name == "decode")
+        traffic = method_traffic(method)
+        constants = lowered.summary().splitlines()
+        row = next(line for line in constants if line.startswith("decode"))
+        print(f"  {label}: {traffic['bytes'] / 1e6:.2f} MB modelled per call, lower bound "
+              f"{traffic['lower_bound'] / 1e6:.2f} MB ({traffic['ratio']:.2f}x), {traffic['launches']} launches; "
+              f"summary: {' '.join(row.split())}")
+
+
 def main() -> int:
     for width, dims in WIDTHS.items():
         print(f"{width}: {dims}")
@@ -201,6 +227,7 @@ def main() -> int:
     _mobilenet()
     _kv_steps()
     _decode_attention()
+    _quantized_decode()
     return 0
 
 

@@ -122,6 +122,8 @@ def _generate(args) -> dict:
     timings = {}
     start = time.perf_counter()
     model = kv_cache_decoder(seed=args.seed, **cfg)
+    if args.quantize:  # weight-only: the program keeps the integers and dequantizes in its matmuls
+        td.quantize_linears(model, group_size=args.group_size, zero_point=args.quantize == "uint8")
     prompt = torch.randint(0, cfg["vocab_size"], (1, prompt_len))
     # Exported once with an example length; the program takes any prompt length up to the bound (the
     # generator prefills a longer one in calls of that many). Prefill returns its last position's logits
@@ -162,6 +164,8 @@ def _generate(args) -> dict:
         "new_tokens": args.tokens,
         "state_on_device": not args.state_on_host,
         "graphs": args.graphs,
+        "quantize": args.quantize and f"{args.quantize}, " + (
+            f"groups of {args.group_size}" if args.group_size else "per row"),
         "tokens": tokens,
         "eager_tokens": expected,
         "tokens_match": mismatch is None,
@@ -197,6 +201,8 @@ def _print_generation(result: dict) -> None:
           f"vocab {c['vocab_size']}, {c['max_seq_len']} positions) on the {result['device']} device")
     print(f"  one program, methods prefill and decode; KV cache ({result['cache_bytes']} bytes) {where}"
           + (", decode replayed as CUDA graphs" if result["graphs"] else ""))
+    if result["quantize"]:
+        print(f"  linears weight-only quantized ({result['quantize']}), dequantized in the matmul kernels")
     for name, m in result["methods"].items():
         print(f"  {name}: delegated {m['nodes_delegated']} of {m['nodes_total']} compute nodes into "
               f"{m['delegates']} delegates, {m['launches_per_call']} kernel launches per call")
@@ -287,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--graphs", action="store_true", help="load decode with CUDA graphs")
     gen.add_argument("--state-on-host", action="store_true",
                      help="keep the KV cache on the host (state_on_device=False): copied in and out every call")
+    gen.add_argument("--quantize", choices=["int8", "uint8"],
+                     help="weight-only quantized linears (td.quantize_linears): int8, or uint8 with zero points")
+    gen.add_argument("--group-size", type=int, help="with --quantize: a scale per group of this many input "
+                                                     "features (a power of two >= 16; default: one per row)")
     gen.add_argument("--seed", type=int, default=0)
     insp = sub.add_parser("inspect", help="what a program file holds: methods, delegates, constants, state, memory")
     insp.add_argument("program", help="a program file written by LoweredProgram.save")

@@ -659,8 +659,12 @@ def _per_dtype(d) -> dict[str, callable]:
                                               hidden_dim=14336, max_seq_len=64),
         "decoder_8_tokens": lambda: _decoder(d, 8, n_heads=8, n_kv_heads=2, max_seq_len=64, **llama),  # GEMV, 8 rows
         # weight-only quantized (td.quantize_linears): int8 per row at decode (GEMV), uint8 with zero points
-        # per group of 128 at prefill (tl.dot tiles, K step capped to the group)
+        # per group of 128 at prefill (tl.dot tiles, K step capped to the group); 4 bits (two per byte) both ways
         "decoder_decode_int8": lambda: _quantized(_decoder(d, 1, n_heads=8, n_kv_heads=2, max_seq_len=64, **llama)),
+        "decoder_decode_int4_g32": lambda: _quantized(
+            _decoder(d, 1, n_heads=8, n_kv_heads=2, max_seq_len=64, **llama), group_size=32, bits=4),
+        "decoder_prefill_uint4_g64": lambda: _quantized(
+            _decoder(d, 384, n_heads=8, n_kv_heads=2, max_seq_len=512, **llama), group_size=64, zero_point=True, bits=4),
         "decoder_prefill_uint8_g128": lambda: _quantized(
             _decoder(d, 384, n_heads=8, n_kv_heads=2, max_seq_len=512, **llama), group_size=128, zero_point=True),
         "mlp": lambda: (MLP([784, 1024, 1000]).eval().to(d), (_randn(64, 784, dtype=d),)),

@@ -198,7 +198,9 @@ def _quantized_decode() -> None:
     wide = WIDTHS["wide"]
     print("KV-cache decode step, wide config, bf16 (2 layers): traffic, lower bound, constants, launches")
     for label, kwargs in (("bf16 weights", None), ("int8 per row", {}),
-                          ("uint8 + zero point, groups of 128", dict(group_size=128, zero_point=True))):
+                          ("uint8 + zero point, groups of 128", dict(group_size=128, zero_point=True)),
+                          ("4 bits, groups of 128", dict(group_size=128, bits=4)),
+                          ("4 bits + zero point, groups of 32", dict(group_size=32, zero_point=True, bits=4))):
         model = kv_cache_decoder(n_layers=2, dim=wide["hidden"], hidden_dim=wide["mlp"], n_heads=wide["heads"],
                                  n_kv_heads=wide["heads"] // 2, vocab_size=wide["vocab"], max_seq_len=256)
         model = model.to(torch.bfloat16)

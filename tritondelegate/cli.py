@@ -123,7 +123,8 @@ def _generate(args) -> dict:
     start = time.perf_counter()
     model = kv_cache_decoder(seed=args.seed, **cfg)
     if args.quantize:  # weight-only: the program keeps the integers and dequantizes in its matmuls
-        td.quantize_linears(model, group_size=args.group_size, zero_point=args.quantize == "uint8")
+        td.quantize_linears(model, group_size=args.group_size, zero_point=args.quantize.startswith("u"),
+                            bits=int(args.quantize[-1]))
     prompt = torch.randint(0, cfg["vocab_size"], (1, prompt_len))
     # Exported once with an example length; the program takes any prompt length up to the bound (the
     # generator prefills a longer one in calls of that many). Prefill returns its last position's logits
@@ -293,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--graphs", action="store_true", help="load decode with CUDA graphs")
     gen.add_argument("--state-on-host", action="store_true",
                      help="keep the KV cache on the host (state_on_device=False): copied in and out every call")
-    gen.add_argument("--quantize", choices=["int8", "uint8"],
-                     help="weight-only quantized linears (td.quantize_linears): int8, or uint8 with zero points")
+    gen.add_argument("--quantize", choices=["int8", "uint8", "int4", "uint4"],
+                     help="weight-only quantized linears (td.quantize_linears): 8 or 4 bits, symmetric (int) or "
+                          "with zero points (uint)")
     gen.add_argument("--group-size", type=int, help="with --quantize: a scale per group of this many input "
                                                      "features (a power of two >= 16; default: one per row)")
     gen.add_argument("--seed", type=int, default=0)

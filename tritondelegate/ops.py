@@ -701,7 +701,8 @@ tanhshrink = torch.ops.tritondelegate.tanhshrink.default
 
 # --- tritondelegate::dequant_weight: a weight-only quantized weight (int8 / uint8), dequantized ---------
 # q [*R, K] int8 or uint8; zero and scale [*R, K / G]: one per group of G consecutive columns (G = K:
-# one per row); each None when absent. The float weight a model computes from them, in its dtype order:
+# one per row); each None when absent. ``bits=4``: q is uint8 [*R, K / 2], two unsigned 4-bit values
+# per byte, column 2j in byte j's low nibble and column 2j + 1 in its high one (``unpack_nibbles``). The float weight a model computes from them, in its dtype order:
 #     t = q.to(sub_dtype) - zero          (zero converted to sub_dtype; both exact)
 #     t = t.to(mul_dtype) * scale         (the product rounded to mul_dtype)
 #     W = t.to(dtype)
@@ -709,7 +710,7 @@ tanhshrink = torch.ops.tritondelegate.tanhshrink.default
 # and dequantizes each tile in the kernel
 # (``passes/quant_weights.py``, ``matmul.py``'s ``QUANT``); W is never stored.
 _lib.define("dequant_weight(Tensor q, Tensor? zero, Tensor? scale, ScalarType sub_dtype, ScalarType mul_dtype, "
-            "ScalarType dtype) -> Tensor")
+            "ScalarType dtype, int bits=8) -> Tensor")
 QUANT_DTYPES = (torch.int8, torch.uint8)
 QUANT_FLOATS = (torch.float16, torch.bfloat16, torch.float32)  # the dtypes of its steps
 
@@ -719,9 +720,15 @@ def _per_column(part: torch.Tensor, k: int) -> torch.Tensor:
     return part.repeat_interleave(k // part.shape[-1], dim=-1)
 
 
-def dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype) -> torch.Tensor:
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [*R, K / 2] -> uint8 [*R, K]: each byte's low nibble, then its high one."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+
+
+def dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits: int = 8) -> torch.Tensor:
     """The arithmetic in fp32, rounded to each step's dtype: eager's, whose 16-bit ops compute in fp32
     and round once (the products and differences here are exact in fp32)."""
+    q = unpack_nibbles(q) if bits == 4 else q
     t = q.to(torch.float32)
     if zero is not None:
         t = (t - _per_column(zero, q.shape[-1]).to(torch.float32)).to(sub_dtype)
@@ -731,26 +738,27 @@ def dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype) -> tor
     return t.to(mul_dtype).to(dtype)
 
 
-def _check_dequant(q, zero, scale) -> None:
-    if q.dtype not in QUANT_DTYPES:
-        raise ValueError(f"tritondelegate::dequant_weight: q is {q.dtype}, not int8 or uint8")
+def _check_dequant(q, zero, scale, bits) -> None:
+    if q.dtype not in QUANT_DTYPES or (bits == 4 and q.dtype != torch.uint8) or bits not in (4, 8):
+        raise ValueError(f"tritondelegate::dequant_weight: q is {q.dtype} with bits={bits}; it takes int8 or "
+                         "uint8 with bits=8, or uint8 with bits=4 (two values per byte)")
+    k = q.shape[-1] * (2 if bits == 4 else 1)
     for name, part in (("zero", zero), ("scale", scale)):
-        if part is not None and (part.shape[:-1] != q.shape[:-1] or part.shape[-1] == 0
-                                 or q.shape[-1] % part.shape[-1]):
+        if part is not None and (part.shape[:-1] != q.shape[:-1] or part.shape[-1] == 0 or k % part.shape[-1]):
             raise ValueError(f"tritondelegate::dequant_weight: {name} {tuple(part.shape)} does not hold whole "
                              f"groups of q's rows {tuple(q.shape)}")
 
 
 @torch.library.impl(_lib, "dequant_weight", "CompositeExplicitAutograd")
-def _dequant_weight(q, zero, scale, sub_dtype, mul_dtype, dtype):
-    _check_dequant(q, zero, scale)
-    return dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype)
+def _dequant_weight(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8):
+    _check_dequant(q, zero, scale, bits)
+    return dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::dequant_weight")
-def _dequant_weight_fake(q, zero, scale, sub_dtype, mul_dtype, dtype):
-    _check_dequant(q, zero, scale)
-    return q.new_empty(q.shape, dtype=dtype)
+def _dequant_weight_fake(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8):
+    _check_dequant(q, zero, scale, bits)
+    return q.new_empty((*q.shape[:-1], q.shape[-1] * (2 if bits == 4 else 1)), dtype=dtype)
 
 
 OPS["tritondelegate::dequant_weight"] = torch.ops.tritondelegate.dequant_weight.default

@@ -3,6 +3,7 @@
     model = td.quantize_linears(model)                           # int8, a scale per output row
     model = td.quantize_linears(model, group_size=64)            # a scale per 64 input columns
     model = td.quantize_linears(model, zero_point=True)          # uint8 with a zero point (asymmetric)
+    model = td.quantize_linears(model, bits=4, group_size=32)    # 4 bits, two per byte
     ep = torch.export.export(model, args)                        # then lower as any model
 
 Each ``nn.Linear`` becomes a :class:`QuantizedLinear` whose forward computes its weight from the
@@ -23,40 +24,58 @@ import torch.nn.functional as F
 
 
 class QuantizedLinear(torch.nn.Module):
-    """``nn.Linear`` with its weight as int8 (``zero_point=False``: symmetric, q in [-127, 127]) or
-    uint8 (``zero_point=True``: q in [0, 255] around a zero point) and a scale per row, or per group of
-    ``group_size`` input columns; scale and zero point in the weight's dtype."""
+    """``nn.Linear`` with its weight as integers and a scale per row, or per group of ``group_size``
+    input columns (scale and zero point in the weight's dtype):
 
-    def __init__(self, linear: torch.nn.Linear, group_size: int | None = None, zero_point: bool = False):
+    * ``bits=8``: int8 in [-127, 127] (symmetric), or with ``zero_point`` uint8 in [0, 255] around a
+      zero point per group;
+    * ``bits=4``: two columns per byte of a uint8 ``qweight`` [out, in / 2] (low nibble first), each in
+      [0, 15]: around 8 (symmetric, q - 8 in [-8, 7]), or around a zero point per group."""
+
+    def __init__(self, linear: torch.nn.Linear, group_size: int | None = None, zero_point: bool = False,
+                 bits: int = 8):
         super().__init__()
         w = linear.weight.detach()
         n, k = w.shape
         groups = 1 if group_size is None else k // group_size
         if group_size is not None and (group_size < 1 or k % group_size):
             raise ValueError(f"group_size {group_size} does not divide the {k} input features of {linear}")
+        if bits not in (4, 8) or (bits == 4 and k % 2):
+            raise ValueError(f"bits={bits}: 8, or 4 with an even number of input features (this has {k})")
         g = w.float().reshape(n, groups, k // groups)
+        top = 2 ** bits - 1  # the unsigned range [0, top]
         if zero_point:
             low, high = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
-            scale = ((high - low) / 255).clamp(min=torch.finfo(torch.float32).tiny)
+            scale = ((high - low) / top).clamp(min=torch.finfo(torch.float32).tiny)
             zero = torch.round(-low / scale)
-            q = torch.clamp(torch.round(g / scale) + zero, 0, 255).to(torch.uint8)
+            q = torch.clamp(torch.round(g / scale) + zero, 0, top)
             self.register_buffer("zero", zero[..., 0].to(w.dtype))
         else:
-            scale = (g.abs().amax(-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-            q = torch.clamp(torch.round(g / scale), -127, 127).to(torch.int8)
+            half = top // 2  # 127 or 7: symmetric around 0 (4 bits: stored around 8)
+            scale = (g.abs().amax(-1, keepdim=True) / half).clamp(min=torch.finfo(torch.float32).tiny)
+            q = torch.clamp(torch.round(g / scale), -half, half) + (8 if bits == 4 else 0)
             self.zero = None
-        self.register_buffer("qweight", q.reshape(n, k))
+        q = q.reshape(n, k)
+        if bits == 4:
+            q = q.to(torch.uint8)
+            q = q[:, 0::2] | (q[:, 1::2] << 4)
+        self.register_buffer("qweight", q.to(torch.uint8 if zero_point or bits == 4 else torch.int8))
         self.register_buffer("scale", scale[..., 0].to(w.dtype))
         self.bias = linear.bias
-        self.in_features, self.out_features = k, n
+        self.bits, self.in_features, self.out_features = bits, k, n
 
     def weight(self) -> torch.Tensor:
         """The dequantized weight [out, in], in the scale's dtype."""
-        n, k = self.qweight.shape
+        n, k = self.out_features, self.in_features
+        q = self.qweight
+        if self.bits == 4:  # the nibbles, low first
+            q = torch.stack([q & 15, q >> 4], dim=-1).view(n, k)
         groups = self.scale.shape[1]
-        w = self.qweight.to(self.scale.dtype).view(n, groups, k // groups)
+        w = q.to(self.scale.dtype).view(n, groups, k // groups)
         if self.zero is not None:
             w = w - self.zero.unsqueeze(-1)
+        elif self.bits == 4:
+            w = w - 8
         return (w * self.scale.unsqueeze(-1)).view(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,21 +83,22 @@ class QuantizedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         group = self.in_features // self.scale.shape[1]
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.qweight.dtype}, "
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.bits} bits, "
                 f"group={group}, zero_point={self.zero is not None}")
 
 
 def quantize_linears(model: torch.nn.Module, *, group_size: int | None = None, zero_point: bool = False,
-                     skip=()) -> torch.nn.Module:
+                     bits: int = 8, skip=()) -> torch.nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (in place; returned) by a :class:`QuantizedLinear`,
     except those whose qualified name matches a pattern of ``skip`` (``fnmatch``, e.g. ``"lm_head"``)
-    and those whose input features ``group_size`` does not divide (kept float, as are embeddings)."""
+    and those whose input features ``group_size`` does not divide, or (4 bits) are odd (kept float, as
+    are embeddings)."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if not isinstance(child, torch.nn.Linear) or any(fnmatch.fnmatch(full, p) for p in skip):
                 continue
-            if group_size is not None and child.in_features % group_size:
+            if (group_size is not None and child.in_features % group_size) or (bits == 4 and child.in_features % 2):
                 continue
-            setattr(module, child_name, QuantizedLinear(child, group_size, zero_point))
+            setattr(module, child_name, QuantizedLinear(child, group_size, zero_point, bits))
     return model

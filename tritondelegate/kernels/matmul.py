@@ -268,7 +268,7 @@ def matmul_kernel(
     PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False, HAS_PB: tl.constexpr = False,
     GLU: tl.constexpr = "", GLU_ROUND: tl.constexpr = "", GEMV: tl.constexpr = False,
     ROPE: tl.constexpr = "", ROPE_ROUND: tl.constexpr = "", NORM_E: tl.constexpr = 0,
-    QUANT: tl.constexpr = "", QSUB_ROUND: tl.constexpr = "", QMUL_ROUND: tl.constexpr = "",
+    QUANT: tl.constexpr = "", QSUB_ROUND: tl.constexpr = "", QMUL_ROUND: tl.constexpr = "", QBITS: tl.constexpr = 8,
 ):
     # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]   (X only when HAS_BIAS); then the epilogue, if any
     z = tl.program_id(1).to(tl.int64)
@@ -281,9 +281,13 @@ def matmul_kernel(
     mask_m = offs_m[:, None] < M
     mask_n = offs_n[None, :] < N
     a_ptrs = a_ptr + z * stride_az + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + z * stride_bz + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     step_a = tl.full((), BLOCK_K, tl.int64) * stride_ak
-    step_b = tl.full((), BLOCK_K, tl.int64) * stride_bk
+    if QBITS == 4:  # two K rows per byte of B
+        b_ptrs = b_ptr + z * stride_bz + (offs_k // 2)[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        step_b = tl.full((), BLOCK_K // 2, tl.int64) * stride_bk
+    else:
+        b_ptrs = b_ptr + z * stride_bz + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        step_b = tl.full((), BLOCK_K, tl.int64) * stride_bk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -298,6 +302,8 @@ def matmul_kernel(
         elif PROLOGUE == "layer":
             a = _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW, HAS_PB)
         if QUANT != "":  # BLOCK_K divides q_group: one group per tile ("none": q converted only)
+            if QBITS == 4:  # K row r in the byte's low nibble when r is even, its high one when odd
+                b = (b.to(tl.int32) >> ((offs_k[:, None] % 2) * 4).to(tl.int32)) & 15
             at = (k * BLOCK_K) // q_group * stride_qg + offs_n[None, :] * stride_qn
             b = _dequant_tile(b, qz_ptr, qs_ptr, at, mask_n, QUANT, QSUB_ROUND, QMUL_ROUND).to(a.dtype)
         acc = _product(acc, a, b, GEMV, DOT_UPCAST)
@@ -469,6 +475,7 @@ class QuantWeight:
     scale: TRef | None
     sub_round: str  # the dtype names the steps round to ("" for fp32)
     mul_round: str
+    bits: int = 8  # 4: q is uint8 [N, K / 2], two columns per byte
 
     @property
     def tables(self) -> tuple[TRef, ...]:
@@ -486,7 +493,8 @@ class QuantWeight:
 
     def constexprs(self) -> dict:
         mode = "_".join(name for name, t in (("zero", self.zero), ("scale", self.scale)) if t is not None)
-        return dict(QUANT=mode or "none", QSUB_ROUND=self.sub_round, QMUL_ROUND=self.mul_round)
+        bits = {} if self.bits == 8 else dict(QBITS=self.bits)
+        return dict(QUANT=mode or "none", QSUB_ROUND=self.sub_round, QMUL_ROUND=self.mul_round, **bits)
 
 
 @dataclass(frozen=True)
@@ -807,14 +815,14 @@ def linear(b, node, glu: str = "", rope=None):
     w = b.ref(node.args[1]) if quant is None else quant.q
     bias = b.ref(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
     out = b.out(node)
-    K, N = w.shape[1], w.shape[0]
+    K, N = x.shape[-1], w.shape[0]  # (a 4-bit weight holds K / 2 bytes per row)
     rows = _rows(x.shape[:-1], x.strides[:-1])
     if rows is None:  # three or more leading dims no stride can merge: make x contiguous
         x = b.contiguous(x)
         rows = _rows(x.shape[:-1], x.strides[:-1])
     (batch, M), (sz, sm) = rows
     a = b.view(x, (batch, M, K), (sz, sm, x.strides[-1]))
-    wt = b.view(w, (batch, K, N), (0, w.strides[1], w.strides[0]))
+    wt = b.view(w, (batch, w.shape[1], N), (0, w.strides[1], w.strides[0]))
     n_out = out.shape[-1]  # N, or N / 2 under a gated linear unit
     c = b.view(out, (batch, M, n_out), (M * n_out, n_out, 1))  # out is contiguous: [batch, M, N]
     launch_matmul(b, a, wt, c, None if bias is None else _bias(b, bias, (batch, M, N)), glu=glu,
@@ -826,7 +834,8 @@ def dequant_weight(b, node):
     linears that read it as their weight (all its readers: :func:`supported_dequant`) read its parts."""
     q, zero, scale = (None if a is None else b.ref(a) for a in node.args[:3])
     sub_dtype, mul_dtype = node.args[3], node.args[4]
-    b.bind(node, QuantWeight(q, zero, scale, round_as_name(sub_dtype), round_as_name(mul_dtype)))
+    bits = node.args[6] if len(node.args) > 6 else node.kwargs.get("bits", 8)
+    b.bind(node, QuantWeight(q, zero, scale, round_as_name(sub_dtype), round_as_name(mul_dtype), bits))
 
 
 def round_as_name(dtype: torch.dtype) -> str:
@@ -839,14 +848,18 @@ def supported_dequant(node) -> str | None:
     as its weight, with groups the K step can divide (a power of two of at least 16 columns, or whole
     rows), in a dtype the kernel rounds to."""
     q, zero, scale = (node_value(a) for a in node.args[:3])
+    bits = node.args[6] if len(node.args) > 6 else node.kwargs.get("bits", 8)
     if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype not in (torch.int8, torch.uint8):
         return "q must be a 2-D int8 or uint8 tensor"
+    if bits not in (4, 8) or (bits == 4 and q.dtype != torch.uint8):
+        return f"{bits}-bit {q.dtype} weights: the kernel reads int8 or uint8, or 4 bits packed in uint8"
+    k = q.shape[1] * (2 if bits == 4 else 1)
     for name, t in (("zero", zero), ("scale", scale)):
         if t is None:
             continue
-        if t.dim() != 2 or t.shape[0] != q.shape[0] or q.shape[1] % t.shape[1]:
+        if t.dim() != 2 or t.shape[0] != q.shape[0] or k % t.shape[1]:
             return f"{name} {tuple(t.shape)} does not hold whole groups of q's rows {tuple(q.shape)}"
-        group = q.shape[1] // t.shape[1]
+        group = k // t.shape[1]
         if t.shape[1] > 1 and (group < MIN_BLOCK or group & (group - 1)):
             return f"groups of {group} columns: the kernel takes a power of two of at least {MIN_BLOCK}"
     if any(d not in (torch.float16, torch.bfloat16, torch.float32) for d in node.args[3:6]):

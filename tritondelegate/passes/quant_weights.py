@@ -28,6 +28,7 @@ leaves the weight to plain folding: never a different result, at worst the bytes
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, replace
 
@@ -62,6 +63,11 @@ class Quantized:
     dtype: torch.dtype
     stage: int = 0  # 0: converted; 1: zero subtracted; 2: scaled; 3: cast to its result dtype
     groups: int | None = None
+    bits: int = 8  # 4: q is uint8 [*R, K / 2], two columns per byte (``ops.unpack_nibbles``)
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[-1] * (2 if self.bits == 4 else 1)
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -73,11 +79,12 @@ class Quantized:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        k = self.q.shape[-1]
+        k = self.k
         return self.rows + ((k,) if self.groups is None else (self.groups, k // self.groups))
 
     def dequantize(self) -> torch.Tensor:
-        w = ops.dequant_weight_reference(self.q, self.zero, self.scale, self.sub_dtype, self.mul_dtype, self.dtype)
+        w = ops.dequant_weight_reference(self.q, self.zero, self.scale, self.sub_dtype, self.mul_dtype, self.dtype,
+                                         self.bits)
         return w.reshape(self.shape)
 
     def parts(self, fn) -> "Quantized":
@@ -91,6 +98,8 @@ def _maybe(fn, t):
 
 # --- the rules: each op on a Quantized value, or None (the value is then plain from there on) --------
 def _cast(x, dtype) -> Quantized | None:
+    if isinstance(x, _Packed):  # the start, 4 bits: unpacked nibbles converted to a float dtype
+        return Quantized(x.p, None, None, dtype, dtype, dtype, bits=4) if dtype in ops.QUANT_FLOATS else None
     if isinstance(x, torch.Tensor):  # the start: an integer constant converted to a float dtype
         if x.dtype in ops.QUANT_DTYPES and x.ndim >= 2 and dtype in ops.QUANT_FLOATS:
             return Quantized(x, None, None, dtype, dtype, dtype)
@@ -157,8 +166,8 @@ def _reshape(x: Quantized, shape) -> Quantized | None:
     shape = [int(s) for s in shape]
     if -1 in shape:
         known = -torch.Size([s for s in shape if s != -1]).numel()
-        shape[shape.index(-1)] = x.q.numel() // known if known else 0
-    k = x.q.shape[-1]
+        shape[shape.index(-1)] = math.prod(x.shape) // known if known else 0
+    k = x.k
     kd = x.k_dims
     if len(shape) >= kd and tuple(shape[-kd:]) == x.shape[-kd:]:  # rows only
         rows = shape[:-kd]
@@ -210,7 +219,7 @@ def _joined(values, dim, op, extra: int) -> Quantized | None:
         return None
     first = values[0]
     same = lambda v: (v.sub_dtype, v.mul_dtype, v.dtype, v.stage, v.groups, v.zero is None, v.scale is None,  # noqa: E731
-                      v.q.dtype, v.q.shape[-1], tuple(t.shape[-1] for t in (v.zero, v.scale) if t is not None))
+                      v.q.dtype, v.bits, v.q.shape[-1], tuple(t.shape[-1] for t in (v.zero, v.scale) if t is not None))
     d = _row_dim(first, dim, extra)
     if d is None or any(same(v) != same(first) for v in values):
         return None
@@ -301,10 +310,41 @@ def evaluate(graph: torch.fx.Graph, constants: dict, foldable: set, values: dict
     for node in graph.nodes:
         if node in foldable and node not in constants and node.target is not operator.getitem:
             args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: quant.get(n, values.get(n)))
+            if node.target in _CASTS and node.args[0] not in constants:
+                packed = _packed_source(node.args[0], args[0], constants)
+                args = args if packed is None else (packed, *args[1:])
             value = apply(node, args, kwargs)
             if value is not None:
                 quant[node] = value
     return quant
+
+
+def _packed_source(node: torch.fx.Node, value, constants: dict):
+    """A Quantized stand-in (4 bits, not yet converted) when ``value``, an integer tensor computed from
+    constants, holds the nibbles of a uint8 constant, low nibble first (``ops.unpack_nibbles``)."""
+    if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.dtype == torch.bool or value.ndim < 2:
+        return None
+    if value.shape[-1] % 2 or value.numel() == 0 or value.min() < 0 or value.max() > 15:
+        return None
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        p = constants.get(n)
+        if (p is not None and p.dtype == torch.uint8 and p.shape[:-1] == value.shape[:-1]
+                and 2 * p.shape[-1] == value.shape[-1] and torch.equal(ops.unpack_nibbles(p), value.to(torch.uint8))):
+            return _Packed(p)
+        stack.extend(n.all_input_nodes)
+    return None
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A uint8 constant's nibbles, unpacked by the subgraph: what a cast to a float dtype quantizes."""
+
+    p: torch.Tensor
 
 
 def exact(value: Quantized | None, plain) -> bool:
@@ -332,7 +372,7 @@ def dequant_node(graph: torch.fx.Graph, node: torch.fx.Node, value: Quantized, p
     zero and scale, None where absent), before its first reader."""
     first = next(n for n in graph.nodes if n in node.users)
     with graph.inserting_before(first):
-        dq = new_node(graph, ops.dequant_weight, (*parts, value.sub_dtype, value.mul_dtype, value.dtype),
+        dq = new_node(graph, ops.dequant_weight, (*parts, value.sub_dtype, value.mul_dtype, value.dtype, value.bits),
                       node.meta["val"], node.meta, f"{node.name}_dequant")
     node.replace_all_uses_with(dq)
     return dq

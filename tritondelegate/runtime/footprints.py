@@ -164,7 +164,8 @@ def _matmul(x: LaunchArgs) -> Footprint:
     s = {name: x.i(name) for name in ("stride_az", "stride_am", "stride_ak", "stride_bz", "stride_bk",
                                       "stride_bn", "stride_cz", "stride_cm", "stride_cn")}
     acc = [Access("a_ptr", ((Z, s["stride_az"]), (M, s["stride_am"]), (K, s["stride_ak"]))),
-           Access("b_ptr", ((Z, s["stride_bz"]), (K, s["stride_bk"]), (N, s["stride_bn"]))),
+           Access("b_ptr", ((Z, s["stride_bz"]), (_cdiv(K, x.c["QBITS"] == 4 and 2 or 1), s["stride_bk"]),
+                            (N, s["stride_bn"]))),  # (a 4-bit B: two K rows per byte)
            Access("c_ptr", ((Z, s["stride_cz"]), (M, s["stride_cm"]), (n_out, s["stride_cn"])), write=True)]
     if x.c["HAS_BIAS"]:
         acc.append(Access("x_ptr", ((Z, x.i("stride_xz")), (M, x.i("stride_xm")), (N, x.i("stride_xn")))))
@@ -744,7 +745,7 @@ RULES: dict[str, KernelRule] = {
         "ROPE": one_of("", "angles", "tables", "positions"), "ROPE_ROUND": one_of("", "float16", "bfloat16"),
         "NORM_E": one_of(0, *(2 ** k for k in range(1, 10))),
         "QUANT": one_of("", "none", "zero", "scale", "zero_scale"), "QSUB_ROUND": one_of("", "float16", "bfloat16"),
-        "QMUL_ROUND": one_of("", "float16", "bfloat16")}, _GEMM_TILES),
+        "QMUL_ROUND": one_of("", "float16", "bfloat16"), "QBITS": one_of(4, 8)}, _GEMM_TILES),
     "grouped_mm": KernelRule(_grouped_mm, {
         "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256), "BLOCK_K": pow2(16, 256), "BLOCK_E": pow2(2, 8192),
         "PER_ROW": FLAG, "DOT_UPCAST": FLAG, "GLU": one_of("", *sorted(GROUPED_GLU_ACTS)),

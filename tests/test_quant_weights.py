@@ -1,0 +1,419 @@
+"""Weight-only quantized linears stay quantized on the device (passes/quant_weights.py, the matmul
+kernel's ``QUANT`` in kernels/matmul.py, ``td.quantize_linears`` in quantize.py).
+
+A linear whose weight a model computes from an int8 / uint8 constant (``q.to(dt) [- zero] [* scale]
+[.to(dtype)]``, per row or per group of columns) is lowered with ``q`` and its zero / scale tables as
+the program's constants, and the matmul kernel dequantizes each tile: the program stores a byte per
+weight element, launches what the float model launches, and computes the same weights bit for bit
+(checked exactly with one-hot inputs, whose products are exact in any order). Forms the kernel cannot
+take fall back to plain constant folding: a float weight, resident, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.export import Dim
+
+import tritondelegate as td
+from harness import FLOAT_DTYPES, assert_close, check_dynamic, lower_resident, plan_launches
+from tritondelegate.dtypes import dtype_name
+from tritondelegate.kernels.traffic import method_traffic
+from tritondelegate.models import demo_decoder
+from tritondelegate.ops import dequant_weight_reference
+
+dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_name)
+N, K = 40, 96  # K: 6 groups of 16, 3 of 32; neither N nor K a multiple of the kernel's tiles
+GEMV_ROWS, TILE_ROWS = (1, 3), (2, 20)  # M = 3: the GEMV variant; M = 40: tl.dot tiles
+ROWS = pytest.mark.parametrize("rows", [GEMV_ROWS, TILE_ROWS], ids=["gemv", "tiles"])
+
+# form -> (q's dtype, the kernel's QUANT mode)
+FORMS = {
+    "int8_row": (torch.int8, "scale"),  # q.to(dt) * s[:, None]
+    "uint8_zero128": (torch.uint8, "zero_scale"),  # (q.to(dt) - 128) * s[:, None]
+    "uint8_group16": (torch.uint8, "zero_scale"),  # ((q.view(N, K/G, G) - z) * s).view(N, K)
+    "uint8_group32": (torch.uint8, "zero_scale"),
+    "fp32_scale_to": (torch.int8, "scale"),  # (q.to(fp32) * s32[:, None]).to(dt)
+    "gpt_fast": (torch.int8, "none"),  # F.linear(x, q.to(x.dtype)) * s: the scale as an epilogue
+}
+
+
+def _symmetric(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(1) / 127
+    return torch.round(w / scale[:, None]).to(torch.int8), scale
+
+
+class QLinear(nn.Module):
+    """One linear [N, K] whose weight is computed from an integer buffer ``q`` in one of FORMS."""
+
+    def __init__(self, form: str, dtype: torch.dtype, n: int = N, k: int = K):
+        super().__init__()
+        self.form, self.n, self.k = form, n, k
+        w = torch.randn(n, k)
+        self.b = None if form == "gpt_fast" else nn.Parameter(torch.randn(n).to(dtype))
+        if form == "uint8_zero128":
+            q, scale = _symmetric(w)
+            self.register_buffer("q", (q.to(torch.int16) + 128).to(torch.uint8))
+            self.register_buffer("s", scale.to(dtype))
+        elif form.startswith("uint8_group"):
+            self.g = int(form.removeprefix("uint8_group"))
+            groups = w.view(n, k // self.g, self.g)
+            low, high = groups.amin(-1), groups.amax(-1)
+            scale = (high - low) / 255
+            zero = torch.round(-low / scale)
+            q = torch.clamp(torch.round(groups / scale[..., None]) + zero[..., None], 0, 255)
+            self.register_buffer("q", q.to(torch.uint8).view(n, k))
+            self.register_buffer("s", scale.to(dtype))
+            self.register_buffer("z", zero.to(dtype))
+        else:
+            q, scale = _symmetric(w)
+            self.register_buffer("q", q)
+            self.register_buffer("s", scale.to(torch.float32 if form == "fp32_scale_to" else dtype))
+
+    def weight(self, dt: torch.dtype) -> torch.Tensor:
+        """The float weight, as eager computes it for an input of dtype ``dt``."""
+        q, s, n, k = self.q, self.s, self.n, self.k
+        if self.form == "int8_row":
+            return q.to(dt) * s[:, None]
+        if self.form == "uint8_zero128":
+            return (q.to(dt) - 128) * s[:, None]
+        if self.form == "fp32_scale_to":
+            return (q.to(torch.float32) * s[:, None]).to(dt)
+        if self.form == "gpt_fast":
+            return q.to(dt)
+        g = self.g
+        return ((q.to(dt).view(n, k // g, g) - self.z[..., None]) * s[..., None]).view(n, k)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight(x.dtype), self.b)
+        return y * self.s if self.form == "gpt_fast" else y
+
+    def reference(self, x):
+        """fp32 on the same (rounded) weight, bias and input: what harness judges low precision by."""
+        b = None if self.b is None else self.b.float()
+        y = F.linear(x.float(), self.weight(x.dtype).float(), b)
+        return y * self.s.float() if self.form == "gpt_fast" else y
+
+
+class FloatTwin(nn.Module):
+    """A QLinear's computation with its dequantized weight as a plain float buffer."""
+
+    def __init__(self, model: QLinear, dtype: torch.dtype):
+        super().__init__()
+        self.form, self.b = model.form, model.b
+        self.register_buffer("w", model.weight(dtype))
+        self.register_buffer("s", model.s)
+
+    def forward(self, x):
+        y = F.linear(x, self.w, self.b)
+        return y * self.s if self.form == "gpt_fast" else y
+
+
+def _stored(lowered) -> list[tuple[str, tuple, int, torch.Tensor]]:
+    """The program's resident constants: (dtype name, shape, bytes, data)."""
+    return [(c.dtype, tuple(c.shape), c.nbytes, data)
+            for c, data in zip(lowered.program.constants, lowered.constant_data)]
+
+
+def _stored_bytes(lowered) -> int:
+    return sum(c.nbytes for c in lowered.program.constants)
+
+
+def _c(launch) -> dict:
+    return {k: v.value for k, v in launch.constexprs.items()}
+
+
+def _one_hot(shape, dtype) -> torch.Tensor:
+    """Rows of the identity: ``linear`` of them is the weight's columns (plus the bias), exactly."""
+    rows = shape[0] * shape[1]
+    return torch.eye(shape[-1], dtype=dtype)[torch.randperm(shape[-1])[:rows]].view(shape)
+
+
+def _run(lowered, *args):
+    return lowered.load().load_method("forward")(*args)
+
+
+# --- 1, 2: the forms, both kernel paths -----------------------------------------------------------
+@pytest.mark.parametrize("form", list(FORMS))
+@dtypes
+@ROWS
+def test_form_stays_quantized(form, dtype, rows):
+    q_dtype, mode = FORMS[form]
+    model = QLinear(form, dtype).eval()
+    x = torch.randn(*rows, K).to(dtype)
+    lowered = lower_resident(model, (x,))
+
+    # One launch, as the float model (test_same_launches_as_the_float_model): the matmul, reading q
+    # and dequantizing its tiles, on the path the shape asks for.
+    (launch,) = plan_launches(lowered)
+    c = _c(launch)
+    assert launch.kernel == "matmul" and c["QUANT"] == mode, c
+    assert c.get("GEMV", False) is (rows == GEMV_ROWS), c
+    assert not lowered.reports["forward"].nodes.host
+
+    # The integers are stored as they are, a byte per weight; no float [N, K] weight, only small tables.
+    stored = _stored(lowered)
+    weights = [s for s in stored if s[1] == (N, K)]
+    assert len(weights) == 1, [s[:3] for s in stored]
+    (name, _, nbytes, data) = weights[0]
+    assert name == dtype_name(q_dtype) and nbytes == N * K and torch.equal(data, model.q)
+    small = sum(s[3].numel() for s in stored if s[1] != (N, K))
+    assert small <= N * (2 * K // 16 + 1), [s[:3] for s in stored]  # two tables of groups >= 16, a bias
+
+    method = lowered.load().load_method("forward")
+    with torch.no_grad():
+        assert_close(method(x), model.reference(x), dtype=dtype)
+        # The kernel's weights are eager's, bit for bit: with one-hot rows every product is exact.
+        hot = _one_hot(x.shape, dtype)
+        out, expected = method(hot), model(hot)
+    assert out.dtype == expected.dtype and torch.equal(out, expected), (out.float() - expected.float()).abs().max()
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_same_launches_as_the_float_model(form):
+    dtype = torch.bfloat16
+    model = QLinear(form, dtype).eval()
+    x = torch.randn(*GEMV_ROWS, K).to(dtype)
+    quantized, plain = lower_resident(model, (x,)), lower_resident(FloatTwin(model, dtype).eval(), (x,))
+    assert [launch.kernel for launch in plan_launches(quantized)] == [
+        launch.kernel for launch in plan_launches(plain)] == ["matmul"]
+    # The float model stores the [N, K] weight at 2 bytes per element; the quantized one a byte.
+    assert _stored_bytes(plain) - _stored_bytes(quantized) >= N * K - N * (2 * K // 16) * 2
+    with torch.no_grad():
+        assert torch.equal(_run(quantized, x), _run(plain, x))
+
+
+# --- 3: td.quantize_linears on the demo decoder ---------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _float_decoder():
+    """The unquantized demo decoder's lowering (shared by the decoder tests): launches, fusions, bytes."""
+    model, (ids,) = demo_decoder(seed=0, n_layers=2)
+    lowered = lower_resident(model, (ids,))
+    return [launch.kernel for launch in plan_launches(lowered)], _fusions(lowered), _stored_bytes(lowered)
+
+
+def _fusions(lowered) -> list[str]:
+    """The weight fusions (Q/K/V concatenation, gate/up GLU, the rotary epilogue) reported."""
+    return [d for d in lowered.reports["forward"].fused
+            if d.startswith(("linear x", "gated MLP", "rotary in the epilogue"))]
+
+
+def _float_linear_bytes(model) -> int:
+    return sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def _quantized_bytes(model) -> int:
+    """The bytes of every QuantizedLinear's integers and tables."""
+    return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, td.QuantizedLinear)
+               for t in (m.qweight, m.zero, m.scale) if t is not None)
+
+
+def _check_quantized_decoder(group_size, zero_point, skip=(), ratio=None):
+    float_kernels, float_fusions, float_bytes = _float_decoder()
+    model, (ids,) = demo_decoder(seed=0, n_layers=2)
+    linear_bytes = _float_linear_bytes(model)
+    td.quantize_linears(model, group_size=group_size, zero_point=zero_point, skip=skip)
+    lowered = lower_resident(model, (ids,))
+    launches = plan_launches(lowered)
+
+    # Every fusion of the float model still happens, on the quantized weights: the same launches.
+    assert [launch.kernel for launch in launches] == float_kernels
+    assert _fusions(lowered) == float_fusions and len(float_fusions) == 6, float_fusions
+    mode = "zero_scale" if zero_point else "scale"
+    modes = [_c(launch).get("QUANT", "") for launch in launches if launch.kernel == "matmul"]
+    kept_float = 2 * len(skip)  # one per layer for each skipped pattern (the demo's "*down*")
+    assert sorted(modes) == [""] * kept_float + [mode] * (len(modes) - kept_float), modes
+
+    # Stored: the float model's bytes, less the float weights of the quantized linears, plus their
+    # integers and tables (concatenated, interleaved, permuted: never duplicated).
+    skipped_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
+    stored = _stored_bytes(lowered)
+    assert stored == float_bytes - linear_bytes + skipped_bytes + _quantized_bytes(model)
+    if ratio is not None:
+        assert stored < ratio * float_bytes, (stored, float_bytes)
+
+    with torch.no_grad():
+        assert_close(_run(lowered, ids), model(ids), dtype=torch.float32)
+    return model, lowered
+
+
+@pytest.mark.parametrize("group_size,zero_point,ratio", [(None, False, 0.40), (16, True, 0.50)],
+                         ids=["per_row", "group16_zero_point"])
+def test_demo_decoder_quantized(group_size, zero_point, ratio):
+    # fp32 weights: a byte each instead of 4 (per row: 0.37 of the bytes with the float embedding;
+    # groups of 16 with a zero point add 8 bytes per 16 weights: 0.46).
+    model, _ = _check_quantized_decoder(group_size, zero_point, ratio=ratio)
+    assert all(not isinstance(m, nn.Linear) for m in model.modules())  # lm_head too
+
+
+def test_demo_decoder_skip_keeps_those_float():
+    model, lowered = _check_quantized_decoder(16, True, skip=("*down*",))
+    for layer in model.layers:
+        assert type(layer.ffn.down) is nn.Linear and isinstance(layer.ffn.up, td.QuantizedLinear)
+    stored = {c.name: (c.dtype, tuple(c.shape)) for c in lowered.program.constants}
+    for i in range(2):
+        assert stored[f"layers.{i}.ffn.down.weight"] == ("float32", (64, 176))
+
+
+def test_group_size_that_does_not_divide_in_features_leaves_the_linear_float():
+    model, _ = demo_decoder(seed=0, n_layers=1)  # dim 64, hidden 176: 32 does not divide 176
+    td.quantize_linears(model, group_size=32)
+    layer = model.layers[0]
+    assert type(layer.ffn.down) is nn.Linear
+    for linear in (layer.attn.q_proj, layer.attn.o_proj, layer.ffn.gate, layer.ffn.up, model.lm_head):
+        assert isinstance(linear, td.QuantizedLinear) and linear.scale.shape[1] == 64 // 32
+
+
+@pytest.mark.parametrize("group_size", [32, 0, -16])
+def test_quantized_linear_refuses_a_bad_group_size(group_size):
+    with pytest.raises(ValueError):
+        td.QuantizedLinear(nn.Linear(48, 8), group_size=group_size)
+
+
+@pytest.mark.parametrize("group_size,zero_point", [(None, False), (None, True), (16, False), (16, True)])
+def test_quantized_linear_rounds_within_half_a_step(group_size, zero_point):
+    linear = nn.Linear(48, 24)
+    quantized = td.QuantizedLinear(linear, group_size=group_size, zero_point=zero_point)
+    assert quantized.qweight.dtype == (torch.uint8 if zero_point else torch.int8)
+    assert quantized.scale.shape == (24, 1 if group_size is None else 48 // group_size)
+    step = quantized.scale.repeat_interleave(48 // quantized.scale.shape[1], dim=1)
+    with torch.no_grad():
+        error = (quantized.weight() - linear.weight).abs()
+        assert (error <= step / 2 * 1.001 + 1e-7).all(), (error / step).max()
+        x = torch.randn(5, 48)
+        assert_close(quantized(x), F.linear(x, quantized.weight(), linear.bias))
+
+
+# --- 4: fallbacks: the weight folded to a float constant, as before -------------------------------
+class PerColumnScale(nn.Module):
+    """A scale per column [1, K]: not a per-row or per-group table."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("q", torch.randint(-127, 128, (N, K), dtype=torch.int8))
+        self.register_buffer("s", torch.rand(1, K) / 100)
+
+    def forward(self, x):
+        return F.linear(x, self.q.to(x.dtype) * self.s)
+
+
+class Groups(nn.Module):
+    """uint8 with a zero and scale per group of ``g`` columns."""
+
+    def __init__(self, g: int):
+        super().__init__()
+        self.g = g
+        self.register_buffer("q", torch.randint(0, 256, (N, K), dtype=torch.uint8))
+        self.register_buffer("s", torch.rand(N, K // g) / 100)
+        self.register_buffer("z", torch.randint(100, 150, (N, K // g)).float())
+
+    def forward(self, x):
+        g = self.g
+        return F.linear(x, ((self.q.to(x.dtype).view(N, K // g, g) - self.z[..., None]) * self.s[..., None]).view(N, K))
+
+
+class TiedEmbedding(nn.Module):
+    """One dequantized table read by an embedding and, as its weight, by the output linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("q", torch.randint(-127, 128, (N, K), dtype=torch.int8))
+        self.register_buffer("s", torch.rand(N) / 100)
+
+    def forward(self, ids):
+        w = self.q.to(torch.float32) * self.s[:, None]
+        return F.linear(F.embedding(ids, w), w)
+
+
+@pytest.mark.parametrize("model,args,kernels", [
+    (PerColumnScale(), (torch.randn(1, 3, K),), ["matmul"]),
+    (Groups(8), (torch.randn(1, 3, K),), ["matmul"]),  # the kernel takes powers of two >= 16
+    (TiedEmbedding(), (torch.randint(0, N, (1, 3)),), ["gather", "matmul"]),
+], ids=["per_column_scale", "groups_of_8", "tied_embedding"])
+def test_fallback_folds_a_float_weight(model, args, kernels):
+    model = model.eval()
+    lowered = lower_resident(model, args)
+    assert not lowered.reports["forward"].nodes.host, lowered.reports["forward"].nodes.host
+    assert [launch.kernel for launch in plan_launches(lowered)] == kernels
+    assert all("QUANT" not in _c(launch) or _c(launch)["QUANT"] == "" for launch in plan_launches(lowered))
+    # The weight is resident as one fp32 constant; no integers are stored (nothing reads them).
+    stored = _stored(lowered)
+    assert [(name, shape) for name, shape, _, _ in stored] == [("float32", (N, K))], [s[:3] for s in stored]
+    with torch.no_grad():
+        assert torch.equal(stored[0][3], _weight_of(model))
+    method = lowered.load().load_method("forward")
+    with torch.no_grad():
+        assert_close(method(*args), model(*args))
+    # Nothing but the call's own input is copied to the device: the weight is not computed per call.
+    assert method.stats.call_h2d_bytes == sum(a.numel() * a.element_size() for a in args)
+
+
+def _weight_of(model) -> torch.Tensor:
+    """The fallback models' float weight, as eager computes it."""
+    if isinstance(model, PerColumnScale):
+        return model.q.to(torch.float32) * model.s
+    if isinstance(model, Groups):
+        g = model.g
+        return ((model.q.to(torch.float32).view(N, K // g, g) - model.z[..., None]) * model.s[..., None]).view(N, K)
+    return model.q.to(torch.float32) * model.s[:, None]
+
+
+# --- 5: a dynamic batch ---------------------------------------------------------------------------
+def test_dynamic_batch():
+    model = QLinear("uint8_group16", torch.float32).eval()
+    calls = [(torch.randn(n, 5, K),) for n in (2, 6)]
+    lowered, _ = check_dynamic(model, calls, {"x": {0: Dim("batch", max=6)}})
+    (launch,) = plan_launches(lowered)
+    assert _c(launch)["QUANT"] == "zero_scale"
+    assert [(name, shape) for name, shape, _, _ in _stored(lowered) if shape == (N, K)] == [("uint8", (N, K))]
+
+
+# --- 6: the op ------------------------------------------------------------------------------------
+def test_dequant_weight_op_is_the_grouped_arithmetic():
+    q = torch.randint(0, 256, (6, 64), dtype=torch.uint8)
+    zero = torch.randint(100, 150, (6, 4)).to(torch.bfloat16)
+    scale = (torch.rand(6, 4) / 50).to(torch.bfloat16)
+    # bf16 steps, then the weight in fp32: as a model computing in bf16 and casting its result.
+    expected = ((q.to(torch.bfloat16).view(6, 4, 16) - zero[..., None]) * scale[..., None]).view(6, 64).float()
+    args = (q, zero, scale, torch.bfloat16, torch.bfloat16, torch.float32)
+    assert torch.equal(dequant_weight_reference(*args), expected)
+    result = torch.ops.tritondelegate.dequant_weight(*args)
+    assert result.dtype == torch.float32 and torch.equal(result, expected)
+    # Without a zero point, scales per row (one group): q * s in fp16.
+    s16 = (torch.rand(6, 1) / 50).to(torch.float16)
+    assert torch.equal(torch.ops.tritondelegate.dequant_weight(q, None, s16, *(torch.float16,) * 3),
+                       q.to(torch.float16) * s16)
+
+
+@pytest.mark.parametrize("bad", ["float_q", "scale_groups", "zero_rows"])
+def test_dequant_weight_op_refuses_bad_inputs(bad):
+    q = torch.randint(-127, 128, (6, 64), dtype=torch.int8)
+    zero, scale = torch.zeros(6, 4), torch.ones(6, 4)
+    if bad == "float_q":
+        q = q.float()
+    elif bad == "scale_groups":
+        scale = torch.ones(6, 3)  # 3 does not divide 64
+    else:
+        zero = torch.zeros(5, 4)
+    with pytest.raises(ValueError, match="dequant_weight"):
+        torch.ops.tritondelegate.dequant_weight(q, zero, scale, torch.float32, torch.float32, torch.float32)
+
+
+# --- 7: the traffic model -------------------------------------------------------------------------
+def test_traffic_of_a_batch_1_decode_step_halves_in_bf16():
+    n, k = 512, 256  # not run: only the plan's modelled bytes
+    model = QLinear("int8_row", torch.bfloat16, n, k).eval()
+    model.b = None
+    x = torch.randn(1, k, dtype=torch.bfloat16)
+    quantized = method_traffic(lower_resident(model, (x,)).program.methods[0])
+    plain = method_traffic(lower_resident(FloatTwin(model, torch.bfloat16).eval(), (x,)).program.methods[0])
+    # The weight is read as a byte per element, plus the bf16 scale per row; x and out as before.
+    assert quantized["bytes_read"] == plain["bytes_read"] - n * k * 2 + n * k + n * 2
+    assert quantized["bytes_written"] == plain["bytes_written"] == n * 2
+    assert quantized["flops"] == plain["flops"] and quantized["launches"] == plain["launches"] == 1
+    assert 0.49 < quantized["bytes"] / plain["bytes"] < 0.52
+    assert quantized["lower_bound"] == quantized["bytes"]  # the bound counts the integers too

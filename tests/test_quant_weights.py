@@ -39,6 +39,10 @@ FORMS = {
     "uint8_group32": (torch.uint8, "zero_scale"),
     "fp32_scale_to": (torch.int8, "scale"),  # (q.to(fp32) * s32[:, None]).to(dt)
     "gpt_fast": (torch.int8, "none"),  # F.linear(x, q.to(x.dtype)) * s: the scale as an epilogue
+    # steps that round apart from the result: a fractional zero point (q - z rounds in fp16 / bf16), and
+    # a weight computed in bf16 whatever x's dtype ((q.to(bf16) * s).to(x.dtype): the product rounds to bf16)
+    "uint8_frac_zero": (torch.uint8, "zero_scale"),
+    "bf16_weight": (torch.int8, "scale"),
 }
 
 
@@ -59,8 +63,8 @@ class QLinear(nn.Module):
             q, scale = _symmetric(w)
             self.register_buffer("q", (q.to(torch.int16) + 128).to(torch.uint8))
             self.register_buffer("s", scale.to(dtype))
-        elif form.startswith("uint8_group"):
-            self.g = int(form.removeprefix("uint8_group"))
+        elif form.startswith(("uint8_group", "uint8_frac")):
+            self.g = 32 if form == "uint8_frac_zero" else int(form.removeprefix("uint8_group"))
             groups = w.view(n, k // self.g, self.g)
             low, high = groups.amin(-1), groups.amax(-1)
             scale = (high - low) / 255
@@ -68,11 +72,14 @@ class QLinear(nn.Module):
             q = torch.clamp(torch.round(groups / scale[..., None]) + zero[..., None], 0, 255)
             self.register_buffer("q", q.to(torch.uint8).view(n, k))
             self.register_buffer("s", scale.to(dtype))
+            if form == "uint8_frac_zero":
+                zero = zero + torch.rand(zero.shape)
             self.register_buffer("z", zero.to(dtype))
         else:
             q, scale = _symmetric(w)
             self.register_buffer("q", q)
-            self.register_buffer("s", scale.to(torch.float32 if form == "fp32_scale_to" else dtype))
+            scale_dtype = {"fp32_scale_to": torch.float32, "bf16_weight": torch.bfloat16}.get(form, dtype)
+            self.register_buffer("s", scale.to(scale_dtype))
 
     def weight(self, dt: torch.dtype) -> torch.Tensor:
         """The float weight, as eager computes it for an input of dtype ``dt``."""
@@ -85,6 +92,8 @@ class QLinear(nn.Module):
             return (q.to(torch.float32) * s[:, None]).to(dt)
         if self.form == "gpt_fast":
             return q.to(dt)
+        if self.form == "bf16_weight":
+            return (q.to(torch.bfloat16) * s[:, None]).to(dt)
         g = self.g
         return ((q.to(dt).view(n, k // g, g) - self.z[..., None]) * s[..., None]).view(n, k)
 

@@ -7,6 +7,9 @@ call, in its own dtype order:
     W = ((q.to(dt) - zero) * scale).to(dtype)      zero, scale [N, 1] or, by groups, [N, K / G, 1]
                                                    against q.view(N, K / G, G), viewed back to [N, K]
 
+or with 4 bits, q unpacked from a uint8 constant [N, K / 2], each byte's low nibble then its high one
+(recognized by value, whatever expression unpacks them: :func:`_packed_source`).
+
 Plain constant folding would compute W once at lower time and store it: twice the bytes in bf16,
 four times in fp32, read again by every decode step, which is bound by exactly those bytes. Here:
 

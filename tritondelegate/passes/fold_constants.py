@@ -96,7 +96,8 @@ def fold_constants(ep: torch.export.ExportedProgram, state: set[str] = frozenset
         return []
     values = _evaluate(graph, constants, foldable)
     quantized = quant_weights.evaluate(graph, constants, foldable, values)
-    folded = _keep_quantized(ep, constants, quantized, values)
+    kept = _keep_quantized(ep, constants, quantized)
+    folded = []
     for node in frontier:
         value = values[node]
         if node in quantized and quant_weights.reads_as_weight(node) and quant_weights.exact(quantized[node], value):
@@ -108,7 +109,7 @@ def fold_constants(ep: torch.export.ExportedProgram, state: set[str] = frozenset
             continue
         _replace_with_constant(ep, node, value.contiguous())
         folded.append(node.name)
-    if folded:
+    if folded or kept:
         _drop_dead(ep)
     return folded
 
@@ -144,12 +145,12 @@ def _dequantize_in_kernels(ep, node: torch.fx.Node, value) -> None:
     quant_weights.dequant_node(ep.graph_module.graph, node, value, parts)
 
 
-def _keep_quantized(ep, constants: dict, quantized: dict, values: dict) -> list[str]:
-    """The quantized weights (``quant_weights.py``) that linears read as they are: dequantized in their
-    kernels."""
+def _keep_quantized(ep, constants: dict, quantized: dict) -> list[str]:
+    """The quantized weights (``quant_weights.py``: tagged, their values checked then) that linears read
+    as they are: dequantized in their kernels."""
     done = []
     for node in constants:
-        if node in quantized and quant_weights.reads_as_weight(node) and quant_weights.exact(quantized[node], values[node]):
+        if node in quantized and quant_weights.reads_as_weight(node):
             _dequantize_in_kernels(ep, node, quantized[node])
             done.append(node.name)
     return done

@@ -39,8 +39,9 @@ FORMS = {
     "uint8_group32": (torch.uint8, "zero_scale"),
     "fp32_scale_to": (torch.int8, "scale"),  # (q.to(fp32) * s32[:, None]).to(dt)
     "gpt_fast": (torch.int8, "none"),  # F.linear(x, q.to(x.dtype)) * s: the scale as an epilogue
-    # steps that round apart from the result: a fractional zero point (q - z rounds in fp16 / bf16), and
-    # a weight computed in bf16 whatever x's dtype ((q.to(bf16) * s).to(x.dtype): the product rounds to bf16)
+    # steps that round apart from the result: small fractional zeros in fp16, scales in fp32
+    # (((q.to(fp16) - z).to(fp32) * s).to(x.dtype): q - z rounds to fp16), and a weight computed in bf16
+    # whatever x's dtype ((q.to(bf16) * s).to(x.dtype): the product rounds to bf16)
     "uint8_frac_zero": (torch.uint8, "zero_scale"),
     "bf16_weight": (torch.int8, "scale"),
 }
@@ -70,11 +71,12 @@ class QLinear(nn.Module):
             scale = (high - low) / 255
             zero = torch.round(-low / scale)
             q = torch.clamp(torch.round(groups / scale[..., None]) + zero[..., None], 0, 255)
+            if form == "uint8_frac_zero":  # small fractional zeros: q - z (up to 255) rounds in fp16 and bf16
+                q, zero = torch.randint(0, 256, (n, k)), torch.rand(zero.shape) * 4
+            frac = form == "uint8_frac_zero"  # zeros in fp16 and scales in fp32, whatever the model's dtype
             self.register_buffer("q", q.to(torch.uint8).view(n, k))
-            self.register_buffer("s", scale.to(dtype))
-            if form == "uint8_frac_zero":
-                zero = zero + torch.rand(zero.shape)
-            self.register_buffer("z", zero.to(dtype))
+            self.register_buffer("s", scale.to(torch.float32 if frac else dtype))
+            self.register_buffer("z", zero.to(torch.float16 if frac else dtype))
         else:
             q, scale = _symmetric(w)
             self.register_buffer("q", q)
@@ -95,6 +97,9 @@ class QLinear(nn.Module):
         if self.form == "bf16_weight":
             return (q.to(torch.bfloat16) * s[:, None]).to(dt)
         g = self.g
+        if self.form == "uint8_frac_zero":  # q - z rounds to fp16, the product to fp32, the weight to dt
+            t = (q.to(torch.float16).view(n, k // g, g) - self.z[..., None]).to(torch.float32)
+            return (t * s[..., None]).view(n, k).to(dt)
         return ((q.to(dt).view(n, k // g, g) - self.z[..., None]) * s[..., None]).view(n, k)
 
     def forward(self, x):

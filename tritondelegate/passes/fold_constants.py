@@ -126,12 +126,13 @@ def quantize_weights(ep: torch.export.ExportedProgram, state: set[str] = frozens
     quantized = quant_weights.evaluate(graph, constants, foldable, values)
     done = []
     for node, value in quantized.items():
-        if node in constants or all(u in quantized for u in node.users) or not quant_weights.exact(value, values[node]):
+        if (node in constants or len(value.shape) != 2 or all(u in quantized for u in node.users)
+                or not quant_weights.exact(value, values[node])):
             continue
         placeholder = quant_weights.tagged(add_constant(ep, values[node].contiguous(), QUANT_PREFIX), value)
         placeholder.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(placeholder)
-        done.append(f"{node.name} ({value.q.dtype} weight {list(value.shape)}, kept quantized)")
+        done.append(f"{node.name} (a weight {list(value.shape)} dequantized from {value.bits}-bit integers)")
     if done:
         _drop_dead(ep)
     return done
@@ -140,6 +141,7 @@ def quantize_weights(ep: torch.export.ExportedProgram, state: set[str] = frozens
 def _dequantize_in_kernels(ep, node: torch.fx.Node, value) -> None:
     """Step 2 of ``quant_weights.py``: ``dequant_weight`` over the parts, stored as new constants, in
     ``node``'s place."""
+    value = quant_weights.narrowed(value)
     parts = [None if t is None else add_constant(ep, t.contiguous(), QUANT_PREFIX)
              for t in (value.q, value.zero, value.scale)]
     quant_weights.dequant_node(ep.graph_module.graph, node, value, parts)

@@ -242,6 +242,10 @@ def _squeeze(x, dims=None):
     return x.parts(lambda t: t.squeeze(rows) if rows else t)
 
 
+_ARITH = (aten.sub.Tensor, aten.mul.Tensor)
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+          aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+          aten.alias.default, aten.clone.default)
 _IDENTITY = (aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
              aten.lift_fresh_copy.default)
 _RULES = {
@@ -288,6 +292,10 @@ def apply(node: torch.fx.Node, args, kwargs) -> Quantized | None:
         return None
     if node.target in _IDENTITY:
         return args[0] if isinstance(args[0], Quantized) and not kwargs.get("memory_format") else None
+    if node.target in _ARITH and all(isinstance(a, Quantized) for a in args[:2]):
+        # two converted integer tensors (an int8 zero point cast in the graph): the smaller is a table
+        small = min((0, 1), key=lambda i: math.prod(args[i].shape))
+        args = tuple(a.dequantize() if i == small else a for i, a in enumerate(args))
     rule = _RULES.get(node.target)
     if rule is None:
         return None
@@ -313,13 +321,37 @@ def evaluate(graph: torch.fx.Graph, constants: dict, foldable: set, values: dict
     for node in graph.nodes:
         if node in foldable and node not in constants and node.target is not operator.getitem:
             args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: quant.get(n, values.get(n)))
-            if node.target in _CASTS and node.args[0] not in constants:
-                packed = _packed_source(node.args[0], args[0], constants)
-                args = args if packed is None else (packed, *args[1:])
-            value = apply(node, args, kwargs)
+            if node.target in _CASTS and node.args[0] not in constants and node.args[0] not in quant:
+                value = _viewed_cast(node, args, kwargs, constants, values)
+            else:
+                value = apply(node, args, kwargs)
             if value is not None:
                 quant[node] = value
     return quant
+
+
+def _viewed_cast(node: torch.fx.Node, args, kwargs, constants: dict, values: dict) -> Quantized | None:
+    """A cast of integers that are not a constant themselves: nibbles unpacked from a uint8 constant
+    (:func:`_packed_source`), or views of an integer constant (a group split before the cast,
+    ``q.view(N, K / G, G).to(dt)``), replayed on the Quantized the constant's cast gives."""
+    packed = _packed_source(node.args[0], args[0], constants)
+    if packed is not None:
+        return apply(node, (packed, *args[1:]), kwargs)
+    chain, source = [], node.args[0]
+    while isinstance(source, torch.fx.Node) and source not in constants:
+        if source.op != "call_function" or source.target not in _VIEWS:
+            return None
+        chain.append(source)
+        source = source.args[0]
+    if not chain:
+        return None
+    value = apply(node, (constants[source], *args[1:]), kwargs)
+    for view in reversed(chain):
+        if value is None:
+            return None
+        view_args, view_kwargs = torch.fx.map_arg((view.args[1:], view.kwargs), lambda n: values.get(n))
+        value = apply(view, (value, *view_args), view_kwargs)
+    return value
 
 
 def _packed_source(node: torch.fx.Node, value, constants: dict):
@@ -355,6 +387,31 @@ def exact(value: Quantized | None, plain) -> bool:
     return (isinstance(value, Quantized) and value.groups is None and value.q.ndim >= 2
             and isinstance(plain, torch.Tensor) and plain.dtype == value.dtype
             and tuple(plain.shape) == value.shape and torch.equal(value.dequantize(), plain))
+
+
+def narrowed(value: Quantized) -> Quantized:
+    """``value`` with 4 bits per weight when its 8-bit q fits in them (a 4-bit scheme that stores one
+    value per byte, as torchao's exports do): a uint8 q in [0, 15] as it is, an int8 q in [-8, 7] as
+    q + 8 with 8 added to its zero points (a table of 8s without one): (q + 8) - (z + 8) = q - z
+    exactly, in fp32 as the kernel subtracts."""
+    q = value.q
+    if value.bits != 8 or q.shape[-1] % 2 or q.numel() == 0:
+        return value
+    low, high = int(q.min()), int(q.max())
+    if q.dtype == torch.uint8 and high <= 15:
+        shift = 0
+    elif q.dtype == torch.int8 and low >= -8 and high <= 7:
+        shift = 8
+    else:
+        return value
+    u = (q.to(torch.int16) + shift).to(torch.uint8)
+    packed = (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
+    zero = value.zero
+    if shift:
+        width = next((t.shape[-1] for t in (value.zero, value.scale) if t is not None), 1)
+        base = torch.zeros(*value.rows, width) if zero is None else zero.to(torch.float32)
+        zero = base + shift
+    return replace(value, q=packed, zero=zero, bits=4)
 
 
 def reads_as_weight(node: torch.fx.Node) -> bool:

@@ -173,8 +173,8 @@ def test_form_stays_quantized(form, dtype, rows):
     stored = _stored(lowered)
     weights = [s for s in stored if s[1] == (N, K)]
     assert len(weights) == 1, [s[:3] for s in stored]
-    (name, _, nbytes, data) = weights[0]
-    assert name == dtype_name(q_dtype) and nbytes == N * K and torch.equal(data, model.q)
+    (stored_dtype, _, nbytes, data) = weights[0]
+    assert stored_dtype == dtype_name(q_dtype) and nbytes == N * K and torch.equal(data, model.q)
     small = sum(s[3].numel() for s in stored if s[1] != (N, K))
     assert small <= N * (2 * K // 16 + 1), [s[:3] for s in stored]  # two tables of groups >= 16, a bias
 

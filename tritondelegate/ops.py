@@ -702,7 +702,8 @@ tanhshrink = torch.ops.tritondelegate.tanhshrink.default
 # --- tritondelegate::dequant_weight: a weight-only quantized weight (int8 / uint8), dequantized ---------
 # q [*R, K] int8 or uint8; zero and scale [*R, K / G]: one per group of G consecutive columns (G = K:
 # one per row); each None when absent. ``bits=4``: q is uint8 [*R, K / 2], two unsigned 4-bit values
-# per byte, column 2j in byte j's low nibble and column 2j + 1 in its high one (``unpack_nibbles``). The float weight a model computes from them, in its dtype order:
+# per byte, column 2j in byte j's low nibble and column 2j + 1 in its high one (``unpack_nibbles``).
+# ``transposed``: W.t() [K, N], the B of an ``mm``. The float weight a model computes from them, in its dtype order:
 #     t = q.to(sub_dtype) - zero          (zero converted to sub_dtype; both exact)
 #     t = t.to(mul_dtype) * scale         (the product rounded to mul_dtype)
 #     W = t.to(dtype)
@@ -710,7 +711,7 @@ tanhshrink = torch.ops.tritondelegate.tanhshrink.default
 # and dequantizes each tile in the kernel
 # (``passes/quant_weights.py``, ``matmul.py``'s ``QUANT``); W is never stored.
 _lib.define("dequant_weight(Tensor q, Tensor? zero, Tensor? scale, ScalarType sub_dtype, ScalarType mul_dtype, "
-            "ScalarType dtype, int bits=8) -> Tensor")
+            "ScalarType dtype, int bits=8, bool transposed=False) -> Tensor")
 QUANT_DTYPES = (torch.int8, torch.uint8)
 QUANT_FLOATS = (torch.float16, torch.bfloat16, torch.float32)  # the dtypes of its steps
 
@@ -750,15 +751,17 @@ def _check_dequant(q, zero, scale, bits) -> None:
 
 
 @torch.library.impl(_lib, "dequant_weight", "CompositeExplicitAutograd")
-def _dequant_weight(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8):
+def _dequant_weight(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8, transposed=False):
     _check_dequant(q, zero, scale, bits)
-    return dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits)
+    w = dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits)
+    return w.t() if transposed else w
 
 
 @torch.library.register_fake(f"{NAMESPACE}::dequant_weight")
-def _dequant_weight_fake(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8):
+def _dequant_weight_fake(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8, transposed=False):
     _check_dequant(q, zero, scale, bits)
-    return q.new_empty((*q.shape[:-1], q.shape[-1] * (2 if bits == 4 else 1)), dtype=dtype)
+    w = q.new_empty((*q.shape[:-1], q.shape[-1] * (2 if bits == 4 else 1)), dtype=dtype)
+    return w.t() if transposed else w
 
 
 OPS["tritondelegate::dequant_weight"] = torch.ops.tritondelegate.dequant_weight.default

@@ -781,17 +781,27 @@ def supported_linear(node) -> str | None:
 
 
 # --- lowerings ------------------------------------------------------------------------------------
+def _b_operand(b, arg) -> tuple[TRef, "QuantWeight | None"]:
+    """``mm``'s B as a [1, K, N] view, and its quantized parts when it is a ``dequant_weight``
+    (transposed: B is W.t(), read from q [N, K] in place)."""
+    value = b.values(arg)
+    if not isinstance(value, QuantWeight):
+        return _batched(b, b.ref(arg)), None
+    q = value.q  # [N, K] (K / 2 bytes with 4 bits)
+    return b.view(q, (1, q.shape[1], q.shape[0]), (0, q.strides[1], q.strides[0])), value
+
+
 def mm(b, node):
-    a, m = b.ref(node.args[0]), b.ref(node.args[1])
+    a, (m, quant) = b.ref(node.args[0]), _b_operand(b, node.args[1])
     c = b.out(node)
-    launch_matmul(b, _batched(b, a), _batched(b, m), _batched(b, c))
+    launch_matmul(b, _batched(b, a), m, _batched(b, c), quant=quant)
 
 
 def addmm(b, node):
-    bias, a, m = (b.ref(x) for x in node.args[:3])
+    bias, a, (m, quant) = b.ref(node.args[0]), b.ref(node.args[1]), _b_operand(b, node.args[2])
     c = _batched(b, b.out(node))
-    launch_matmul(b, _batched(b, a), _batched(b, m), c, _bias(b, bias, c.shape),
-                  alpha=node.kwargs.get("alpha", 1), beta=node.kwargs.get("beta", 1))
+    launch_matmul(b, _batched(b, a), m, c, _bias(b, bias, c.shape),
+                  alpha=node.kwargs.get("alpha", 1), beta=node.kwargs.get("beta", 1), quant=quant)
 
 
 def bmm(b, node):
@@ -864,12 +874,16 @@ def supported_dequant(node) -> str | None:
             return f"groups of {group} columns: the kernel takes a power of two of at least {MIN_BLOCK}"
     if any(d not in (torch.float16, torch.bfloat16, torch.float32) for d in node.args[3:6]):
         return f"dtypes {node.args[3:6]}: the kernel computes in fp16, bf16 or fp32"
-    checks = {torch.ops.aten.linear.default: supported_linear, td_ops.glu_linear: supported_glu,
-              td_ops.rope_linear: supported_rope}
+    transposed = node.args[7] if len(node.args) > 7 else node.kwargs.get("transposed", False)
+    aten = torch.ops.aten
+    checks = ({aten.mm.default: (1, supported), aten.addmm.default: (2, supported)} if transposed else
+              {aten.linear.default: (1, supported_linear), td_ops.glu_linear: (1, supported_glu),
+               td_ops.rope_linear: (1, supported_rope)})
     for user in node.users:
-        if user.op != "call_function" or user.target not in checks or user.args[1] is not node or node in user.args[2:]:
-            return f"{user.name} reads it other than as a linear's weight"
-        refused = checks[user.target](user)
+        slot = checks.get(user.target, (None,))[0] if user.op == "call_function" else None
+        if slot is None or user.args[slot] is not node or sum(a is node for a in user.all_input_nodes) != 1:
+            return f"{user.name} reads it other than as " + ("mm's B" if transposed else "a linear's weight")
+        refused = checks[user.target][1](user)
         if refused:
             return f"its reader {user.name} stays on the host: {refused}"
     return None

@@ -100,7 +100,8 @@ def fold_constants(ep: torch.export.ExportedProgram, state: set[str] = frozenset
     folded = []
     for node in frontier:
         value = values[node]
-        if node in quantized and quant_weights.reads_as_weight(node) and quant_weights.exact(quantized[node], value):
+        if (node in quantized and quant_weights.reads_as_weight(node, quantized[node])
+                and quant_weights.exact(quantized[node], value)):
             _dequantize_in_kernels(ep, node, quantized[node])
             folded.append(node.name)
             continue
@@ -152,7 +153,7 @@ def _keep_quantized(ep, constants: dict, quantized: dict) -> list[str]:
     as they are: dequantized in their kernels."""
     done = []
     for node in constants:
-        if node in quantized and quant_weights.reads_as_weight(node):
+        if node in quantized and quant_weights.reads_as_weight(node, quantized[node]):
             _dequantize_in_kernels(ep, node, quantized[node])
             done.append(node.name)
     return done

@@ -67,6 +67,7 @@ class Quantized:
     stage: int = 0  # 0: converted; 1: zero subtracted; 2: scaled; 3: cast to its result dtype
     groups: int | None = None
     bits: int = 8  # 4: q is uint8 [*R, K / 2], two columns per byte (``ops.unpack_nibbles``)
+    transposed: bool = False  # seen as [K, N] (a 2-D weight read by ``mm`` as its B): no op but a transpose
 
     @property
     def k(self) -> int:
@@ -83,12 +84,14 @@ class Quantized:
     @property
     def shape(self) -> tuple[int, ...]:
         k = self.k
+        if self.transposed:
+            return (k,) + self.rows
         return self.rows + ((k,) if self.groups is None else (self.groups, k // self.groups))
 
     def dequantize(self) -> torch.Tensor:
         w = ops.dequant_weight_reference(self.q, self.zero, self.scale, self.sub_dtype, self.mul_dtype, self.dtype,
                                          self.bits)
-        return w.reshape(self.shape)
+        return w.t() if self.transposed else w.reshape(self.shape)
 
     def parts(self, fn) -> "Quantized":
         """``fn`` applied to q and to each table alike (an op on row dims only)."""
@@ -195,6 +198,8 @@ def _row_dim(x: Quantized, dim: int, extra: int = 0) -> int | None:
 def _permute(x: Quantized, dims) -> Quantized | None:
     n = len(x.shape)
     dims = [d % n for d in dims]
+    if n == 2 and x.groups is None and dims == [1, 0]:  # [N, K] <-> [K, N]
+        return replace(x, transposed=not x.transposed)
     if dims[len(x.rows):] != list(range(len(x.rows), n)):
         return None
     rows = dims[:len(x.rows)]
@@ -243,7 +248,8 @@ def _squeeze(x, dims=None):
 
 
 _ARITH = (aten.sub.Tensor, aten.mul.Tensor)
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+_TRANSPOSES = (aten.permute.default, aten.transpose.int, aten.t.default)
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default, aten.t.default,
           aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
           aten.alias.default, aten.clone.default)
 _IDENTITY = (aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
@@ -258,6 +264,7 @@ _RULES = {
     aten.reshape.default: lambda x, s: _reshape(x, s) if isinstance(x, Quantized) else None,
     aten.permute.default: lambda x, d: _permute(x, d) if isinstance(x, Quantized) else None,
     aten.transpose.int: lambda x, a, b: _transpose(x, a, b) if isinstance(x, Quantized) else None,
+    aten.t.default: lambda x: _permute(x, [1, 0]) if isinstance(x, Quantized) and len(x.shape) == 2 else None,
     aten.unsqueeze.default: lambda x, d: _along_rows(x, d, torch.unsqueeze, 1),
     aten.squeeze.dim: _squeeze,
     aten.squeeze.dims: _squeeze,
@@ -289,6 +296,8 @@ def apply(node: torch.fx.Node, args, kwargs) -> Quantized | None:
     if node.target in _CASTS:
         return _cast_rule(node, args, kwargs)
     if not any(isinstance(a, Quantized) for a in _flat(args)):
+        return None
+    if any(isinstance(a, Quantized) and a.transposed for a in _flat(args)) and node.target not in _TRANSPOSES:
         return None
     if node.target in _IDENTITY:
         return args[0] if isinstance(args[0], Quantized) and not kwargs.get("memory_format") else None
@@ -385,6 +394,7 @@ class _Packed:
 def exact(value: Quantized | None, plain) -> bool:
     """Whether ``value`` is a whole [*R, K] weight equal, bit for bit, to ``plain`` (the subgraph's own)."""
     return (isinstance(value, Quantized) and value.groups is None and value.q.ndim >= 2
+            and (value.q.ndim == 2 or not value.transposed)
             and isinstance(plain, torch.Tensor) and plain.dtype == value.dtype
             and tuple(plain.shape) == value.shape and torch.equal(value.dequantize(), plain))
 
@@ -414,10 +424,12 @@ def narrowed(value: Quantized) -> Quantized:
     return replace(value, q=packed, zero=zero, bits=4)
 
 
-def reads_as_weight(node: torch.fx.Node) -> bool:
-    """Whether every reader of ``node`` is a linear that reads it as its weight (and only there)."""
+def reads_as_weight(node: torch.fx.Node, value: Quantized) -> bool:
+    """Whether every reader of ``node`` reads it as a weight, and only there: a linear's [N, K] weight,
+    or ``mm``'s (``addmm``'s) B [K, N] when ``value`` is transposed."""
+    readers = {aten.mm.default: 1, aten.addmm.default: 2} if value.transposed else dict.fromkeys(LINEARS, 1)
     return bool(node.users) and all(
-        u.op == "call_function" and u.target in LINEARS and u.args[1] is node
+        u.op == "call_function" and u.target in readers and u.args[readers[u.target]] is node
         and sum(a is node for a in u.all_input_nodes) == 1 for u in node.users)
 
 
@@ -432,7 +444,8 @@ def dequant_node(graph: torch.fx.Graph, node: torch.fx.Node, value: Quantized, p
     zero and scale, None where absent), before its first reader."""
     first = next(n for n in graph.nodes if n in node.users)
     with graph.inserting_before(first):
-        dq = new_node(graph, ops.dequant_weight, (*parts, value.sub_dtype, value.mul_dtype, value.dtype, value.bits),
+        dq = new_node(graph, ops.dequant_weight,
+                      (*parts, value.sub_dtype, value.mul_dtype, value.dtype, value.bits, value.transposed),
                       node.meta["val"], node.meta, f"{node.name}_dequant")
     node.replace_all_uses_with(dq)
     return dq

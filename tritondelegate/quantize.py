@@ -37,11 +37,11 @@ class QuantizedLinear(torch.nn.Module):
         super().__init__()
         w = linear.weight.detach()
         n, k = w.shape
-        groups = 1 if group_size is None else k // group_size
         if group_size is not None and (group_size < 1 or k % group_size):
             raise ValueError(f"group_size {group_size} does not divide the {k} input features of {linear}")
         if bits not in (4, 8) or (bits == 4 and k % 2):
             raise ValueError(f"bits={bits}: 8, or 4 with an even number of input features (this has {k})")
+        groups = 1 if group_size is None else k // group_size
         g = w.float().reshape(n, groups, k // groups)
         top = 2 ** bits - 1  # the unsigned range [0, top]
         if zero_point:
@@ -93,6 +93,8 @@ def quantize_linears(model: torch.nn.Module, *, group_size: int | None = None, z
     except those whose qualified name matches a pattern of ``skip`` (``fnmatch``, e.g. ``"lm_head"``)
     and those whose input features ``group_size`` does not divide, or (4 bits) are odd (kept float, as
     are embeddings)."""
+    if group_size is not None and group_size < 1:
+        raise ValueError(f"group_size must be at least 1, got {group_size}")
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name

@@ -133,7 +133,8 @@ def quantize_weights(ep: torch.export.ExportedProgram, state: set[str] = frozens
         placeholder = quant_weights.tagged(add_constant(ep, values[node].contiguous(), QUANT_PREFIX), value)
         placeholder.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(placeholder)
-        done.append(f"{node.name} (a weight {list(value.shape)} dequantized from {value.bits}-bit integers)")
+        done.append(f"{node.name} (a weight {list(value.shape)} from {value.bits}-bit integers: kept as those "
+                    "where only matmuls read it)")
     if done:
         _drop_dead(ep)
     return done

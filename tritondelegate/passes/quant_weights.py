@@ -424,9 +424,22 @@ def narrowed(value: Quantized) -> Quantized:
     return replace(value, q=packed, zero=zero, bits=4)
 
 
+MIN_GROUP = 16  # the matmul kernel's least K step (``matmul.MIN_BLOCK``): groups it can walk one per step
+
+
+def kernel_groups(value: Quantized) -> bool:
+    """Whether the matmul kernel walks ``value``'s groups: whole rows, or a power of two of at least
+    MIN_GROUP columns (each K step then lies in one group)."""
+    width = next((t.shape[-1] for t in (value.zero, value.scale) if t is not None), 1)
+    group = value.k // width
+    return width == 1 or (group >= MIN_GROUP and group & (group - 1) == 0)
+
+
 def reads_as_weight(node: torch.fx.Node, value: Quantized) -> bool:
-    """Whether every reader of ``node`` reads it as a weight, and only there: a linear's [N, K] weight,
-    or ``mm``'s (``addmm``'s) B [K, N] when ``value`` is transposed."""
+    """Whether every reader of ``node`` reads it as a weight, and only there (a linear's [N, K] weight,
+    or ``mm``'s (``addmm``'s) B [K, N] when ``value`` is transposed), with groups the kernel walks."""
+    if not kernel_groups(value):
+        return False
     readers = {aten.mm.default: 1, aten.addmm.default: 2} if value.transposed else dict.fromkeys(LINEARS, 1)
     return bool(node.users) and all(
         u.op == "call_function" and u.target in readers and u.args[readers[u.target]] is node

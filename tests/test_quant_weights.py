@@ -431,3 +431,170 @@ def test_traffic_of_a_batch_1_decode_step_halves_in_bf16():
     assert quantized["flops"] == plain["flops"] and quantized["launches"] == plain["launches"] == 1
     assert 0.49 < quantized["bytes"] / plain["bytes"] < 0.52
     assert quantized["lower_bound"] == quantized["bytes"]  # the bound counts the integers too
+
+
+# --- 8: 4 bits, two per byte ----------------------------------------------------------------------
+class Nibbles(nn.Module):
+    """A 4-bit weight [N, K] packed two per byte in a uint8 [N, K / 2], unpacked by ``unpack``:
+    "stack" (low nibble, then high: ``td.QuantizedLinear``'s), "shift" (the same by a shift table),
+    or "high_first" (the high nibble first: not the kernel's order)."""
+
+    def __init__(self, unpack: str, dtype: torch.dtype, g: int = 16):
+        super().__init__()
+        self.unpack, self.g = unpack, g
+        self.register_buffer("p", torch.randint(0, 256, (N, K // 2), dtype=torch.uint8))
+        self.register_buffer("s", (torch.rand(N, K // g) / 10).to(dtype))
+        self.register_buffer("z", torch.randint(6, 10, (N, K // g)).to(dtype))
+
+    def weight(self, dt):
+        p = self.p
+        if self.unpack == "stack":
+            q = torch.stack([p & 15, p >> 4], dim=-1).view(N, K)
+        elif self.unpack == "shift":
+            q = ((p.unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 15).reshape(N, K)
+        else:
+            q = torch.stack([p >> 4, p & 15], dim=-1).view(N, K)
+        g = self.g
+        return ((q.to(dt).view(N, K // g, g) - self.z[..., None]) * self.s[..., None]).view(N, K)
+
+    def forward(self, x):
+        return F.linear(x, self.weight(x.dtype))
+
+
+@pytest.mark.parametrize("unpack", ["stack", "shift"])
+@dtypes
+@ROWS
+def test_4_bit_weights_stay_packed(unpack, dtype, rows):
+    model = Nibbles(unpack, dtype).eval()
+    x = torch.randn(*rows, K).to(dtype)
+    lowered = lower_resident(model, (x,))
+    (launch,) = plan_launches(lowered)
+    c = _c(launch)
+    assert c["QUANT"] == "zero_scale" and c["QBITS"] == 4 and c.get("GEMV", False) is (rows == GEMV_ROWS), c
+    # The packed bytes are stored as they are: half a byte per weight.
+    stored = _stored(lowered)
+    (packed,) = [s for s in stored if s[1] == (N, K // 2)]
+    assert packed[0] == "uint8" and torch.equal(packed[3], model.p)
+    assert not [s for s in stored if s[1] == (N, K)]
+    method = lowered.load().load_method("forward")
+    with torch.no_grad():
+        hot = _one_hot(x.shape, dtype)
+        assert torch.equal(method(hot), model(hot))
+        assert_close(method(x), F.linear(x.float(), model.weight(dtype).float()), dtype=dtype)
+
+
+def test_4_bits_high_nibble_first_folds_a_float_weight():
+    model = Nibbles("high_first", torch.float32).eval()
+    x = torch.randn(1, 3, K)
+    lowered = lower_resident(model, (x,))
+    assert [(name, shape) for name, shape, _, _ in _stored(lowered)] == [("float32", (N, K))]
+    with torch.no_grad():
+        assert_close(_run(lowered, x), model(x))
+
+
+@pytest.mark.parametrize("group_size,zero_point", [(None, False), (16, True), (32, False)])
+def test_quantize_linears_4_bits(group_size, zero_point):
+    linear = nn.Linear(K, N)
+    quantized = td.QuantizedLinear(linear, group_size=group_size, zero_point=zero_point, bits=4).eval()
+    assert quantized.qweight.shape == (N, K // 2) and quantized.qweight.dtype == torch.uint8
+    step = quantized.scale.repeat_interleave(K // quantized.scale.shape[1], dim=1)
+    with torch.no_grad():
+        assert ((quantized.weight() - linear.weight).abs() <= step / 2 * 1.001 + 1e-7).all()
+    x = torch.randn(2, 20, K)
+    lowered = lower_resident(quantized, (x,))
+    (launch,) = plan_launches(lowered)
+    assert _c(launch)["QBITS"] == 4
+    with torch.no_grad():
+        assert_close(_run(lowered, x), quantized(x))
+    with pytest.raises(ValueError, match="bits"):
+        td.QuantizedLinear(nn.Linear(K + 1, N), bits=4)
+
+
+def test_demo_decoder_4_bits():
+    float_kernels, float_fusions, float_bytes = _float_decoder()
+    model, (ids,) = demo_decoder(seed=0, n_layers=2)
+    td.quantize_linears(model, group_size=16, bits=4)
+    lowered = lower_resident(model, (ids,))
+    launches = plan_launches(lowered)
+    assert [launch.kernel for launch in launches] == float_kernels and _fusions(lowered) == float_fusions
+    assert {_c(launch).get("QBITS") for launch in launches if launch.kernel == "matmul"} == {4}
+    assert _stored_bytes(lowered) < 0.36 * float_bytes  # half a byte per weight, fp32 scales per 16
+    with torch.no_grad():
+        assert_close(_run(lowered, ids), model(ids))
+
+
+# --- 9: torchao's exported forms ------------------------------------------------------------------
+class Intx(nn.Module):
+    """torchao's ``IntxWeightOnlyConfig`` after export: the int8 q viewed into groups before its cast,
+    the int8 zero points cast in the graph; ``bits=4``: q in [-8, 7], one value per byte."""
+
+    def __init__(self, bits: int, dtype: torch.dtype, g: int = 32):
+        super().__init__()
+        self.g = g
+        high = 8 if bits == 4 else 128
+        self.register_buffer("q", torch.randint(-high, high, (N, K), dtype=torch.int8))
+        self.register_buffer("s", (torch.rand(N, K // g) / 10).to(dtype))
+        self.register_buffer("z", torch.randint(-2, 3, (N, K // g), dtype=torch.int8))
+
+    def weight(self, dt):
+        g = self.g
+        w = self.q.view(N, K // g, g).to(dt)
+        return ((w - self.z.view(N, K // g, 1).to(dt)) * self.s.view(N, K // g, 1)).view(N, K)
+
+    def forward(self, x):
+        return F.linear(x, self.weight(x.dtype))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@dtypes
+def test_torchao_intx_form(bits, dtype):
+    model = Intx(bits, dtype).eval()
+    x = torch.randn(2, 20, K).to(dtype)
+    lowered = lower_resident(model, (x,))
+    (launch,) = plan_launches(lowered)
+    assert _c(launch)["QUANT"] == "zero_scale" and _c(launch).get("QBITS", 8) == bits
+    stored = {s[1]: s for s in _stored(lowered)}
+    if bits == 8:
+        assert stored[(N, K)][0] == "int8" and torch.equal(stored[(N, K)][3], model.q)
+    else:  # values in [-8, 7]: stored two per byte, as q + 8 (the zero points moved by 8 too)
+        assert stored[(N, K // 2)][0] == "uint8" and (N, K) not in stored
+    with torch.no_grad():
+        hot = _one_hot(x.shape, dtype)
+        assert torch.equal(_run(lowered, hot), model(hot))
+
+
+class Int8MM(nn.Module):
+    """torchao's ``Int8WeightOnlyConfig`` after export: ``mm(x, q.t().to(dt)) * scale + bias`` (the
+    weight read transposed by ``mm``, its scale applied to the product)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("q", torch.randint(-127, 128, (N, K), dtype=torch.int8))
+        self.register_buffer("s", torch.rand(N, 1) / 100)
+        self.b = nn.Parameter(torch.randn(N).to(dtype))
+
+    def forward(self, x):
+        y = torch.mm(x.view(-1, K), self.q.t().to(x.dtype)) * self.s.to(x.dtype).view(-1)
+        return y.view(*x.shape[:-1], N) + self.b
+
+
+@dtypes
+@ROWS
+def test_torchao_int8_mm_form(dtype, rows):
+    model = Int8MM(dtype).eval()
+    x = torch.randn(*rows, K).to(dtype)
+    lowered = lower_resident(model, (x,))
+    (launch,) = plan_launches(lowered)  # the scale and the bias in the epilogue
+    assert launch.kernel == "matmul" and _c(launch)["QUANT"] == "none", _c(launch)
+    stored = {s[1]: s for s in _stored(lowered)}
+    assert stored[(N, K)][0] == "int8" and torch.equal(stored[(N, K)][3], model.q)
+    with torch.no_grad():
+        # The weight's columns exactly; in 16 bits the epilogue's scale and bias add round once, at the
+        # end, where eager rounds after each (an ulp apart).
+        hot = _one_hot(x.shape, dtype)
+        out, expected = _run(lowered, hot), model(hot)
+        if dtype == torch.float32:
+            assert torch.equal(out, expected)
+        else:
+            assert_close(out, expected, dtype=dtype)
+        assert_close(_run(lowered, x), model(x), dtype=dtype)

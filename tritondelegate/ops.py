@@ -716,9 +716,9 @@ QUANT_DTYPES = (torch.int8, torch.uint8)
 QUANT_FLOATS = (torch.float16, torch.bfloat16, torch.float32)  # the dtypes of its steps
 
 
-def _per_column(part: torch.Tensor, k: int) -> torch.Tensor:
-    """A [*R, K / G] group table spread over the K columns of its groups."""
-    return part.repeat_interleave(k // part.shape[-1], dim=-1)
+def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[*R, K] -> [*R, groups, K / groups] (a view)."""
+    return t.view(*t.shape[:-1], groups, t.shape[-1] // groups)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -730,13 +730,14 @@ def dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits: 
     """The arithmetic in fp32, rounded to each step's dtype: eager's, whose 16-bit ops compute in fp32
     and round once (the products and differences here are exact in fp32)."""
     q = unpack_nibbles(q) if bits == 4 else q
-    t = q.to(torch.float32)
+    groups = next((p.shape[-1] for p in (zero, scale) if p is not None), 1)
+    t = _grouped(q.to(torch.float32), groups)
     if zero is not None:
-        t = (t - _per_column(zero, q.shape[-1]).to(torch.float32)).to(sub_dtype)
-    t = t.to(mul_dtype).to(torch.float32)
+        t = (t - zero.to(torch.float32).unsqueeze(-1)).to(sub_dtype)
+    t = t.to(mul_dtype)
     if scale is not None:
-        t = t * _per_column(scale, q.shape[-1]).to(torch.float32)
-    return t.to(mul_dtype).to(dtype)
+        t = (t.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(mul_dtype)
+    return t.to(dtype).view(q.shape)
 
 
 def _check_dequant(q, zero, scale, bits) -> None:

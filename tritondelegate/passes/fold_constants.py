@@ -94,24 +94,25 @@ def fold_constants(ep: torch.export.ExportedProgram, state: set[str] = frozenset
     ]
     if not frontier and not any(QUANTIZED in n.meta for n in constants):
         return []
-    values = _evaluate(graph, constants, foldable)
+    values = _Values(constants, foldable)
     quantized = quant_weights.evaluate(graph, constants, foldable, values)
     kept = _keep_quantized(ep, constants, quantized)
     folded = []
     for node in frontier:
-        value = values[node]
-        if (node in quantized and quant_weights.reads_as_weight(node, quantized[node])
-                and quant_weights.exact(quantized[node], value)):
+        # a quantized weight's row ops (cat, stack, index_select, views) change no value: no check
+        if node in quantized and quant_weights.reads_as_weight(node, quantized[node]):
             _dequantize_in_kernels(ep, node, quantized[node])
             folded.append(node.name)
             continue
-        read = sum(_nbytes(values[p]) for p in _placeholders_under(node, constants))
+        value = values[node]
+        read = sum(_nbytes(constants[p]) for p in _placeholders_under(node, constants))
         if _nbytes(value) > max(read, MAX_GROWTH_BYTES):
             continue
         _replace_with_constant(ep, node, value.contiguous())
         folded.append(node.name)
     if folded or kept:
         _drop_dead(ep)
+    _materialize_quantized(ep)
     return folded
 
 
@@ -123,14 +124,18 @@ def quantize_weights(ep: torch.export.ExportedProgram, state: set[str] = frozens
     if not any(v.dtype in QUANT_DTYPES for v in constants.values()):
         return []
     foldable = foldable_nodes(graph, constants)
-    values = _evaluate(graph, constants, foldable)
-    quantized = quant_weights.evaluate(graph, constants, foldable, values)
+    quantized = quant_weights.evaluate(graph, constants, foldable, _Values(constants, foldable))
     done = []
     for node, value in quantized.items():
-        if (node in constants or len(value.shape) != 2 or all(u in quantized for u in node.users)
-                or not quant_weights.exact(value, values[node])):
+        if node in constants or len(value.shape) != 2 or all(u in quantized for u in node.users):
             continue
-        placeholder = quant_weights.tagged(add_constant(ep, values[node].contiguous(), QUANT_PREFIX), value)
+        # the subgraph's own value, computed alone (its intermediates freed after the check)
+        if not quant_weights.exact(value, _Values(constants, foldable)[node]):
+            continue
+        # The float weight is not held: a stand-in without storage, until something needs its values
+        # (a reader that is not a matmul: :func:`_materialize_quantized`).
+        stand_in = torch.zeros((), dtype=value.dtype).expand(value.shape)
+        placeholder = quant_weights.tagged(add_constant(ep, stand_in, QUANT_PREFIX), value)
         placeholder.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(placeholder)
         done.append(f"{node.name} (a weight {list(value.shape)} from {value.bits}-bit integers: kept as those "
@@ -158,6 +163,51 @@ def _keep_quantized(ep, constants: dict, quantized: dict) -> list[str]:
             _dequantize_in_kernels(ep, node, quantized[node])
             done.append(node.name)
     return done
+
+
+class _Values(dict):
+    """The values of foldable nodes, each computed when first asked for, with what it reads (and no
+    more); a quantized weight's tagged constant (``quant_weights.py``) gives its dequantized value."""
+
+    def __init__(self, constants: dict, foldable: set):
+        super().__init__((n, v) for n, v in constants.items() if QUANTIZED not in n.meta)
+        self.foldable = foldable
+
+    def __missing__(self, node):
+        if node not in self.foldable:
+            raise KeyError(node)
+        order, stack = [], [(node, False)]
+        while stack:  # the missing inputs first (an iterative post-order walk)
+            n, ready = stack.pop()
+            if dict.__contains__(self, n) or n in order:
+                continue
+            if ready or QUANTIZED in n.meta:
+                order.append(n)
+                continue
+            stack.append((n, True))
+            stack.extend((m, False) for m in n.all_input_nodes if not dict.__contains__(self, m))
+        for n in order:
+            if QUANTIZED in n.meta:
+                self[n] = n.meta[QUANTIZED].dequantize()
+                continue
+            args, kwargs = torch.fx.map_arg((n.args, n.kwargs), lambda m: self[m])
+            with torch.no_grad():
+                self[n] = n.target(*args, **kwargs)
+        return dict.__getitem__(self, node)
+
+    def get(self, node, default=None):
+        try:
+            return self[node]
+        except KeyError:
+            return default
+
+
+def _materialize_quantized(ep) -> None:
+    """A quantized weight's constant that something still reads (not only matmuls: a tied embedding
+    table) holds its dequantized values from here on, as plain folding would have stored it."""
+    for node in ep.graph_module.graph.nodes:
+        if node.op == "placeholder" and QUANTIZED in node.meta and node.users and node.name in ep.constants:
+            ep.constants[node.name] = node.meta[QUANTIZED].dequantize().contiguous()
 
 
 def _evaluate(graph: torch.fx.Graph, constants: dict, foldable: set) -> dict:

@@ -329,7 +329,8 @@ def evaluate(graph: torch.fx.Graph, constants: dict, foldable: set, values: dict
     quant = {n: n.meta[QUANTIZED] for n in constants if isinstance(n.meta.get(QUANTIZED), Quantized)}
     for node in graph.nodes:
         if node in foldable and node not in constants and node.target is not operator.getitem:
-            args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: quant.get(n, values.get(n)))
+            args, kwargs = torch.fx.map_arg((node.args, node.kwargs),
+                                            lambda n: quant[n] if n in quant else values.get(n))
             if node.target in _CASTS and node.args[0] not in constants and node.args[0] not in quant:
                 value = _viewed_cast(node, args, kwargs, constants, values)
             else:

@@ -123,11 +123,27 @@ def _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k0, offs_k, k_left,
 
 
 @triton.jit
-def _dequant_tile(b, z_ptr, s_ptr, at, mask_n, QUANT: tl.constexpr, SUB_ROUND: tl.constexpr,
-                  MUL_ROUND: tl.constexpr):
+def _b_pointers(b_ptr, offs_k, offs_n, stride_bk, stride_bn, BLOCK_K: tl.constexpr, QBITS: tl.constexpr):
+    """B's first K tile's addresses and the step to the next (a 4-bit B holds two K rows per byte)."""
+    if QBITS == 4:
+        b_ptrs = b_ptr + (offs_k // 2)[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        step_b = tl.full((), BLOCK_K // 2, tl.int64) * stride_bk
+    else:
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        step_b = tl.full((), BLOCK_K, tl.int64) * stride_bk
+    return b_ptrs, step_b
+
+
+@triton.jit
+def _dequant_tile(b, offs_k, offs_n, mask_n, z_ptr, s_ptr, group, stride_qn, stride_qg, QUANT: tl.constexpr,
+                  SUB_ROUND: tl.constexpr, MUL_ROUND: tl.constexpr, QBITS: tl.constexpr):
     """A K tile of a weight-only quantized B (int8 or uint8) as ``ops.dequant_weight_reference`` computes
-    it: ``(q - zero) * scale`` in fp32, rounded to each step's dtype; ``at`` addresses the tile's group
-    of the zero and scale tables per column (the tile's K columns share one group)."""
+    it: ``(q - zero) * scale`` in fp32, rounded to each step's dtype, with the zero and scale of the
+    tile's ``group`` per column (the tile's K rows share one). With 4 bits, K row r is the loaded
+    byte's low nibble when r is even, its high one when odd."""
+    if QBITS == 4:
+        b = (b.to(tl.int32) >> ((offs_k[:, None] % 2) * 4).to(tl.int32)) & 15
+    at = group * stride_qg + offs_n[None, :] * stride_qn
     t = b.to(tl.float32)
     if QUANT == "zero" or QUANT == "zero_scale":
         t = round_as(t - tl.load(z_ptr + at, mask=mask_n, other=0.0).to(tl.float32), SUB_ROUND)
@@ -254,8 +270,7 @@ def matmul_kernel(
     p_ptr, pb_ptr, stride_pk, p_eps,
     # the rotary epilogue (ROPE, ``_rope_store``: its arguments in order; stand-ins without)
     r_ptr, rc_ptr, rs_ptr, r_inner, r_width, rc0, rc1, rcj, rs0, rs1, rsj, r_scale, rn_ptr, rn_pairs, rn_eps,
-    # a quantized B (QUANT): its zero and scale tables [N, K / q_group] by (column, group) strides
-    qz_ptr, qs_ptr, stride_qn, stride_qg, q_group,
+    qz_ptr, qs_ptr, stride_qn, stride_qg, q_group,  # a quantized B's zero and scale tables [N, K / q_group]
     HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
@@ -282,12 +297,7 @@ def matmul_kernel(
     mask_n = offs_n[None, :] < N
     a_ptrs = a_ptr + z * stride_az + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     step_a = tl.full((), BLOCK_K, tl.int64) * stride_ak
-    if QBITS == 4:  # two K rows per byte of B
-        b_ptrs = b_ptr + z * stride_bz + (offs_k // 2)[:, None] * stride_bk + offs_n[None, :] * stride_bn
-        step_b = tl.full((), BLOCK_K // 2, tl.int64) * stride_bk
-    else:
-        b_ptrs = b_ptr + z * stride_bz + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-        step_b = tl.full((), BLOCK_K, tl.int64) * stride_bk
+    b_ptrs, step_b = _b_pointers(b_ptr + z * stride_bz, offs_k, offs_n, stride_bk, stride_bn, BLOCK_K, QBITS)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -302,10 +312,8 @@ def matmul_kernel(
         elif PROLOGUE == "layer":
             a = _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW, HAS_PB)
         if QUANT != "":  # BLOCK_K divides q_group: one group per tile ("none": q converted only)
-            if QBITS == 4:  # K row r in the byte's low nibble when r is even, its high one when odd
-                b = (b.to(tl.int32) >> ((offs_k[:, None] % 2) * 4).to(tl.int32)) & 15
-            at = (k * BLOCK_K) // q_group * stride_qg + offs_n[None, :] * stride_qn
-            b = _dequant_tile(b, qz_ptr, qs_ptr, at, mask_n, QUANT, QSUB_ROUND, QMUL_ROUND).to(a.dtype)
+            b = _dequant_tile(b, offs_k, offs_n, mask_n, qz_ptr, qs_ptr, (k * BLOCK_K) // q_group, stride_qn,
+                              stride_qg, QUANT, QSUB_ROUND, QMUL_ROUND, QBITS).to(a.dtype)
         acc = _product(acc, a, b, GEMV, DOT_UPCAST)
         a_ptrs += step_a
         b_ptrs += step_b

@@ -11,6 +11,9 @@ sharing the cache as program state) and one prompt, in six modes:
 * ``state_on_device_graphs_dot`` the same, lowered for a target without the GEMV variant
                       (``Target.gemv_rows=0``): every decode projection on ``tl.dot``'s 16-row tiles,
                       to compare with the GEMV path.
+* ``state_on_device_graphs_int8``, ``..._int4`` the same with the linears weight-only quantized
+                      (``td.quantize_linears``: int8 per row; 4 bits per group of 64): a step reads a
+                      byte, or half of one, per weight; tokens checked against the quantized model eager.
 * ``hf_eager``        transformers' ``LlamaForCausalLM`` with the same config and weights, in its static-cache
                       export recipe (``TorchExportableModuleWithStaticCache``) run eagerly on the same
                       device: the reference front end of DESIGN.md's first workload.
@@ -29,6 +32,7 @@ under the Triton interpreter: the times are the interpreter's; the bytes and lau
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import os
@@ -45,9 +49,13 @@ from tritondelegate.models import export_prefill_decode, generate_eager, hf_llam
 from bench.harness import DEVICE, TORCH_DEVICE
 
 GEN_MODES = ("state_on_host", "state_on_device", "state_on_device_graphs", "state_on_device_graphs_dot",
-             "state_on_device_graphs_one_pass", "hf_eager")
+             "state_on_device_graphs_one_pass", "state_on_device_graphs_int8", "state_on_device_graphs_int4",
+             "hf_eager")
 # lowering variants of the device-state program: mode -> the target's changes
 VARIANTS = {"state_on_device_graphs_dot": {"gemv_rows": 0}, "state_on_device_graphs_one_pass": {"split_attention": False}}
+# weight-only quantized variants: mode -> td.quantize_linears' arguments (a linear whose input features the
+# group does not divide stays float); their tokens are checked against the quantized model run eagerly
+QUANTIZED = {"state_on_device_graphs_int8": {}, "state_on_device_graphs_int4": {"bits": 4, "group_size": 64}}
 
 
 MOE_MODES = ("state_on_device", "state_on_device_graphs", "hf_eager")  # the modes a Mixtral case runs
@@ -164,6 +172,7 @@ class _Held:
     model: torch.nn.Module
     prompt: torch.Tensor
     tokens: list[int] | None = None  # eager greedy tokens: the prefill's, then one per decode step
+    quantized: dict = dataclasses.field(default_factory=dict)  # mode -> (quantized model, its eager tokens)
 
 
 class GenBench:
@@ -198,19 +207,35 @@ class GenBench:
             held.tokens = tokens[0].tolist()
         return held.tokens
 
+    def quantized(self, case: GenCase, mode: str) -> tuple[torch.nn.Module, list[int]]:
+        """``case``'s model quantized as ``mode`` says (:data:`QUANTIZED`), and its eager greedy tokens
+        (computed after the export, which keeps the cache values eager then writes)."""
+        held = self.prepare(case)
+        if mode not in held.quantized:
+            model = td.quantize_linears(copy.deepcopy(held.model), **QUANTIZED[mode])
+            held.quantized[mode] = (model, None)
+            self.program_path(case, True, mode)
+            tokens, _ = generate_eager(model, held.prompt, case.steps + 1)
+            held.quantized[mode] = (model, tokens[0].tolist())
+        return held.quantized[mode]
+
     def program_path(self, case: GenCase, state_on_device: bool, mode: str = "state_on_device") -> str:
-        """The program file for ``case``, lowered for ``mode``'s target variant (:data:`VARIANTS`)."""
+        """The program file for ``case``, lowered for ``mode``'s target variant (:data:`VARIANTS`), of
+        its quantized model for a mode of :data:`QUANTIZED`."""
         variant = VARIANTS.get(mode, {})
-        key = (case.name, state_on_device, tuple(variant.items()))
+        quant = QUANTIZED.get(mode)
+        key = (case.name, state_on_device, tuple(variant.items()), mode if quant is not None else None)
         if key not in self._files:
             config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(
                 skip_h2d_for_constants=True, state_on_device=state_on_device),
                 target=dataclasses.replace(local_target(), **variant))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", td.PerCallCopyWarning)  # state_on_host: the copies are the point
-                lowered = td.lower(case.export(self.prepare(case).model),
-                                   partitioner=td.TritonPartitioner(device="cuda:0"), config=config)
+                model = self.prepare(case).model if quant is None else self.quantized(case, mode)[0]
+                lowered = td.lower(case.export(model), partitioner=td.TritonPartitioner(device="cuda:0"),
+                                   config=config)
             place = ("device" if state_on_device else "host") + "".join(f"-{k}{v}" for k, v in variant.items())
+            place += "" if quant is None else f"-{mode.rsplit('_', 1)[-1]}"
             path = os.path.join(self.workdir, f"{case.name}.{place}.tdp")
             lowered.save(path)
             self._files[key] = path
@@ -222,7 +247,7 @@ class GenBench:
             return self._hf_runner(case)
         if mode not in GEN_MODES:
             raise ValueError(f"unknown generation mode {mode!r}; valid: {', '.join(GEN_MODES)}")
-        expected = self.eager_tokens(case)
+        expected = self.eager_tokens(case) if mode not in QUANTIZED else self.quantized(case, mode)[1]
         prompt = self.prepare(case).prompt
         program = td.load(self.program_path(case, mode != "state_on_host", mode))
         generator = Generator(program, graphs=mode.startswith("state_on_device_graphs"), stream=self.stream)

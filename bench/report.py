@@ -20,7 +20,8 @@ from collections import defaultdict
 MODES = ("per_call_copy", "resident", "resident_io", "resident_graphs", "eager", "torch_compile")
 LOWERED = ("per_call_copy", "resident", "resident_io", "resident_graphs")
 GENERATION_MODES = ("state_on_host", "state_on_device", "state_on_device_graphs", "state_on_device_graphs_dot",
-                    "state_on_device_graphs_one_pass", "hf_eager")
+                    "state_on_device_graphs_one_pass", "state_on_device_graphs_int8", "state_on_device_graphs_int4",
+                    "hf_eager")
 
 
 def _bytes(n) -> str:
@@ -266,19 +267,23 @@ def generation_section(generation: dict) -> str:
                        speedup("state_on_device_graphs", "state_on_device"),
                        speedup("state_on_device_graphs", "state_on_device_graphs_dot"),
                        speedup("state_on_device_graphs", "state_on_device_graphs_one_pass"),
+                       speedup("state_on_device_graphs_int8", "state_on_device_graphs"),
+                       speedup("state_on_device_graphs_int4", "state_on_device_graphs"),
                        speedup("state_on_device_graphs", "hf_eager")])
     return "\n".join([
         "## Generation: decode throughput with a KV cache", "",
         "Greedy decode steps after one prefill (`steps` per timed round, median round). `state_on_host`: the "
         "cache copied host-to-device and back every call; `state_on_device`: the cache is program state on "
         "the device; `_graphs`: decode replayed as CUDA graphs; `_dot`: lowered without the GEMV variant "
-        "(every projection on tl.dot's 16-row tiles); `_one_pass`: decode attention never splits its keys; `hf_eager`: transformers' LlamaForCausalLM "
+        "(every projection on tl.dot's 16-row tiles); `_one_pass`: decode attention never splits its keys; "
+        "`_int8`, `_int4`: the linears weight-only quantized (`td.quantize_linears`; tokens checked against "
+        "the quantized model eager); `hf_eager`: transformers' LlamaForCausalLM "
         "with the same weights and its static cache, eager, on the same device. Bytes, launches and memory "
         "from `method.stats` and `program.memory()`.", "",
         _table(header, rows), "",
         _table(["model", "weights", "KV cache", "state_on_device / state_on_host (tokens/s)",
                 "graphs / state_on_device", "GEMV / tl.dot (graphs)", "split keys / one pass (graphs)",
-                "state_on_device_graphs / hf_eager"],
+                "int8 / float (graphs)", "int4 / float (graphs)", "state_on_device_graphs / hf_eager"],
                ratios), ""])
 
 

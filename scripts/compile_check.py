@@ -658,15 +658,9 @@ def _per_dtype(d) -> dict[str, callable]:
         "decoder_decode_8b": lambda: _decoder(d, 1, dim=4096, n_layers=1, n_heads=32, n_kv_heads=8,
                                               hidden_dim=14336, max_seq_len=64),
         "decoder_8_tokens": lambda: _decoder(d, 8, n_heads=8, n_kv_heads=2, max_seq_len=64, **llama),  # GEMV, 8 rows
-        # weight-only quantized (td.quantize_linears): int8 per row at decode (GEMV), uint8 with zero points
-        # per group of 128 at prefill (tl.dot tiles, K step capped to the group); 4 bits (two per byte) both ways
+        # weight-only quantized (td.quantize_linears), int8 per row at decode (GEMV): the dequantization's
+        # rounding per dtype; the other quantized cases are bf16's (``_quantized_cases``)
         "decoder_decode_int8": lambda: _quantized(_decoder(d, 1, n_heads=8, n_kv_heads=2, max_seq_len=64, **llama)),
-        "decoder_decode_int4_g32": lambda: _quantized(
-            _decoder(d, 1, n_heads=8, n_kv_heads=2, max_seq_len=64, **llama), group_size=32, bits=4),
-        "decoder_prefill_uint4_g64": lambda: _quantized(
-            _decoder(d, 384, n_heads=8, n_kv_heads=2, max_seq_len=512, **llama), group_size=64, zero_point=True, bits=4),
-        "decoder_prefill_uint8_g128": lambda: _quantized(
-            _decoder(d, 384, n_heads=8, n_kv_heads=2, max_seq_len=512, **llama), group_size=128, zero_point=True),
         "mlp": lambda: (MLP([784, 1024, 1000]).eval().to(d), (_randn(64, 784, dtype=d),)),
         "mlp_decode": lambda: (MLP([2048, 4096, 2048]).eval().to(d), (_randn(1, 2048, dtype=d),)),
         "resnet_tiny": lambda: _resnet(d),
@@ -902,6 +896,21 @@ def _softcap_attention(dtype, seq: int, keys: int):
         _randn(1, 8, keys, 256, dtype=dtype), mask)
 
 
+def _quantized_cases() -> dict[str, callable]:
+    """bf16 decoders with weight-only quantized linears: 4 bits (two per byte) per group of 32 at decode
+    (GEMV); uint8 and 4 bits with zero points per group at prefill (tl.dot tiles, the K step capped to
+    the group)."""
+    llama = dict(dim=512, n_layers=1, hidden_dim=1376, n_heads=8, n_kv_heads=2)
+    return {
+        "decoder_decode_int4_g32/bfloat16": lambda: _quantized(
+            _decoder(BF16, 1, max_seq_len=64, **llama), group_size=32, bits=4),
+        "decoder_prefill_uint4_g64/bfloat16": lambda: _quantized(
+            _decoder(BF16, 384, max_seq_len=512, **llama), group_size=64, zero_point=True, bits=4),
+        "decoder_prefill_uint8_g128/bfloat16": lambda: _quantized(
+            _decoder(BF16, 384, max_seq_len=512, **llama), group_size=128, zero_point=True),
+    }
+
+
 def cases() -> dict[str, callable]:
     """Case name -> a function returning (model, example args). Shapes span every block-size branch
     of each kernel family (short and long rows, decode- and prefill-shaped GEMMs and attention)."""
@@ -909,6 +918,7 @@ def cases() -> dict[str, callable]:
     for dtype in FLOATS:
         suffix = dtype_name(dtype)
         out.update({f"{name}/{suffix}": make for name, make in _per_dtype(dtype).items()})
+    out.update(_quantized_cases())
     out["reductions/int64"] = _int_reductions
     out["scatter/int64"] = _int_scatter
     out["division/int64"] = _int_division

@@ -13,6 +13,7 @@
 #                         device, with CUDA graphs, transformers' Llama eager; and transformers' Mixtral
 #                         (8 experts, top 2) lowered and eager (bench/test_generation.py)
 #   gpu-generation-long.json  the same for a 3000-token context (split vs one-pass decode attention)
+#   gpu-generation-quantized.json  decode tokens/s with int8 and 4-bit weight-only quantized linears
 #   gpu-*.log             each step's pytest output
 #   gpu-report.md         python -m bench.report over every gpu-*.json written
 #   gpu-latency.png       the plot (when matplotlib is installed; the report says when it is not)
@@ -72,9 +73,14 @@ step launch bench/test_launch.py
 # The runtime's own host cost (null device) and the time to a first result, JIT vs kernel binaries.
 step runtime bench/test_overhead.py bench/test_first_call.py
 # Generation (DESIGN.md's first workload): SIZES=quick runs its small model only, anything else both.
-step generation bench/test_generation.py --bench-sizes "$([[ "$SIZES" == quick ]] && echo quick || echo default)"
+step generation bench/test_generation.py --bench-sizes "$([[ "$SIZES" == quick ]] && echo quick || echo default)" \
+  -k "not int8 and not int4"
 # A long context (3000-token prompt, 4096-position cache): decode attention split over the keys or not.
 [[ "$SIZES" == quick ]] || step generation-long bench/test_generation.py --bench-case kv-d1024-l2-v16384-s4096
+# Weight-only quantized linears (int8 per row, 4 bits per group of 64) on the 495 MB decoder: its own
+# step (each mode lowers a quantized copy), compared with the graphs mode of the generation step.
+[[ "$SIZES" == quick ]] || step generation-quantized bench/test_generation.py --bench-case kv-d1024-l8-v16384-s1024 \
+  -k "int8 or int4"
 if [[ "$SIZES" == default ]]; then
   # The small models share one process; each large one gets its own step (and JSON).
   step small bench/test_latency.py bench/test_load.py --bench-sizes small

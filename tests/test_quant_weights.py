@@ -296,10 +296,10 @@ def test_quantized_linear_rounds_within_half_a_step(group_size, zero_point):
     assert quantized.scale.shape == (24, 1 if group_size is None else 48 // group_size)
     step = quantized.scale.repeat_interleave(48 // quantized.scale.shape[1], dim=1)
     with torch.no_grad():
-        error = (quantized.weight() - linear.weight).abs()
+        error = (quantized.weight - linear.weight).abs()
         assert (error <= step / 2 * 1.001 + 1e-7).all(), (error / step).max()
         x = torch.randn(5, 48)
-        assert_close(quantized(x), F.linear(x, quantized.weight(), linear.bias))
+        assert_close(quantized(x), F.linear(x, quantized.weight, linear.bias))
 
 
 # --- 4: fallbacks: the weight folded to a float constant, as before -------------------------------
@@ -499,7 +499,7 @@ def test_quantize_linears_4_bits(group_size, zero_point):
     assert quantized.qweight.shape == (N, K // 2) and quantized.qweight.dtype == torch.uint8
     step = quantized.scale.repeat_interleave(K // quantized.scale.shape[1], dim=1)
     with torch.no_grad():
-        assert ((quantized.weight() - linear.weight).abs() <= step / 2 * 1.001 + 1e-7).all()
+        assert ((quantized.weight - linear.weight).abs() <= step / 2 * 1.001 + 1e-7).all()
     x = torch.randn(2, 20, K)
     lowered = lower_resident(quantized, (x,))
     (launch,) = plan_launches(lowered)

@@ -64,8 +64,10 @@ class QuantizedLinear(torch.nn.Module):
         self.bias = linear.bias
         self.bits, self.in_features, self.out_features = bits, k, n
 
+    @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weight [out, in], in the scale's dtype."""
+        """The dequantized weight [out, in], in the scale's dtype, computed on each access (what code
+        that reads a linear's ``weight`` for its shape or dtype expects; its forward computes it so)."""
         n, k = self.out_features, self.in_features
         q = self.qweight
         if self.bits == 4:  # the nibbles, low first
@@ -79,7 +81,7 @@ class QuantizedLinear(torch.nn.Module):
         return (w * self.scale.unsqueeze(-1)).view(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight(), self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         group = self.in_features // self.scale.shape[1]

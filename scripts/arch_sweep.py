@@ -16,6 +16,9 @@ and the simulated device (or a GPU), comparing with eager. Prints one line per (
     dyn_gen   generate with a dynamic prompt length (Dim 1..16), prompts of 1, 16, 7 tokens
     fp16      as bf16, in fp16
     dyn2      text models with dynamic batch and length and a padding attention_mask
+    int8      forward with the linears weight-only quantized (td.quantize_linears: int8 per row), against
+              the quantized model in eager; notes integer bytes the program did not keep
+    int4_gen  generate with the linears at 4 bits, zero points per group of 16, likewise
 
     python scripts/arch_sweep.py                       # every architecture, every case
     python scripts/arch_sweep.py --archs llama,gpt2 --cases forward,dynamic --timeout 300
@@ -718,7 +721,8 @@ IMAGE_SHAPE = {"swin": (3, 32, 32), "swinv2": (3, 32, 32), "segformer": (3, 32, 
 # (channels, height, width), or (frames, channels, height, width) for video; 3 x 16 x 16 otherwise
 WAVE_LEN = 400  # audio samples: 79 frames after the stride-5 conv, 39 after the stride-2 one
 ARCHS = list(DECODERS) + list(ENCODERS)
-CASES = ("forward", "generate", "dynamic", "batch2", "mask", "eager_attn", "bf16", "long", "long_gen", "wide", "dyn_gen", "fp16", "dyn2")
+CASES = ("forward", "generate", "dynamic", "batch2", "mask", "eager_attn", "bf16", "long", "long_gen", "wide", "dyn_gen", "fp16", "dyn2",
+         "int8", "int4_gen")
 
 
 class First(torch.nn.Module):
@@ -849,6 +853,7 @@ def _export(module, args, **kw):
 
 def _facts(lowered):
     """(launches per call over all methods, lowest delegated %, host op counts)"""
+    LOWERED[:] = [lowered]
     launches, share, host = 0, 100.0, collections.Counter()
     for report in lowered.reports.values():
         launches += sum(report.launches.values())
@@ -861,6 +866,7 @@ def _facts(lowered):
 
 
 REASONS = {}  # (host op, reason) -> nodes, of the latest case (printed with --verbose)
+LOWERED = []  # the latest case's lowered program
 
 
 def _diff(out, ref):
@@ -1127,6 +1133,26 @@ def case_generate(name, model, prompt=None, cache=16, tokens=TOKENS):
     return (worst, note, *_facts(lowered))
 
 
+def _quantized(case, kwargs):
+    """``case`` on the model with its linears weight-only quantized (``td.quantize_linears(**kwargs)``),
+    against the quantized model in eager; notes when the program holds fewer integer bytes than the
+    quantized linears (some weight folded back to floats)."""
+    def run(name, model):
+        import tritondelegate as td
+
+        td.quantize_linears(model, **kwargs)
+        want = sum(m.qweight.numel() for m in model.modules() if isinstance(m, td.QuantizedLinear))
+        if not want:
+            raise Skip("no linear to quantize")
+        worst, note, *facts = case(name, model)
+        held = sum(c.nbytes for c in LOWERED[0].program.constants if c.dtype in ("int8", "uint8"))
+        if held < want:
+            note = "; ".join(filter(None, [note, f"{held} of {want} integer bytes kept"]))
+        return (worst, note, *facts)
+
+    return run
+
+
 # ----------------------------------------------------------------------------- driver
 
 def _first_line(e):
@@ -1142,7 +1168,7 @@ def run_case(name, case, timeout, verbose):
     start = time.time()
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(timeout)
-    if case in ("generate", "long_gen", "dyn_gen") and name not in DECODERS:
+    if case in ("generate", "long_gen", "dyn_gen", "int4_gen") and name not in DECODERS:
         return None
     REASONS.clear()
     try:
@@ -1172,7 +1198,8 @@ CASE_FUNCTIONS = {"forward": case_forward, "generate": case_generate, "dynamic":
                   "batch2": case_batch2, "mask": case_mask, "eager_attn": case_eager_attn, "bf16": case_bf16,
                   "long": case_long, "long_gen": case_long_gen, "wide": case_wide,
                   "dyn_gen": case_dyn_gen, "fp16": case_fp16,
-                  "dyn2": case_dyn2}
+                  "dyn2": case_dyn2, "int8": _quantized(case_forward, {}),
+                  "int4_gen": _quantized(case_generate, dict(bits=4, group_size=16, zero_point=True))}
 
 
 def main(argv=None):

@@ -32,10 +32,10 @@ class QuantizedLinear(torch.nn.Module):
     * ``bits=4``: two columns per byte of a uint8 ``qweight`` [out, in / 2] (low nibble first), each in
       [0, 15]: around 8 (symmetric, q - 8 in [-8, 7]), or around a zero point per group."""
 
-    def __init__(self, linear: torch.nn.Linear, group_size: int | None = None, zero_point: bool = False,
+    def __init__(self, linear: torch.nn.Module, group_size: int | None = None, zero_point: bool = False,
                  bits: int = 8):
         super().__init__()
-        w = linear.weight.detach()
+        w = _linear_weight(linear).detach()
         n, k = w.shape
         if group_size is not None and (group_size < 1 or k % group_size):
             raise ValueError(f"group_size {group_size} does not divide the {k} input features of {linear}")
@@ -89,20 +89,31 @@ class QuantizedLinear(torch.nn.Module):
                 f"group={group}, zero_point={self.zero is not None}")
 
 
+def _is_conv1d(module: torch.nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's projections): ``addmm(bias, x, weight)`` with weight [in, out]."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+
+
+def _linear_weight(module: torch.nn.Module) -> torch.Tensor:
+    """A linear's weight as ``nn.Linear`` holds it, [out, in] (a ``Conv1D``'s transposed)."""
+    return module.weight.t() if _is_conv1d(module) else module.weight
+
+
 def quantize_linears(model: torch.nn.Module, *, group_size: int | None = None, zero_point: bool = False,
                      bits: int = 8, skip=()) -> torch.nn.Module:
-    """Replace every ``nn.Linear`` of ``model`` (in place; returned) by a :class:`QuantizedLinear`,
-    except those whose qualified name matches a pattern of ``skip`` (``fnmatch``, e.g. ``"lm_head"``)
-    and those whose input features ``group_size`` does not divide, or (4 bits) are odd (kept float, as
-    are embeddings)."""
+    """Replace every ``nn.Linear`` of ``model`` (in place; returned), and every transformers ``Conv1D``
+    (GPT-2's linears, weight [in, out]), by a :class:`QuantizedLinear`, except those whose qualified
+    name matches a pattern of ``skip`` (``fnmatch``, e.g. ``"lm_head"``) and those whose input features
+    ``group_size`` does not divide, or (4 bits) are odd (kept float, as are embeddings)."""
     if group_size is not None and group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if not isinstance(child, torch.nn.Linear) or any(fnmatch.fnmatch(full, p) for p in skip):
+            if not (isinstance(child, torch.nn.Linear) or _is_conv1d(child)) or any(fnmatch.fnmatch(full, p) for p in skip):
                 continue
-            if (group_size is not None and child.in_features % group_size) or (bits == 4 and child.in_features % 2):
+            k = _linear_weight(child).shape[1]
+            if (group_size is not None and k % group_size) or (bits == 4 and k % 2):
                 continue
             setattr(module, child_name, QuantizedLinear(child, group_size, zero_point, bits))
     return model

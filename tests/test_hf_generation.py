@@ -131,6 +131,29 @@ def test_static_cache_generation_matches_eager(name, tmp_path):
     assert greedy_static_cache(prefill, decode, second, 4)[0] == greedy_static_cache(eager, eager, second, 4)[0]
 
 
+@pytest.mark.parametrize("name,quantize", [("llama", dict(bits=4, group_size=16, zero_point=True)),
+                                           ("phi3", dict())], ids=["llama-uint4-g16", "phi3-int8"])
+def test_weight_only_quantized_generation_matches_the_quantized_model(name, quantize, tmp_path):
+    # td.quantize_linears before the recipe's export: the program keeps every linear's integers (its
+    # launches those of the float model), and gives the quantized model's own tokens and logits
+    torch.manual_seed(0)
+    model = td.quantize_linears(_model(name), **quantize)
+    integers = sum(m.qweight.nbytes for m in model.modules() if isinstance(m, td.QuantizedLinear))
+    lowered = td.lower(_export(model), config=td.LowerConfig(
+        propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True)))
+    for method in ("prefill", "decode"):
+        assert sum(lowered.reports[method].launches.values()) == LAUNCHES[name]
+        assert not lowered.reports[method].nodes.host
+    assert sum(c.nbytes for c in lowered.program.constants if c.dtype in ("int8", "uint8")) == integers
+    lowered.save(tmp_path / "lm.tdp")
+    program = td.load(tmp_path / "lm.tdp", devices="simulated")
+    eager = executorch.TorchExportableModuleWithStaticCache(model)
+    expected, expected_logits = greedy_static_cache(eager, eager, PROMPT, 8)
+    tokens, logits = greedy_static_cache(program.load_method("prefill"), program.load_method("decode"), PROMPT, 8)
+    assert tokens == expected
+    assert max((a - b).abs().max().item() for a, b in zip(logits, expected_logits)) < 1e-3
+
+
 def test_dynamic_prompt_length_shares_the_cache_with_decode(tmp_path):
     """transformers' recipe with a dynamic prompt length (``Dim("seq", max=16)``): one prefill method
     for every prompt of 1..16 tokens and one decode method, sharing weights and cache on the device."""

@@ -171,7 +171,7 @@ def _arith(x, operand, stage: int) -> Quantized | None:
 def _reshape(x: Quantized, shape) -> Quantized | None:
     shape = [int(s) for s in shape]
     if -1 in shape:
-        known = -torch.Size([s for s in shape if s != -1]).numel()
+        known = math.prod(s for s in shape if s != -1)
         shape[shape.index(-1)] = math.prod(x.shape) // known if known else 0
     k = x.k
     kd = x.k_dims
@@ -438,8 +438,11 @@ def kernel_groups(value: Quantized) -> bool:
 
 def reads_as_weight(node: torch.fx.Node, value: Quantized) -> bool:
     """Whether every reader of ``node`` reads it as a weight, and only there (a linear's [N, K] weight,
-    or ``mm``'s (``addmm``'s) B [K, N] when ``value`` is transposed), with groups the kernel walks."""
-    if not kernel_groups(value):
+    or ``mm``'s (``addmm``'s) B [K, N] when ``value`` is transposed), with groups the kernel walks, and
+    ``value`` is ``node``'s whole value (its shape and dtype)."""
+    val = node.meta.get("val")
+    if (not kernel_groups(value) or value.groups is not None or not isinstance(val, torch.Tensor)
+            or tuple(val.shape) != value.shape or val.dtype != value.dtype):
         return False
     readers = {aten.mm.default: 1, aten.addmm.default: 2} if value.transposed else dict.fromkeys(LINEARS, 1)
     return bool(node.users) and all(

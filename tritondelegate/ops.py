@@ -726,6 +726,11 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
 
 
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [*R, K] of values in [0, 15] -> uint8 [*R, K / 2], as :func:`unpack_nibbles` reads them."""
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).contiguous()
+
+
 def dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits: int = 8) -> torch.Tensor:
     """The arithmetic in fp32, rounded to each step's dtype: eager's, whose 16-bit ops compute in fp32
     and round once (the products and differences here are exact in fp32)."""

@@ -22,6 +22,8 @@ import fnmatch
 import torch
 import torch.nn.functional as F
 
+from .ops import pack_nibbles, unpack_nibbles
+
 
 class QuantizedLinear(torch.nn.Module):
     """``nn.Linear`` with its weight as integers and a scale per row, or per group of ``group_size``
@@ -57,8 +59,7 @@ class QuantizedLinear(torch.nn.Module):
             self.zero = None
         q = q.reshape(n, k)
         if bits == 4:
-            q = q.to(torch.uint8)
-            q = q[:, 0::2] | (q[:, 1::2] << 4)
+            q = pack_nibbles(q.to(torch.uint8))
         self.register_buffer("qweight", q.to(torch.uint8 if zero_point or bits == 4 else torch.int8))
         self.register_buffer("scale", scale[..., 0].to(w.dtype))
         self.bias = linear.bias
@@ -70,8 +71,8 @@ class QuantizedLinear(torch.nn.Module):
         that reads a linear's ``weight`` for its shape or dtype expects; its forward computes it so)."""
         n, k = self.out_features, self.in_features
         q = self.qweight
-        if self.bits == 4:  # the nibbles, low first
-            q = torch.stack([q & 15, q >> 4], dim=-1).view(n, k)
+        if self.bits == 4:
+            q = unpack_nibbles(q)
         groups = self.scale.shape[1]
         w = q.to(self.scale.dtype).view(n, groups, k // groups)
         if self.zero is not None:

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..dtypes import dtype_name
 from . import sizes as size_fns
 from .sizes import is_size_node
 from .refs import FLOAT_DTYPES, MAX_RANK, TRef, broadcast_strides, collapse_padded
@@ -102,6 +103,12 @@ def _div_floor(a, b):
         m = a % b
         r = tl.where((m != 0) & ((m < 0) != (b < 0)), q - 1, q)
     return r
+
+
+def round_name(dtype: torch.dtype) -> str:
+    """The name :func:`round_as` rounds a value of ``dtype`` by: a 16-bit float's, else "" (nothing to
+    round)."""
+    return dtype_name(dtype) if dtype in (torch.float16, torch.bfloat16) else ""
 
 
 @triton.jit

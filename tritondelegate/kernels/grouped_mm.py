@@ -42,7 +42,7 @@ import triton.language as tl
 from . import sizes, target
 from ..dtypes import dtype_name
 from ..ops import CLAMPED_SWIGLU, GROUPED_GLU_ACTS
-from .elementwise import _epilogue, epilogue_args, round_as
+from .elementwise import _epilogue, epilogue_args, round_as, round_name
 from .matmul import _glu_tile, _rms_tile
 from .matmul import choose_config as matmul_config
 from .refs import TRef, node_value
@@ -331,7 +331,7 @@ class GroupedOp:
         E, _, N = w.shape
         cfg = choose_config(S, E, N, K, x.dtype, self.prologue is not None)
         rows = triton.cdiv(S, cfg.block_m) if cfg.per_row else triton.cdiv(S, cfg.block_m) + E
-        rounding = dtype_name(x.dtype) if self.glu and x.dtype in (torch.float16, torch.bfloat16) else ""
+        rounding = round_name(x.dtype) if self.glu else ""
         epilogue, constexprs = epilogue_args(out, steps, operands, 2, dtype_name(self.c.dtype))
         kind, norm_w, _, eps = self.prologue or ("", None, None, 0.0)
         bias = self.bias

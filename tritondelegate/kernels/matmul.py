@@ -65,7 +65,7 @@ from .. import ops as td_ops
 from ..ops import GLU_ACTS
 from . import sizes, target
 from . import elementwise as ew
-from .elementwise import MAX_CHAIN, _epilogue, _formula, round_as
+from .elementwise import MAX_CHAIN, _epilogue, _formula, round_as, round_name
 from ..dtypes import dtype_name
 from ..errors import LoweringError
 from .refs import TRef, broadcast_strides, collapse, node_value
@@ -852,22 +852,16 @@ def dequant_weight(b, node):
     linears that read it as their weight (all its readers: :func:`supported_dequant`) read its parts."""
     q, zero, scale = (None if a is None else b.ref(a) for a in node.args[:3])
     sub_dtype, mul_dtype = node.args[3], node.args[4]
-    bits = node.args[6] if len(node.args) > 6 else node.kwargs.get("bits", 8)
-    b.bind(node, QuantWeight(q, zero, scale, round_as_name(sub_dtype), round_as_name(mul_dtype), bits))
-
-
-def round_as_name(dtype: torch.dtype) -> str:
-    """The name ``elementwise.round_as`` rounds a 16-bit float by ("" for fp32: nothing to round)."""
-    return dtype_name(dtype) if dtype in (torch.float16, torch.bfloat16) else ""
+    b.bind(node, QuantWeight(q, zero, scale, round_name(sub_dtype), round_name(mul_dtype), _dequant_flags(node)[0]))
 
 
 def supported_dequant(node) -> str | None:
     """A dequantized weight stays in its readers' kernels: every reader must be a linear that takes it
-    as its weight, with groups the K step can divide (a power of two of at least 16 columns, or whole
-    rows), in a dtype the kernel rounds to."""
+    as its weight (:func:`weight_readers_refusal`), with groups the K step can divide
+    (:func:`group_refusal`), in a dtype the kernel rounds to."""
     q, zero, scale = (node_value(a) for a in node.args[:3])
-    bits = node.args[6] if len(node.args) > 6 else node.kwargs.get("bits", 8)
-    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype not in (torch.int8, torch.uint8):
+    bits, transposed = _dequant_flags(node)
+    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype not in td_ops.QUANT_DTYPES:
         return "q must be a 2-D int8 or uint8 tensor"
     if bits not in (4, 8) or (bits == 4 and q.dtype != torch.uint8):
         return f"{bits}-bit {q.dtype} weights: the kernel reads int8 or uint8, or 4 bits packed in uint8"
@@ -877,21 +871,47 @@ def supported_dequant(node) -> str | None:
             continue
         if t.dim() != 2 or t.shape[0] != q.shape[0] or k % t.shape[1]:
             return f"{name} {tuple(t.shape)} does not hold whole groups of q's rows {tuple(q.shape)}"
-        group = k // t.shape[1]
-        if t.shape[1] > 1 and (group < MIN_BLOCK or group & (group - 1)):
-            return f"groups of {group} columns: the kernel takes a power of two of at least {MIN_BLOCK}"
-    if any(d not in (torch.float16, torch.bfloat16, torch.float32) for d in node.args[3:6]):
+        refused = group_refusal(k, t.shape[1])
+        if refused:
+            return refused
+    if any(d not in td_ops.QUANT_FLOATS for d in node.args[3:6]):
         return f"dtypes {node.args[3:6]}: the kernel computes in fp16, bf16 or fp32"
-    transposed = node.args[7] if len(node.args) > 7 else node.kwargs.get("transposed", False)
+    return weight_readers_refusal(node, transposed)
+
+
+def _dequant_flags(node) -> tuple[int, bool]:
+    """A ``dequant_weight`` node's ``bits`` and ``transposed``."""
+    def arg(i: int, name: str, default):
+        return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+    return arg(6, "bits", 8), arg(7, "transposed", False)
+
+
+def group_refusal(k: int, width: int) -> str | None:
+    """Why the kernel cannot walk ``width`` groups over ``k`` columns (None: it can): whole rows, or a
+    power of two of at least MIN_BLOCK columns, so that each K step lies in one group."""
+    group = k // width
+    if width > 1 and (group < MIN_BLOCK or group & (group - 1)):
+        return f"groups of {group} columns: the kernel takes a power of two of at least {MIN_BLOCK}"
+    return None
+
+
+def weight_readers_refusal(node, transposed: bool) -> str | None:
+    """Why not every reader of ``node`` is a supported matmul that reads it as its weight, and only
+    there (None: they all are): ``linear``, ``glu_linear`` or ``rope_linear`` ([N, K]), or ``mm``
+    (``addmm``) as its B [K, N] when ``transposed``."""
     aten = torch.ops.aten
     checks = ({aten.mm.default: (1, supported), aten.addmm.default: (2, supported)} if transposed else
               {aten.linear.default: (1, supported_linear), td_ops.glu_linear: (1, supported_glu),
                td_ops.rope_linear: (1, supported_rope)})
+    if not node.users:
+        return "nothing reads it"
     for user in node.users:
-        slot = checks.get(user.target, (None,))[0] if user.op == "call_function" else None
-        if slot is None or user.args[slot] is not node or sum(a is node for a in user.all_input_nodes) != 1:
+        slot, check = checks.get(user.target, (None, None)) if user.op == "call_function" else (None, None)
+        others = [a for i, a in enumerate(user.args) if i != slot] + list(user.kwargs.values())
+        if slot is None or user.args[slot] is not node or any(a is node for a in others):
             return f"{user.name} reads it other than as " + ("mm's B" if transposed else "a linear's weight")
-        refused = checks[user.target][1](user)
+        refused = check(user)
         if refused:
             return f"its reader {user.name} stays on the host: {refused}"
     return None
@@ -920,7 +940,7 @@ def rope_linear(b, node):
     norm_dim, norm_eps = (node.args[10], node.args[11]) if norm is not None else (0, 0.0)
 
     def make(b, out: TRef) -> Rope:
-        rounding = dtype_name(dtype) if dtype in (torch.float16, torch.bfloat16) else ""
+        rounding = round_name(dtype)
         return Rope(pairs, cos, sin, strides(cos), strides(cos if sin is None else sin),
                     out.shape[-2] if len(out.shape) >= 2 else 1, float(scale), rounding, norm, norm_dim,
                     float(norm_eps))

@@ -34,9 +34,8 @@ import triton
 import triton.language as tl
 
 from . import sizes
-from ..dtypes import dtype_name
 from ..errors import LoweringError
-from .elementwise import round_as
+from .elementwise import round_as, round_name
 from .refs import FLOAT_DTYPES, TRef, broadcast_strides, collapse, node_value
 from .rows import row_offsets
 from .sizes import next_power_of_2
@@ -180,8 +179,7 @@ def _tables(angles: tuple | None) -> tuple[float, dict]:
     if angles is None:
         return 1.0, {}
     scale, dtype = angles
-    rounding = dtype_name(dtype) if dtype in (torch.float16, torch.bfloat16) else ""
-    return float(scale), {"ANGLES": True, "ROUND": rounding}
+    return float(scale), {"ANGLES": True, "ROUND": round_name(dtype)}
 
 
 def _norm_args(x: TRef, half: int, weights, eps) -> tuple[list, dict]:

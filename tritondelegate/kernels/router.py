@@ -16,8 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dtypes import dtype_name
-from .elementwise import round_as
+from .elementwise import round_as, round_name
 from .ranking import _precedes
 from .refs import FLOAT_DTYPES, TRef
 from .rows import lay_out, row_offsets
@@ -85,7 +84,7 @@ def launch_router(b, x: TRef, k, values: TRef, indices: TRef, softmax_first: boo
     xs, vs, ist = plan.strides
     block_e = next_power_of_2(upper(plan.cols))
     block_j = max(1, min(block_e, TILE // block_e))
-    rounding = dtype_name(softmax_dtype) if softmax_dtype in (torch.float16, torch.bfloat16) else ""
+    rounding = round_name(softmax_dtype)
     b.launch("router", (plan.rows,), values, indices, x, plan.rows, plan.n1, plan.n2, plan.cols, k, *xs, *vs, *ist,
              SOFTMAX_FIRST=softmax_first, RENORMALIZE=renormalize, ROUND=rounding, BLOCK_E=block_e,
              BLOCK_J=block_j, num_warps=4 if block_e <= 256 else 8)

@@ -23,9 +23,8 @@ from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
 from ..kernels.creation import EMPTY_OPS
 from ..kernels.registry import lookup
-from . import quant_weights
 from ..ops import QUANT_DTYPES
-from .quant_weights import PREFIX as QUANT_PREFIX
+from . import quant_weights
 from .quant_weights import QUANTIZED
 
 MAX_GROWTH_BYTES = 1 << 20
@@ -96,12 +95,10 @@ def fold_constants(ep: torch.export.ExportedProgram, state: set[str] = frozenset
         return []
     values = _Values(constants, foldable)
     quantized = quant_weights.evaluate(graph, constants, foldable, values)
-    kept = _keep_quantized(ep, constants, quantized)
+    kept = [node for node in constants if _dequantize_in_kernels(ep, node, quantized)]
     folded = []
     for node in frontier:
-        # a quantized weight's row ops (cat, stack, index_select, views) change no value: no check
-        if node in quantized and quant_weights.reads_as_weight(node, quantized[node]):
-            _dequantize_in_kernels(ep, node, quantized[node])
+        if _dequantize_in_kernels(ep, node, quantized):
             folded.append(node.name)
             continue
         value = values[node]
@@ -135,7 +132,7 @@ def quantize_weights(ep: torch.export.ExportedProgram, state: set[str] = frozens
         # The float weight is not held: a stand-in without storage, until something needs its values
         # (a reader that is not a matmul: :func:`_materialize_quantized`).
         stand_in = torch.zeros((), dtype=value.dtype).expand(value.shape)
-        placeholder = quant_weights.tagged(add_constant(ep, stand_in, QUANT_PREFIX), value)
+        placeholder = quant_weights.tagged(add_constant(ep, stand_in, quant_weights.PREFIX), value)
         placeholder.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(placeholder)
         done.append(f"{node.name} (a weight {list(value.shape)} from {value.bits}-bit integers: kept as those "
@@ -145,24 +142,17 @@ def quantize_weights(ep: torch.export.ExportedProgram, state: set[str] = frozens
     return done
 
 
-def _dequantize_in_kernels(ep, node: torch.fx.Node, value) -> None:
-    """Step 2 of ``quant_weights.py``: ``dequant_weight`` over the parts, stored as new constants, in
-    ``node``'s place."""
-    value = quant_weights.narrowed(value)
-    parts = [None if t is None else add_constant(ep, t.contiguous(), QUANT_PREFIX)
+def _dequantize_in_kernels(ep, node: torch.fx.Node, quantized: dict) -> bool:
+    """Step 2 of ``quant_weights.py``: when ``node`` (a tagged constant, or row ops on such: values
+    checked at step 1, and rearranging rows changes none) is a quantized weight that only matmuls
+    read, ``dequant_weight`` over its parts, stored as new constants, in its place. Whether it was."""
+    if node not in quantized or not quant_weights.reads_as_weight(node, quantized[node]):
+        return False
+    value = quant_weights.narrowed(quantized[node])
+    parts = [None if t is None else add_constant(ep, t.contiguous(), quant_weights.PREFIX)
              for t in (value.q, value.zero, value.scale)]
     quant_weights.dequant_node(ep.graph_module.graph, node, value, parts)
-
-
-def _keep_quantized(ep, constants: dict, quantized: dict) -> list[str]:
-    """The quantized weights (``quant_weights.py``: tagged, their values checked then) that linears read
-    as they are: dequantized in their kernels."""
-    done = []
-    for node in constants:
-        if node in quantized and quant_weights.reads_as_weight(node, quantized[node]):
-            _dequantize_in_kernels(ep, node, quantized[node])
-            done.append(node.name)
-    return done
+    return True
 
 
 class _Values(dict):
@@ -208,16 +198,6 @@ def _materialize_quantized(ep) -> None:
     for node in ep.graph_module.graph.nodes:
         if node.op == "placeholder" and QUANTIZED in node.meta and node.users and node.name in ep.constants:
             ep.constants[node.name] = node.meta[QUANTIZED].dequantize().contiguous()
-
-
-def _evaluate(graph: torch.fx.Graph, constants: dict, foldable: set) -> dict:
-    values: dict[torch.fx.Node, object] = dict(constants)
-    for node in graph.nodes:
-        if node in foldable and node not in constants:
-            args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: values[n])
-            with torch.no_grad():
-                values[node] = node.target(*args, **kwargs)
-    return values
 
 
 def _placeholders_under(node: torch.fx.Node, constants: dict) -> set[torch.fx.Node]:

@@ -20,7 +20,7 @@ four times in fp32, read again by every decode step, which is bound by exactly t
 2. The weight passes (Q/K/V concatenation, gate/up interleaving, rotary row orders) rearrange rows of
    it with ``cat``, ``stack``, ``index_select``, ``slice`` and views; constant folding evaluates those
    on the parts (:func:`evaluate`), and where a linear (``linear``, ``glu_linear``, ``rope_linear``)
-   reads a quantized weight, :func:`dequantize_in_kernels` stores the parts (q, and the per-group
+   reads a quantized weight, ``fold_constants._dequantize_in_kernels`` stores the parts (q, and the per-group
    zero and scale tables) and puts ``tritondelegate::dequant_weight`` in W's place. The matmul
    kernel reads q and dequantizes each tile as it loads it; W is never stored.
 
@@ -39,6 +39,7 @@ import torch
 import torch.fx
 
 from .. import ops
+from ..kernels.matmul import group_refusal, weight_readers_refusal
 from .rewrite import new_node
 
 aten = torch.ops.aten
@@ -46,8 +47,6 @@ prims = torch.ops.prims
 
 QUANTIZED = "quantized"  # the placeholder meta key of a quantized weight's parts
 PREFIX = "_quantized_weight"
-# the linears that read a weight as their second argument and dequantize it in their kernel
-LINEARS = (aten.linear.default, ops.glu_linear, ops.rope_linear)
 _CASTS = (aten._to_copy.default, aten.to.dtype, prims.convert_element_type.default)
 
 
@@ -72,6 +71,11 @@ class Quantized:
     @property
     def k(self) -> int:
         return self.q.shape[-1] * (2 if self.bits == 4 else 1)
+
+    @property
+    def width(self) -> int:
+        """The groups per row of its tables (1 without one)."""
+        return next((t.shape[-1] for t in (self.zero, self.scale) if t is not None), 1)
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -139,7 +143,7 @@ def _table(x: Quantized, operand) -> torch.Tensor | None:
 
 def _unify(x: Quantized, table: torch.Tensor) -> tuple[Quantized, torch.Tensor] | None:
     """x and a new table over the same groups: a one-group-per-row table spreads over the other's."""
-    have = next((t.shape[-1] for t in (x.zero, x.scale) if t is not None), table.shape[-1])
+    have = x.width if x.zero is not None or x.scale is not None else table.shape[-1]
     want = max(have, table.shape[-1])
     if min(have, table.shape[-1]) != 1 and have != table.shape[-1]:
         return None
@@ -415,39 +419,24 @@ def narrowed(value: Quantized) -> Quantized:
         shift = 8
     else:
         return value
-    u = (q.to(torch.int16) + shift).to(torch.uint8)
-    packed = (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
+    packed = ops.pack_nibbles((q.to(torch.int16) + shift).to(torch.uint8))
     zero = value.zero
     if shift:
-        width = next((t.shape[-1] for t in (value.zero, value.scale) if t is not None), 1)
-        base = torch.zeros(*value.rows, width) if zero is None else zero.to(torch.float32)
+        base = torch.zeros(*value.rows, value.width) if zero is None else zero.to(torch.float32)
         zero = base + shift
     return replace(value, q=packed, zero=zero, bits=4)
 
 
-MIN_GROUP = 16  # the matmul kernel's least K step (``matmul.MIN_BLOCK``): groups it can walk one per step
-
-
-def kernel_groups(value: Quantized) -> bool:
-    """Whether the matmul kernel walks ``value``'s groups: whole rows, or a power of two of at least
-    MIN_GROUP columns (each K step then lies in one group)."""
-    width = next((t.shape[-1] for t in (value.zero, value.scale) if t is not None), 1)
-    group = value.k // width
-    return width == 1 or (group >= MIN_GROUP and group & (group - 1) == 0)
-
-
 def reads_as_weight(node: torch.fx.Node, value: Quantized) -> bool:
-    """Whether every reader of ``node`` reads it as a weight, and only there (a linear's [N, K] weight,
-    or ``mm``'s (``addmm``'s) B [K, N] when ``value`` is transposed), with groups the kernel walks, and
-    ``value`` is ``node``'s whole value (its shape and dtype)."""
+    """Whether ``value`` is ``node``'s whole value (its shape and dtype), with groups the matmul kernel
+    walks, and every reader of ``node`` is a supported matmul that reads it as its weight, and only
+    there (the ``dequant_weight`` support check's rules: ``matmul.group_refusal``,
+    ``matmul.weight_readers_refusal``)."""
     val = node.meta.get("val")
-    if (not kernel_groups(value) or value.groups is not None or not isinstance(val, torch.Tensor)
-            or tuple(val.shape) != value.shape or val.dtype != value.dtype):
+    if (value.groups is not None or not isinstance(val, torch.Tensor) or tuple(val.shape) != value.shape
+            or val.dtype != value.dtype or group_refusal(value.k, value.width)):
         return False
-    readers = {aten.mm.default: 1, aten.addmm.default: 2} if value.transposed else dict.fromkeys(LINEARS, 1)
-    return bool(node.users) and all(
-        u.op == "call_function" and u.target in readers and u.args[readers[u.target]] is node
-        and sum(a is node for a in u.all_input_nodes) == 1 for u in node.users)
+    return weight_readers_refusal(node, value.transposed) is None
 
 
 def tagged(node: torch.fx.Node, value: Quantized) -> torch.fx.Node:

@@ -164,7 +164,7 @@ def _matmul(x: LaunchArgs) -> Footprint:
     s = {name: x.i(name) for name in ("stride_az", "stride_am", "stride_ak", "stride_bz", "stride_bk",
                                       "stride_bn", "stride_cz", "stride_cm", "stride_cn")}
     acc = [Access("a_ptr", ((Z, s["stride_az"]), (M, s["stride_am"]), (K, s["stride_ak"]))),
-           Access("b_ptr", ((Z, s["stride_bz"]), (_cdiv(K, x.c["QBITS"] == 4 and 2 or 1), s["stride_bk"]),
+           Access("b_ptr", ((Z, s["stride_bz"]), (_cdiv(K, 2 if x.c["QBITS"] == 4 else 1), s["stride_bk"]),
                             (N, s["stride_bn"]))),  # (a 4-bit B: two K rows per byte)
            Access("c_ptr", ((Z, s["stride_cz"]), (M, s["stride_cm"]), (n_out, s["stride_cn"])), write=True)]
     if x.c["HAS_BIAS"]:

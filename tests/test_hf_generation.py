@@ -132,13 +132,16 @@ def test_static_cache_generation_matches_eager(name, tmp_path):
 
 
 @pytest.mark.parametrize("name,quantize", [("llama", dict(bits=4, group_size=16, zero_point=True)),
-                                           ("phi3", dict())], ids=["llama-uint4-g16", "phi3-int8"])
+                                           ("phi3", dict()), ("mixtral", dict(bits=4, group_size=16))],
+                         ids=["llama-uint4-g16", "phi3-int8", "mixtral-int4-g16"])
 def test_weight_only_quantized_generation_matches_the_quantized_model(name, quantize, tmp_path):
-    # td.quantize_linears before the recipe's export: the program keeps every linear's integers (its
-    # launches those of the float model), and gives the quantized model's own tokens and logits
+    # td.quantize_linears before the recipe's export: the program keeps every linear's integers and
+    # (Mixtral) its experts' (its launches those of the float model), and gives the quantized model's own
+    # tokens and logits
     torch.manual_seed(0)
     model = td.quantize_linears(_model(name), **quantize)
-    integers = sum(m.qweight.nbytes for m in model.modules() if isinstance(m, td.QuantizedLinear))
+    integers = sum(b.nbytes for b in model.buffers() if b.dtype in (torch.int8, torch.uint8))
+    assert integers and (name != "mixtral" or not any(p.dim() == 3 for p in model.parameters()))
     lowered = td.lower(_export(model), config=td.LowerConfig(
         propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True)))
     for method in ("prefill", "decode"):

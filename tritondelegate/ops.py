@@ -703,7 +703,8 @@ tanhshrink = torch.ops.tritondelegate.tanhshrink.default
 # q [*R, K] int8 or uint8; zero and scale [*R, K / G]: one per group of G consecutive columns (G = K:
 # one per row); each None when absent. ``bits=4``: q is uint8 [*R, K / 2], two unsigned 4-bit values
 # per byte, column 2j in byte j's low nibble and column 2j + 1 in its high one (``unpack_nibbles``).
-# ``transposed``: W.t() [K, N], the B of an ``mm``. The float weight a model computes from them, in its dtype order:
+# ``transposed``: W's last two dims swapped ([*E, K, N]: the B of an ``mm``, or each expert's weight of a
+# grouped GEMM). The float weight a model computes from them, in its dtype order:
 #     t = q.to(sub_dtype) - zero          (zero converted to sub_dtype; both exact)
 #     t = t.to(mul_dtype) * scale         (the product rounded to mul_dtype)
 #     W = t.to(dtype)
@@ -760,14 +761,14 @@ def _check_dequant(q, zero, scale, bits) -> None:
 def _dequant_weight(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8, transposed=False):
     _check_dequant(q, zero, scale, bits)
     w = dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits)
-    return w.t() if transposed else w
+    return w.transpose(-2, -1) if transposed else w
 
 
 @torch.library.register_fake(f"{NAMESPACE}::dequant_weight")
 def _dequant_weight_fake(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8, transposed=False):
     _check_dequant(q, zero, scale, bits)
     w = q.new_empty((*q.shape[:-1], q.shape[-1] * (2 if bits == 4 else 1)), dtype=dtype)
-    return w.t() if transposed else w
+    return w.transpose(-2, -1) if transposed else w
 
 
 OPS["tritondelegate::dequant_weight"] = torch.ops.tritondelegate.dequant_weight.default

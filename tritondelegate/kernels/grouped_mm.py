@@ -33,7 +33,7 @@ Two variants, both correct for any offs:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -43,7 +43,7 @@ from . import sizes, target
 from ..dtypes import dtype_name
 from ..ops import CLAMPED_SWIGLU, GROUPED_GLU_ACTS
 from .elementwise import _epilogue, epilogue_args, round_as, round_name
-from .matmul import _glu_tile, _rms_tile
+from .matmul import QuantWeight, _b_pointers, _dequant, _glu_tile, _rms_tile
 from .matmul import choose_config as matmul_config
 from .refs import TRef, node_value
 from .rows import node_arg
@@ -85,14 +85,17 @@ def _segment_tile(offs_ptr, stride_o, pid, S, E, BLOCK_M: tl.constexpr, BLOCK_E:
 @triton.jit
 def _segment_product(x_ptr, w_ptr, rows, mask_m, offs_n, mask_n, expert, K, E,
                      stride_xs, stride_xk, stride_we, stride_wk, stride_wn, p_ptr, stride_pk,
+                     qz_ptr, qs_ptr, stride_qe, stride_qn, stride_qg, q_group,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                     RMS: tl.constexpr, HAS_PW: tl.constexpr):
+                     RMS: tl.constexpr, HAS_PW: tl.constexpr, QUANT: tl.constexpr, QSUB_ROUND: tl.constexpr,
+                     QMUL_ROUND: tl.constexpr, QBITS: tl.constexpr):
     """(x[rows] @ w[expert] for rows of one expert, in fp32, 0 for the tail and empty tiles: no K steps;
-    the rows' sums of squares with RMS, x's tiles then scaled by the norm weight, as ``matmul._rms_tile``)."""
+    the rows' sums of squares with RMS, x's tiles then scaled by the norm weight, as ``matmul._rms_tile``;
+    with QUANT the expert's tile dequantized as it is loaded, as ``matmul``'s)."""
     offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
     x_ptrs = x_ptr + rows[:, None] * stride_xs + offs_k[None, :] * stride_xk
-    w_ptrs = (w_ptr + tl.minimum(expert, E - 1).to(tl.int64) * stride_we
-              + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn)
+    e = tl.minimum(expert, E - 1).to(tl.int64)
+    w_ptrs, step_w = _b_pointers(w_ptr + e * stride_we, offs_k, offs_n, stride_wk, stride_wn, BLOCK_K, QBITS)
     step = tl.full((), BLOCK_K, tl.int64)  # int64: a K step times a stride can pass 2^31
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -103,30 +106,37 @@ def _segment_product(x_ptr, w_ptr, rows, mask_m, offs_n, mask_n, expert, K, E,
         b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
         if RMS:
             a, sumsq = _rms_tile(a, sumsq, p_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW)
+        if QUANT != "":  # BLOCK_K divides q_group: one group per tile
+            b = _dequant(b, ((offs_k[:, None] % 2) * 4).to(tl.int32),
+                         e * stride_qe + ((k * BLOCK_K) // q_group) * stride_qg + offs_n[None, :] * stride_qn,
+                         mask_n[None, :], qz_ptr, qs_ptr, QUANT, QSUB_ROUND, QMUL_ROUND, QBITS).to(a.dtype)
         if DOT_UPCAST:  # the interpreter's low-precision dot is wrong; the runtime sets this there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision="ieee")
         x_ptrs += step * stride_xk
-        w_ptrs += step * stride_wk
+        w_ptrs += step_w
     return acc, sumsq
 
 
 @triton.jit
 def _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n, mask_n, S, K, E,
                  stride_xs, stride_xk, stride_we, stride_wk, stride_wn, p_ptr, stride_pk,
+                 qz_ptr, qs_ptr, stride_qe, stride_qn, stride_qg, q_group,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                 RMS: tl.constexpr, HAS_PW: tl.constexpr):
+                 RMS: tl.constexpr, HAS_PW: tl.constexpr, QUANT: tl.constexpr, QSUB_ROUND: tl.constexpr,
+                 QMUL_ROUND: tl.constexpr, QBITS: tl.constexpr):
     """(x[x_rows[r]] @ w[e(r)] row by row, in fp32, 0 for rows past the last segment; the rows' sums of
-    squares with RMS, as ``_segment_product``; each row's expert, E past the last segment)."""
+    squares with RMS, as ``_segment_product``; each row's expert, E past the last segment; with QUANT
+    each row's slab dequantized as it is loaded)."""
     e, starts, ends = _bounds(offs_ptr, stride_o, S, E, BLOCK_E)
     ended = (ends[None, :] <= rows[:, None]) & (e[None, :] < E)  # segments that end at or before row r
     expert = tl.sum(ended.to(tl.int32), 1)
     live = mask_m & (expert < E)
     offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
     x_ptrs = x_ptr + x_rows[:, None] * stride_xs + offs_k[None, :] * stride_xk
-    w_ptrs = (w_ptr + tl.minimum(expert, E - 1).to(tl.int64)[:, None, None] * stride_we
-              + offs_k[None, :, None] * stride_wk + offs_n[None, None, :] * stride_wn)
+    experts = tl.minimum(expert, E - 1).to(tl.int64)[:, None, None]
+    w_ptrs, step_w = _b_pointers(w_ptr + experts * stride_we, offs_k, offs_n, stride_wk, stride_wn, BLOCK_K, QBITS)
     step = tl.full((), BLOCK_K, tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -136,9 +146,14 @@ def _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n,
         if RMS:
             a, sumsq = _rms_tile(a, sumsq, p_ptr, stride_pk, k * BLOCK_K, offs_k, K - k * BLOCK_K, HAS_PW)
         b = tl.load(w_ptrs, mask=live[:, None, None] & inside[None, :, None] & mask_n[None, None, :], other=0.0)
+        if QUANT != "":
+            b = _dequant(b, ((offs_k[None, :, None] % 2) * 4).to(tl.int32),
+                         experts * stride_qe + ((k * BLOCK_K) // q_group) * stride_qg + offs_n[None, None, :] * stride_qn,
+                         live[:, None, None] & mask_n[None, None, :], qz_ptr, qs_ptr, QUANT, QSUB_ROUND, QMUL_ROUND,
+                         QBITS).to(a.dtype)
         acc += tl.sum(a[:, :, None].to(tl.float32) * b.to(tl.float32), axis=1)
         x_ptrs += step * stride_xk
-        w_ptrs += step * stride_wk
+        w_ptrs += step_w
     return acc, sumsq, expert
 
 
@@ -197,6 +212,7 @@ def grouped_mm_kernel(
     stride_xs, stride_xk, stride_we, stride_wk, stride_wn, stride_o, stride_os, stride_on, stride_r, stride_d,
     stride_pk, p_eps,  # the rms prologue's norm weight (x without one) and eps
     stride_be, stride_bn,  # the experts' biases [E, N] (x without them)
+    qz_ptr, qs_ptr, stride_qe, stride_qn, stride_qg, q_group,  # a quantized w's zero and scale tables [E, N, T]
     # epilogue operands per step k < EPILOGUE: pointer, scalar, (row, column) strides (else stand-ins)
     e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
     e0s0, e0s1, e1s0, e1s1, e2s0, e2s1, e3s0, e3s1,
@@ -211,6 +227,7 @@ def grouped_mm_kernel(
     EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False, ROWS: tl.constexpr = False,
     DEST: tl.constexpr = False, PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, GLU_ALPHA: tl.constexpr = 1.0, GLU_LIMIT: tl.constexpr = 0.0,
+    QUANT: tl.constexpr = "", QSUB_ROUND: tl.constexpr = "", QMUL_ROUND: tl.constexpr = "", QBITS: tl.constexpr = 8,
 ):
     # out[r] = x[r] @ w[e(r)], offs[e-1] <= r < offs[e]; 0 past offs[E-1]. GLU: w's N columns alternate
     # gate and up, and out[r] (N / 2 columns) = GLU(gate) * up, each rounded to GLU_ROUND first. ROWS:
@@ -226,7 +243,9 @@ def grouped_mm_kernel(
         x_rows = _x_rows(rows_ptr, stride_r, rows, mask_m, T, rows_div, ROWS)
         acc, sumsq, experts = _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n, mask_n,
                                            S, K, E, stride_xs, stride_xk, stride_we, stride_wk, stride_wn, p_ptr,
-                                           stride_pk, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, PROLOGUE == "rms", HAS_PW)
+                                           stride_pk, qz_ptr, qs_ptr, stride_qe, stride_qn, stride_qg, q_group,
+                                           BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, PROLOGUE == "rms", HAS_PW,
+                                           QUANT, QSUB_ROUND, QMUL_ROUND, QBITS)
     else:
         expert, first, end = _segment_tile(offs_ptr, stride_o, tl.program_id(0), S, E, BLOCK_M, BLOCK_E)
         rows = first + tl.arange(0, BLOCK_M)
@@ -234,7 +253,9 @@ def grouped_mm_kernel(
         x_rows = _x_rows(rows_ptr, stride_r, rows, mask_m, T, rows_div, ROWS)
         acc, sumsq = _segment_product(x_ptr, w_ptr, x_rows, mask_m, offs_n, mask_n, expert, K, E,
                                       stride_xs, stride_xk, stride_we, stride_wk, stride_wn, p_ptr, stride_pk,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST, PROLOGUE == "rms", HAS_PW)
+                                      qz_ptr, qs_ptr, stride_qe, stride_qn, stride_qg, q_group,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST, PROLOGUE == "rms", HAS_PW,
+                                      QUANT, QSUB_ROUND, QMUL_ROUND, QBITS)
         experts = tl.zeros([BLOCK_M], dtype=tl.int32) + expert
     if PROLOGUE == "rms":  # (x * r * w) @ W == r * ((x * w) @ W) row by row
         acc = acc * tl.rsqrt(sumsq / K + p_eps)[:, None]
@@ -269,7 +290,7 @@ class Config:
     per_row: bool
 
 
-def choose_config(S, E: int, N, K, dtype: torch.dtype, prologue: bool = False) -> Config:
+def choose_config(S, E: int, N, K, dtype: torch.dtype, prologue: bool = False, group: int | None = None) -> Config:
     """Tiles for S rows over E experts (upper bounds of dynamic sizes).
 
     At most the target's GEMV rows (8 on an H100), the per-row variant: the rows rounded up to a power
@@ -279,7 +300,13 @@ def choose_config(S, E: int, N, K, dtype: torch.dtype, prologue: bool = False) -
     most FP32_TILE elements under fp32 (a 128x128 fp32 tile spills registers on sm_90). With an rms
     ``prologue`` under fp32 (x's tiles rescaled in registers on their way to the dot), half that over 8
     warps: on sm_90 a 64x128 gate/up tile took all 255 registers at 4 warps, 64x64 at 4 warps 254,
-    64x64 at 8 warps 127 (``scripts/compile_check.py --case moe_experts``)."""
+    64x64 at 8 warps 127 (``scripts/compile_check.py --case moe_experts``). A quantized weight scaled by
+    ``group``s of K columns (a power of two) takes K steps of at most one group."""
+    cfg = _config(S, E, N, K, dtype, prologue)
+    return cfg if group is None else replace(cfg, block_k=min(cfg.block_k, group))
+
+
+def _config(S, E: int, N, K, dtype: torch.dtype, prologue: bool) -> Config:
     gpu = target.current()
     S, N, K = sizes.upper((S, N, K))
     itemsize = dtype.itemsize
@@ -314,11 +341,22 @@ class GroupedOp:
     prologue: tuple | None = None  # ("rms", weight or None, None, eps): x is an RMSNorm's input (fusion.py)
     bias: TRef | None = None  # [E, N]: row r's expert's row added (before the gating)
     glu_args: tuple = ()  # (alpha, limit) of a "clamped_swiglu" gating
+    quant: QuantWeight | None = None  # w is its q [E, K, N] viewed (bytes), dequantized in the loads
 
     @property
     def reads(self) -> tuple[TRef, ...]:
         norm = () if self.prologue is None or self.prologue[1] is None else (self.prologue[1],)
-        return (self.x, self.w, self.offs) + tuple(t for t in (self.rows, self.dest, self.bias) if t is not None) + norm
+        tables = () if self.quant is None else self.quant.tables
+        return (self.x, self.w, self.offs) + tuple(t for t in (self.rows, self.dest, self.bias) if t is not None) + norm + tables
+
+    def _quant_args(self, k: int) -> tuple[list, dict]:
+        """The kernel's ``qz_ptr, qs_ptr, stride_qe, stride_qn, stride_qg, q_group`` and constexprs."""
+        quant = self.quant
+        if quant is None:
+            return [self.x, self.x, 0, 0, 0, 1], {}
+        first = quant.tables[0] if quant.tables else self.x
+        strides = first.strides if quant.tables else (0, 0, 0)
+        return [quant.zero or first, quant.scale or first, *strides, quant.group(k)], quant.constexprs()
 
     def launch(self, out: TRef | None = None, steps=(), operands=()) -> tuple[tuple, list, dict]:
         """(grid, arguments, constexprs): storing into ``out`` (default: the result) after an epilogue
@@ -329,7 +367,9 @@ class GroupedOp:
         T, K = x.shape
         S = T if gather is None else gather.shape[0]
         E, _, N = w.shape
-        cfg = choose_config(S, E, N, K, x.dtype, self.prologue is not None)
+        quant, quant_constexprs = self._quant_args(K)
+        grouped = self.quant is not None and self.quant.group(K) < K
+        cfg = choose_config(S, E, N, K, x.dtype, self.prologue is not None, quant[-1] if grouped else None)
         rows = triton.cdiv(S, cfg.block_m) if cfg.per_row else triton.cdiv(S, cfg.block_m) + E
         rounding = round_name(x.dtype) if self.glu else ""
         epilogue, constexprs = epilogue_args(out, steps, operands, 2, dtype_name(self.c.dtype))
@@ -339,11 +379,12 @@ class GroupedOp:
                 x if norm_w is None else norm_w, x if bias is None else bias, S, N, K, E, T, self.rows_divisor,
                 *x.strides, *w.strides, self.offs.strides[0], *out.strides, 1 if gather is None else gather.strides[0],
                 1 if dest is None else dest.strides[0], 0 if norm_w is None else norm_w.strides[0], float(eps),
-                *((0, 0) if bias is None else bias.strides), *epilogue]
+                *((0, 0) if bias is None else bias.strides), *quant, *epilogue]
         if kind:
             constexprs.update(PROLOGUE=kind, HAS_PW=norm_w is not None)
         if bias is not None:
             constexprs.update(HAS_BIAS=True)
+        constexprs.update(quant_constexprs)
         if self.glu_args:
             constexprs.update(GLU_ALPHA=float(self.glu_args[0]), GLU_LIMIT=float(self.glu_args[1]))
         constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -355,50 +396,63 @@ class GroupedOp:
 
 def launch_grouped_mm(b, x: TRef, w: TRef, offs: TRef, out: TRef, glu: str = "", rows: TRef | None = None,
                       rows_divisor: int = 1, dest: TRef | None = None, bias: TRef | None = None,
-                      glu_args: tuple = ()) -> None:
+                      glu_args: tuple = (), quant: QuantWeight | None = None) -> None:
     """``out = x [S, K] @ w [E, K, N]`` grouped by offs: one launch; with ``glu`` (an activation of
     ``ops.GROUPED_GLU_ACTS``) w's columns alternate gate and up, and out holds act(gate) * up (N / 2 columns);
     with ``rows`` [S], x [T, K] is read at floor(rows[r] / rows_divisor) for row r; with ``dest`` [S],
     row r is stored at out's row dest[r]; with ``bias`` [E, N], each row adds its expert's row;
-    ``glu_args``: the (alpha, limit) of a "clamped_swiglu" gating."""
-    op = GroupedOp(x, w, offs, out, glu, rows, rows_divisor, dest, bias=bias, glu_args=glu_args)
+    ``glu_args``: the (alpha, limit) of a "clamped_swiglu" gating; with ``quant``, w is its q viewed
+    [E, K, N] (:func:`_weight`)."""
+    op = GroupedOp(x, w, offs, out, glu, rows, rows_divisor, dest, bias=bias, glu_args=glu_args, quant=quant)
     grid, args, constexprs = op.launch()
     record = b.launch("grouped_mm", grid, *args, **constexprs)
     if record is not None:
         record.op = op  # fusion may give it an epilogue
 
 
+def _weight(b, arg) -> tuple[TRef, QuantWeight | None]:
+    """A grouped GEMM's weight [E, K, N], and its quantized parts when it is a ``dequant_weight``
+    (transposed: read from q [E, N, K] in place, K / 2 bytes per row with 4 bits)."""
+    value = b.values(arg)
+    if not isinstance(value, QuantWeight):
+        return b.ref(arg), None
+    q = value.q
+    return b.view(q, (q.shape[0], q.shape[2], q.shape[1]), (q.strides[0], q.strides[2], q.strides[1])), value
+
+
 def grouped_mm(b, node):
     """``out = grouped_mm(x [S, K], w [E, K, N], offs [E])``: one launch."""
-    x, w, offs = (b.ref(a) for a in operands(node)[:3])
-    launch_grouped_mm(b, x, w, offs, b.out(node))
+    x, w, offs = operands(node)[:3]
+    w, quant = _weight(b, w)
+    launch_grouped_mm(b, b.ref(x), w, b.ref(offs), b.out(node), quant=quant)
 
 
 def glu_grouped_mm(b, node):
     """``tritondelegate::glu_grouped_mm(x, weight, offs, act, rows=None, rows_divisor=1)``: the gating in
     the kernel's epilogue, x's rows gathered in its loads."""
-    x, w, offs = (b.ref(a) for a in node.args[:3])
-    rows, divisor = _rows(node)
+    (w, quant), rows, divisor = _weight(b, node.args[1]), *_rows(node)
     act = node.args[3]
     glu_args = (node_arg(node, 7, "alpha", 1.0), node_arg(node, 8, "limit", 0.0)) if act == CLAMPED_SWIGLU else ()
-    launch_grouped_mm(b, x, w, offs, b.out(node), glu=act, rows=None if rows is None else b.ref(rows),
-                      rows_divisor=divisor, bias=_bias(b, node, 6), glu_args=glu_args)
+    launch_grouped_mm(b, b.ref(node.args[0]), w, b.ref(node.args[2]), b.out(node), glu=act,
+                      rows=None if rows is None else b.ref(rows), rows_divisor=divisor, bias=_bias(b, node, 6),
+                      glu_args=glu_args, quant=quant)
 
 
 def gathered_grouped_mm(b, node):
     """``tritondelegate::gathered_grouped_mm(x, rows, rows_divisor, weight, offs)``."""
     x, rows, divisor, w, offs = node.args[:5]
-    launch_grouped_mm(b, b.ref(x), b.ref(w), b.ref(offs), b.out(node), rows=b.ref(rows), rows_divisor=divisor,
-                      bias=_bias(b, node, 5))
+    w, quant = _weight(b, w)
+    launch_grouped_mm(b, b.ref(x), w, b.ref(offs), b.out(node), rows=b.ref(rows), rows_divisor=divisor,
+                      bias=_bias(b, node, 5), quant=quant)
 
 
 def scattered_grouped_mm(b, node):
     """``tritondelegate::scattered_grouped_mm(x, weight, offs, dest, rows=None, rows_divisor=1)``: the
     rows stored in token order, x's rows gathered in the loads."""
-    x, w, offs, dest = (b.ref(a) for a in node.args[:4])
-    rows, divisor = _rows(node)
-    launch_grouped_mm(b, x, w, offs, b.out(node), rows=None if rows is None else b.ref(rows), rows_divisor=divisor,
-                      dest=dest, bias=_bias(b, node, 6))
+    (w, quant), rows, divisor = _weight(b, node.args[1]), *_rows(node)
+    launch_grouped_mm(b, b.ref(node.args[0]), w, b.ref(node.args[2]), b.out(node),
+                      rows=None if rows is None else b.ref(rows), rows_divisor=divisor, dest=b.ref(node.args[3]),
+                      bias=_bias(b, node, 6), quant=quant)
 
 
 def _bias(b, node, at: int) -> TRef | None:

@@ -61,7 +61,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops as td_ops
 from ..ops import GLU_ACTS
 from . import sizes, target
 from . import elementwise as ew
@@ -135,22 +134,31 @@ def _b_pointers(b_ptr, offs_k, offs_n, stride_bk, stride_bn, BLOCK_K: tl.constex
 
 
 @triton.jit
-def _dequant_tile(b, offs_k, offs_n, mask_n, z_ptr, s_ptr, group, stride_qn, stride_qg, QUANT: tl.constexpr,
-                  SUB_ROUND: tl.constexpr, MUL_ROUND: tl.constexpr, QBITS: tl.constexpr):
-    """A K tile of a weight-only quantized B (int8 or uint8) as ``ops.dequant_weight_reference`` computes
-    it: ``(q - zero) * scale`` in fp32, rounded to each step's dtype, with the zero and scale of the
-    tile's ``group`` per column (the tile's K rows share one). With 4 bits, K row r is the loaded
-    byte's low nibble when r is even, its high one when odd."""
+def _dequant(b, shift, at, mask, z_ptr, s_ptr, QUANT: tl.constexpr, SUB_ROUND: tl.constexpr,
+             MUL_ROUND: tl.constexpr, QBITS: tl.constexpr):
+    """Loaded integers ``b`` of a weight-only quantized weight as ``ops.dequant_weight_reference``
+    computes them: ``(q - zero) * scale`` in fp32, rounded to each step's dtype, zero and scale loaded
+    at offsets ``at`` (under ``mask``). With 4 bits, b holds bytes and each value is the nibble at
+    bit ``shift`` (0 or 4)."""
     if QBITS == 4:
-        b = (b.to(tl.int32) >> ((offs_k[:, None] % 2) * 4).to(tl.int32)) & 15
-    at = group * stride_qg + offs_n[None, :] * stride_qn
+        b = (b.to(tl.int32) >> shift) & 15
     t = b.to(tl.float32)
     if QUANT == "zero" or QUANT == "zero_scale":
-        t = round_as(t - tl.load(z_ptr + at, mask=mask_n, other=0.0).to(tl.float32), SUB_ROUND)
+        t = round_as(t - tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32), SUB_ROUND)
     t = round_as(t, MUL_ROUND)
     if QUANT == "scale" or QUANT == "zero_scale":
-        t = round_as(t * tl.load(s_ptr + at, mask=mask_n, other=0.0).to(tl.float32), MUL_ROUND)
+        t = round_as(t * tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32), MUL_ROUND)
     return t
+
+
+@triton.jit
+def _dequant_tile(b, offs_k, offs_n, mask_n, z_ptr, s_ptr, group, stride_qn, stride_qg, QUANT: tl.constexpr,
+                  SUB_ROUND: tl.constexpr, MUL_ROUND: tl.constexpr, QBITS: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of a quantized B (:func:`_dequant`), with the zero and scale of the
+    tile's ``group`` per column (the tile's K rows share one). With 4 bits, K row r is the loaded
+    byte's low nibble when r is even, its high one when odd."""
+    return _dequant(b, ((offs_k[:, None] % 2) * 4).to(tl.int32), group * stride_qg + offs_n[None, :] * stride_qn,
+                    mask_n, z_ptr, s_ptr, QUANT, SUB_ROUND, MUL_ROUND, QBITS)
 
 
 @triton.jit
@@ -478,8 +486,8 @@ class QuantWeight:
     """A ``tritondelegate::dequant_weight`` node's lowered value: its parts, which only the matmuls that
     take it as their weight read (no launch of its own)."""
 
-    q: TRef  # [N, K] int8 or uint8
-    zero: TRef | None  # [N, T]: a group of K / T columns per entry
+    q: TRef  # [N, K] int8 or uint8 ([E, N, K]: a grouped GEMM's experts)
+    zero: TRef | None  # [N, T] ([E, N, T]): a group of K / T columns per entry
     scale: TRef | None
     sub_round: str  # the dtype names the steps round to ("" for fp32)
     mul_round: str
@@ -491,7 +499,7 @@ class QuantWeight:
 
     def group(self, k: int) -> int:
         """Columns per group (a power of two >= 16, or all of K)."""
-        return k // self.tables[0].shape[1] if self.tables else k
+        return k // self.tables[0].shape[-1] if self.tables else k
 
     def args(self, k: int) -> list:
         """The kernel's ``qz_ptr, qs_ptr, stride_qn, stride_qg, q_group``."""
@@ -849,37 +857,14 @@ def linear(b, node, glu: str = "", rope=None):
 
 def dequant_weight(b, node):
     """``tritondelegate::dequant_weight(q, zero, scale, sub_dtype, mul_dtype, dtype)``: no launch; the
-    linears that read it as their weight (all its readers: :func:`supported_dequant`) read its parts."""
+    linears and grouped GEMMs that read it as their weight (all its readers:
+    ``quant_readers.supported_dequant``) read its parts."""
     q, zero, scale = (None if a is None else b.ref(a) for a in node.args[:3])
     sub_dtype, mul_dtype = node.args[3], node.args[4]
-    b.bind(node, QuantWeight(q, zero, scale, round_name(sub_dtype), round_name(mul_dtype), _dequant_flags(node)[0]))
+    b.bind(node, QuantWeight(q, zero, scale, round_name(sub_dtype), round_name(mul_dtype), dequant_flags(node)[0]))
 
 
-def supported_dequant(node) -> str | None:
-    """A dequantized weight stays in its readers' kernels: every reader must be a linear that takes it
-    as its weight (:func:`weight_readers_refusal`), with groups the K step can divide
-    (:func:`group_refusal`), in a dtype the kernel rounds to."""
-    q, zero, scale = (node_value(a) for a in node.args[:3])
-    bits, transposed = _dequant_flags(node)
-    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype not in td_ops.QUANT_DTYPES:
-        return "q must be a 2-D int8 or uint8 tensor"
-    if bits not in (4, 8) or (bits == 4 and q.dtype != torch.uint8):
-        return f"{bits}-bit {q.dtype} weights: the kernel reads int8 or uint8, or 4 bits packed in uint8"
-    k = q.shape[1] * (2 if bits == 4 else 1)
-    for name, t in (("zero", zero), ("scale", scale)):
-        if t is None:
-            continue
-        if t.dim() != 2 or t.shape[0] != q.shape[0] or k % t.shape[1]:
-            return f"{name} {tuple(t.shape)} does not hold whole groups of q's rows {tuple(q.shape)}"
-        refused = group_refusal(k, t.shape[1])
-        if refused:
-            return refused
-    if any(d not in td_ops.QUANT_FLOATS for d in node.args[3:6]):
-        return f"dtypes {node.args[3:6]}: the kernel computes in fp16, bf16 or fp32"
-    return weight_readers_refusal(node, transposed)
-
-
-def _dequant_flags(node) -> tuple[int, bool]:
+def dequant_flags(node) -> tuple[int, bool]:
     """A ``dequant_weight`` node's ``bits`` and ``transposed``."""
     def arg(i: int, name: str, default):
         return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
@@ -893,27 +878,6 @@ def group_refusal(k: int, width: int) -> str | None:
     group = k // width
     if width > 1 and (group < MIN_BLOCK or group & (group - 1)):
         return f"groups of {group} columns: the kernel takes a power of two of at least {MIN_BLOCK}"
-    return None
-
-
-def weight_readers_refusal(node, transposed: bool) -> str | None:
-    """Why not every reader of ``node`` is a supported matmul that reads it as its weight, and only
-    there (None: they all are): ``linear``, ``glu_linear`` or ``rope_linear`` ([N, K]), or ``mm``
-    (``addmm``) as its B [K, N] when ``transposed``."""
-    aten = torch.ops.aten
-    checks = ({aten.mm.default: (1, supported), aten.addmm.default: (2, supported)} if transposed else
-              {aten.linear.default: (1, supported_linear), td_ops.glu_linear: (1, supported_glu),
-               td_ops.rope_linear: (1, supported_rope)})
-    if not node.users:
-        return "nothing reads it"
-    for user in node.users:
-        slot, check = checks.get(user.target, (None, None)) if user.op == "call_function" else (None, None)
-        others = [a for i, a in enumerate(user.args) if i != slot] + list(user.kwargs.values())
-        if slot is None or user.args[slot] is not node or any(a is node for a in others):
-            return f"{user.name} reads it other than as " + ("mm's B" if transposed else "a linear's weight")
-        refused = check(user)
-        if refused:
-            return f"its reader {user.name} stays on the host: {refused}"
     return None
 
 

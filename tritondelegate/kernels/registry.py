@@ -33,6 +33,7 @@ from . import matmul as mm
 from . import norm
 from . import pad
 from . import pool
+from . import quant_readers as qr
 from . import ranking
 from . import reduce as red
 from . import resize
@@ -317,7 +318,7 @@ OPS: dict[object, OpSpec] = {
     td_ops.router_topk: OpSpec(router.router_topk, router.supported),  # router.py
     td_ops.group_router: OpSpec(router.group_router, router.supported_group),  # router.py
     td_ops.rope_linear: OpSpec(mm.rope_linear, mm.supported_rope),  # matmul.py
-    td_ops.dequant_weight: OpSpec(mm.dequant_weight, mm.supported_dequant),  # matmul.py (no launch)
+    td_ops.dequant_weight: OpSpec(mm.dequant_weight, qr.supported_dequant),  # matmul.py (no launch), quant_readers.py
     td_ops.sort_offsets: OpSpec(so.sort_offsets, so.supported),  # sort_offsets.py
 }
 

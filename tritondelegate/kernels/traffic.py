@@ -119,6 +119,11 @@ def _epilogue_operand(k: int) -> Callable[[Args], bool]:
     return lambda a: (a.get("EPILOGUE") or 0) > k and a[f"EARITY{k}"] == 2 and not a[f"EIS_SCALAR{k}"]
 
 
+def _expert_tables(a: Args) -> int:
+    """A quantized grouped GEMM's zero or scale table: N groups of cdiv(K, q_group) per expert with rows."""
+    return min(a["E"], a["S"]) * a["N"] * -(-a["K"] // max(a["q_group"], 1))
+
+
 def _matmul_flops(a: Args) -> int:
     # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]: 2MNK per batch entry, plus the epilogue's ops per
     # element of C (alpha, the bias, then the fused pointwise steps)
@@ -367,12 +372,16 @@ TRAFFIC: dict[str, KernelTraffic] = {
     # the min(E, S) experts that have rows count (K x N each); 2 FLOPs per (row, column, k), then the
     # EPILOGUE steps per output element (each reading e<k> when binary); with ROWS x's rows are read
     # through rows, S of them at most; with DEST the rows' destinations too; with an rms prologue its
-    # weight; with HAS_BIAS the experts' biases
+    # weight; with HAS_BIAS the experts' biases; a quantized w (QUANT) is its bytes (half a byte per
+    # weight with 4 bits) and its zero and scale tables, as many experts'
     "grouped_mm": KernelTraffic(
         reads=(Access("x_ptr", at_most=lambda a: a["S"] * a["K"]),
-               Access("w_ptr", at_most=lambda a: min(a["E"], a["S"]) * a["K"] * a["N"]),
+               Access("w_ptr", at_most=lambda a: min(a["E"], a["S"]) * -(-a["K"] // (2 if a["QBITS"] == 4 else 1))
+                      * a["N"]),
                Access("offs_ptr"), Access("rows_ptr", _flag("ROWS")), Access("dest_ptr", _flag("DEST")),
                Access("p_ptr", _flag("HAS_PW")), Access("bias_ptr", _flag("HAS_BIAS")),
+               Access("qz_ptr", lambda a: "zero" in a["QUANT"], at_most=_expert_tables),
+               Access("qs_ptr", lambda a: "scale" in a["QUANT"], at_most=_expert_tables),
                *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
         writes=(Access("out_ptr"),),
         flops=lambda a: 2 * a["S"] * a["N"] * a["K"] + a["S"] * a["N"] // (2 if a["GLU"] else 1) * sum(

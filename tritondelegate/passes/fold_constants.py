@@ -124,7 +124,7 @@ def quantize_weights(ep: torch.export.ExportedProgram, state: set[str] = frozens
     quantized = quant_weights.evaluate(graph, constants, foldable, _Values(constants, foldable))
     done = []
     for node, value in quantized.items():
-        if node in constants or len(value.shape) != 2 or all(u in quantized for u in node.users):
+        if node in constants or len(value.shape) not in (2, 3) or all(u in quantized for u in node.users):
             continue
         # the subgraph's own value, computed alone (its intermediates freed after the check)
         if not quant_weights.exact(value, _Values(constants, foldable)[node]):

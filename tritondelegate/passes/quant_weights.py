@@ -39,7 +39,8 @@ import torch
 import torch.fx
 
 from .. import ops
-from ..kernels.matmul import group_refusal, weight_readers_refusal
+from ..kernels.matmul import group_refusal
+from ..kernels.quant_readers import weight_readers_refusal
 from .rewrite import new_node
 
 aten = torch.ops.aten
@@ -55,7 +56,9 @@ class Quantized:
     """A float weight as ``ops.dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype)``.
 
     ``q`` is [*R, K]; ``zero`` and ``scale`` are [*R, T] (T divides K; None when absent). The weight
-    is seen as [*R, K], or as [*R, groups, K / groups] while a model scales its groups (``groups``)."""
+    is seen as [*R, K], or as [*R, groups, K / groups] while a model scales its groups (``groups``), or
+    with K among the rows (``k_at``: transposed or rearranged, the rows in q's order around it; an
+    expert's [E, K, N] as a grouped GEMM reads it)."""
 
     q: torch.Tensor
     zero: torch.Tensor | None
@@ -66,7 +69,7 @@ class Quantized:
     stage: int = 0  # 0: converted; 1: zero subtracted; 2: scaled; 3: cast to its result dtype
     groups: int | None = None
     bits: int = 8  # 4: q is uint8 [*R, K / 2], two columns per byte (``ops.unpack_nibbles``)
-    transposed: bool = False  # seen as [K, N] (a 2-D weight read by ``mm`` as its B): no op but a transpose
+    k_at: int | None = None  # K's position in the shape, before row k_at (None: last, the only place for groups)
 
     @property
     def k(self) -> int:
@@ -86,16 +89,26 @@ class Quantized:
         return 1 if self.groups is None else 2
 
     @property
+    def k_pos(self) -> int:
+        """K's (first) position in the shape: the row dims before it."""
+        return len(self.rows) if self.k_at is None else self.k_at
+
+    @property
+    def transposed(self) -> bool:
+        """Seen with its last two dims swapped, [*E, K, N]: ``mm``'s B, a grouped GEMM's experts."""
+        return self.k_at is not None and self.k_at == len(self.rows) - 1
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        k = self.k
-        if self.transposed:
-            return (k,) + self.rows
-        return self.rows + ((k,) if self.groups is None else (self.groups, k // self.groups))
+        k, rows = self.k, self.rows
+        if self.k_at is not None:
+            return rows[:self.k_at] + (k,) + rows[self.k_at:]
+        return rows + ((k,) if self.groups is None else (self.groups, k // self.groups))
 
     def dequantize(self) -> torch.Tensor:
         w = ops.dequant_weight_reference(self.q, self.zero, self.scale, self.sub_dtype, self.mul_dtype, self.dtype,
                                          self.bits)
-        return w.t() if self.transposed else w.reshape(self.shape)
+        return w.movedim(-1, self.k_at) if self.k_at is not None else w.reshape(self.shape)
 
     def parts(self, fn) -> "Quantized":
         """``fn`` applied to q and to each table alike (an op on row dims only)."""
@@ -154,7 +167,7 @@ def _unify(x: Quantized, table: torch.Tensor) -> tuple[Quantized, torch.Tensor] 
 
 
 def _arith(x, operand, stage: int) -> Quantized | None:
-    if not isinstance(x, Quantized) or x.stage >= stage or (stage == 1 and x.stage != 0):
+    if not isinstance(x, Quantized) or x.stage >= stage or (stage == 1 and x.stage != 0) or x.k_at is not None:
         return None
     table = _table(x, operand)
     unified = None if table is None else _unify(x, table)
@@ -179,10 +192,10 @@ def _reshape(x: Quantized, shape) -> Quantized | None:
         shape[shape.index(-1)] = math.prod(x.shape) // known if known else 0
     k = x.k
     kd = x.k_dims
-    if len(shape) >= kd and tuple(shape[-kd:]) == x.shape[-kd:]:  # rows only
+    if x.k_at is None and len(shape) >= kd and tuple(shape[-kd:]) == x.shape[-kd:]:  # rows only
         rows = shape[:-kd]
         return x.parts(lambda t: t.reshape(*rows, t.shape[-1]))
-    if x.groups is None and len(shape) >= 2 and tuple(shape[:-2]) == x.rows and shape[-2] * shape[-1] == k:
+    if x.groups is None and x.k_at is None and len(shape) >= 2 and tuple(shape[:-2]) == x.rows and shape[-2] * shape[-1] == k:
         tables = [t.shape[-1] for t in (x.zero, x.scale) if t is not None]
         if any(t not in (1, shape[-2]) for t in tables):
             return None
@@ -190,24 +203,54 @@ def _reshape(x: Quantized, shape) -> Quantized | None:
         return replace(x, zero=_maybe(spread, x.zero), scale=_maybe(spread, x.scale), groups=shape[-2])
     if x.groups is not None and tuple(shape[:-1]) == x.rows and shape[-1] == k:
         return replace(x, groups=None)
+    return None if x.groups is not None else _reshape_around_k(x, shape)
+
+
+def _reshape_around_k(x: Quantized, shape: list) -> Quantized | None:
+    """A reshape that keeps K a dim of its own (rows before it and after it each reshaped in place),
+    K last or not; None when none does."""
+    rows = x.rows
+    before, after = math.prod(rows[:x.k_pos]), math.prod(rows[x.k_pos:])
+    for p in reversed(range(len(shape))):
+        if shape[p] == x.k and math.prod(shape[:p]) == before and math.prod(shape[p + 1:]) == after:
+            new_rows = shape[:p] + shape[p + 1:]
+            moved = x.parts(lambda t: t.reshape(*new_rows, t.shape[-1]))
+            return replace(moved, k_at=None if p == len(new_rows) else p)
     return None
 
 
-def _row_dim(x: Quantized, dim: int, extra: int = 0) -> int | None:
-    """``dim`` (of x's shape, or of one with ``extra`` more dims) as a row dim, or None (one of K's)."""
-    dim = dim + len(x.shape) + extra if dim < 0 else dim
-    return dim if 0 <= dim < len(x.rows) + extra else None
+def _row_dim(x: Quantized, dim: int, extra: int = 0) -> tuple[int, bool] | None:
+    """(the row dim of q that ``dim`` of x's shape is, whether it lies before K), or None when it is
+    one of K's; with ``extra`` 1, ``dim`` of a shape one dim longer: where a new row dim goes."""
+    n = len(x.shape) + extra
+    dim = dim + n if dim < 0 else dim
+    k, kd = x.k_pos, x.k_dims
+    if not 0 <= dim < n or k < dim < k + kd or (dim == k and not extra):
+        return None  # (a new dim after K is only for a K without groups)
+    if dim <= k:
+        return dim, True
+    return (None if x.groups is not None else (dim - kd, False))
+
+
+def _k_after(x: Quantized, row: tuple[int, bool], change: int) -> int | None:
+    """``k_at`` once a row dim is inserted (``change`` 1) or removed (-1) at ``row`` (:func:`_row_dim`)."""
+    k = x.k_pos + (change if row[1] else 0)
+    return None if k == len(x.rows) + change else k
 
 
 def _permute(x: Quantized, dims) -> Quantized | None:
     n = len(x.shape)
     dims = [d % n for d in dims]
-    if n == 2 and x.groups is None and dims == [1, 0]:  # [N, K] <-> [K, N]
-        return replace(x, transposed=not x.transposed)
-    if dims[len(x.rows):] != list(range(len(x.rows), n)):
-        return None
-    rows = dims[:len(x.rows)]
-    return x.parts(lambda t: t.permute(*rows, len(rows)))
+    if x.groups is not None:
+        if dims[len(x.rows):] != list(range(len(x.rows), n)):
+            return None
+        rows = dims[:len(x.rows)]
+        return x.parts(lambda t: t.permute(*rows, len(rows)))
+    k = x.k_pos
+    at = dims.index(k)
+    rows = [d if d < k else d - 1 for d in dims if d != k]
+    moved = x.parts(lambda t: t.permute(*rows, len(rows)))
+    return replace(moved, k_at=None if at == len(rows) else at)
 
 
 def _transpose(x: Quantized, a: int, b: int) -> Quantized | None:
@@ -217,12 +260,15 @@ def _transpose(x: Quantized, a: int, b: int) -> Quantized | None:
     return _permute(x, dims)
 
 
-def _along_rows(x, dim, fn, extra: int = 0) -> Quantized | None:
-    """``fn(t, d)`` on each part with ``dim`` a row dim, else None."""
+def _along_rows(x, dim, fn, extra: int = 0, removes: bool = False) -> Quantized | None:
+    """``fn(t, d)`` on each part with ``dim`` a row dim (one more with ``extra``, one fewer with
+    ``removes``), else None."""
     if not isinstance(x, Quantized):
         return None
-    d = _row_dim(x, dim, extra)
-    return None if d is None else x.parts(lambda t: fn(t, d))
+    row = _row_dim(x, dim, extra)
+    if row is None:
+        return None
+    return replace(x.parts(lambda t: fn(t, row[0])), k_at=_k_after(x, row, extra - removes))
 
 
 def _joined(values, dim, op, extra: int) -> Quantized | None:
@@ -231,28 +277,29 @@ def _joined(values, dim, op, extra: int) -> Quantized | None:
         return None
     first = values[0]
     same = lambda v: (v.sub_dtype, v.mul_dtype, v.dtype, v.stage, v.groups, v.zero is None, v.scale is None,  # noqa: E731
-                      v.q.dtype, v.bits, v.q.shape[-1], tuple(t.shape[-1] for t in (v.zero, v.scale) if t is not None))
-    d = _row_dim(first, dim, extra)
-    if d is None or any(same(v) != same(first) for v in values):
+                      v.q.dtype, v.bits, v.k_at, v.q.shape[-1],
+                      tuple(t.shape[-1] for t in (v.zero, v.scale) if t is not None))
+    row = _row_dim(first, dim, extra)
+    if row is None or any(same(v) != same(first) for v in values):
         return None
-    parts = {name: None if getattr(first, name) is None else op([getattr(v, name) for v in values], d)
+    parts = {name: None if getattr(first, name) is None else op([getattr(v, name) for v in values], row[0])
              for name in ("q", "zero", "scale")}
-    return replace(first, **parts)
+    return replace(first, k_at=_k_after(first, row, extra), **parts)
 
 
 def _squeeze(x, dims=None):
     if not isinstance(x, Quantized):
         return None
-    dims = [d for d in range(len(x.rows)) if x.rows[d] == 1] if dims is None else (
-        [dims] if isinstance(dims, int) else list(dims))
-    rows = [_row_dim(x, d) for d in dims]
-    if any(r is None for r in rows):
-        return None
-    return x.parts(lambda t: t.squeeze(rows) if rows else t)
+    n = len(x.shape)
+    dims = [d for d in range(n) if x.shape[d] == 1] if dims is None else ([dims] if isinstance(dims, int) else list(dims))
+    for d in sorted({d % n for d in dims if x.shape[d] == 1}, reverse=True):  # (a dim not of size 1 stays)
+        x = _along_rows(x, d, lambda t, r: t.squeeze(r), removes=True)
+        if x is None:
+            return None
+    return x
 
 
 _ARITH = (aten.sub.Tensor, aten.mul.Tensor)
-_TRANSPOSES = (aten.permute.default, aten.transpose.int, aten.t.default)
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default, aten.t.default,
           aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
           aten.alias.default, aten.clone.default)
@@ -269,14 +316,14 @@ _RULES = {
     aten.permute.default: lambda x, d: _permute(x, d) if isinstance(x, Quantized) else None,
     aten.transpose.int: lambda x, a, b: _transpose(x, a, b) if isinstance(x, Quantized) else None,
     aten.t.default: lambda x: _permute(x, [1, 0]) if isinstance(x, Quantized) and len(x.shape) == 2 else None,
-    aten.unsqueeze.default: lambda x, d: _along_rows(x, d, torch.unsqueeze, 1),
+    aten.unsqueeze.default: lambda x, d: _along_rows(x, d, torch.unsqueeze, extra=1),
     aten.squeeze.dim: _squeeze,
     aten.squeeze.dims: _squeeze,
     aten.squeeze.default: _squeeze,
     aten.cat.default: lambda xs, dim=0: _joined(list(xs), dim, torch.cat, 0),
     aten.stack.default: lambda xs, dim=0: _joined(list(xs), dim, torch.stack, 1),
     aten.index_select.default: lambda x, d, i: _along_rows(x, d, lambda t, r: t.index_select(r, i)),
-    aten.select.int: lambda x, d, i: _along_rows(x, d, lambda t, r: t.select(r, i)),
+    aten.select.int: lambda x, d, i: _along_rows(x, d, lambda t, r: t.select(r, i), removes=True),
     aten.slice.Tensor: lambda x, d=0, start=None, end=None, step=1: _along_rows(
         x, d, lambda t, r: aten.slice.Tensor(t, r, start, end, step)),
 }
@@ -300,8 +347,6 @@ def apply(node: torch.fx.Node, args, kwargs) -> Quantized | None:
     if node.target in _CASTS:
         return _cast_rule(node, args, kwargs)
     if not any(isinstance(a, Quantized) for a in _flat(args)):
-        return None
-    if any(isinstance(a, Quantized) and a.transposed for a in _flat(args)) and node.target not in _TRANSPOSES:
         return None
     if node.target in _IDENTITY:
         return args[0] if isinstance(args[0], Quantized) and not kwargs.get("memory_format") else None
@@ -399,7 +444,6 @@ class _Packed:
 def exact(value: Quantized | None, plain) -> bool:
     """Whether ``value`` is a whole [*R, K] weight equal, bit for bit, to ``plain`` (the subgraph's own)."""
     return (isinstance(value, Quantized) and value.groups is None and value.q.ndim >= 2
-            and (value.q.ndim == 2 or not value.transposed)
             and isinstance(plain, torch.Tensor) and plain.dtype == value.dtype
             and tuple(plain.shape) == value.shape and torch.equal(value.dequantize(), plain))
 
@@ -431,12 +475,13 @@ def reads_as_weight(node: torch.fx.Node, value: Quantized) -> bool:
     """Whether ``value`` is ``node``'s whole value (its shape and dtype), with groups the matmul kernel
     walks, and every reader of ``node`` is a supported matmul that reads it as its weight, and only
     there (the ``dequant_weight`` support check's rules: ``matmul.group_refusal``,
-    ``matmul.weight_readers_refusal``)."""
+    ``quant_readers.weight_readers_refusal``)."""
     val = node.meta.get("val")
-    if (value.groups is not None or not isinstance(val, torch.Tensor) or tuple(val.shape) != value.shape
+    if (value.groups is not None or (value.k_at is not None and not value.transposed)
+            or not isinstance(val, torch.Tensor) or tuple(val.shape) != value.shape
             or val.dtype != value.dtype or group_refusal(value.k, value.width)):
         return False
-    return weight_readers_refusal(node, value.transposed) is None
+    return weight_readers_refusal(node, value.transposed, len(value.shape)) is None
 
 
 def tagged(node: torch.fx.Node, value: Quantized) -> torch.fx.Node:

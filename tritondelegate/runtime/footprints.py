@@ -186,12 +186,15 @@ def _grouped_mm(x: LaunchArgs) -> Footprint:
     """Rows and experts come from offs clamped to [0, S] and [0, E): the box of every operand. Segment
     tiles need cdiv(S, BLOCK_M) + E programs on axis 0 (grouped_mm.py), per-row tiles cdiv(S, BLOCK_M).
     With GLU the output has half the weight's N columns; with ROWS x has T rows, read through rows;
-    with DEST the S rows are stored through dest; HAS_BIAS reads a bias row per expert."""
+    with DEST the S rows are stored through dest; HAS_BIAS reads a bias row per expert. A quantized w
+    (QUANT) is its integers (two K rows per byte with 4 bits) and its tables, group k * BLOCK_K //
+    q_group of each expert's column."""
     S, K, T = x.i("S"), x.i("K"), x.i("T")
     N, E = x.d("N", "E")
     n_out = N // 2 if x.c["GLU"] else N
+    w_rows = _cdiv(K, 2 if x.c["QBITS"] == 4 else 1)
     acc = [Access("x_ptr", ((T, x.i("stride_xs")), (K, x.i("stride_xk")))),
-           Access("w_ptr", ((E, x.i("stride_we")), (K, x.i("stride_wk")), (N, x.i("stride_wn")))),
+           Access("w_ptr", ((E, x.i("stride_we")), (w_rows, x.i("stride_wk")), (N, x.i("stride_wn")))),
            Access("offs_ptr", ((E, x.i("stride_o")),)),
            Access("out_ptr", ((S, x.i("stride_os")), (n_out, x.i("stride_on"))), write=True)]
     if x.c["ROWS"]:  # x's rows at rows[r] // rows_div, clamped to [0, T)
@@ -202,6 +205,9 @@ def _grouped_mm(x: LaunchArgs) -> Footprint:
         acc.append(Access("p_ptr", ((K, x.i("stride_pk")),)))
     if x.c["HAS_BIAS"]:  # the experts' biases, a row per expert
         acc.append(Access("bias_ptr", ((E, x.i("stride_be")), (N, x.i("stride_bn")))))
+    if x.c["QUANT"] not in ("", "none"):
+        box = ((E, x.i("stride_qe")), (N, x.i("stride_qn")), (_cdiv(K, max(x.i("q_group"), 1)), x.i("stride_qg")))
+        acc += [Access(p, box) for p, part in (("qz_ptr", "zero"), ("qs_ptr", "scale")) if part in x.c["QUANT"]]
     acc += _epilogue(x, (S, n_out), 2)
     tiles = _cdiv(S, x.c["BLOCK_M"]) + (0 if x.c["PER_ROW"] else E)
     return Footprint(acc, (tiles, _cdiv(N, x.c["BLOCK_N"])), {"S x N stored": S * n_out, "K": K, "E": E})
@@ -691,6 +697,9 @@ class KernelRule:
 
 _GEMM = {"BLOCK_M": pow2(16, 256), "BLOCK_N": pow2(16, 256), "BLOCK_K": pow2(16, 256), "DOT_UPCAST": FLAG}
 _GEMM_TILES = (("BLOCK_M", "BLOCK_N"), ("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))
+_QUANT_CONSTEXPRS = {  # a weight-only quantized weight's (matmul, grouped_mm)
+    "QUANT": one_of("", "none", "zero", "scale", "zero_scale"), "QSUB_ROUND": one_of("", "float16", "bfloat16"),
+    "QMUL_ROUND": one_of("", "float16", "bfloat16"), "QBITS": one_of(4, 8)}
 _ROWS = {"BLOCK_R": pow2(1, 4096), "BLOCK_C": pow2(1, 8192)}
 
 _ATTENTION = {  # attention's constexprs (attention_append's too)
@@ -744,14 +753,13 @@ RULES: dict[str, KernelRule] = {
         "GEMV": FLAG, "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256),
         "ROPE": one_of("", "angles", "tables", "positions"), "ROPE_ROUND": one_of("", "float16", "bfloat16"),
         "NORM_E": one_of(0, *(2 ** k for k in range(1, 10))),
-        "QUANT": one_of("", "none", "zero", "scale", "zero_scale"), "QSUB_ROUND": one_of("", "float16", "bfloat16"),
-        "QMUL_ROUND": one_of("", "float16", "bfloat16"), "QBITS": one_of(4, 8)}, _GEMM_TILES),
+        **_QUANT_CONSTEXPRS}, _GEMM_TILES),
     "grouped_mm": KernelRule(_grouped_mm, {
         "BLOCK_M": pow2(1, 256), "BLOCK_N": pow2(8, 256), "BLOCK_K": pow2(16, 256), "BLOCK_E": pow2(2, 8192),
         "PER_ROW": FLAG, "DOT_UPCAST": FLAG, "GLU": one_of("", *sorted(GROUPED_GLU_ACTS)),
         "GLU_ALPHA": NUMBER, "GLU_LIMIT": NUMBER,
         "GLU_ROUND": one_of(*DTYPE_NAMES), "ROWS": FLAG, "DEST": FLAG,
-        "PROLOGUE": one_of("", "rms"), "HAS_PW": FLAG, "HAS_BIAS": FLAG, **_epilogue_constexprs()},
+        "PROLOGUE": one_of("", "rms"), "HAS_PW": FLAG, "HAS_BIAS": FLAG, **_epilogue_constexprs(), **_QUANT_CONSTEXPRS},
         _GEMM_TILES + (("BLOCK_M", "BLOCK_K", "BLOCK_N"), ("BLOCK_M", "BLOCK_E"))),
     "conv2d": KernelRule(_conv2d, {**_GEMM, "KD": in_range(1, 4096), "KH": in_range(1, 4096), "KW": in_range(1, 4096),
                                    "HAS_BIAS": FLAG, "TRANSPOSED": FLAG, "DEPTH": FLAG, "PHASED": FLAG,

@@ -523,26 +523,30 @@ class _Experts(nn.Module):
 
     def __init__(self, dtype, experts=8, dim=512, hidden=704):
         super().__init__()
-        self.gate_up = nn.Parameter(_randn(experts, 2 * hidden, dim, dtype=dtype))
-        self.down = nn.Parameter(_randn(experts, dim, hidden, dtype=dtype))
+        self.gate_up_proj = nn.Parameter(_randn(experts, 2 * hidden, dim, dtype=dtype))
+        self.down_proj = nn.Parameter(_randn(experts, dim, hidden, dtype=dtype))
         self.norm = nn.Parameter(_randn(dim, dtype=dtype))
+        self.num_experts, self.is_transposed = experts, False  # as transformers' (td.quantize_linears)
 
     def forward(self, hidden, keys, offs, weights):
         op = torch.ops.transformers.grouped_mm_fallback
         perm = torch.sort(keys).indices
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, 1e-6)
-        gate, up = op(hidden[perm // 2], self.gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
-        y = op(F.silu(gate) * up, self.down.transpose(1, 2), offs) * weights[perm][:, None]
+        gate, up = op(hidden[perm // 2], self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
+        y = op(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs) * weights[perm][:, None]
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.size(0))
         return y[inv]
 
 
-def _moe_experts(dtype, rows):
+def _moe_experts(dtype, rows, **quantize):
+    """``_Experts`` over ``rows`` (token, slot) pairs; weight-only quantized with ``quantize``
+    (``td.quantize_linears``'s arguments) when given."""
     importlib.import_module("transformers.integrations.moe")  # registers the op
     counts = torch.tensor([rows - rows // 2 - rows // 4, rows // 2, 0, rows // 4, 0, 0, 0, 0])
     keys = torch.repeat_interleave(torch.arange(8), counts)[torch.randperm(rows)]
-    return _Experts(dtype), (_randn(-(-rows // 2), 512, dtype=dtype), keys,
+    model = td.quantize_linears(_Experts(dtype), **quantize) if quantize else _Experts(dtype)
+    return model, (_randn(-(-rows // 2), 512, dtype=dtype), keys,
                              counts.cumsum(0).to(torch.int32), _randn(rows, dtype=dtype))
 
 
@@ -899,7 +903,7 @@ def _softcap_attention(dtype, seq: int, keys: int):
 def _quantized_cases() -> dict[str, callable]:
     """bf16 decoders with weight-only quantized linears: 4 bits (two per byte) per group of 32 at decode
     (GEMV); uint8 and 4 bits with zero points per group at prefill (tl.dot tiles, the K step capped to
-    the group)."""
+    the group); a MoE layer's quantized experts at decode and at prefill."""
     llama = dict(dim=512, n_layers=1, hidden_dim=1376, n_heads=8, n_kv_heads=2)
     return {
         "decoder_decode_int4_g32/bfloat16": lambda: _quantized(
@@ -908,6 +912,11 @@ def _quantized_cases() -> dict[str, callable]:
             _decoder(BF16, 384, max_seq_len=512, **llama), group_size=64, zero_point=True, bits=4),
         "decoder_prefill_uint8_g128/bfloat16": lambda: _quantized(
             _decoder(BF16, 384, max_seq_len=512, **llama), group_size=128, zero_point=True),
+        # a MoE layer's experts (the grouped GEMM's QUANT): int8 per row at decode (the per-row path),
+        # 4 bits with zero points per group of 64 at prefill (segment tiles)
+        "moe_experts_decode_int8/bfloat16": lambda: _moe_experts(BF16, 2, bits=8),
+        "moe_experts_prefill_uint4_g64/bfloat16": lambda: _moe_experts(BF16, 600, bits=4, group_size=64,
+                                                                        zero_point=True),
     }
 
 

@@ -189,31 +189,62 @@ def _mobilenet() -> None:
               f"({traffic['ratio']:.2f}x)")
 
 
+QUANTIZED = (("bf16 weights", None), ("int8 per row", {}),
+             ("uint8 + zero point, groups of 128", dict(group_size=128, zero_point=True)),
+             ("4 bits, groups of 128", dict(group_size=128, bits=4)),
+             ("4 bits + zero point, groups of 32", dict(group_size=32, zero_point=True, bits=4)))
+
+
 def _quantized_decode() -> None:
-    """The demo's KV-cache decoder at the wide config in bf16 (2 layers, cache 256): a decode step's
-    modelled traffic and the resident constants, float against weight-only quantized
-    (``td.quantize_linears``)."""
+    """The demo's KV-cache decoder at the wide config in bf16 (2 layers, cache 256), and a Mixtral of 8
+    experts (top 2) at hidden 512: a decode step's modelled traffic and the resident constants, float
+    against weight-only quantized (``td.quantize_linears``: linears, and the Mixtral's experts)."""
     from tritondelegate.models import export_prefill_decode, kv_cache_decoder
 
     wide = WIDTHS["wide"]
-    print("KV-cache decode step, wide config, bf16 (2 layers): traffic, lower bound, constants, launches")
-    for label, kwargs in (("bf16 weights", None), ("int8 per row", {}),
-                          ("uint8 + zero point, groups of 128", dict(group_size=128, zero_point=True)),
-                          ("4 bits, groups of 128", dict(group_size=128, bits=4)),
-                          ("4 bits + zero point, groups of 32", dict(group_size=32, zero_point=True, bits=4))):
+
+    def decoder():
         model = kv_cache_decoder(n_layers=2, dim=wide["hidden"], hidden_dim=wide["mlp"], n_heads=wide["heads"],
                                  n_kv_heads=wide["heads"] // 2, vocab_size=wide["vocab"], max_seq_len=256)
-        model = model.to(torch.bfloat16)
-        if kwargs is not None:
-            td.quantize_linears(model, **kwargs)
-        lowered = td.lower(export_prefill_decode(model, 5), config=CONFIG)
-        method = next(m for m in lowered.program.methods if m.name == "decode")
-        traffic = method_traffic(method)
-        constants = lowered.summary().splitlines()
-        row = next(line for line in constants if line.startswith("decode"))
-        print(f"  {label}: {traffic['bytes'] / 1e6:.2f} MB modelled per call, lower bound "
-              f"{traffic['lower_bound'] / 1e6:.2f} MB ({traffic['ratio']:.2f}x), {traffic['launches']} launches; "
-              f"summary: {' '.join(row.split())}")
+        return model.to(torch.bfloat16), lambda m: export_prefill_decode(m, 5)
+
+    for title, make in (("KV-cache decoder, wide config", decoder), ("HF Mixtral, 8 experts of 512 -> 1408", _moe)):
+        print(f"{title}, bf16 (2 layers), decode step: traffic, lower bound, constants, launches")
+        for label, kwargs in QUANTIZED:
+            model, export = make()
+            if kwargs is not None:
+                td.quantize_linears(model, **kwargs)
+            lowered = td.lower(export(model), config=CONFIG)
+            method = next(m for m in lowered.program.methods if m.name == "decode")
+            traffic = method_traffic(method)
+            constants = lowered.summary().splitlines()
+            row = next(line for line in constants if line.startswith("decode"))
+            print(f"  {label}: {traffic['bytes'] / 1e6:.2f} MB modelled per call, lower bound "
+                  f"{traffic['lower_bound'] / 1e6:.2f} MB ({traffic['ratio']:.2f}x), {traffic['launches']} "
+                  f"launches; summary: {' '.join(row.split())}")
+
+
+def _moe():
+    """transformers' Mixtral in bf16: 2 layers of 8 experts (top 2), hidden 512, experts 1408 wide,
+    vocabulary 2048, static cache of 256; and its prefill/decode export."""
+    import transformers
+    from transformers.integrations.executorch import convert_and_export_with_cache
+
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=2048, hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256))
+    model = model.to(torch.bfloat16).eval()
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 256}
+
+    def export(m):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return {"prefill": convert_and_export_with_cache(m, torch.tensor([[3, 17, 5, 9, 22]]), torch.arange(5)),
+                    "decode": convert_and_export_with_cache(m, torch.tensor([[4]]), torch.tensor([5]))}
+
+    return model, export
 
 
 def main() -> int:

@@ -1134,14 +1134,14 @@ def case_generate(name, model, prompt=None, cache=16, tokens=TOKENS):
 
 
 def _quantized(case, kwargs):
-    """``case`` on the model with its linears weight-only quantized (``td.quantize_linears(**kwargs)``),
-    against the quantized model in eager; notes when the program holds fewer integer bytes than the
-    quantized linears (some weight folded back to floats)."""
+    """``case`` on the model with its linears and MoE experts weight-only quantized
+    (``td.quantize_linears(**kwargs)``), against the quantized model in eager; notes when the program
+    holds fewer integer bytes than the quantized weights (some weight folded back to floats)."""
     def run(name, model):
         import tritondelegate as td
 
         td.quantize_linears(model, **kwargs)
-        want = sum(m.qweight.numel() for m in model.modules() if isinstance(m, td.QuantizedLinear))
+        want = sum(b.nbytes for b in model.buffers() if b.dtype in (torch.int8, torch.uint8))  # linears', experts'
         if not want:
             raise Skip("no linear to quantize")
         worst, note, *facts = case(name, model)

@@ -11,9 +11,10 @@ sharing the cache as program state) and one prompt, in six modes:
 * ``state_on_device_graphs_dot`` the same, lowered for a target without the GEMV variant
                       (``Target.gemv_rows=0``): every decode projection on ``tl.dot``'s 16-row tiles,
                       to compare with the GEMV path.
-* ``state_on_device_graphs_int8``, ``..._int4`` the same with the linears weight-only quantized
-                      (``td.quantize_linears``: int8 per row; 4 bits per group of 64): a step reads a
-                      byte, or half of one, per weight; tokens checked against the quantized model eager.
+* ``state_on_device_graphs_int8``, ``..._int4`` the same with the linears (and a MoE case's experts)
+                      weight-only quantized (``td.quantize_linears``: int8 per row; 4 bits per group of
+                      64): a step reads a byte, or half of one, per weight; tokens checked against the
+                      quantized model eager.
 * ``hf_eager``        transformers' ``LlamaForCausalLM`` with the same config and weights, in its static-cache
                       export recipe (``TorchExportableModuleWithStaticCache``) run eagerly on the same
                       device: the reference front end of DESIGN.md's first workload.
@@ -58,7 +59,7 @@ VARIANTS = {"state_on_device_graphs_dot": {"gemv_rows": 0}, "state_on_device_gra
 QUANTIZED = {"state_on_device_graphs_int8": {}, "state_on_device_graphs_int4": {"bits": 4, "group_size": 64}}
 
 
-MOE_MODES = ("state_on_device", "state_on_device_graphs", "hf_eager")  # the modes a Mixtral case runs
+MOE_MODES = ("state_on_device", "state_on_device_graphs", "hf_eager", *QUANTIZED)  # the modes a Mixtral case runs
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,17 @@ def gen_cases(group: str, names: list[str] | None = None) -> list[GenCase]:
     return table[:1] if group == "quick" else list(table)
 
 
+def _eager_tokens(case: GenCase, model: torch.nn.Module, prompt: torch.Tensor) -> list[int]:
+    """``model``'s greedy tokens in eager: the prefill's, then one per decode step (a MoE case through
+    transformers' static-cache wrapper, the demo decoder through its own cache)."""
+    if case.moe:
+        wrapper = _static_cache_wrapper(model, "cpu")
+        first = _step(wrapper, prompt, torch.arange(case.prompt_len))
+        return _steps(wrapper, first, case.prompt_len, case.steps)[0].tolist()
+    tokens, _ = generate_eager(model, prompt, case.steps + 1)
+    return tokens[0].tolist()
+
+
 @dataclass
 class _Held:
     case: GenCase
@@ -196,15 +208,11 @@ class GenBench:
         if held.tokens is None:
             if case.moe:  # exported first: the programs keep the cache values eager would write
                 self.program_path(case, True)
-                wrapper = _static_cache_wrapper(held.model, "cpu")
-                first = _step(wrapper, held.prompt, torch.arange(case.prompt_len))
-                held.tokens = _steps(wrapper, first, case.prompt_len, case.steps)[0].tolist()
-                return held.tokens
-            self.program_path(case, False)  # first: the programs read the cache eager writes
-            for mode in ("state_on_device", *VARIANTS):
-                self.program_path(case, True, mode)
-            tokens, _ = generate_eager(held.model, held.prompt, case.steps + 1)
-            held.tokens = tokens[0].tolist()
+            else:
+                self.program_path(case, False)  # first: the programs read the cache eager writes
+                for mode in ("state_on_device", *VARIANTS):
+                    self.program_path(case, True, mode)
+            held.tokens = _eager_tokens(case, held.model, held.prompt)
         return held.tokens
 
     def quantized(self, case: GenCase, mode: str) -> tuple[torch.nn.Module, list[int]]:
@@ -215,8 +223,7 @@ class GenBench:
             model = td.quantize_linears(copy.deepcopy(held.model), **QUANTIZED[mode])
             held.quantized[mode] = (model, None)
             self.program_path(case, True, mode)
-            tokens, _ = generate_eager(model, held.prompt, case.steps + 1)
-            held.quantized[mode] = (model, tokens[0].tolist())
+            held.quantized[mode] = (model, _eager_tokens(case, model, held.prompt))
         return held.quantized[mode]
 
     def program_path(self, case: GenCase, state_on_device: bool, mode: str = "state_on_device") -> str:

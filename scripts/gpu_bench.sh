@@ -14,6 +14,7 @@
 #                         (8 experts, top 2) lowered and eager (bench/test_generation.py)
 #   gpu-generation-long.json  the same for a 3000-token context (split vs one-pass decode attention)
 #   gpu-generation-quantized.json  decode tokens/s with int8 and 4-bit weight-only quantized linears
+#   gpu-generation-quantized-moe.json  the same for the MoE decoder, its experts quantized too
 #   gpu-*.log             each step's pytest output
 #   gpu-report.md         python -m bench.report over every gpu-*.json written
 #   gpu-latency.png       the plot (when matplotlib is installed; the report says when it is not)
@@ -81,6 +82,9 @@ step generation bench/test_generation.py --bench-sizes "$([[ "$SIZES" == quick ]
 # step (each mode lowers a quantized copy), compared with the graphs mode of the generation step.
 [[ "$SIZES" == quick ]] || step generation-quantized bench/test_generation.py --bench-case kv-d1024-l8-v16384-s1024 \
   -k "int8 or int4"
+# The same for the Mixture-of-Experts decoder (0.83 GB in bf16): its experts quantized too.
+[[ "$SIZES" == quick ]] || step generation-quantized-moe bench/test_generation.py \
+  --bench-case moe-d1024-l4-e8k2-v16384-s1024 -k "int8 or int4"
 if [[ "$SIZES" == default ]]; then
   # The small models share one process; each large one gets its own step (and JSON).
   step small bench/test_latency.py bench/test_load.py --bench-sizes small

@@ -29,6 +29,8 @@ MODELS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 12, "sliding_window": 8, "query_pre_attn_scalar": 12}),
     # Mixture of Experts: 4 experts, 2 per token, the router's top-k, sort and counts on the device too
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # the LM head tied to the input embeddings (Llama 3.2 1B/3B, Qwen2.5 0.5-3B, Gemma)
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
 }
 # Launches per prefill or decode call at 2 layers: 5 per layer (Q/K/V with its norm and, in its epilogue,
 # q and k rotated, their angles and tables computed inline from the positions; attention with its mask
@@ -42,7 +44,8 @@ MODELS = {
 # (the norm its prologue too) with SwiGLU in its epilogue, down storing its rows in token order with the
 # routing weights in its epilogue, and the sum over the chosen experts with the residual add in its epilogue.
 # Gemma 2's layers run 7 each: the 5 and its norms after attention and after the MLP.
-LAUNCHES = {"llama": 13, "qwen2": 13, "mistral": 13, "gemma": 13, "phi3": 13, "mixtral": 21, "gemma2": 17}
+LAUNCHES = {"llama": 13, "qwen2": 13, "mistral": 13, "gemma": 13, "phi3": 13, "mixtral": 21, "gemma2": 17,
+            "llama_tied": 13}
 CACHE = 32
 PROMPT = torch.tensor([[3, 17, 5, 9, 22]])
 TOKENS = 16
@@ -132,8 +135,9 @@ def test_static_cache_generation_matches_eager(name, tmp_path):
 
 
 @pytest.mark.parametrize("name,quantize", [("llama", dict(bits=4, group_size=16, zero_point=True)),
-                                           ("phi3", dict()), ("mixtral", dict(bits=4, group_size=16))],
-                         ids=["llama-uint4-g16", "phi3-int8", "mixtral-int4-g16"])
+                                           ("phi3", dict()), ("mixtral", dict(bits=4, group_size=16)),
+                                           ("llama_tied", dict(bits=4, group_size=16, embeddings=True))],
+                         ids=["llama-uint4-g16", "phi3-int8", "mixtral-int4-g16", "llama-tied-int4-g16-embeddings"])
 def test_weight_only_quantized_generation_matches_the_quantized_model(name, quantize, tmp_path):
     # td.quantize_linears before the recipe's export: the program keeps every linear's integers and
     # (Mixtral) its experts' (its launches those of the float model), and gives the quantized model's own
@@ -148,6 +152,8 @@ def test_weight_only_quantized_generation_matches_the_quantized_model(name, quan
         assert sum(lowered.reports[method].launches.values()) == LAUNCHES[name]
         assert not lowered.reports[method].nodes.host
     assert sum(c.nbytes for c in lowered.program.constants if c.dtype in ("int8", "uint8")) == integers
+    table = (COMMON["vocab_size"], COMMON["hidden_size"])  # with embeddings=True no float table is stored
+    assert quantize.get("embeddings", False) is not any(tuple(c.shape) == table for c in lowered.program.constants)
     lowered.save(tmp_path / "lm.tdp")
     program = td.load(tmp_path / "lm.tdp", devices="simulated")
     eager = executorch.TorchExportableModuleWithStaticCache(model)

@@ -21,7 +21,8 @@ _EXPORTS = {
     "Partitioner": "partitioner", "PartitionResult": "partitioner",
     "DelegationSpec": "partitioner", "TritonPartitioner": "partitioner",
     "LoweringError": "errors", "Target": "kernels.target",
-    "quantize_linears": "quantize", "QuantizedLinear": "quantize",
+    "quantize_linears": "quantize", "QuantizedLinear": "quantize", "QuantizedEmbedding": "quantize",
+    "QuantizedExperts": "quantize",
     # runtime side
     "load": "runtime", "DeviceAllocator": "runtime", "InputError": "runtime",
     "register_allocator": "runtime",

@@ -263,8 +263,82 @@ def _quantize_experts(module: torch.nn.Module, name: str, group_size: int | None
         module._quantized_bits[weight_name] = bits
 
 
+class QuantizedEmbedding(torch.nn.Module):
+    """An ``nn.Embedding`` (or a subclass: Gemma's scaled one) whose table is integers, in a subclass of
+    its own class (:func:`quantized_embedding_class`), so its forward runs unchanged: buffers
+    ``qweight`` [V, D] (4 bits: D / 2), ``scale`` [V, groups] and with a zero point ``zero``, each row of
+    the table quantized as a linear's row (:func:`quantize_rows`); ``weight`` is a property that
+    dequantizes them on each access. A tied LM head (a linear whose weight was this table) becomes a
+    :class:`QuantizedLinear` over the same buffers, so the program stores the table once."""
+
+    _float_class: type = torch.nn.Module
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize_rows(self.qweight, self.zero, self.scale, self.bits, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        group = self.embedding_dim // self.scale.shape[1]
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.bits} bits, group={group}, zero_point={self.zero is not None}"
+
+    def __reduce_ex__(self, protocol):
+        return _new_quantized_embedding, (self._float_class,), self.__dict__.copy()
+
+
+_QUANTIZED_EMBEDDING_CLASSES: dict[type, type] = {}
+
+
+def quantized_embedding_class(cls: type) -> type:
+    """The :class:`QuantizedEmbedding` subclass of an embedding class, one per class (cached)."""
+    if issubclass(cls, QuantizedEmbedding):
+        return cls
+    if cls not in _QUANTIZED_EMBEDDING_CLASSES:
+        _QUANTIZED_EMBEDDING_CLASSES[cls] = type(f"QuantizedEmbedding[{cls.__name__}]", (QuantizedEmbedding, cls), {
+            "_float_class": cls, "__module__": __name__, "__doc__": QuantizedEmbedding.__doc__})
+    return _QUANTIZED_EMBEDDING_CLASSES[cls]
+
+
+def _new_quantized_embedding(cls: type) -> QuantizedEmbedding:
+    sub = quantized_embedding_class(cls)
+    return sub.__new__(sub)
+
+
+def _quantize_embedding(module: torch.nn.Embedding, group_size, zero_point: bool, bits: int) -> bool:
+    """Quantize an embedding's table in place (:class:`QuantizedEmbedding`); False (left float) where
+    ``group_size`` does not divide its dim, the dim is odd at 4 bits, or it renormalizes rows (``max_norm``)."""
+    d = module.embedding_dim
+    if module.max_norm is not None or (group_size is not None and d % group_size) or (bits == 4 and d % 2):
+        return False
+    q, zero, scale = quantize_rows(module.weight, group_size, zero_point, bits)
+    del module._parameters["weight"]
+    module.register_buffer("qweight", q)
+    module.register_buffer("scale", scale)
+    module.register_buffer("zero", zero)
+    module.bits = bits
+    module.__class__ = quantized_embedding_class(type(module))
+    return True
+
+
+def _tied(linear: QuantizedLinear, table: QuantizedEmbedding) -> QuantizedLinear:
+    """``linear`` (quantized like ``table``) reading ``table``'s buffers themselves: one stored copy."""
+    linear.qweight, linear.scale, linear.zero = table.qweight, table.scale, table.zero
+    return linear
+
+
+def _quantize_embeddings(model: torch.nn.Module, group_size, zero_point: bool, bits: int, skip) -> dict:
+    """Quantize every embedding of ``model`` (not matching ``skip``); {id of its float table: the module}."""
+    tables = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Embedding) and not isinstance(module, QuantizedEmbedding) and not any(
+                fnmatch.fnmatch(name, p) for p in skip):
+            weight = module.weight
+            if _quantize_embedding(module, group_size, zero_point, bits):
+                tables[id(weight)] = module
+    return tables
+
+
 def quantize_linears(model: torch.nn.Module, *, group_size: int | None = None, zero_point: bool = False,
-                     bits: int = 8, skip=()) -> torch.nn.Module:
+                     bits: int = 8, skip=(), embeddings: bool = False) -> torch.nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (in place; returned; not a subclass with a forward of its
     own), and every transformers ``Conv1D``
     (GPT-2's linears, weight [in, out]), by a :class:`QuantizedLinear`, except those whose qualified
@@ -277,9 +351,15 @@ def quantize_linears(model: torch.nn.Module, *, group_size: int | None = None, z
     dim of the expert count, along its reduction dim, into buffers ``{name}_qweight``, ``{name}_scale``
     and ``{name}_zero`` (:class:`QuantizedExperts`), except where ``skip`` matches the module's name or
     the parameter's (``"model.layers.0.mlp.experts.down_proj"``) and where ``group_size`` does not
-    divide K or K is odd (4 bits): those stay float parameters, as do the experts' biases."""
+    divide K or K is odd (4 bits): those stay float parameters, as do the experts' biases.
+
+    With ``embeddings``, every ``nn.Embedding`` (subclasses too) is quantized as well, each row of its
+    table as a linear's row (:class:`QuantizedEmbedding`), and a linear tied to one (an LM head sharing
+    the input embeddings' table) reads the same integers: the program then stores the table once, where
+    without it a tied LM head is a quantized copy beside the float table."""
     if group_size is not None and group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
+    tables = _quantize_embeddings(model, group_size, zero_point, bits, skip) if embeddings else {}
     for name, module in list(model.named_modules()):
         _quantize_experts(module, name, group_size, zero_point, bits, skip)
         for child_name, child in list(module.named_children()):
@@ -289,5 +369,7 @@ def quantize_linears(model: torch.nn.Module, *, group_size: int | None = None, z
             k = _linear_weight(child).shape[1]
             if (group_size is not None and k % group_size) or (bits == 4 and k % 2):
                 continue
-            setattr(module, child_name, QuantizedLinear(child, group_size, zero_point, bits))
+            linear = QuantizedLinear(child, group_size, zero_point, bits)
+            table = tables.get(id(child.weight))
+            setattr(module, child_name, linear if table is None else _tied(linear, table))
     return model

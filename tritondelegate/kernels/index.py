@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 
 from . import elementwise as ew
+from .dequant_rows import launch_dequant_rows
+from .matmul import QuantWeight
 from .refs import TRef, broadcast_strides, collapse_padded, node_value
 from .sizes import SymbolicShapeError, is_static, next_power_of_2
 
@@ -372,6 +374,10 @@ def launch_cumextreme(b, out: TRef, indices: TRef, x: TRef, dim: int, is_min: bo
 
 # --- lowerings ------------------------------------------------------------------------------------
 def embedding(b, node):  # embedding(weight, indices, padding_idx, ...): out = weight[indices]
+    table = b.values(node.args[0])
+    if isinstance(table, QuantWeight):  # a quantized table: its rows gathered and dequantized (dequant_rows.py)
+        launch_dequant_rows(b, b.out(node), table, b.ref(node.args[1]))
+        return
     weight, idx = b.ref(node.args[0]), b.ref(node.args[1])
     out = b.out(node)
     direct = [0] * idx.ndim + [weight.strides[1]]

@@ -2,7 +2,8 @@
 
 A ``dequant_weight`` node has no launch of its own: each reader loads its integers and dequantizes
 them tile by tile. So every reader must be a kernel that can: a linear reading it as its weight
-[N, K] (``matmul.py``), ``mm``/``addmm`` reading it as B [K, N] (transposed), or a grouped GEMM of a
+[N, K] (``matmul.py``), an embedding looking up its rows [V, D] (``dequant_rows.py``; a tied model's
+table and LM head share it), ``mm``/``addmm`` reading it as B [K, N] (transposed), or a grouped GEMM of a
 Mixture-of-Experts layer reading it as its experts' weights [E, K, N] (transposed, ``grouped_mm.py``).
 The support check of the op and the lowering pass (``passes/quant_weights.py``) apply these same rules.
 """
@@ -13,6 +14,7 @@ import torch
 
 from .. import ops as td_ops
 from . import grouped_mm as gmm
+from . import index as idx
 from . import matmul as mm
 from .refs import node_value
 
@@ -20,12 +22,12 @@ aten = torch.ops.aten
 
 # per weight rank and layout: reader op -> (the argument index of the weight, its support check)
 _LINEARS = {aten.linear.default: (1, mm.supported_linear), td_ops.glu_linear: (1, mm.supported_glu),
-            td_ops.rope_linear: (1, mm.supported_rope)}
+            td_ops.rope_linear: (1, mm.supported_rope), aten.embedding.default: (0, idx.supported_embedding)}
 _MM = {aten.mm.default: (1, mm.supported), aten.addmm.default: (2, mm.supported)}
 _GROUPED = {aten._grouped_mm.default: (1, gmm.supported), td_ops.glu_grouped_mm: (1, gmm.supported_glu),
             td_ops.scattered_grouped_mm: (1, gmm.supported_scattered),
             td_ops.gathered_grouped_mm: (3, gmm.supported_gathered)}
-_READERS = {(2, False): (_LINEARS, "a linear's weight"), (2, True): (_MM, "mm's B"),
+_READERS = {(2, False): (_LINEARS, "a linear's weight or an embedding's table"), (2, True): (_MM, "mm's B"),
             (3, True): (_GROUPED, "a grouped GEMM's experts' weight")}
 
 

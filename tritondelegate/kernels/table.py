@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import attention, batchnorm, conv, creation, elementwise, index, layout, matmul, norm, pad, pool, reduce, rotary
 from . import bags, depthwise, distance, grid_sample, grouped_mm, histogram, ranking, resize, router, scatter, softmax
-from . import sort_offsets
+from . import dequant_rows, sort_offsets
 
 KERNELS: dict[str, object] = {
     "pointwise": elementwise.pointwise_kernel,
@@ -17,6 +17,7 @@ KERNELS: dict[str, object] = {
     "arange": creation.arange_kernel,
     "pad": pad.pad_kernel,
     "gather": index.gather_kernel,
+    "dequant_rows": dequant_rows.dequant_rows_kernel,
     "cumsum": index.cumsum_kernel,
     "cumextreme": index.cumextreme_kernel,
     "cdist": distance.cdist_kernel,

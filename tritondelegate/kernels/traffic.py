@@ -119,6 +119,11 @@ def _epilogue_operand(k: int) -> Callable[[Args], bool]:
     return lambda a: (a.get("EPILOGUE") or 0) > k and a[f"EARITY{k}"] == 2 and not a[f"EIS_SCALAR{k}"]
 
 
+def _table_rows(a: Args) -> int:
+    """A quantized embedding table's zero or scale entries of the R rows looked up."""
+    return a["R"] * -(-a["D"] // max(a["q_group"], 1))
+
+
 def _expert_tables(a: Args) -> int:
     """A quantized grouped GEMM's zero or scale table: N groups of cdiv(K, q_group) per expert with rows."""
     return min(a["E"], a["S"]) * a["N"] * -(-a["K"] // max(a["q_group"], 1))
@@ -311,6 +316,14 @@ TRAFFIC: dict[str, KernelTraffic] = {
         writes=(Access("out_ptr"),),
         flops=lambda a: a["n"] * sum(_pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0)),
     ),
+    # out[r] = the dequantized row idx[r] of a quantized table: R rows of q at most (half a byte per value
+    # with 4 bits), and of each table R rows of its groups; a few ops per value
+    "dequant_rows": KernelTraffic(
+        reads=(Access("q_ptr", at_most=lambda a: a["R"] * -(-a["D"] // (2 if a["QBITS"] == 4 else 1))),
+               Access("idx_ptr"),
+               Access("qz_ptr", lambda a: "zero" in a["QUANT"], at_most=_table_rows),
+               Access("qs_ptr", lambda a: "scale" in a["QUANT"], at_most=_table_rows)),
+        writes=(Access("out_ptr"),), flops=lambda a: 2 * a["R"] * a["D"]),
     "cumsum": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
                             flops=lambda a: a["rows"] * a["length"]),
     "cumextreme": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"), Access("idx_ptr")),

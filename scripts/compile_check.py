@@ -1125,6 +1125,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability (default 90: H100/H200)")
     parser.add_argument("--case", action="append", default=[], help="only the cases whose name contains this")
+    parser.add_argument("--skip-fp16-twins", action="store_true",
+                        help="not the float16 cases that have a bfloat16 twin (same kernels, the other 16-bit type)")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
@@ -1136,7 +1138,9 @@ def main(argv=None) -> int:
     if opts.list:
         print("\n".join(all_cases))
         return 0
-    selected = {k: f for k, f in all_cases.items() if not opts.case or any(s in k for s in opts.case)}
+    twins = {k for k in all_cases if k.endswith("/float16") and k[:-len("float16")] + "bfloat16" in all_cases}
+    selected = {k: f for k, f in all_cases.items()
+                if (not opts.case or any(s in k for s in opts.case)) and not (opts.skip_fp16_twins and k in twins)}
     if not selected:
         parser.error(f"no case matches {opts.case}; --list shows them")
 

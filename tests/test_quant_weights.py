@@ -346,8 +346,7 @@ class TiedEmbedding(nn.Module):
 @pytest.mark.parametrize("model,args,kernels", [
     (PerColumnScale(), (torch.randn(1, 3, K),), ["matmul"]),
     (Groups(8), (torch.randn(1, 3, K),), ["matmul"]),  # the kernel takes powers of two >= 16
-    (TiedEmbedding(), (torch.randint(0, N, (1, 3)),), ["gather", "matmul"]),
-], ids=["per_column_scale", "groups_of_8", "tied_embedding"])
+], ids=["per_column_scale", "groups_of_8"])
 def test_fallback_folds_a_float_weight(model, args, kernels):
     model = model.eval()
     lowered = lower_resident(model, args)
@@ -364,6 +363,18 @@ def test_fallback_folds_a_float_weight(model, args, kernels):
         assert_close(method(*args), model(*args))
     # Nothing but the call's own input is copied to the device: the weight is not computed per call.
     assert method.stats.call_h2d_bytes == sum(a.numel() * a.element_size() for a in args)
+
+
+def test_a_table_an_embedding_and_a_linear_read_stays_quantized_once():
+    # the embedding looks its rows up in the integers (kernels/dequant_rows.py), the linear reads them
+    # as its weight: one int8 table and its scales, no float copy
+    model = TiedEmbedding().eval()
+    ids = torch.randint(0, N, (1, 3))
+    lowered = lower_resident(model, (ids,))
+    assert [launch.kernel for launch in plan_launches(lowered)] == ["dequant_rows", "matmul"]
+    assert [(name, shape) for name, shape, _, _ in _stored(lowered)] == [("int8", (N, K)), ("float32", (N, 1))]
+    with torch.no_grad():
+        assert_close(lowered.load().load_method("forward")(ids), model(ids))
 
 
 def _weight_of(model) -> torch.Tensor:

@@ -204,7 +204,7 @@ SIZES = {"pointwise": "n", "pointwise_chain": "n", "matmul": "M", "conv2d": "M",
          "grouped_mm": "S", "attention_combine": "S", "attention_append": "Lq", "rank": "length", "histc": "n",
          "router": "length", "group_router": "length", "sort_offsets": "n", "cat": "n", "resize": "total",
          "grid_sample": "total", "depthwise_conv": "M", "embedding_bag": "n_bags", "cdist": "P",
-         "cumextreme": "rows"}
+         "cumextreme": "rows", "dequant_rows": "R"}
 
 
 def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):

@@ -193,8 +193,8 @@ class _Values(dict):
 
 
 def _materialize_quantized(ep) -> None:
-    """A quantized weight's constant that something still reads (not only matmuls: a tied embedding
-    table) holds its dequantized values from here on, as plain folding would have stored it."""
+    """A quantized weight's constant that something still reads (not only kernels that dequantize: a
+    ``bmm``) holds its dequantized values from here on, as plain folding would have stored it."""
     for node in ep.graph_module.graph.nodes:
         if node.op == "placeholder" and QUANTIZED in node.meta and node.users and node.name in ep.constants:
             ep.constants[node.name] = node.meta[QUANTIZED].dequantize().contiguous()

@@ -19,12 +19,15 @@ four times in fp32, read again by every decode step, which is bound by exactly t
    ``placeholder.meta["quantized"]``, a :class:`Quantized`.
 2. The weight passes (Q/K/V concatenation, gate/up interleaving, rotary row orders) rearrange rows of
    it with ``cat``, ``stack``, ``index_select``, ``slice`` and views; constant folding evaluates those
-   on the parts (:func:`evaluate`), and where a linear (``linear``, ``glu_linear``, ``rope_linear``)
-   reads a quantized weight, ``fold_constants._dequantize_in_kernels`` stores the parts (q, and the per-group
-   zero and scale tables) and puts ``tritondelegate::dequant_weight`` in W's place. The matmul
-   kernel reads q and dequantizes each tile as it loads it; W is never stored.
+   on the parts (:func:`evaluate`), and where only kernels that dequantize read a quantized weight
+   (``kernels/quant_readers.py``: linears, ``mm``'s B, a grouped GEMM's experts [E, K, N], an
+   embedding's lookups), ``fold_constants._dequantize_in_kernels`` stores the parts (q, and the
+   per-group zero and scale tables) and puts ``tritondelegate::dequant_weight`` in W's place. Each
+   reader loads q and dequantizes its tiles (the matmul and grouped GEMM kernels) or rows
+   (``dequant_rows.py``) as it loads them; W is never stored. A tied table serves the lookups and the
+   LM head from one copy.
 
-A weight something else reads too (a tied embedding table) keeps its float constant. Anything the
+A weight something else reads too (a ``bmm``) keeps its float constant. Anything the
 rules do not know (an op on K's axis, a second scale, a mismatch with the subgraph's own values)
 leaves the weight to plain folding: never a different result, at worst the bytes of today.
 """

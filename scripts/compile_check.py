@@ -903,13 +903,14 @@ def _softcap_attention(dtype, seq: int, keys: int):
 def _quantized_cases() -> dict[str, callable]:
     """bf16 decoders with weight-only quantized linears: 4 bits (two per byte) per group of 32 at decode
     (GEMV); uint8 and 4 bits with zero points per group at prefill (tl.dot tiles, the K step capped to
-    the group); a MoE layer's quantized experts at decode and at prefill."""
+    the group), the 4-bit ones with their embedding tables quantized (``dequant_rows``); a MoE layer's
+    quantized experts at decode and at prefill."""
     llama = dict(dim=512, n_layers=1, hidden_dim=1376, n_heads=8, n_kv_heads=2)
     return {
         "decoder_decode_int4_g32/bfloat16": lambda: _quantized(
-            _decoder(BF16, 1, max_seq_len=64, **llama), group_size=32, bits=4),
+            _decoder(BF16, 1, max_seq_len=64, **llama), group_size=32, bits=4, embeddings=True),
         "decoder_prefill_uint4_g64/bfloat16": lambda: _quantized(
-            _decoder(BF16, 384, max_seq_len=512, **llama), group_size=64, zero_point=True, bits=4),
+            _decoder(BF16, 384, max_seq_len=512, **llama), group_size=64, zero_point=True, bits=4, embeddings=True),
         "decoder_prefill_uint8_g128/bfloat16": lambda: _quantized(
             _decoder(BF16, 384, max_seq_len=512, **llama), group_size=128, zero_point=True),
         # a MoE layer's experts (the grouped GEMM's QUANT): int8 per row at decode (the per-row path),

@@ -205,26 +205,32 @@ class QuantizedExperts(torch.nn.Module):
 
     def __reduce_ex__(self, protocol):
         # the class is made at run time: pickle (and deepcopy) rebuild it from the float class
-        return _new_quantized_experts, (self._float_class,), self.__dict__.copy()
+        return _new_quantized, (QuantizedExperts, self._float_class), self.__dict__.copy()
 
 
-_QUANTIZED_EXPERTS_CLASSES: dict[type, type] = {}
+_QUANTIZED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _quantized_class(mixin: type, cls: type) -> type:
+    """The subclass of ``cls`` with the quantized ``mixin`` first (its weight properties), named
+    ``Mixin[cls name]``, one per pair (cached)."""
+    if issubclass(cls, mixin):
+        return cls
+    if (mixin, cls) not in _QUANTIZED_CLASSES:
+        _QUANTIZED_CLASSES[mixin, cls] = type(f"{mixin.__name__}[{cls.__name__}]", (mixin, cls), {
+            "_float_class": cls, "__module__": __name__, "__doc__": mixin.__doc__})
+    return _QUANTIZED_CLASSES[mixin, cls]
+
+
+def _new_quantized(mixin: type, cls: type):
+    """An empty instance of :func:`_quantized_class` (how pickle and deepcopy rebuild one)."""
+    sub = _quantized_class(mixin, cls)
+    return sub.__new__(sub)
 
 
 def quantized_experts_class(cls: type) -> type:
-    """The :class:`QuantizedExperts` subclass of an experts class, ``QuantizedExperts[cls name]``, one
-    per class (cached)."""
-    if issubclass(cls, QuantizedExperts):
-        return cls
-    if cls not in _QUANTIZED_EXPERTS_CLASSES:
-        _QUANTIZED_EXPERTS_CLASSES[cls] = type(f"QuantizedExperts[{cls.__name__}]", (QuantizedExperts, cls), {
-            "_float_class": cls, "__module__": __name__, "__doc__": QuantizedExperts.__doc__})
-    return _QUANTIZED_EXPERTS_CLASSES[cls]
-
-
-def _new_quantized_experts(cls: type) -> QuantizedExperts:
-    sub = quantized_experts_class(cls)
-    return sub.__new__(sub)
+    """The :class:`QuantizedExperts` subclass of an experts class, ``QuantizedExperts[cls name]``."""
+    return _quantized_class(QuantizedExperts, cls)
 
 
 def _expert_count(module: torch.nn.Module) -> int | None:
@@ -282,25 +288,12 @@ class QuantizedEmbedding(torch.nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.bits} bits, group={group}, zero_point={self.zero is not None}"
 
     def __reduce_ex__(self, protocol):
-        return _new_quantized_embedding, (self._float_class,), self.__dict__.copy()
-
-
-_QUANTIZED_EMBEDDING_CLASSES: dict[type, type] = {}
+        return _new_quantized, (QuantizedEmbedding, self._float_class), self.__dict__.copy()
 
 
 def quantized_embedding_class(cls: type) -> type:
-    """The :class:`QuantizedEmbedding` subclass of an embedding class, one per class (cached)."""
-    if issubclass(cls, QuantizedEmbedding):
-        return cls
-    if cls not in _QUANTIZED_EMBEDDING_CLASSES:
-        _QUANTIZED_EMBEDDING_CLASSES[cls] = type(f"QuantizedEmbedding[{cls.__name__}]", (QuantizedEmbedding, cls), {
-            "_float_class": cls, "__module__": __name__, "__doc__": QuantizedEmbedding.__doc__})
-    return _QUANTIZED_EMBEDDING_CLASSES[cls]
-
-
-def _new_quantized_embedding(cls: type) -> QuantizedEmbedding:
-    sub = quantized_embedding_class(cls)
-    return sub.__new__(sub)
+    """The :class:`QuantizedEmbedding` subclass of an embedding class, ``QuantizedEmbedding[cls name]``."""
+    return _quantized_class(QuantizedEmbedding, cls)
 
 
 def _quantize_embedding(module: torch.nn.Embedding, group_size, zero_point: bool, bits: int) -> bool:

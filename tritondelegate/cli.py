@@ -124,7 +124,7 @@ def _generate(args) -> dict:
     model = kv_cache_decoder(seed=args.seed, **cfg)
     if args.quantize:  # weight-only: the program keeps the integers and dequantizes in its matmuls
         td.quantize_linears(model, group_size=args.group_size, zero_point=args.quantize.startswith("u"),
-                            bits=int(args.quantize[-1]))
+                            bits=int(args.quantize[-1]), embeddings=args.quantize_embeddings)
     prompt = torch.randint(0, cfg["vocab_size"], (1, prompt_len))
     # Exported once with an example length; the program takes any prompt length up to the bound (the
     # generator prefills a longer one in calls of that many). Prefill returns its last position's logits
@@ -166,7 +166,8 @@ def _generate(args) -> dict:
         "state_on_device": not args.state_on_host,
         "graphs": args.graphs,
         "quantize": args.quantize and f"{args.quantize}, " + (
-            f"groups of {args.group_size}" if args.group_size else "per row"),
+            f"groups of {args.group_size}" if args.group_size else "per row") + (
+            ", embeddings too" if args.quantize_embeddings else ""),
         "tokens": tokens,
         "eager_tokens": expected,
         "tokens_match": mismatch is None,
@@ -203,7 +204,7 @@ def _print_generation(result: dict) -> None:
     print(f"  one program, methods prefill and decode; KV cache ({result['cache_bytes']} bytes) {where}"
           + (", decode replayed as CUDA graphs" if result["graphs"] else ""))
     if result["quantize"]:
-        print(f"  linears weight-only quantized ({result['quantize']}), dequantized in the matmul kernels")
+        print(f"  linears weight-only quantized ({result['quantize']}), dequantized in the kernels that read them")
     for name, m in result["methods"].items():
         print(f"  {name}: delegated {m['nodes_delegated']} of {m['nodes_total']} compute nodes into "
               f"{m['delegates']} delegates, {m['launches_per_call']} kernel launches per call")
@@ -299,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                           "with zero points (uint)")
     gen.add_argument("--group-size", type=int, help="with --quantize: a scale per group of this many input "
                                                      "features (a power of two >= 16; default: one per row)")
+    gen.add_argument("--quantize-embeddings", action="store_true",
+                     help="with --quantize: the embedding table too (td.quantize_linears(embeddings=True))")
     gen.add_argument("--seed", type=int, default=0)
     insp = sub.add_parser("inspect", help="what a program file holds: methods, delegates, constants, state, memory")
     insp.add_argument("program", help="a program file written by LoweredProgram.save")

@@ -14,9 +14,10 @@ import pickle
 import pytest
 import torch
 from torch import nn
+from torch.export import Dim
 
 import tritondelegate as td
-from harness import FLOAT_DTYPES, assert_close, lower_resident, plan_launches
+from harness import FLOAT_DTYPES, assert_close, check_dynamic, lower_resident, plan_launches
 from tritondelegate.dtypes import dtype_name
 from tritondelegate.kernels.table import KERNELS
 from tritondelegate.kernels.traffic import method_traffic
@@ -172,3 +173,12 @@ def test_a_damaged_launch_is_refused_at_load(damage, match):
         launch.args[at] = Arg(KernelArgKind.INT, launch.args[at].value * 2 if damage != "q_group" else 1)
     with pytest.raises(td.ProgramError, match=match):
         load(program)
+
+
+def test_a_dynamic_number_of_lookups():
+    # one program for 1..16 tokens: the rows looked up are a symbolic size of the launch
+    torch.manual_seed(0)
+    model = td.quantize_linears(Tied().eval(), embeddings=True, bits=4, group_size=16)
+    calls = [(torch.randint(0, V, (1, n)),) for n in (3, 11)]
+    lowered, _ = check_dynamic(model, calls, {"idx": {1: Dim("seq", max=16)}})
+    assert [launch.kernel for launch in plan_launches(lowered)] == ["dequant_rows", "matmul", "matmul"]

@@ -18,7 +18,8 @@ and the simulated device (or a GPU), comparing with eager. Prints one line per (
     dyn2      text models with dynamic batch and length and a padding attention_mask
     int8      forward with the linears weight-only quantized (td.quantize_linears: int8 per row), against
               the quantized model in eager; notes integer bytes the program did not keep
-    int4_gen  generate with the linears at 4 bits, zero points per group of 16, likewise
+    int4_gen  generate with the linears (and MoE experts) at 4 bits, zero points per group of 16, likewise
+    emb_gen   as int4_gen with the embedding tables quantized too (embeddings=True: a tied head on one copy)
 
     python scripts/arch_sweep.py                       # every architecture, every case
     python scripts/arch_sweep.py --archs llama,gpt2 --cases forward,dynamic --timeout 300
@@ -722,7 +723,7 @@ IMAGE_SHAPE = {"swin": (3, 32, 32), "swinv2": (3, 32, 32), "segformer": (3, 32, 
 WAVE_LEN = 400  # audio samples: 79 frames after the stride-5 conv, 39 after the stride-2 one
 ARCHS = list(DECODERS) + list(ENCODERS)
 CASES = ("forward", "generate", "dynamic", "batch2", "mask", "eager_attn", "bf16", "long", "long_gen", "wide", "dyn_gen", "fp16", "dyn2",
-         "int8", "int4_gen")
+         "int8", "int4_gen", "emb_gen")
 
 
 class First(torch.nn.Module):
@@ -1168,7 +1169,7 @@ def run_case(name, case, timeout, verbose):
     start = time.time()
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(timeout)
-    if case in ("generate", "long_gen", "dyn_gen", "int4_gen") and name not in DECODERS:
+    if case in ("generate", "long_gen", "dyn_gen", "int4_gen", "emb_gen") and name not in DECODERS:
         return None
     REASONS.clear()
     try:
@@ -1199,7 +1200,8 @@ CASE_FUNCTIONS = {"forward": case_forward, "generate": case_generate, "dynamic":
                   "long": case_long, "long_gen": case_long_gen, "wide": case_wide,
                   "dyn_gen": case_dyn_gen, "fp16": case_fp16,
                   "dyn2": case_dyn2, "int8": _quantized(case_forward, {}),
-                  "int4_gen": _quantized(case_generate, dict(bits=4, group_size=16, zero_point=True))}
+                  "int4_gen": _quantized(case_generate, dict(bits=4, group_size=16, zero_point=True)),
+                  "emb_gen": _quantized(case_generate, dict(bits=4, group_size=16, zero_point=True, embeddings=True))}
 
 
 def main(argv=None):

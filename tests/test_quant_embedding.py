@@ -112,16 +112,43 @@ def test_without_embeddings_a_tied_head_is_a_quantized_copy_beside_the_float_tab
     assert [l.kernel for l in plan_launches(lowered)][0] == "gather"
 
 
-def test_an_embedding_subclass_keeps_its_forward():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_an_embedding_subclass_keeps_its_forward_and_its_scale_is_the_lookups_epilogue(dtype):
     torch.manual_seed(0)
-    model = td.quantize_linears(Lookup(Scaled(V, D)).eval(), embeddings=True, group_size=16)
+    model = td.quantize_linears(Lookup(Scaled(V, D)).to(dtype).eval(), embeddings=True, group_size=16)
     assert isinstance(model.emb, Scaled) and isinstance(model.emb, td.QuantizedEmbedding)
     with torch.no_grad():
         expected = nn.functional.embedding(IDX, model.emb.weight) * D ** 0.5
         assert torch.equal(model(IDX), expected)
         lowered = lower_resident(model, (IDX,))
-        assert_close(lowered.load().load_method("forward")(IDX), expected, dtype=torch.float32)
+        assert torch.equal(lowered.load().load_method("forward")(IDX), expected)
+    (launch,) = plan_launches(lowered)  # Gemma's scale in the lookup's epilogue, as in a float gather's
+    assert launch.kernel == "dequant_rows" and launch.constexprs["EPILOGUE"].value == 1
     assert not _float_tables(lowered)
+
+
+class TokensAndPositions(nn.Module):
+    """GPT-2's input: token rows plus position rows, two tables."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(32, D)
+
+    def forward(self, idx, pos):
+        return self.wte(idx) + self.wpe(pos)
+
+
+def test_two_lookups_added_are_two_launches():
+    # the add is the second lookup's epilogue, reading the first's rows by (row, column)
+    torch.manual_seed(0)
+    model = td.quantize_linears(TokensAndPositions().to(torch.bfloat16).eval(), embeddings=True, group_size=16)
+    args = (IDX, torch.arange(IDX.shape[1]).expand_as(IDX))
+    lowered = lower_resident(model, args)
+    launches = plan_launches(lowered)
+    assert [launch.kernel for launch in launches] == ["dequant_rows"] * 2
+    assert [launch.constexprs.get("EPILOGUE") is not None for launch in launches] == [False, True]
+    with torch.no_grad():
+        assert torch.equal(lowered.load().load_method("forward")(*args), model(*args))
 
 
 def test_embeddings_left_float_where_asked_or_where_they_do_not_fit():

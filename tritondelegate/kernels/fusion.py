@@ -99,6 +99,7 @@ import torch
 from ..plan import Launch
 from . import conv as cv
 from . import grouped_mm as gmm
+from . import dequant_rows as dq
 from . import elementwise as ew
 from . import fuse_cat, fuse_gather, fuse_pad, fuse_reduce, fuse_rows
 from . import sizes as size_fns
@@ -214,7 +215,8 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
 
     ``records`` are a delegate's launches with what each computes (``LaunchRecord.op``: an
     ``elementwise.PointwiseOp`` for a ``pointwise`` launch, a ``matmul.MatmulOp``, ``conv.ConvOp`` or
-    ``grouped_mm.GroupedOp`` for a ``matmul``, ``conv2d`` or ``grouped_mm`` launch, a ``norm.RowNorm``,
+    ``grouped_mm.GroupedOp`` for a ``matmul``, ``conv2d`` or ``grouped_mm`` launch, a
+    ``dequant_rows.DequantRowsOp`` for a ``dequant_rows`` launch, a ``norm.RowNorm``,
     ``softmax.RowSoftmax`` or ``reduce.RowReduce`` for a ``norm``, ``softmax`` or one-pass ``reduce`` launch, a
     ``scatter.ScatterOp`` for a plain ``scatter`` launch, an ``index.GatherOp`` for a ``gather``;
     None: left alone). ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may
@@ -228,7 +230,7 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     launches = [r.launch for r in records]
     ops = {kind: {i: r.op for i, r in enumerate(records) if r.op is not None and r.launch.kernel in kernels}
            for kind, kernels in (("pointwise", {"pointwise"}),
-                                 ("matmul", {"matmul", "conv2d", "depthwise_conv", "grouped_mm"}),
+                                 ("matmul", {"matmul", "conv2d", "depthwise_conv", "grouped_mm", "dequant_rows"}),
                                  ("norm", {"norm"}), ("rows", {"norm", "softmax", "reduce"}),
                                  ("gather", {"gather"}))}
     users: dict[int, set[int]] = defaultdict(set)
@@ -437,7 +439,7 @@ def _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away
 
 
 def _whole_result_epilogue_launch(op, chain: _Chain, launch: Launch) -> Launch | None:
-    """``launch`` (computing ``op``, a ``conv.ConvOp`` or a ``grouped_mm.GroupedOp``) relaunched with
+    """``launch`` (computing ``op``: a ``conv.ConvOp``, ``grouped_mm.GroupedOp`` or ``dequant_rows.DequantRowsOp``) relaunched with
     ``chain`` as its epilogue, or None unless the chain starts from the whole result, read as itself,
     over the result's own shape."""
     t = op.c
@@ -451,14 +453,17 @@ def _whole_result_epilogue_launch(op, chain: _Chain, launch: Launch) -> Launch |
         return None
     steps, others = chain.from_slot(k)
     operands = [(slot, broadcast_strides(slot, shape)) if isinstance(slot, TRef) else slot for slot in others]
-    grid, args, constexprs = op.launch(chain.out, steps, operands)
+    launched = op.launch(chain.out, steps, operands)
+    if launched is None:
+        return None
+    grid, args, constexprs = launched
     return new_launch(launch.kernel, grid, args, constexprs, "+".join([launch.op] + chain.names))
 
 
 def _epilogue_launch(op, chain: _Chain, matmul: Launch) -> Launch | None:
     """``matmul`` (computing ``op``) relaunched with ``chain`` as its epilogue, or None when the chain
     does not start from the product or cannot be addressed in the product's [Z, M, N] walk."""
-    if isinstance(op, (cv.ConvOp, gmm.GroupedOp)):
+    if isinstance(op, (cv.ConvOp, gmm.GroupedOp, dq.DequantRowsOp)):
         return _whole_result_epilogue_launch(op, chain, matmul)
     t = op.c
     at = [k for k, s in enumerate(chain.slots) if isinstance(s, TRef) and s.buffer == t.buffer]

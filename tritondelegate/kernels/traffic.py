@@ -317,13 +317,16 @@ TRAFFIC: dict[str, KernelTraffic] = {
         flops=lambda a: a["n"] * sum(_pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0)),
     ),
     # out[r] = the dequantized row idx[r] of a quantized table: R rows of q at most (half a byte per value
-    # with 4 bits), and of each table R rows of its groups; a few ops per value
+    # with 4 bits), and of each table R rows of its groups; a few ops per value; then EPILOGUE fused
+    # pointwise steps, each reading e<k> when binary
     "dequant_rows": KernelTraffic(
         reads=(Access("q_ptr", at_most=lambda a: a["R"] * -(-a["D"] // (2 if a["QBITS"] == 4 else 1))),
                Access("idx_ptr"),
                Access("qz_ptr", lambda a: "zero" in a["QUANT"], at_most=_table_rows),
-               Access("qs_ptr", lambda a: "scale" in a["QUANT"], at_most=_table_rows)),
-        writes=(Access("out_ptr"),), flops=lambda a: 2 * a["R"] * a["D"]),
+               Access("qs_ptr", lambda a: "scale" in a["QUANT"], at_most=_table_rows),
+               *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
+        writes=(Access("out_ptr"),), flops=lambda a: a["R"] * a["D"] * (2 + sum(
+            _pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0)))),
     "cumsum": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
                             flops=lambda a: a["rows"] * a["length"]),
     "cumextreme": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"), Access("idx_ptr")),

@@ -453,13 +453,15 @@ def _gather(x: LaunchArgs) -> Footprint:
 
 def _dequant_rows(x: LaunchArgs) -> Footprint:
     """A quantized table's rows at indices masked to [0, V), every column (two per byte with 4 bits), and
-    their groups of the zero and scale tables; out [R, D] contiguous."""
+    their groups of the zero and scale tables; out [R, D] contiguous; an epilogue's operands by (row,
+    column)."""
     R, D, V = x.i("R"), x.i("D"), x.i("V")
     acc = [Access("out_ptr", ((R, D), (D, 1)), write=True), Access("idx_ptr", ((R, x.i("stride_i")),)),
            Access("q_ptr", ((V, x.i("stride_qv")), (_cdiv(D, 2 if x.c["QBITS"] == 4 else 1), x.i("stride_qd"))))]
     if x.c["QUANT"] not in ("", "none"):
         box = ((V, x.i("stride_zv")), (_cdiv(D, max(x.i("q_group"), 1)), x.i("stride_zg")))
         acc += [Access(p, box) for p, part in (("qz_ptr", "zero"), ("qs_ptr", "scale")) if part in x.c["QUANT"]]
+    acc += _epilogue(x, (R, D), 2)
     return Footprint(acc, (_cdiv(R, x.c["BLOCK_R"]), _cdiv(D, x.c["BLOCK_D"])), {"R x D stored": R * D})
 
 
@@ -731,7 +733,8 @@ RULES: dict[str, KernelRule] = {
     "arange": KernelRule(_arange, {"IS_FLOAT": FLAG, "BLOCK": BLOCK}),
     "pad": KernelRule(_pad, {"MODE": one_of("constant", "reflect", "replicate"), "BLOCK": BLOCK}),
     "gather": KernelRule(_gather, {"NUM_INDICES": in_range(1, 3), "BLOCK": BLOCK, **_epilogue_constexprs()}),
-    "dequant_rows": KernelRule(_dequant_rows, {"BLOCK_R": pow2(1, 4096), "BLOCK_D": pow2(1, 1024), **_QUANT_CONSTEXPRS},
+    "dequant_rows": KernelRule(_dequant_rows, {"BLOCK_R": pow2(1, 4096), "BLOCK_D": pow2(1, 1024), **_QUANT_CONSTEXPRS,
+                                               **_epilogue_constexprs()},
                                (("BLOCK_R", "BLOCK_D"),)),
     "cumextreme": KernelRule(_cumextreme, {"IS_MIN": FLAG, "IS_FLOAT": FLAG, "BLOCK_R": pow2(1, 4096),
                                            "BLOCK_L": pow2(1, 4096)}, (("BLOCK_R", "BLOCK_L"),)),

@@ -314,6 +314,20 @@ def _embedding_epilogue(dtype):
     return Fn(fn), (torch.randint(0, 8192, (2, 300)), torch.randint(0, 8192, (4, 1)))
 
 
+class _EmbeddingEpilogue(nn.Module):
+    """``_embedding_epilogue``'s lookups with the table a module's (``td.quantize_linears(embeddings=True)``
+    quantizes it: ``dequant_rows``, the scale its epilogue; the add stays a launch of its own, its addend
+    broadcast over the batch, which the lookup's (row, column) walk cannot address)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.emb = nn.Embedding(8192, 768).to(dtype)
+        self.register_buffer("pos", _randn(300, 768, dtype=dtype))
+
+    def forward(self, ids, tok):
+        return self.emb(ids) + self.pos, self.emb(tok) * 27.7
+
+
 def _shrink_activations(dtype):
     """The shrink and soft activations after a linear (in its epilogue) and a convolution, and alone
     (pointwise launches): softsign, logsigmoid, hardshrink, softshrink, tanhshrink, threshold."""
@@ -916,6 +930,10 @@ def _quantized_cases() -> dict[str, callable]:
         # a MoE layer's experts (the grouped GEMM's QUANT): int8 per row at decode (the per-row path),
         # 4 bits with zero points per group of 64 at prefill (segment tiles)
         "moe_experts_decode_int8/bfloat16": lambda: _moe_experts(BF16, 2, bits=8),
+        # quantized embedding lookups with epilogues (a [seq, dim] addend, a scale): dequant_rows' EPILOGUE
+        "embedding_epilogue_int4_g32/bfloat16": lambda: _quantized(
+            (_EmbeddingEpilogue(BF16), (torch.randint(0, 8192, (2, 300)), torch.randint(0, 8192, (4, 1)))),
+            bits=4, group_size=32, embeddings=True),
         "moe_experts_prefill_uint4_g64/bfloat16": lambda: _moe_experts(BF16, 600, bits=4, group_size=64,
                                                                         zero_point=True),
     }

@@ -29,7 +29,8 @@ BLOCK_ELEMENTS = 2048  # rows x columns per program (at 4096 a 4-bit prefill's l
 
 @triton.jit
 def dequant_rows_kernel(
-    out_ptr, q_ptr, qz_ptr, qs_ptr, idx_ptr, R, D, V, stride_qv, stride_qd, stride_zv, stride_zg, q_group, stride_i,
+    out_ptr, q_ptr, idx_ptr, R, D, V, stride_qv, stride_qd, stride_i,
+    qz_ptr, qs_ptr, stride_zv, stride_zg, q_group,  # the zero and scale tables [V, D / q_group] (QuantWeight.args)
     # epilogue operands per step k < EPILOGUE: pointer, scalar, (row, column) strides (else stand-ins)
     e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
     e0s0, e0s1, e1s0, e1s1, e2s0, e2s1, e3s0, e3s1,
@@ -99,11 +100,8 @@ class DequantRowsOp:
         R = math.prod(self.idx.shape)
         block_d = min(sizes.next_power_of_2(D), 1024)
         block_r = max(1, min(sizes.next_power_of_2(R), BLOCK_ELEMENTS // block_d))
-        first = table.tables[0] if table.tables else q
-        strides = first.strides if table.tables else (0, 0)
         idx_stride = self.idx.strides[-1] if self.idx.ndim else 0
-        args = [out, q, table.zero or first, table.scale or first, self.idx, R, D, V, *q.strides, *strides,
-                table.group(D), idx_stride, *epilogue]
+        args = [out, q, self.idx, R, D, V, *q.strides, idx_stride, *table.args(D), *epilogue]
         constexprs = dict(BLOCK_R=block_r, BLOCK_D=block_d, **table.constexprs(), **chain)
         return (triton.cdiv(R, block_r), triton.cdiv(D, block_d)), args, constexprs
 

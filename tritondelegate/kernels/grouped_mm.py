@@ -351,12 +351,9 @@ class GroupedOp:
 
     def _quant_args(self, k: int) -> tuple[list, dict]:
         """The kernel's ``qz_ptr, qs_ptr, stride_qe, stride_qn, stride_qg, q_group`` and constexprs."""
-        quant = self.quant
-        if quant is None:
+        if self.quant is None:
             return [self.x, self.x, 0, 0, 0, 1], {}
-        first = quant.tables[0] if quant.tables else self.x
-        strides = first.strides if quant.tables else (0, 0, 0)
-        return [quant.zero or first, quant.scale or first, *strides, quant.group(k)], quant.constexprs()
+        return self.quant.args(k), self.quant.constexprs()
 
     def launch(self, out: TRef | None = None, steps=(), operands=()) -> tuple[tuple, list, dict]:
         """(grid, arguments, constexprs): storing into ``out`` (default: the result) after an epilogue
@@ -368,8 +365,8 @@ class GroupedOp:
         S = T if gather is None else gather.shape[0]
         E, _, N = w.shape
         quant, quant_constexprs = self._quant_args(K)
-        grouped = self.quant is not None and self.quant.group(K) < K
-        cfg = choose_config(S, E, N, K, x.dtype, self.prologue is not None, quant[-1] if grouped else None)
+        cfg = choose_config(S, E, N, K, x.dtype, self.prologue is not None,
+                            None if self.quant is None else self.quant.step_limit(K))
         rows = triton.cdiv(S, cfg.block_m) if cfg.per_row else triton.cdiv(S, cfg.block_m) + E
         rounding = round_name(x.dtype) if self.glu else ""
         epilogue, constexprs = epilogue_args(out, steps, operands, 2, dtype_name(self.c.dtype))

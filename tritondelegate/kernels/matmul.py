@@ -68,6 +68,7 @@ from .elementwise import MAX_CHAIN, _epilogue, _formula, round_as, round_name
 from ..dtypes import dtype_name
 from ..errors import LoweringError
 from .refs import TRef, broadcast_strides, collapse, node_value
+from .rows import node_arg
 
 # CUDA caps grid axis 1 (the batch axis here) at 65535 programs; larger batches launch in chunks.
 MAX_GRID_Y = 65535
@@ -501,10 +502,17 @@ class QuantWeight:
         """Columns per group (a power of two >= 16, or all of K)."""
         return k // self.tables[0].shape[-1] if self.tables else k
 
+    def step_limit(self, k: int) -> int | None:
+        """The most columns a kernel's K step may take, so that it lies in one group (None: one group
+        per row, any step)."""
+        group = self.group(k)
+        return group if group < k else None
+
     def args(self, k: int) -> list:
-        """The kernel's ``qz_ptr, qs_ptr, stride_qn, stride_qg, q_group``."""
+        """A kernel's ``qz_ptr, qs_ptr``, the tables' strides (one per dim of q: zeros without tables,
+        q standing in for the pointers, never read) and ``q_group``."""
         first = self.tables[0] if self.tables else self.q
-        strides = first.strides if self.tables else (0, 0)
+        strides = first.strides if self.tables else (0,) * self.q.ndim
         return [self.zero or first, self.scale or first, *strides, self.group(k)]
 
     def constexprs(self) -> dict:
@@ -578,8 +586,9 @@ class MatmulOp:
         and were sized for its epilogue already."""
         fused = (self.prologue is not None or bool(self.glu)) and self.rope is None
         cfg = fused_config(self.cfg, self.a.dtype, fused)
-        if self.quant is not None and self.quant.group(self.a.shape[2]) < self.a.shape[2]:  # a group per K step
-            cfg = replace(cfg, block_k=min(cfg.block_k, self.quant.group(self.a.shape[2])))
+        limit = None if self.quant is None else self.quant.step_limit(self.a.shape[2])
+        if limit is not None:  # a group per K step
+            cfg = replace(cfg, block_k=min(cfg.block_k, limit))
         return cfg
 
     def grid(self) -> tuple[int, int]:
@@ -866,10 +875,7 @@ def dequant_weight(b, node):
 
 def dequant_flags(node) -> tuple[int, bool]:
     """A ``dequant_weight`` node's ``bits`` and ``transposed``."""
-    def arg(i: int, name: str, default):
-        return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-    return arg(6, "bits", 8), arg(7, "transposed", False)
+    return node_arg(node, 6, "bits", 8), node_arg(node, 7, "transposed", False)
 
 
 def group_refusal(k: int, width: int) -> str | None:

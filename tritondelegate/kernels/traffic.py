@@ -119,14 +119,24 @@ def _epilogue_operand(k: int) -> Callable[[Args], bool]:
     return lambda a: (a.get("EPILOGUE") or 0) > k and a[f"EARITY{k}"] == 2 and not a[f"EIS_SCALAR{k}"]
 
 
+def _stored(a: Args, k: int) -> int:
+    """The bytes a quantized row of ``k`` values holds: one per value, half of one with 4 bits."""
+    return -(-k // (2 if a["QBITS"] == 4 else 1))
+
+
+def _groups(a: Args, k: int) -> int:
+    """The zero or scale entries of a quantized row of ``k`` values: one per group of ``q_group``."""
+    return -(-k // max(a["q_group"], 1))
+
+
 def _table_rows(a: Args) -> int:
     """A quantized embedding table's zero or scale entries of the R rows looked up."""
-    return a["R"] * -(-a["D"] // max(a["q_group"], 1))
+    return a["R"] * _groups(a, a["D"])
 
 
 def _expert_tables(a: Args) -> int:
-    """A quantized grouped GEMM's zero or scale table: N groups of cdiv(K, q_group) per expert with rows."""
-    return min(a["E"], a["S"]) * a["N"] * -(-a["K"] // max(a["q_group"], 1))
+    """A quantized grouped GEMM's zero or scale table: N rows of groups per expert with rows."""
+    return min(a["E"], a["S"]) * a["N"] * _groups(a, a["K"])
 
 
 def _matmul_flops(a: Args) -> int:
@@ -320,7 +330,7 @@ TRAFFIC: dict[str, KernelTraffic] = {
     # with 4 bits), and of each table R rows of its groups; a few ops per value; then EPILOGUE fused
     # pointwise steps, each reading e<k> when binary
     "dequant_rows": KernelTraffic(
-        reads=(Access("q_ptr", at_most=lambda a: a["R"] * -(-a["D"] // (2 if a["QBITS"] == 4 else 1))),
+        reads=(Access("q_ptr", at_most=lambda a: a["R"] * _stored(a, a["D"])),
                Access("idx_ptr"),
                Access("qz_ptr", lambda a: "zero" in a["QUANT"], at_most=_table_rows),
                Access("qs_ptr", lambda a: "scale" in a["QUANT"], at_most=_table_rows),
@@ -392,8 +402,7 @@ TRAFFIC: dict[str, KernelTraffic] = {
     # weight with 4 bits) and its zero and scale tables, as many experts'
     "grouped_mm": KernelTraffic(
         reads=(Access("x_ptr", at_most=lambda a: a["S"] * a["K"]),
-               Access("w_ptr", at_most=lambda a: min(a["E"], a["S"]) * -(-a["K"] // (2 if a["QBITS"] == 4 else 1))
-                      * a["N"]),
+               Access("w_ptr", at_most=lambda a: min(a["E"], a["S"]) * _stored(a, a["K"]) * a["N"]),
                Access("offs_ptr"), Access("rows_ptr", _flag("ROWS")), Access("dest_ptr", _flag("DEST")),
                Access("p_ptr", _flag("HAS_PW")), Access("bias_ptr", _flag("HAS_BIAS")),
                Access("qz_ptr", lambda a: "zero" in a["QUANT"], at_most=_expert_tables),

@@ -24,7 +24,7 @@ from harness import FLOAT_DTYPES, assert_close, check_dynamic, lower_resident, p
 from tritondelegate.dtypes import dtype_name
 from tritondelegate.kernels.traffic import method_traffic
 from tritondelegate.models import demo_decoder
-from tritondelegate.ops import dequant_weight_reference
+from tritondelegate.ops import dequant_weight_reference, unpack_nibbles
 
 dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_name)
 N, K = 40, 96  # K: 6 groups of 16, 3 of 32; neither N nor K a multiple of the kernel's tiles
@@ -426,6 +426,81 @@ def test_dequant_weight_op_refuses_bad_inputs(bad):
         zero = torch.zeros(5, 4)
     with pytest.raises(ValueError, match="dequant_weight"):
         torch.ops.tritondelegate.dequant_weight(q, zero, scale, torch.float32, torch.float32, torch.float32)
+
+
+def _row_groups(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t.view(*t.shape[:-1], groups, t.shape[-1] // groups)
+
+
+# (q, zero, scale, sub, mul, dtype, bits) -> the weight as eager computes it in that dtype order; q larger
+# than one of the reference's blocks of rows (65536 elements), or rows longer than one block
+@pytest.mark.parametrize("case", ["int8_row_bf16", "uint8_frac_zero", "nibbles_zero", "experts", "long_rows"])
+def test_reference_in_blocks_is_eager_arithmetic(case):
+    torch.manual_seed(0)
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    if case in ("int8_row_bf16", "experts", "long_rows"):
+        shape = {"int8_row_bf16": (1100, 96), "experts": (3, 700, 64), "long_rows": (3, 1 << 17)}[case]
+        q = torch.randint(-127, 128, shape, dtype=torch.int8)
+        scale = torch.rand(*shape[:-1], 1, dtype=bf16) / 50
+        args, expected = (q, None, scale, bf16, bf16, bf16), q.to(bf16) * scale
+    elif case == "uint8_frac_zero":  # q - z rounds to fp16, the product to fp32, the weight to bf16
+        q = torch.randint(0, 256, (1100, 96), dtype=torch.uint8)
+        zero, scale = (torch.rand(1100, 3) * 4).to(fp16), torch.rand(1100, 3) / 50
+        t = (_row_groups(q.to(fp16), 3) - zero[..., None]).to(fp32)
+        args, expected = (q, zero, scale, fp16, fp32, bf16), (t * scale[..., None]).view(1100, 96).to(bf16)
+    else:  # 4 bits, two per byte, a zero point per group of 32, fp16
+        p = torch.randint(0, 256, (1100, 48), dtype=torch.uint8)
+        zero, scale = torch.randint(0, 16, (1100, 3)).to(fp16), (torch.rand(1100, 3) / 50).to(fp16)
+        t = _row_groups(unpack_nibbles(p).to(fp16), 3) - zero[..., None]
+        args, expected = (p, zero, scale, fp16, fp16, fp16, 4), (t * scale[..., None]).view(1100, 96)
+    result = dequant_weight_reference(*args)
+    assert result.dtype == expected.dtype and torch.equal(result, expected)
+
+
+class TwoForms(nn.Module):
+    """One int8 weight [N, K] with a scale per row, computed in fp32 for a batch of 1 and in bf16 (then
+    cast) for larger ones: the same constants under two subgraphs, as two exported methods see them."""
+
+    def __init__(self):
+        super().__init__()
+        q, scale = _symmetric(torch.randn(N, K))
+        self.register_buffer("q", q)
+        self.register_buffer("s", scale)
+
+    def forward(self, x):
+        if x.shape[0] == 1:
+            return F.linear(x, self.q.to(torch.float32) * self.s[:, None])
+        return F.linear(x, (self.q.to(torch.bfloat16) * self.s.to(torch.bfloat16)[:, None]).to(torch.float32))
+
+
+@pytest.mark.parametrize("model,checks", [
+    (QLinear("uint8_group16", torch.float32), 1),  # prefill and decode compute the weight alike
+    (TwoForms(), 2),
+], ids=["same_subgraph", "two_subgraphs"])
+def test_a_weight_is_checked_once_for_every_method_that_computes_it_alike(monkeypatch, model, checks):
+    from tritondelegate.passes import quant_weights
+
+    calls = []
+
+    def counted(value, plain):
+        calls.append(value.shape)
+        return exact(value, plain)
+
+    exact = quant_weights.exact
+    monkeypatch.setattr(quant_weights, "exact", counted)
+    model = model.eval()
+    args = {"decode": (torch.randn(1, K),), "prefill": (torch.randn(5, K),)}
+    config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
+    lowered = td.lower({name: torch.export.export(model, a) for name, a in args.items()}, config=config)
+    assert calls == [(N, K)] * checks
+    # both methods dequantize in their kernels: integers stored once, no float weight
+    stored = [(name, shape) for name, shape, _, _ in _stored(lowered)]
+    assert (("uint8" if checks == 1 else "int8"), (N, K)) in stored
+    assert not [s for s in stored if s[1] == (N, K) and s[0].startswith(("float", "bfloat"))], stored
+    program = lowered.load()
+    with torch.no_grad():
+        for name, a in args.items():
+            assert_close(program.load_method(name)(*a), model(*a))
 
 
 # --- 7: the traffic model -------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from .kernels.target import using as using_target
 from .memory.method_plan import plan_method
 from .memory.segments import plan_slots
 from .partitioner import Partitioner, TritonPartitioner
-from .passes.fold_constants import fold_constants
+from .passes.fold_constants import fold_constants, remembered_checks
 from .passes.fold_repeat_kv import fold_repeat_kv
 from .passes.kv_append import kv_append
 from .passes.fuse import fuse_patterns
@@ -148,11 +148,12 @@ def _lower(programs: dict, partitioner: Partitioner, config: LowerConfig, bar) -
     # Mutations are explicit once functionalized: state is what any decomposed method writes back.
     mutated = {fqn for ep in decomposed.values() for fqn in ep.graph_signature.buffers_to_mutate.values()}
     graphs = []
-    for name, ep in decomposed.items():
-        bar.step(f"partition {name}")
-        with symbol_ranges(*symbols[name][1:]):  # sizes over the method's symbols are decided for their range
-            graphs.append(_partition(name, ep, partitioner, config, mutated))
-        graphs[-1].fused[:0] = dropped[name]
+    with remembered_checks():  # a weight's quantized form is checked once, whichever methods read it
+        for name, ep in decomposed.items():
+            bar.step(f"partition {name}")
+            with symbol_ranges(*symbols[name][1:]):  # sizes over the method's symbols are decided for their range
+                graphs.append(_partition(name, ep, partitioner, config, mutated))
+            graphs[-1].fused[:0] = dropped[name]
     state = place_state(graphs, config.enable_non_cpu_memory_planning)
     constants = ConstantTable()
     methods, reports = [], {}

@@ -734,16 +734,33 @@ def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
 
 def dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits: int = 8) -> torch.Tensor:
     """The arithmetic in fp32, rounded to each step's dtype: eager's, whose 16-bit ops compute in fp32
-    and round once (the products and differences here are exact in fp32)."""
-    q = unpack_nibbles(q) if bits == 4 else q
+    and round once (the products and differences here are exact in fp32). Computed in blocks of rows,
+    each small enough to stay in a CPU cache (a whole weight's fp32 intermediates would not)."""
+    k = q.shape[-1] * (2 if bits == 4 else 1)
+    out = torch.empty((*q.shape[:-1], k), dtype=dtype)
+    flat = [None if t is None else t.reshape(-1, t.shape[-1]) for t in (q, zero, scale)]
+    step = max(1, _REFERENCE_BLOCK // max(k, 1))
+    rows = out.view(-1, k)
+    for i in range(0, rows.shape[0], step):
+        qb, zb, sb = (None if t is None else t[i:i + step] for t in flat)
+        rows[i:i + step] = _dequant_block(unpack_nibbles(qb) if bits == 4 else qb, zb, sb, sub_dtype, mul_dtype)
+    return out
+
+
+_REFERENCE_BLOCK = 1 << 16  # elements per block of :func:`dequant_weight_reference`
+
+
+def _dequant_block(q, zero, scale, sub_dtype, mul_dtype) -> torch.Tensor:
+    """Rows [n, K] of :func:`dequant_weight_reference`, rounded to ``mul_dtype``."""
     groups = next((p.shape[-1] for p in (zero, scale) if p is not None), 1)
     t = _grouped(q.to(torch.float32), groups)
     if zero is not None:
-        t = (t - zero.to(torch.float32).unsqueeze(-1)).to(sub_dtype)
-    t = t.to(mul_dtype)
+        t = (t - zero.to(torch.float32).unsqueeze(-1)).to(sub_dtype).to(mul_dtype).to(torch.float32)
+    # without a zero point t holds integers of at most 8 bits: exact in every float dtype, so its
+    # rounding to mul_dtype changes nothing
     if scale is not None:
-        t = (t.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(mul_dtype)
-    return t.to(dtype).view(q.shape)
+        t = t * scale.to(torch.float32).unsqueeze(-1)
+    return t.to(mul_dtype).view(q.shape)
 
 
 def _check_dequant(q, zero, scale, bits) -> None:

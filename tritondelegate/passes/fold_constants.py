@@ -15,6 +15,9 @@ to compute than to hold and load).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import operator
 
 import torch
@@ -122,12 +125,11 @@ def quantize_weights(ep: torch.export.ExportedProgram, state: set[str] = frozens
         return []
     foldable = foldable_nodes(graph, constants)
     quantized = quant_weights.evaluate(graph, constants, foldable, _Values(constants, foldable))
-    done = []
+    done, keys = [], {}
     for node, value in quantized.items():
         if node in constants or len(value.shape) not in (2, 3) or all(u in quantized for u in node.users):
             continue
-        # the subgraph's own value, computed alone (its intermediates freed after the check)
-        if not quant_weights.exact(value, _Values(constants, foldable)[node]):
+        if not _exact_once(value, node, constants, foldable, keys):
             continue
         # The float weight is not held: a stand-in without storage, until something needs its values
         # (a reader that is not a matmul: :func:`_materialize_quantized`).
@@ -140,6 +142,50 @@ def quantize_weights(ep: torch.export.ExportedProgram, state: set[str] = frozens
     if done:
         _drop_dead(ep)
     return done
+
+
+_CHECKED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("quantized_checks", default=None)
+
+
+@contextlib.contextmanager
+def remembered_checks():
+    """Within it, a quantized weight's exactness check runs once for every method whose subgraph is
+    the same ops on the same constants (prefill and decode dequantize every weight alike)."""
+    token = _CHECKED.set({})
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
+
+
+def _exact_once(value, node, constants: dict, foldable: set, keys: dict) -> bool:
+    """``quant_weights.exact`` of ``value`` against the subgraph's own value at ``node``, computed
+    alone (its intermediates freed after the check), or its earlier result for the same subgraph."""
+    checked = _CHECKED.get()
+    key = _subgraph_key(node, constants, keys) if checked is not None else None
+    if key not in (checked or {}):
+        result = quant_weights.exact(value, _Values(constants, foldable)[node])
+        if checked is None:
+            return result
+        # the constants are kept with the result: their addresses in the key stay theirs
+        checked[key] = (result, [constants[n] for n in _placeholders_under(node, constants)])
+    return checked[key][0]
+
+
+def _subgraph_key(node, constants: dict, keys: dict):
+    """What ``node`` computes from constants, as a hashable value: its op and arguments, each
+    constant by its memory and layout (two methods' constants of the same module share it)."""
+    if node in keys:
+        return keys[node]
+    if node in constants:
+        t = constants[node]
+        key = ("constant", t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+    elif isinstance(node, torch.fx.Node):
+        args = torch.fx.map_arg((node.args, dict(sorted(node.kwargs.items()))),
+                                lambda m: _subgraph_key(m, constants, keys))
+        key = (str(node.target), repr(args))
+    keys[node] = key
+    return key
 
 
 def _dequantize_in_kernels(ep, node: torch.fx.Node, quantized: dict) -> bool:

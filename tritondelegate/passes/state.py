@@ -127,6 +127,9 @@ def drop_unread_state(methods: dict[str, torch.export.ExportedProgram]) -> dict[
             continue
         for name in names:
             done[name].append(_drop_write_back(methods[name], fqn))
+    for name in methods:
+        if done[name]:
+            methods[name].graph_module.recompile()  # once per method, after all its drops
     return done
 
 
@@ -140,7 +143,6 @@ def _drop_write_back(ep: torch.export.ExportedProgram, fqn: str) -> str:
     output.args = (tuple(values),) + tuple(output.args[1:])
     if isinstance(value, torch.fx.Node):
         erase_unused(graph, [value])
-    ep.graph_module.recompile()
     what = value.name if isinstance(value, torch.fx.Node) else repr(value)
     return f"state {fqn!r} is never read, only overwritten: its update ({what}) is not computed"
 

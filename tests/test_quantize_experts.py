@@ -18,7 +18,7 @@ from torch import nn
 
 import tritondelegate as td
 from tritondelegate.quantize import QuantizedExperts, dequantize_rows, quantize_rows, quantized_experts_class
-from tritondelegate.ops import pack_nibbles
+from tritondelegate.ops import pack_nibbles, unpack_nibbles
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,18 +55,25 @@ def test_rows_refuse_what_they_cannot_quantize():
         quantize_rows(torch.randn(2, 4, 47), bits=4)
 
 
-def test_dequantize_rows_is_the_graph_form_the_lowering_recognizes():
-    """``(q.to(dt).view(*R, groups, G) - zero.unsqueeze(-1)) * scale.unsqueeze(-1)`` then ``.view(*R, K)``."""
-    q, zero, scale = quantize_rows(torch.randn(4, 6, 32), 16, True, 8)
+@pytest.mark.parametrize("zero_point,bits", [(True, 8), (False, 4)], ids=["uint8_zero", "int4_symmetric"])
+def test_dequantize_rows_is_one_op_with_the_written_out_arithmetic(zero_point, bits):
+    """Exported, one ``tritondelegate::dequant_weight``; its value bit for bit
+    ``(q.to(dt).view(*R, groups, G) - zero.unsqueeze(-1)) * scale.unsqueeze(-1)`` then ``.view(*R, K)``
+    (4 bits symmetric: ``- 8``), the form ``lower()`` recognizes in models quantized otherwise."""
+    q, zero, scale = quantize_rows(torch.randn(4, 6, 32, dtype=torch.bfloat16), 16, zero_point, bits)
 
     class Dequant(nn.Module):
-        def forward(self, q, zero, scale):
-            return dequantize_rows(q, zero, scale, 8, 32)
+        def forward(self, q, scale):
+            return dequantize_rows(q, zero, scale, bits, 32)
 
-    ops = [n.target.__name__ for n in torch.export.export(Dequant(), (q, zero, scale)).graph.nodes
+    ops = [n.target.__name__ for n in torch.export.export(Dequant(), (q, scale)).graph.nodes
            if n.op == "call_function" and "assert" not in n.target.__name__]
-    assert ops == ["to.dtype", "view.default", "unsqueeze.default", "sub.Tensor", "unsqueeze.default",
-                   "mul.Tensor", "view.default"], ops
+    assert ops[-1] == "dequant_weight.default" and set(ops[:-1]) <= {"full_like.default"}, ops
+    w = (unpack_nibbles(q) if bits == 4 else q).to(torch.bfloat16).view(4, 6, 2, 16)
+    w = w - (zero.unsqueeze(-1) if zero_point else 8)
+    assert torch.equal(Dequant()(q, scale), (w * scale.unsqueeze(-1)).view(4, 6, 32))
+    with pytest.raises(ValueError, match="holds 32 columns, not 48"):
+        dequantize_rows(q, zero, scale, bits, 48)
 
 
 @pytest.mark.parametrize("group_size,zero_point,bits", [(None, False, 8), (16, True, 4)], ids=["int8_row", "uint4"])
@@ -241,9 +248,8 @@ def test_export_keeps_the_expert_weights_integers(name, bits):
     buffers = {node: target for node, target in ep.graph_signature.inputs_to_buffers.items() if "experts" in target}
     assert sorted(t.split(".")[-1] for t in buffers.values()) == sorted(
         ["down_proj_qweight", "down_proj_scale", "gate_up_proj_qweight", "gate_up_proj_scale"] * 2)
-    aten = torch.ops.aten  # the readers of q: its conversion, or (4 bits) unpack_nibbles' q & 15 and q >> 4
-    readers = ({aten.bitwise_and.Scalar, aten.__and__.Scalar, aten.__rshift__.Scalar} if bits == 4
-               else {aten.to.dtype, aten._to_copy.default})
+    aten = torch.ops.aten  # the only reader of q: the dequantization op
+    readers = {torch.ops.tritondelegate.dequant_weight.default}
     for node in ep.graph.nodes:
         if node.op == "placeholder" and buffers.get(node.name, "").endswith("_qweight"):
             assert ep.state_dict[buffers[node.name]].dtype == (torch.uint8 if bits == 4 else torch.int8)

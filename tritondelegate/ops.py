@@ -737,10 +737,11 @@ def dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits: 
     and round once (the products and differences here are exact in fp32). Computed in blocks of rows,
     each small enough to stay in a CPU cache (a whole weight's fp32 intermediates would not)."""
     k = q.shape[-1] * (2 if bits == 4 else 1)
-    out = torch.empty((*q.shape[:-1], k), dtype=dtype)
+    out = torch.empty((*q.shape[:-1], k), dtype=dtype, device=q.device)
     flat = [None if t is None else t.reshape(-1, t.shape[-1]) for t in (q, zero, scale)]
-    step = max(1, _REFERENCE_BLOCK // max(k, 1))
     rows = out.view(-1, k)
+    # (on a GPU one block: each would be a few launches)
+    step = max(1, _REFERENCE_BLOCK // max(k, 1)) if q.device.type == "cpu" else max(rows.shape[0], 1)
     for i in range(0, rows.shape[0], step):
         qb, zb, sb = (None if t is None else t[i:i + step] for t in flat)
         rows[i:i + step] = _dequant_block(unpack_nibbles(qb) if bits == 4 else qb, zb, sb, sub_dtype, mul_dtype)
@@ -772,6 +773,9 @@ def _check_dequant(q, zero, scale, bits) -> None:
         if part is not None and (part.shape[:-1] != q.shape[:-1] or part.shape[-1] == 0 or k % part.shape[-1]):
             raise ValueError(f"tritondelegate::dequant_weight: {name} {tuple(part.shape)} does not hold whole "
                              f"groups of q's rows {tuple(q.shape)}")
+    if zero is not None and scale is not None and zero.shape != scale.shape:
+        raise ValueError(f"tritondelegate::dequant_weight: zero {tuple(zero.shape)} and scale {tuple(scale.shape)} "
+                         "differ; they take one value per group alike")
 
 
 @torch.library.impl(_lib, "dequant_weight", "CompositeExplicitAutograd")

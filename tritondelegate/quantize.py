@@ -8,12 +8,13 @@ quantized on the device.
     ep = torch.export.export(model, args)                        # then lower as any model
 
 Each ``nn.Linear`` becomes a :class:`QuantizedLinear` whose forward computes its weight from the
-integers, ``(q - zero) * scale``, and calls ``F.linear``: exported, that is the pattern
-``passes/quant_weights.py`` recognizes, so the program stores the integers (a byte per weight) and
-the matmul kernels dequantize them tile by tile. Eager runs the same arithmetic, so the lowered
-program matches the quantized model (not the float one: quantization itself changes the weights,
-by up to half a step of its group's scale). A model quantized another way in the same form (its own
-modules, or a library's that export to it) is kept quantized too.
+integers, ``(q - zero) * scale``, with the op ``tritondelegate::dequant_weight``, and calls
+``F.linear``: exported, ``passes/quant_weights.py`` takes that op's parts as they are (no pattern to
+match, no value to check), so the program stores the integers (a byte per weight) and the matmul
+kernels dequantize them tile by tile. Eager runs the same arithmetic, so the lowered program matches
+the quantized model (not the float one: quantization itself changes the weights, by up to half a step
+of its group's scale). A model quantized another way, its weight written out as ``q.to(dt) [- zero]
+* scale`` (its own modules, or a library's that export to it), is recognized and kept quantized too.
 
 The fused expert weights of transformers' MoE experts modules (``MixtralExperts``, ``Qwen3MoeExperts``,
 ``GptOssExperts``...: 3-D parameters ``gate_up_proj`` / ``up_proj`` / ``down_proj`` [E, out, in], or
@@ -22,8 +23,8 @@ dim, each expert's rows as a linear's: the module keeps its class's forward, as 
 :class:`QuantizedExperts` subclass whose properties of those names compute the float weights
 (:func:`dequantize_rows`) from its int8 / uint8 buffers on each access.
 
-Both compute the weight in one graph form (:func:`dequantize_rows`), for rows ``*R`` of K columns
-in ``groups`` groups of G::
+All compute the weight with :func:`dequantize_rows`, for rows ``*R`` of K columns in ``groups``
+groups of G, in the scale's dtype ``dt``::
 
     w = q.to(dt).view(*R, groups, G)          # 4 bits: ops.unpack_nibbles(q) first
     w = w - zero.unsqueeze(-1)                # with a zero point; 4 bits symmetric: w - 8
@@ -37,7 +38,7 @@ import fnmatch
 import torch
 import torch.nn.functional as F
 
-from .ops import pack_nibbles, unpack_nibbles
+from .ops import dequant_weight, pack_nibbles
 
 
 def _check_rows(k: int, group_size: int | None, bits: int, what: str) -> None:
@@ -81,21 +82,16 @@ def quantize_rows(w: torch.Tensor, group_size: int | None = None, zero_point: bo
 
 def dequantize_rows(q: torch.Tensor, zero: torch.Tensor | None, scale: torch.Tensor, bits: int = 8,
                     k: int | None = None) -> torch.Tensor:
-    """The float weight [*R, K] of :func:`quantize_rows`' parts, in the scale's dtype, in the graph form
-    ``passes/quant_weights.py`` recognizes: ``q.to(dt).view(*R, groups, G) [- zero.unsqueeze(-1)]
-    * scale.unsqueeze(-1)`` then ``.view(*R, K)`` (4 bits: ``unpack_nibbles(q)`` first, and ``- 8``
-    when symmetric). ``k``: K (by default q's last dim, twice it with 4 bits)."""
-    if k is None:
-        k = q.shape[-1] * (2 if bits == 4 else 1)
-    if bits == 4:
-        q = unpack_nibbles(q)
-    *rows, groups = scale.shape
-    w = q.to(scale.dtype).view(*rows, groups, k // groups)
-    if zero is not None:
-        w = w - zero.unsqueeze(-1)
-    elif bits == 4:
-        w = w - 8
-    return (w * scale.unsqueeze(-1)).view(*rows, k)
+    """The float weight [*R, K] of :func:`quantize_rows`' parts, in the scale's dtype: the op
+    ``tritondelegate::dequant_weight`` (``(q - zero) * scale`` per group, each step in that dtype; 4 bits
+    symmetric: a zero point of 8), which ``passes/quant_weights.py`` takes as it is. ``k``: K, checked
+    (q's last dim, twice it with 4 bits)."""
+    width = q.shape[-1] * (2 if bits == 4 else 1)
+    if k is not None and k != width:
+        raise ValueError(f"dequantize_rows: q {tuple(q.shape)} with bits={bits} holds {width} columns, not {k}")
+    if zero is None and bits == 4:
+        zero = torch.full_like(scale, 8)
+    return dequant_weight(q, zero, scale, scale.dtype, scale.dtype, scale.dtype, bits)
 
 
 class QuantizedLinear(torch.nn.Module):

@@ -129,7 +129,7 @@ def quantize_weights(ep: torch.export.ExportedProgram, state: set[str] = frozens
     for node, value in quantized.items():
         if node in constants or len(value.shape) not in (2, 3) or all(u in quantized for u in node.users):
             continue
-        if not _exact_once(value, node, constants, foldable, keys):
+        if not quant_weights.from_op(node) and not _exact_once(value, node, constants, foldable, keys):
             continue
         # The float weight is not held: a stand-in without storage, until something needs its values
         # (a reader that is not a matmul: :func:`_materialize_quantized`).

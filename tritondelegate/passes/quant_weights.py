@@ -15,8 +15,10 @@ four times in fp32, read again by every decode step, which is bound by exactly t
 
 1. :func:`quantize_weights` (first of the rewrites, so that the weight passes see an ordinary
    constant weight) puts a float constant in place of each such subgraph, its value W bit for bit
-   (computed from the parts and checked against the subgraph's own result), tagged with its parts:
-   ``placeholder.meta["quantized"]``, a :class:`Quantized`.
+   (computed from the parts and checked against the subgraph's own result, once for all methods
+   that compute it alike), tagged with its parts: ``placeholder.meta["quantized"]``, a
+   :class:`Quantized`. ``tritondelegate::dequant_weight`` (``td.quantize_linears``' modules compute
+   their weights with it) gives its parts as they are, with nothing to check.
 2. The weight passes (Q/K/V concatenation, gate/up interleaving, rotary row orders) rearrange rows of
    it with ``cat``, ``stack``, ``index_select``, ``slice`` and views; constant folding evaluates those
    on the parts (:func:`evaluate`), and where only kernels that dequantize read a quantized weight
@@ -332,6 +334,23 @@ _RULES = {
 }
 
 
+def _dequant_op(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8, transposed=False) -> Quantized | None:
+    """``tritondelegate::dequant_weight`` (what ``td.quantize_linears``' modules compute): its parts as
+    they are."""
+    if not isinstance(q, torch.Tensor) or any(t is not None and not isinstance(t, torch.Tensor) for t in (zero, scale)):
+        return None
+    x = Quantized(q, zero, scale, sub_dtype, mul_dtype, dtype, stage=3, bits=bits)
+    return _transpose(x, -2, -1) if transposed else x
+
+
+def from_op(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is ``tritondelegate::dequant_weight`` seen through views: its value is the
+    op's by definition, nothing to check."""
+    while node.op == "call_function" and (node.target in _VIEWS or node.target in _IDENTITY):
+        node = node.args[0]
+    return node.op == "call_function" and node.target == ops.dequant_weight
+
+
 def _cast_rule(node: torch.fx.Node, args, kwargs) -> Quantized | None:
     x = args[0]
     if node.target == prims.convert_element_type.default:
@@ -349,6 +368,8 @@ def apply(node: torch.fx.Node, args, kwargs) -> Quantized | None:
     """``node``'s value as a Quantized, from its arguments' (some Quantized), or None."""
     if node.target in _CASTS:
         return _cast_rule(node, args, kwargs)
+    if node.target == ops.dequant_weight:
+        return _dequant_op(*args, **kwargs)
     if not any(isinstance(a, Quantized) for a in _flat(args)):
         return None
     if node.target in _IDENTITY:

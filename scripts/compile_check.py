@@ -928,7 +928,7 @@ def _quantized_cases() -> dict[str, callable]:
         "decoder_prefill_uint8_g128/bfloat16": lambda: _quantized(
             _decoder(BF16, 384, max_seq_len=512, **llama), group_size=128, zero_point=True),
         # a MoE layer's experts (the grouped GEMM's QUANT): int8 per row at decode (the per-row path),
-        # 4 bits with zero points per group of 64 at prefill (segment tiles)
+        # 4 bits with zero points per group of 64 at prefill (segment tiles), 4 bits symmetric (below)
         "moe_experts_decode_int8/bfloat16": lambda: _moe_experts(BF16, 2, bits=8),
         # quantized embedding lookups with epilogues (a [seq, dim] addend, a scale): dequant_rows' EPILOGUE
         "embedding_epilogue_int4_g32/bfloat16": lambda: _quantized(
@@ -936,6 +936,9 @@ def _quantized_cases() -> dict[str, callable]:
             bits=4, group_size=32, embeddings=True),
         "moe_experts_prefill_uint4_g64/bfloat16": lambda: _moe_experts(BF16, 600, bits=4, group_size=64,
                                                                         zero_point=True),
+        # 4 bits symmetric (QZERO 8, no zero table) on both paths of the grouped GEMM
+        "moe_experts_decode_int4_g32/bfloat16": lambda: _moe_experts(BF16, 2, bits=4, group_size=32),
+        "moe_experts_prefill_int4_g128/bfloat16": lambda: _moe_experts(BF16, 600, bits=4, group_size=128),
     }
 
 

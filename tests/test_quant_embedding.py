@@ -80,9 +80,17 @@ def test_lookups_stay_quantized_and_exact(form, dtype):
     model = td.quantize_linears(Lookup(nn.Embedding(V, D)).to(dtype).eval(), embeddings=True, **FORMS[form])
     assert isinstance(model.emb, td.QuantizedEmbedding) and "weight" not in dict(model.emb.named_parameters())
     lowered = lower_resident(model, (IDX,))
-    assert [l.kernel for l in plan_launches(lowered)] == ["dequant_rows"]
+    (launch,) = plan_launches(lowered)
+    assert launch.kernel == "dequant_rows"
+    symmetric_4_bits = form == "int4_g32"  # around 8: the kernel subtracts 8 (QZERO), no table of 8s
+    assert launch.constexprs["QUANT"].value == ("zero_scale" if "zero" in form else "scale")
+    assert ("QZERO" in launch.constexprs and launch.constexprs["QZERO"].value == 8) is symmetric_4_bits
     q_shape = (V, D // 2) if FORMS[form].get("bits") == 4 else (V, D)
     assert [s for _, s in _int_constants(lowered)] == [q_shape] and not _float_tables(lowered)
+    groups = D // FORMS[form].get("group_size", D)
+    tables = 2 if "zero" in form else 1  # scale (and zero) [V, groups], in dtype
+    assert sum(c.nbytes for c in lowered.program.constants) == (
+        q_shape[0] * q_shape[1] + tables * V * groups * dtype.itemsize)
     with torch.no_grad():
         got, expected = lowered.load().load_method("forward")(IDX), model(IDX)
     assert got.dtype == expected.dtype and torch.equal(got, expected)

@@ -27,7 +27,7 @@ FORMS = {
     "int8_row": (8, None, False, "scale"),
     "uint8_zero_g16": (8, 16, True, "zero_scale"),
     "uint4_zero_g16": (4, 16, True, "zero_scale"),
-    "int4_g32": (4, 32, False, "zero_scale"),  # int8 values in [-8, 7]: stored two per byte, zero 8
+    "int4_g32": (4, 32, False, "scale"),  # int8 values in [-8, 7]: stored two per byte, + 8, QZERO 8
 }
 
 
@@ -86,6 +86,7 @@ def _check(form: str, dtype: torch.dtype, path: str):
     c = _c(launch)
     assert launch.kernel == "grouped_mm" and c["QUANT"] == FORMS[form][3] and c["PER_ROW"] is (path == "rows"), c
     assert c.get("QBITS", 8) == FORMS[form][0], c
+    assert c.get("QZERO", 0) == (8 if form == "int4_g32" else 0), c  # a zero table of 8s neither stored nor read
     assert not lowered.reports["forward"].nodes.host
 
     # The integers are stored, a byte per weight (half a byte with 4 bits), with small tables; no

@@ -34,7 +34,7 @@ ROWS = pytest.mark.parametrize("rows", [GEMV_ROWS, TILE_ROWS], ids=["gemv", "til
 # form -> (q's dtype, the kernel's QUANT mode)
 FORMS = {
     "int8_row": (torch.int8, "scale"),  # q.to(dt) * s[:, None]
-    "uint8_zero128": (torch.uint8, "zero_scale"),  # (q.to(dt) - 128) * s[:, None]
+    "uint8_zero128": (torch.uint8, "scale"),  # (q.to(dt) - 128) * s[:, None]: the kernel subtracts QZERO 128
     "uint8_group16": (torch.uint8, "zero_scale"),  # ((q.view(N, K/G, G) - z) * s).view(N, K)
     "uint8_group32": (torch.uint8, "zero_scale"),
     "fp32_scale_to": (torch.int8, "scale"),  # (q.to(fp32) * s32[:, None]).to(dt)
@@ -166,6 +166,7 @@ def test_form_stays_quantized(form, dtype, rows):
     (launch,) = plan_launches(lowered)
     c = _c(launch)
     assert launch.kernel == "matmul" and c["QUANT"] == mode, c
+    assert c.get("QZERO", 0) == (128 if form == "uint8_zero128" else 0), c  # one zero point: no table
     assert c.get("GEMV", False) is (rows == GEMV_ROWS), c
     assert not lowered.reports["forward"].nodes.host
 
@@ -414,7 +415,7 @@ def test_dequant_weight_op_is_the_grouped_arithmetic():
                        q.to(torch.float16) * s16)
 
 
-@pytest.mark.parametrize("bad", ["float_q", "scale_groups", "zero_rows"])
+@pytest.mark.parametrize("bad", ["float_q", "scale_groups", "zero_rows", "zero_and_zero_point", "tables_differ"])
 def test_dequant_weight_op_refuses_bad_inputs(bad):
     q = torch.randint(-127, 128, (6, 64), dtype=torch.int8)
     zero, scale = torch.zeros(6, 4), torch.ones(6, 4)
@@ -422,10 +423,14 @@ def test_dequant_weight_op_refuses_bad_inputs(bad):
         q = q.float()
     elif bad == "scale_groups":
         scale = torch.ones(6, 3)  # 3 does not divide 64
-    else:
+    elif bad == "zero_rows":
         zero = torch.zeros(5, 4)
+    elif bad == "tables_differ":  # one value per group alike
+        zero = torch.zeros(6, 2)
+    point = 8 if bad == "zero_and_zero_point" else 0  # a zero table or one zero point, not both
     with pytest.raises(ValueError, match="dequant_weight"):
-        torch.ops.tritondelegate.dequant_weight(q, zero, scale, torch.float32, torch.float32, torch.float32)
+        torch.ops.tritondelegate.dequant_weight(q, zero, scale, torch.float32, torch.float32, torch.float32,
+                                                zero_point=point)
 
 
 def _row_groups(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -434,7 +439,8 @@ def _row_groups(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 # (q, zero, scale, sub, mul, dtype, bits) -> the weight as eager computes it in that dtype order; q larger
 # than one of the reference's blocks of rows (65536 elements), or rows longer than one block
-@pytest.mark.parametrize("case", ["int8_row_bf16", "uint8_frac_zero", "nibbles_zero", "experts", "long_rows"])
+@pytest.mark.parametrize("case", ["int8_row_bf16", "uint8_frac_zero", "nibbles_zero", "nibbles_around_8", "experts",
+                                  "long_rows"])
 def test_reference_in_blocks_is_eager_arithmetic(case):
     torch.manual_seed(0)
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -448,6 +454,11 @@ def test_reference_in_blocks_is_eager_arithmetic(case):
         zero, scale = (torch.rand(1100, 3) * 4).to(fp16), torch.rand(1100, 3) / 50
         t = (_row_groups(q.to(fp16), 3) - zero[..., None]).to(fp32)
         args, expected = (q, zero, scale, fp16, fp32, bf16), (t * scale[..., None]).view(1100, 96).to(bf16)
+    elif case == "nibbles_around_8":  # 4 bits symmetric: one zero point, 8, for all (no table)
+        p = torch.randint(0, 256, (1100, 48), dtype=torch.uint8)
+        scale = (torch.rand(1100, 3) / 50).to(bf16)
+        t = _row_groups(unpack_nibbles(p).to(bf16), 3) - 8
+        args, expected = (p, None, scale, bf16, bf16, bf16, 4, 8), (t * scale[..., None]).view(1100, 96)
     else:  # 4 bits, two per byte, a zero point per group of 32, fp16
         p = torch.randint(0, 256, (1100, 48), dtype=torch.uint8)
         zero, scale = torch.randint(0, 16, (1100, 3)).to(fp16), (torch.rand(1100, 3) / 50).to(fp16)
@@ -589,7 +600,13 @@ def test_quantize_linears_4_bits(group_size, zero_point):
     x = torch.randn(2, 20, K)
     lowered = lower_resident(quantized, (x,))
     (launch,) = plan_launches(lowered)
-    assert _c(launch)["QBITS"] == 4
+    c = _c(launch)
+    assert c["QBITS"] == 4
+    # symmetric: values around 8, which the kernel subtracts (QZERO); a zero table neither stored nor read
+    assert (c["QUANT"], c.get("QZERO", 0)) == (("zero_scale", 0) if zero_point else ("scale", 8)), c
+    groups = K // (group_size or K)
+    assert sorted(tuple(s) for _, s, _, _ in _stored(lowered)) == sorted(
+        [(N, K // 2), (N, groups), (N,)] + ([(N, groups)] if zero_point else []))
     with torch.no_grad():
         assert_close(_run(lowered, x), quantized(x))
     with pytest.raises(ValueError, match="bits"):

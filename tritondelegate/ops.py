@@ -704,7 +704,8 @@ tanhshrink = torch.ops.tritondelegate.tanhshrink.default
 # one per row); each None when absent. ``bits=4``: q is uint8 [*R, K / 2], two unsigned 4-bit values
 # per byte, column 2j in byte j's low nibble and column 2j + 1 in its high one (``unpack_nibbles``).
 # ``transposed``: W's last two dims swapped ([*E, K, N]: the B of an ``mm``, or each expert's weight of a
-# grouped GEMM). The float weight a model computes from them, in its dtype order:
+# grouped GEMM). ``zero_point``: without a zero table, one integer zero point for all (a symmetric 4-bit
+# scheme's 8: no table to store or read). The float weight a model computes from them, in its dtype order:
 #     t = q.to(sub_dtype) - zero          (zero converted to sub_dtype; both exact)
 #     t = t.to(mul_dtype) * scale         (the product rounded to mul_dtype)
 #     W = t.to(dtype)
@@ -712,7 +713,7 @@ tanhshrink = torch.ops.tritondelegate.tanhshrink.default
 # and dequantizes each tile in the kernel
 # (``passes/quant_weights.py``, ``matmul.py``'s ``QUANT``); W is never stored.
 _lib.define("dequant_weight(Tensor q, Tensor? zero, Tensor? scale, ScalarType sub_dtype, ScalarType mul_dtype, "
-            "ScalarType dtype, int bits=8, bool transposed=False) -> Tensor")
+            "ScalarType dtype, int bits=8, bool transposed=False, int zero_point=0) -> Tensor")
 QUANT_DTYPES = (torch.int8, torch.uint8)
 QUANT_FLOATS = (torch.float16, torch.bfloat16, torch.float32)  # the dtypes of its steps
 
@@ -732,10 +733,12 @@ def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
     return (values[..., 0::2] | (values[..., 1::2] << 4)).contiguous()
 
 
-def dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits: int = 8) -> torch.Tensor:
+def dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits: int = 8,
+                             zero_point: int = 0) -> torch.Tensor:
     """The arithmetic in fp32, rounded to each step's dtype: eager's, whose 16-bit ops compute in fp32
     and round once (the products and differences here are exact in fp32). Computed in blocks of rows,
-    each small enough to stay in a CPU cache (a whole weight's fp32 intermediates would not)."""
+    each small enough to stay in a CPU cache (a whole weight's fp32 intermediates would not).
+    ``zero_point``: without a zero table, one zero point for every group (4 bits symmetric: 8)."""
     k = q.shape[-1] * (2 if bits == 4 else 1)
     out = torch.empty((*q.shape[:-1], k), dtype=dtype, device=q.device)
     flat = [None if t is None else t.reshape(-1, t.shape[-1]) for t in (q, zero, scale)]
@@ -744,6 +747,8 @@ def dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits: 
     step = max(1, _REFERENCE_BLOCK // max(k, 1)) if q.device.type == "cpu" else max(rows.shape[0], 1)
     for i in range(0, rows.shape[0], step):
         qb, zb, sb = (None if t is None else t[i:i + step] for t in flat)
+        if zb is None and zero_point:
+            zb = torch.full((qb.shape[0], 1 if sb is None else sb.shape[-1]), float(zero_point), device=qb.device)
         rows[i:i + step] = _dequant_block(unpack_nibbles(qb) if bits == 4 else qb, zb, sb, sub_dtype, mul_dtype)
     return out
 
@@ -764,7 +769,7 @@ def _dequant_block(q, zero, scale, sub_dtype, mul_dtype) -> torch.Tensor:
     return t.to(mul_dtype).view(q.shape)
 
 
-def _check_dequant(q, zero, scale, bits) -> None:
+def _check_dequant(q, zero, scale, bits, zero_point=0) -> None:
     if q.dtype not in QUANT_DTYPES or (bits == 4 and q.dtype != torch.uint8) or bits not in (4, 8):
         raise ValueError(f"tritondelegate::dequant_weight: q is {q.dtype} with bits={bits}; it takes int8 or "
                          "uint8 with bits=8, or uint8 with bits=4 (two values per byte)")
@@ -773,21 +778,23 @@ def _check_dequant(q, zero, scale, bits) -> None:
         if part is not None and (part.shape[:-1] != q.shape[:-1] or part.shape[-1] == 0 or k % part.shape[-1]):
             raise ValueError(f"tritondelegate::dequant_weight: {name} {tuple(part.shape)} does not hold whole "
                              f"groups of q's rows {tuple(q.shape)}")
+    if zero is not None and zero_point:
+        raise ValueError(f"tritondelegate::dequant_weight: a zero table and zero_point={zero_point}; it takes one")
     if zero is not None and scale is not None and zero.shape != scale.shape:
         raise ValueError(f"tritondelegate::dequant_weight: zero {tuple(zero.shape)} and scale {tuple(scale.shape)} "
                          "differ; they take one value per group alike")
 
 
 @torch.library.impl(_lib, "dequant_weight", "CompositeExplicitAutograd")
-def _dequant_weight(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8, transposed=False):
-    _check_dequant(q, zero, scale, bits)
-    w = dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits)
+def _dequant_weight(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8, transposed=False, zero_point=0):
+    _check_dequant(q, zero, scale, bits, zero_point)
+    w = dequant_weight_reference(q, zero, scale, sub_dtype, mul_dtype, dtype, bits, zero_point)
     return w.transpose(-2, -1) if transposed else w
 
 
 @torch.library.register_fake(f"{NAMESPACE}::dequant_weight")
-def _dequant_weight_fake(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8, transposed=False):
-    _check_dequant(q, zero, scale, bits)
+def _dequant_weight_fake(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8, transposed=False, zero_point=0):
+    _check_dequant(q, zero, scale, bits, zero_point)
     w = q.new_empty((*q.shape[:-1], q.shape[-1] * (2 if bits == 4 else 1)), dtype=dtype)
     return w.transpose(-2, -1) if transposed else w
 

@@ -89,9 +89,8 @@ def dequantize_rows(q: torch.Tensor, zero: torch.Tensor | None, scale: torch.Ten
     width = q.shape[-1] * (2 if bits == 4 else 1)
     if k is not None and k != width:
         raise ValueError(f"dequantize_rows: q {tuple(q.shape)} with bits={bits} holds {width} columns, not {k}")
-    if zero is None and bits == 4:
-        zero = torch.full_like(scale, 8)
-    return dequant_weight(q, zero, scale, scale.dtype, scale.dtype, scale.dtype, bits)
+    symmetric = 8 if zero is None and bits == 4 else 0
+    return dequant_weight(q, zero, scale, scale.dtype, scale.dtype, scale.dtype, bits, zero_point=symmetric)
 
 
 class QuantizedLinear(torch.nn.Module):

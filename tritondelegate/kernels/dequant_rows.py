@@ -35,7 +35,7 @@ def dequant_rows_kernel(
     e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
     e0s0, e0s1, e1s0, e1s1, e2s0, e2s1, e3s0, e3s1,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
-    QSUB_ROUND: tl.constexpr = "", QMUL_ROUND: tl.constexpr = "", QBITS: tl.constexpr = 8,
+    QSUB_ROUND: tl.constexpr = "", QMUL_ROUND: tl.constexpr = "", QBITS: tl.constexpr = 8, QZERO: tl.constexpr = 0,
     EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
     EOP0: tl.constexpr = "copy", EARITY0: tl.constexpr = 1, ESWAP0: tl.constexpr = False,
     EOP1: tl.constexpr = "copy", EARITY1: tl.constexpr = 1, ESWAP1: tl.constexpr = False,
@@ -57,7 +57,7 @@ def dequant_rows_kernel(
         q = tl.load(q_ptr + v[:, None] * stride_qv + cols[None, :] * stride_qd, mask=mask, other=0)
     at = v[:, None] * stride_zv + (cols // q_group)[None, :] * stride_zg
     w = _dequant(q, ((cols % 2) * 4).to(tl.int32)[None, :], at, mask, qz_ptr, qs_ptr, QUANT, QSUB_ROUND, QMUL_ROUND,
-                 QBITS)
+                 QBITS, QZERO)
     w = tl.where(mask, w, 0.0)
     stored = mask_r[:, None] & mask_d[None, :]
     if EPILOGUE > 0:  # a chain that reads the rows (Gemma's scale, GPT-2's position rows), operands by (row, column)

@@ -88,7 +88,7 @@ def _segment_product(x_ptr, w_ptr, rows, mask_m, offs_n, mask_n, expert, K, E,
                      qz_ptr, qs_ptr, stride_qe, stride_qn, stride_qg, q_group,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr,
                      RMS: tl.constexpr, HAS_PW: tl.constexpr, QUANT: tl.constexpr, QSUB_ROUND: tl.constexpr,
-                     QMUL_ROUND: tl.constexpr, QBITS: tl.constexpr):
+                     QMUL_ROUND: tl.constexpr, QBITS: tl.constexpr, QZERO: tl.constexpr):
     """(x[rows] @ w[expert] for rows of one expert, in fp32, 0 for the tail and empty tiles: no K steps;
     the rows' sums of squares with RMS, x's tiles then scaled by the norm weight, as ``matmul._rms_tile``;
     with QUANT the expert's tile dequantized as it is loaded, as ``matmul``'s)."""
@@ -109,7 +109,7 @@ def _segment_product(x_ptr, w_ptr, rows, mask_m, offs_n, mask_n, expert, K, E,
         if QUANT != "":  # BLOCK_K divides q_group: one group per tile
             b = _dequant(b, ((offs_k[:, None] % 2) * 4).to(tl.int32),
                          e * stride_qe + ((k * BLOCK_K) // q_group) * stride_qg + offs_n[None, :] * stride_qn,
-                         mask_n[None, :], qz_ptr, qs_ptr, QUANT, QSUB_ROUND, QMUL_ROUND, QBITS).to(a.dtype)
+                         mask_n[None, :], qz_ptr, qs_ptr, QUANT, QSUB_ROUND, QMUL_ROUND, QBITS, QZERO).to(a.dtype)
         if DOT_UPCAST:  # the interpreter's low-precision dot is wrong; the runtime sets this there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -125,7 +125,7 @@ def _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n,
                  qz_ptr, qs_ptr, stride_qe, stride_qn, stride_qg, q_group,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
                  RMS: tl.constexpr, HAS_PW: tl.constexpr, QUANT: tl.constexpr, QSUB_ROUND: tl.constexpr,
-                 QMUL_ROUND: tl.constexpr, QBITS: tl.constexpr):
+                 QMUL_ROUND: tl.constexpr, QBITS: tl.constexpr, QZERO: tl.constexpr):
     """(x[x_rows[r]] @ w[e(r)] row by row, in fp32, 0 for rows past the last segment; the rows' sums of
     squares with RMS, as ``_segment_product``; each row's expert, E past the last segment; with QUANT
     each row's slab dequantized as it is loaded)."""
@@ -150,7 +150,7 @@ def _row_product(x_ptr, w_ptr, offs_ptr, stride_o, rows, x_rows, mask_m, offs_n,
             b = _dequant(b, ((offs_k[None, :, None] % 2) * 4).to(tl.int32),
                          experts * stride_qe + ((k * BLOCK_K) // q_group) * stride_qg + offs_n[None, None, :] * stride_qn,
                          live[:, None, None] & mask_n[None, None, :], qz_ptr, qs_ptr, QUANT, QSUB_ROUND, QMUL_ROUND,
-                         QBITS).to(a.dtype)
+                         QBITS, QZERO).to(a.dtype)
         acc += tl.sum(a[:, :, None].to(tl.float32) * b.to(tl.float32), axis=1)
         x_ptrs += step * stride_xk
         w_ptrs += step_w
@@ -228,6 +228,7 @@ def grouped_mm_kernel(
     DEST: tl.constexpr = False, PROLOGUE: tl.constexpr = "", HAS_PW: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, GLU_ALPHA: tl.constexpr = 1.0, GLU_LIMIT: tl.constexpr = 0.0,
     QUANT: tl.constexpr = "", QSUB_ROUND: tl.constexpr = "", QMUL_ROUND: tl.constexpr = "", QBITS: tl.constexpr = 8,
+    QZERO: tl.constexpr = 0,
 ):
     # out[r] = x[r] @ w[e(r)], offs[e-1] <= r < offs[e]; 0 past offs[E-1]. GLU: w's N columns alternate
     # gate and up, and out[r] (N / 2 columns) = GLU(gate) * up, each rounded to GLU_ROUND first. ROWS:
@@ -245,7 +246,7 @@ def grouped_mm_kernel(
                                            S, K, E, stride_xs, stride_xk, stride_we, stride_wk, stride_wn, p_ptr,
                                            stride_pk, qz_ptr, qs_ptr, stride_qe, stride_qn, stride_qg, q_group,
                                            BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, PROLOGUE == "rms", HAS_PW,
-                                           QUANT, QSUB_ROUND, QMUL_ROUND, QBITS)
+                                           QUANT, QSUB_ROUND, QMUL_ROUND, QBITS, QZERO)
     else:
         expert, first, end = _segment_tile(offs_ptr, stride_o, tl.program_id(0), S, E, BLOCK_M, BLOCK_E)
         rows = first + tl.arange(0, BLOCK_M)
@@ -255,7 +256,7 @@ def grouped_mm_kernel(
                                       stride_xs, stride_xk, stride_we, stride_wk, stride_wn, p_ptr, stride_pk,
                                       qz_ptr, qs_ptr, stride_qe, stride_qn, stride_qg, q_group,
                                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST, PROLOGUE == "rms", HAS_PW,
-                                      QUANT, QSUB_ROUND, QMUL_ROUND, QBITS)
+                                      QUANT, QSUB_ROUND, QMUL_ROUND, QBITS, QZERO)
         experts = tl.zeros([BLOCK_M], dtype=tl.int32) + expert
     if PROLOGUE == "rms":  # (x * r * w) @ W == r * ((x * w) @ W) row by row
         acc = acc * tl.rsqrt(sumsq / K + p_eps)[:, None]

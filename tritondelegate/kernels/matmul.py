@@ -136,16 +136,18 @@ def _b_pointers(b_ptr, offs_k, offs_n, stride_bk, stride_bn, BLOCK_K: tl.constex
 
 @triton.jit
 def _dequant(b, shift, at, mask, z_ptr, s_ptr, QUANT: tl.constexpr, SUB_ROUND: tl.constexpr,
-             MUL_ROUND: tl.constexpr, QBITS: tl.constexpr):
+             MUL_ROUND: tl.constexpr, QBITS: tl.constexpr, QZERO: tl.constexpr):
     """Loaded integers ``b`` of a weight-only quantized weight as ``ops.dequant_weight_reference``
     computes them: ``(q - zero) * scale`` in fp32, rounded to each step's dtype, zero and scale loaded
     at offsets ``at`` (under ``mask``). With 4 bits, b holds bytes and each value is the nibble at
-    bit ``shift`` (0 or 4)."""
+    bit ``shift`` (0 or 4). ``QZERO``: without a zero table, the zero point of every group."""
     if QBITS == 4:
         b = (b.to(tl.int32) >> shift) & 15
     t = b.to(tl.float32)
     if QUANT == "zero" or QUANT == "zero_scale":
         t = round_as(t - tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32), SUB_ROUND)
+    elif QZERO != 0:
+        t = round_as(t - QZERO, SUB_ROUND)
     t = round_as(t, MUL_ROUND)
     if QUANT == "scale" or QUANT == "zero_scale":
         t = round_as(t * tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32), MUL_ROUND)
@@ -154,12 +156,12 @@ def _dequant(b, shift, at, mask, z_ptr, s_ptr, QUANT: tl.constexpr, SUB_ROUND: t
 
 @triton.jit
 def _dequant_tile(b, offs_k, offs_n, mask_n, z_ptr, s_ptr, group, stride_qn, stride_qg, QUANT: tl.constexpr,
-                  SUB_ROUND: tl.constexpr, MUL_ROUND: tl.constexpr, QBITS: tl.constexpr):
+                  SUB_ROUND: tl.constexpr, MUL_ROUND: tl.constexpr, QBITS: tl.constexpr, QZERO: tl.constexpr):
     """A [BLOCK_K, BLOCK_N] tile of a quantized B (:func:`_dequant`), with the zero and scale of the
     tile's ``group`` per column (the tile's K rows share one). With 4 bits, K row r is the loaded
     byte's low nibble when r is even, its high one when odd."""
     return _dequant(b, ((offs_k[:, None] % 2) * 4).to(tl.int32), group * stride_qg + offs_n[None, :] * stride_qn,
-                    mask_n, z_ptr, s_ptr, QUANT, SUB_ROUND, MUL_ROUND, QBITS)
+                    mask_n, z_ptr, s_ptr, QUANT, SUB_ROUND, MUL_ROUND, QBITS, QZERO)
 
 
 @triton.jit
@@ -293,6 +295,7 @@ def matmul_kernel(
     GLU: tl.constexpr = "", GLU_ROUND: tl.constexpr = "", GEMV: tl.constexpr = False,
     ROPE: tl.constexpr = "", ROPE_ROUND: tl.constexpr = "", NORM_E: tl.constexpr = 0,
     QUANT: tl.constexpr = "", QSUB_ROUND: tl.constexpr = "", QMUL_ROUND: tl.constexpr = "", QBITS: tl.constexpr = 8,
+    QZERO: tl.constexpr = 0,
 ):
     # C[z] = alpha * (A[z] @ B[z]) + beta * X[z]   (X only when HAS_BIAS); then the epilogue, if any
     z = tl.program_id(1).to(tl.int64)
@@ -322,7 +325,7 @@ def matmul_kernel(
             a = _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW, HAS_PB)
         if QUANT != "":  # BLOCK_K divides q_group: one group per tile ("none": q converted only)
             b = _dequant_tile(b, offs_k, offs_n, mask_n, qz_ptr, qs_ptr, (k * BLOCK_K) // q_group, stride_qn,
-                              stride_qg, QUANT, QSUB_ROUND, QMUL_ROUND, QBITS).to(a.dtype)
+                              stride_qg, QUANT, QSUB_ROUND, QMUL_ROUND, QBITS, QZERO).to(a.dtype)
         acc = _product(acc, a, b, GEMV, DOT_UPCAST)
         a_ptrs += step_a
         b_ptrs += step_b
@@ -493,6 +496,7 @@ class QuantWeight:
     sub_round: str  # the dtype names the steps round to ("" for fp32)
     mul_round: str
     bits: int = 8  # 4: q is uint8 [N, K / 2], two columns per byte
+    zero_point: int = 0  # without a zero table, every group's (QZERO)
 
     @property
     def tables(self) -> tuple[TRef, ...]:
@@ -518,7 +522,8 @@ class QuantWeight:
     def constexprs(self) -> dict:
         mode = "_".join(name for name, t in (("zero", self.zero), ("scale", self.scale)) if t is not None)
         bits = {} if self.bits == 8 else dict(QBITS=self.bits)
-        return dict(QUANT=mode or "none", QSUB_ROUND=self.sub_round, QMUL_ROUND=self.mul_round, **bits)
+        zero = dict(QZERO=self.zero_point) if self.zero_point else {}
+        return dict(QUANT=mode or "none", QSUB_ROUND=self.sub_round, QMUL_ROUND=self.mul_round, **bits, **zero)
 
 
 @dataclass(frozen=True)
@@ -865,12 +870,13 @@ def linear(b, node, glu: str = "", rope=None):
 
 
 def dequant_weight(b, node):
-    """``tritondelegate::dequant_weight(q, zero, scale, sub_dtype, mul_dtype, dtype)``: no launch; the
+    """``tritondelegate::dequant_weight(q, zero, scale, sub_dtype, mul_dtype, dtype, ...)``: no launch; the
     linears and grouped GEMMs that read it as their weight (all its readers:
     ``quant_readers.supported_dequant``) read its parts."""
     q, zero, scale = (None if a is None else b.ref(a) for a in node.args[:3])
     sub_dtype, mul_dtype = node.args[3], node.args[4]
-    b.bind(node, QuantWeight(q, zero, scale, round_name(sub_dtype), round_name(mul_dtype), dequant_flags(node)[0]))
+    b.bind(node, QuantWeight(q, zero, scale, round_name(sub_dtype), round_name(mul_dtype), dequant_flags(node)[0],
+                             node_arg(node, 8, "zero_point", 0)))
 
 
 def dequant_flags(node) -> tuple[int, bool]:

@@ -194,10 +194,10 @@ def _dequantize_in_kernels(ep, node: torch.fx.Node, quantized: dict) -> bool:
     read, ``dequant_weight`` over its parts, stored as new constants, in its place. Whether it was."""
     if node not in quantized or not quant_weights.reads_as_weight(node, quantized[node]):
         return False
-    value = quant_weights.narrowed(quantized[node])
+    value, zero = quant_weights.constant_zero(quant_weights.narrowed(quantized[node]))
     parts = [None if t is None else add_constant(ep, t.contiguous(), quant_weights.PREFIX)
              for t in (value.q, value.zero, value.scale)]
-    quant_weights.dequant_node(ep.graph_module.graph, node, value, parts)
+    quant_weights.dequant_node(ep.graph_module.graph, node, value, parts, zero)
     return True
 
 

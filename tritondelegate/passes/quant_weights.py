@@ -334,11 +334,14 @@ _RULES = {
 }
 
 
-def _dequant_op(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8, transposed=False) -> Quantized | None:
+def _dequant_op(q, zero, scale, sub_dtype, mul_dtype, dtype, bits=8, transposed=False, zero_point=0
+                ) -> Quantized | None:
     """``tritondelegate::dequant_weight`` (what ``td.quantize_linears``' modules compute): its parts as
-    they are."""
+    they are (a zero point as a table of it)."""
     if not isinstance(q, torch.Tensor) or any(t is not None and not isinstance(t, torch.Tensor) for t in (zero, scale)):
         return None
+    if zero is None and zero_point:
+        zero = torch.full((*q.shape[:-1], 1 if scale is None else scale.shape[-1]), float(zero_point))
     x = Quantized(q, zero, scale, sub_dtype, mul_dtype, dtype, stage=3, bits=bits)
     return _transpose(x, -2, -1) if transposed else x
 
@@ -495,6 +498,19 @@ def narrowed(value: Quantized) -> Quantized:
     return replace(value, q=packed, zero=zero, bits=4)
 
 
+def constant_zero(value: Quantized) -> tuple[Quantized, int]:
+    """``value`` without its zero table where every entry is one integer, and that integer (the kernels
+    subtract it as a constant, ``QZERO``: a symmetric 4-bit scheme's 8s are neither stored nor read);
+    else ``value`` as it is and 0."""
+    zero = value.zero
+    if zero is None or zero.numel() == 0:
+        return value, 0
+    first = zero.reshape(-1)[0].item()
+    if first != int(first) or not -32768 <= first <= 32768 or not bool((zero == first).all()):
+        return value, 0
+    return replace(value, zero=None), int(first)
+
+
 def reads_as_weight(node: torch.fx.Node, value: Quantized) -> bool:
     """Whether ``value`` is ``node``'s whole value (its shape and dtype), with groups the matmul kernel
     walks, and every reader of ``node`` is a supported matmul that reads it as its weight, and only
@@ -514,13 +530,15 @@ def tagged(node: torch.fx.Node, value: Quantized) -> torch.fx.Node:
     return node
 
 
-def dequant_node(graph: torch.fx.Graph, node: torch.fx.Node, value: Quantized, parts) -> torch.fx.Node:
+def dequant_node(graph: torch.fx.Graph, node: torch.fx.Node, value: Quantized, parts, zero: int = 0
+                 ) -> torch.fx.Node:
     """``dequant_weight(*parts, ...)`` in ``node``'s place (``parts``: the placeholders of value's q,
-    zero and scale, None where absent), before its first reader."""
+    zero and scale, None where absent; ``zero``: its zero point without a table), before its first
+    reader."""
     first = next(n for n in graph.nodes if n in node.users)
     with graph.inserting_before(first):
         dq = new_node(graph, ops.dequant_weight,
-                      (*parts, value.sub_dtype, value.mul_dtype, value.dtype, value.bits, value.transposed),
+                      (*parts, value.sub_dtype, value.mul_dtype, value.dtype, value.bits, value.transposed, zero),
                       node.meta["val"], node.meta, f"{node.name}_dequant")
     node.replace_all_uses_with(dq)
     return dq

@@ -713,7 +713,7 @@ _GEMM = {"BLOCK_M": pow2(16, 256), "BLOCK_N": pow2(16, 256), "BLOCK_K": pow2(16,
 _GEMM_TILES = (("BLOCK_M", "BLOCK_N"), ("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))
 _QUANT_CONSTEXPRS = {  # a weight-only quantized weight's (matmul, grouped_mm, dequant_rows)
     "QUANT": one_of("", "none", "zero", "scale", "zero_scale"), "QSUB_ROUND": one_of("", "float16", "bfloat16"),
-    "QMUL_ROUND": one_of("", "float16", "bfloat16"), "QBITS": one_of(4, 8)}
+    "QMUL_ROUND": one_of("", "float16", "bfloat16"), "QBITS": one_of(4, 8), "QZERO": in_range(-32768, 32768)}
 _ROWS = {"BLOCK_R": pow2(1, 4096), "BLOCK_C": pow2(1, 8192)}
 
 _ATTENTION = {  # attention's constexprs (attention_append's too)

@@ -564,6 +564,20 @@ def _moe_experts(dtype, rows, **quantize):
                              counts.cumsum(0).to(torch.int32), _randn(rows, dtype=dtype))
 
 
+def _llama4_experts(dtype, tokens, **quantize):
+    """transformers' ``Llama4TextExperts`` (8 experts, 1024 -> 2 x 2048 -> 1024: every expert runs over
+    every token through ``bmm``), weight-only quantized with ``quantize``, over ``tokens`` per expert."""
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    config = importlib.import_module("transformers").Llama4TextConfig(
+        hidden_size=1024, intermediate_size=2048, num_local_experts=8, hidden_act="silu")
+    experts = Llama4TextExperts(config).to(dtype).eval()
+    with torch.no_grad():
+        for weight in (experts.gate_up_proj, experts.down_proj):
+            weight.normal_(0, 0.02)
+    return td.quantize_linears(experts, **quantize), (_randn(8 * tokens, 1024, dtype=dtype),)
+
+
 class _GptOssExperts(nn.Module):
     """GPT-OSS's experts (8 experts, 512 -> 2 x 704 -> 512): gate/up and down with a bias per expert read
     in the GEMM (``HAS_BIAS``), GPT-OSS's clamped gating in gate/up's tile (``GLU="clamped_swiglu"``),
@@ -939,6 +953,9 @@ def _quantized_cases() -> dict[str, callable]:
         # 4 bits symmetric (QZERO 8, no zero table) on both paths of the grouped GEMM
         "moe_experts_decode_int4_g32/bfloat16": lambda: _moe_experts(BF16, 2, bits=4, group_size=32),
         "moe_experts_prefill_int4_g128/bfloat16": lambda: _moe_experts(BF16, 600, bits=4, group_size=128),
+        # Llama 4's experts through bmm (a batch of quantized weights, stride_qz): decode (GEMV), prefill
+        "llama4_experts_decode_int4_g32/bfloat16": lambda: _llama4_experts(BF16, 1, bits=4, group_size=32),
+        "llama4_experts_prefill_int8/bfloat16": lambda: _llama4_experts(BF16, 96, bits=8),
     }
 
 

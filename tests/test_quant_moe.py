@@ -121,3 +121,35 @@ def test_experts_stay_quantized_in_bf16(form, path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
 def test_experts_stay_quantized_in_fp32_and_fp16(dtype, path):
     _check("uint8_zero_g16", dtype, path)
+
+
+# --- experts run through bmm (Llama 4's: every expert over every token) ---------------------------------
+class BatchedExperts(QExperts):
+    """QExperts' weights read by ``bmm(x [E, T, K], w [E, K, N])``, as ``Llama4TextExperts`` reads its."""
+
+    def forward(self, x):
+        return torch.bmm(x, self.weight().transpose(-2, -1))
+
+
+@pytest.mark.parametrize("tokens", [1, 20], ids=["gemv", "tiles"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_bmm_experts_stay_quantized(form, tokens):
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    model = BatchedExperts(form, dtype).eval()
+    x = torch.randn(E, tokens, K).to(dtype)
+    lowered = lower_resident(model, (x,))
+    (launch,) = plan_launches(lowered)
+    c = _c(launch)
+    assert launch.kernel == "matmul" and c["QUANT"] == FORMS[form][3] and c.get("QBITS", 8) == FORMS[form][0], c
+    assert c.get("QZERO", 0) == (8 if form == "int4_g32" else 0) and c.get("GEMV", False) is (tokens == 1), c
+    stored = {tuple(c.shape): c.dtype for c in lowered.program.constants}
+    assert stored.get((E, N, K // 2) if FORMS[form][0] == 4 else (E, N, K)) in ("int8", "uint8"), stored
+    assert not [s for s, dt in stored.items() if dt == "bfloat16" and len(s) == 3 and s[-1] * 2 >= K], stored
+    method = lowered.load().load_method("forward")
+    with torch.no_grad():
+        assert_close(method(x), model(x), dtype=dtype)
+        # each expert's weights bit for bit: one-hot rows pick one weight per product
+        hot = torch.eye(K, dtype=dtype)[torch.randperm(K)[:E * tokens]].view(E, tokens, K)
+        out, expected = method(hot), model(hot)
+    assert torch.equal(out, expected), (out.float() - expected.float()).abs().max()

@@ -293,3 +293,27 @@ def test_a_linear_subclass_with_its_own_forward_is_left_alone():
     assert isinstance(model[0], td.QuantizedLinear) and type(model[1]) is _Router
     scores, index = model(torch.randn(3, 32))
     assert scores.shape == (3, 4) and index.shape == (3,)
+
+
+def test_llama4_experts_run_through_bmm_stay_quantized():
+    """Llama 4's experts hold [E, in, out] weights without declaring ``is_transposed`` and run every
+    expert through ``bmm``: quantized along ``in``, and the lowered program keeps every integer byte."""
+    from harness import lower_resident
+
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(**{**COMMON, "intermediate_size_mlp": 64}, head_dim=12,
+                                           num_local_experts=4,
+                                           interleave_moe_layer_step=1, no_rope_layer_interval=2)
+    model = transformers.Llama4ForCausalLM(config).eval()
+    td.quantize_linears(model, bits=4, group_size=16, skip=NOT_EXPERTS)
+    experts = [layer.feed_forward.experts for layer in model.model.layers]
+    for e in experts:
+        assert isinstance(e, QuantizedExperts) and list(e._quantized_bits) == ["gate_up_proj", "down_proj"]
+        assert e.gate_up_proj_qweight.shape == (4, 160, 24) and e.down_proj_qweight.shape == (4, 48, 40)
+        assert e.gate_up_proj.shape == (4, 48, 160)  # as the module reads it: [E, in, out]
+    want = sum(b.nbytes for b in model.buffers() if b.dtype == torch.uint8)
+    lowered = lower_resident(Logits(model), (IDS,))
+    assert sum(c.nbytes for c in lowered.program.constants if c.dtype == "uint8") == want
+    assert not lowered.reports["forward"].nodes.host
+    with torch.no_grad():
+        torch.testing.assert_close(lowered.load().load_method("forward")(IDS), _logits(model), rtol=1e-4, atol=1e-4)

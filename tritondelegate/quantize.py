@@ -155,6 +155,18 @@ def _linear_weight(module: torch.nn.Module) -> torch.Tensor:
 # the fused expert weights transformers' MoE integration (integrations/moe.py) reads: [E, out, in], or
 # [E, in, out] where the module's ``is_transposed``
 EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+# experts modules that hold their weights [E, in, out] without declaring ``is_transposed``: Llama 4's,
+# which runs every expert on every token through ``bmm``
+TRANSPOSED_EXPERTS = ("Llama4TextExperts",)
+
+
+def _expert_layout(module: torch.nn.Module) -> bool | None:
+    """Whether an experts module holds its weights [E, in, out] (``is_transposed``, declared or known
+    from its class), or None when it does not say."""
+    declared = getattr(module, "is_transposed", None)
+    if isinstance(declared, bool):
+        return declared
+    return True if any(c.__name__ in TRANSPOSED_EXPERTS for c in type(module).__mro__) else None
 
 
 def _expert_property(name: str) -> property:
@@ -166,7 +178,7 @@ def _expert_property(name: str) -> property:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         w = dequantize_rows(getattr(self, f"{name}_qweight"), getattr(self, f"{name}_zero"),
                             getattr(self, f"{name}_scale"), bits)
-        return w.transpose(-2, -1) if self.is_transposed else w
+        return w.transpose(-2, -1) if _expert_layout(self) else w
 
     return property(get, doc=f"``{name}``, dequantized on each access from ``{name}_qweight`` & co.")
 
@@ -229,10 +241,10 @@ def quantized_experts_class(cls: type) -> type:
 
 
 def _expert_count(module: torch.nn.Module) -> int | None:
-    """The expert count of a transformers experts module (None for any other module): one that declares
-    its layout (``is_transposed``, as ``use_experts_implementation`` sets it) and its ``num_experts``
-    (or ``num_local_experts``)."""
-    if isinstance(module, torch.nn.Linear) or not isinstance(getattr(module, "is_transposed", None), bool):
+    """The expert count of a transformers experts module (None for any other module): one whose layout is
+    known (``is_transposed``, as ``use_experts_implementation`` sets it, or :data:`TRANSPOSED_EXPERTS`)
+    and that has a ``num_experts`` (or ``num_local_experts``)."""
+    if isinstance(module, torch.nn.Linear) or _expert_layout(module) is None:
         return None
     count = getattr(module, "num_experts", getattr(module, "num_local_experts", None))
     return count if isinstance(count, int) and not isinstance(count, bool) else None
@@ -249,7 +261,7 @@ def _quantize_experts(module: torch.nn.Module, name: str, group_size: int | None
         full = f"{name}.{weight_name}" if name else weight_name
         if w is None or w.dim() != 3 or w.shape[0] != count or any(fnmatch.fnmatch(full, p) for p in skip):
             continue
-        w = w.detach().transpose(-2, -1) if module.is_transposed else w.detach()  # [E, out, K]
+        w = w.detach().transpose(-2, -1) if _expert_layout(module) else w.detach()  # [E, out, K]
         k = w.shape[-1]
         if (group_size is not None and k % group_size) or (bits == 4 and k % 2):
             continue
@@ -335,7 +347,8 @@ def quantize_linears(model: torch.nn.Module, *, group_size: int | None = None, z
 
     Also quantizes the fused expert weights of transformers MoE experts modules (a module with an int
     ``num_experts`` or ``num_local_experts`` and a bool ``is_transposed``, as transformers'
-    ``use_experts_implementation`` sets it): each 3-D parameter of :data:`EXPERT_WEIGHTS` with a first
+    ``use_experts_implementation`` sets it, or of a class in :data:`TRANSPOSED_EXPERTS`: Llama 4's
+    experts, [E, in, out], run through ``bmm``): each 3-D parameter of :data:`EXPERT_WEIGHTS` with a first
     dim of the expert count, along its reduction dim, into buffers ``{name}_qweight``, ``{name}_scale``
     and ``{name}_zero`` (:class:`QuantizedExperts`), except where ``skip`` matches the module's name or
     the parameter's (``"model.layers.0.mlp.experts.down_proj"``) and where ``group_size`` does not

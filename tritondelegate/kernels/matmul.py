@@ -281,7 +281,7 @@ def matmul_kernel(
     p_ptr, pb_ptr, stride_pk, p_eps,
     # the rotary epilogue (ROPE, ``_rope_store``: its arguments in order; stand-ins without)
     r_ptr, rc_ptr, rs_ptr, r_inner, r_width, rc0, rc1, rcj, rs0, rs1, rsj, r_scale, rn_ptr, rn_pairs, rn_eps,
-    qz_ptr, qs_ptr, stride_qn, stride_qg, q_group,  # a quantized B's zero and scale tables [N, K / q_group]
+    qz_ptr, qs_ptr, stride_qz, stride_qn, stride_qg, q_group,  # a quantized B's tables [Z, N, K / q_group]
     HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
@@ -324,8 +324,9 @@ def matmul_kernel(
         elif PROLOGUE == "layer":
             a = _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW, HAS_PB)
         if QUANT != "":  # BLOCK_K divides q_group: one group per tile ("none": q converted only)
-            b = _dequant_tile(b, offs_k, offs_n, mask_n, qz_ptr, qs_ptr, (k * BLOCK_K) // q_group, stride_qn,
-                              stride_qg, QUANT, QSUB_ROUND, QMUL_ROUND, QBITS, QZERO).to(a.dtype)
+            b = _dequant_tile(b, offs_k, offs_n, mask_n, qz_ptr + z * stride_qz, qs_ptr + z * stride_qz,
+                              (k * BLOCK_K) // q_group, stride_qn, stride_qg, QUANT, QSUB_ROUND, QMUL_ROUND, QBITS,
+                              QZERO).to(a.dtype)
         acc = _product(acc, a, b, GEMV, DOT_UPCAST)
         a_ptrs += step_a
         b_ptrs += step_b
@@ -519,6 +520,12 @@ class QuantWeight:
         strides = first.strides if self.tables else (0,) * self.q.ndim
         return [self.zero or first, self.scale or first, *strides, self.group(k)]
 
+    def batched_args(self, k: int) -> list:
+        """:meth:`args` with a batch stride first (the matmul kernel's ``stride_qz``): 0 for a 2-D q, one
+        weight for every batch; a 3-D q's [Z, N, K] (``bmm``'s B: a batch of weights)."""
+        args = self.args(k)
+        return args if self.q.ndim == 3 else [*args[:2], 0, *args[2:]]
+
     def constexprs(self) -> dict:
         mode = "_".join(name for name, t in (("zero", self.zero), ("scale", self.scale)) if t is not None)
         bits = {} if self.bits == 8 else dict(QBITS=self.bits)
@@ -578,7 +585,7 @@ class MatmulOp:
         prologue = [self.a if weight is None else weight, self.a if bias is None else bias,
                     0 if given is None else given.strides[0], float(eps)]
         rope = Rope.stand_in(self.a) if self.rope is None else self.rope.args()
-        quant = [self.a, self.a, 0, 0, 1] if self.quant is None else self.quant.args(K)
+        quant = [self.a, self.a, 0, 0, 0, 1] if self.quant is None else self.quant.batched_args(K)
         return [self.a, self.bmat, c, x, M, N, K, self.alpha, self.beta,
                 *self.a.strides, *self.bmat.strides, *c_strides, *x_strides, *epilogue,
                 *prologue, *rope, *quant]
@@ -835,7 +842,15 @@ def addmm(b, node):
 
 
 def bmm(b, node):
-    launch_matmul(b, b.ref(node.args[0]), b.ref(node.args[1]), b.out(node))
+    """``bmm(a [Z, M, K], m [Z, K, N])``; a quantized m (``dequant_weight`` [Z, N, K], transposed: a batch
+    of weights, as Llama 4's experts) read from its integers in place."""
+    value = b.values(node.args[1])
+    if not isinstance(value, QuantWeight):
+        launch_matmul(b, b.ref(node.args[0]), b.ref(node.args[1]), b.out(node))
+        return
+    q = value.q  # [Z, N, K] (K / 2 bytes with 4 bits)
+    m = b.view(q, (q.shape[0], q.shape[2], q.shape[1]), (q.strides[0], q.strides[2], q.strides[1]))
+    launch_matmul(b, b.ref(node.args[0]), m, b.out(node), quant=value)
 
 
 def baddbmm(b, node):

@@ -3,8 +3,9 @@
 A ``dequant_weight`` node has no launch of its own: each reader loads its integers and dequantizes
 them tile by tile. So every reader must be a kernel that can: a linear reading it as its weight
 [N, K] (``matmul.py``), an embedding looking up its rows [V, D] (``dequant_rows.py``; a tied model's
-table and LM head share it), ``mm``/``addmm`` reading it as B [K, N] (transposed), or a grouped GEMM of a
-Mixture-of-Experts layer reading it as its experts' weights [E, K, N] (transposed, ``grouped_mm.py``).
+table and LM head share it), ``mm``/``addmm`` reading it as B [K, N] (transposed), a grouped GEMM of a
+Mixture-of-Experts layer reading it as its experts' weights [E, K, N] (transposed, ``grouped_mm.py``), or
+``bmm`` reading it as a batch of weights [E, K, N] (transposed: Llama 4's experts run every expert so).
 The support check of the op and the lowering pass (``passes/quant_weights.py``) apply these same rules.
 """
 
@@ -28,7 +29,8 @@ _GROUPED = {aten._grouped_mm.default: (1, gmm.supported), td_ops.glu_grouped_mm:
             td_ops.scattered_grouped_mm: (1, gmm.supported_scattered),
             td_ops.gathered_grouped_mm: (3, gmm.supported_gathered)}
 _READERS = {(2, False): (_LINEARS, "a linear's weight or an embedding's table"), (2, True): (_MM, "mm's B"),
-            (3, True): (_GROUPED, "a grouped GEMM's experts' weight")}
+            (3, True): ({**_GROUPED, aten.bmm.default: (1, mm.supported)},
+                        "a grouped GEMM's experts' weight or bmm's B (Llama 4's experts)")}
 
 
 def _grouped_fallback() -> dict:

@@ -176,7 +176,7 @@ def _matmul(x: LaunchArgs) -> Footprint:
         acc.append(Access("pb_ptr", ((K, x.i("stride_pk")),)))
     acc += _epilogue(x, (Z, M, n_out), 3) + _rope(x, Z * M, N)
     if x.c["QUANT"] not in ("", "none"):  # a quantized B's tables: group k * BLOCK_K // q_group of each column
-        box = ((N, x.i("stride_qn")), (_cdiv(K, max(x.i("q_group"), 1)), x.i("stride_qg")))
+        box = ((Z, x.i("stride_qz")), (N, x.i("stride_qn")), (_cdiv(K, max(x.i("q_group"), 1)), x.i("stride_qg")))
         acc += [Access(p, box) for p, part in (("qz_ptr", "zero"), ("qs_ptr", "scale")) if part in x.c["QUANT"]]
     grid = (_cdiv(M, x.c["BLOCK_M"]) * _cdiv(N, x.c["BLOCK_N"]), Z)
     return Footprint(acc, grid, {"batch x M x N stored": Z * M * n_out, "K": K})

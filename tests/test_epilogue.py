@@ -242,8 +242,8 @@ def test_nothing_to_fuse_launches_no_epilogue():
     # no rotary epilogue: A stands in for its pairs, tables and norm weights; one inner row, no index, zero
     # strides, no normed pair
     assert launch.args[45:60] == [a, a, a, Arg.of(1)] + [Arg.of(0)] * 7 + [Arg.of(1.0), a, Arg.of(0), Arg.of(0.0)]
-    # no quantized B: A stands in for its zero and scale tables; zero strides, groups of 1
-    assert launch.args[60:] == [a, a, Arg.of(0), Arg.of(0), Arg.of(1)]
+    # no quantized B: A stands in for its zero and scale tables; zero strides (batch, row, group), groups of 1
+    assert launch.args[60:] == [a, a, Arg.of(0), Arg.of(0), Arg.of(0), Arg.of(1)]
 
 
 # --- the pass on its own (no device) --------------------------------------------------------------

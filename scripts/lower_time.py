@@ -11,6 +11,7 @@ launches and modelled bytes. Needs no GPU; about a minute per weights kind and 7
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import resource
 import sys
@@ -71,6 +72,7 @@ def main(argv=None) -> None:
     opts = parser.parse_args(argv)
     for weights in opts.weights.split(","):
         print(run(opts.layers, weights), flush=True)
+        gc.collect()  # the last model's graphs hold reference cycles
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.1f} GB")
 
 

@@ -313,6 +313,7 @@ def matmul_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    qz_ptr, qs_ptr = qz_ptr + z * stride_qz, qs_ptr + z * stride_qz  # a quantized B's tables of this batch
     if PROLOGUE == "layer":
         mean, rstd = _row_stats(a_ptr + z * stride_az, offs_m, stride_am, stride_ak, M, K, p_eps, BLOCK_M, BLOCK_K)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -324,9 +325,8 @@ def matmul_kernel(
         elif PROLOGUE == "layer":
             a = _layer_tile(a, mean, rstd, p_ptr, pb_ptr, stride_pk, k * BLOCK_K, offs_k, k_left, HAS_PW, HAS_PB)
         if QUANT != "":  # BLOCK_K divides q_group: one group per tile ("none": q converted only)
-            b = _dequant_tile(b, offs_k, offs_n, mask_n, qz_ptr + z * stride_qz, qs_ptr + z * stride_qz,
-                              (k * BLOCK_K) // q_group, stride_qn, stride_qg, QUANT, QSUB_ROUND, QMUL_ROUND, QBITS,
-                              QZERO).to(a.dtype)
+            b = _dequant_tile(b, offs_k, offs_n, mask_n, qz_ptr, qs_ptr, (k * BLOCK_K) // q_group, stride_qn,
+                              stride_qg, QUANT, QSUB_ROUND, QMUL_ROUND, QBITS, QZERO).to(a.dtype)
         acc = _product(acc, a, b, GEMV, DOT_UPCAST)
         a_ptrs += step_a
         b_ptrs += step_b
@@ -818,14 +818,20 @@ def supported_linear(node) -> str | None:
 
 
 # --- lowerings ------------------------------------------------------------------------------------
+def _quantized_b(b, q: TRef) -> TRef:
+    """A transposed quantized weight's integers q [N, K] or [Z, N, K] (K / 2 bytes with 4 bits) as a
+    matmul's B [1 or Z, K, N], in place."""
+    z, stride_z = (q.shape[0], q.strides[0]) if q.ndim == 3 else (1, 0)
+    return b.view(q, (z, q.shape[-1], q.shape[-2]), (stride_z, q.strides[-1], q.strides[-2]))
+
+
 def _b_operand(b, arg) -> tuple[TRef, "QuantWeight | None"]:
     """``mm``'s B as a [1, K, N] view, and its quantized parts when it is a ``dequant_weight``
     (transposed: B is W.t(), read from q [N, K] in place)."""
     value = b.values(arg)
     if not isinstance(value, QuantWeight):
         return _batched(b, b.ref(arg)), None
-    q = value.q  # [N, K] (K / 2 bytes with 4 bits)
-    return b.view(q, (1, q.shape[1], q.shape[0]), (0, q.strides[1], q.strides[0])), value
+    return _quantized_b(b, value.q), value
 
 
 def mm(b, node):
@@ -848,9 +854,7 @@ def bmm(b, node):
     if not isinstance(value, QuantWeight):
         launch_matmul(b, b.ref(node.args[0]), b.ref(node.args[1]), b.out(node))
         return
-    q = value.q  # [Z, N, K] (K / 2 bytes with 4 bits)
-    m = b.view(q, (q.shape[0], q.shape[2], q.shape[1]), (q.strides[0], q.strides[2], q.strides[1]))
-    launch_matmul(b, b.ref(node.args[0]), m, b.out(node), quant=value)
+    launch_matmul(b, b.ref(node.args[0]), _quantized_b(b, value.q), b.out(node), quant=value)
 
 
 def baddbmm(b, node):

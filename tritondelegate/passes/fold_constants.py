@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-
 import operator
 
 import torch
@@ -162,13 +161,13 @@ def _exact_once(value, node, constants: dict, foldable: set, keys: dict) -> bool
     """``quant_weights.exact`` of ``value`` against the subgraph's own value at ``node``, computed
     alone (its intermediates freed after the check), or its earlier result for the same subgraph."""
     checked = _CHECKED.get()
-    key = _subgraph_key(node, constants, keys) if checked is not None else None
-    if key not in (checked or {}):
-        result = quant_weights.exact(value, _Values(constants, foldable)[node])
-        if checked is None:
-            return result
+    if checked is None:
+        return quant_weights.exact(value, _Values(constants, foldable)[node])
+    key = _subgraph_key(node, constants, keys)
+    if key not in checked:
         # the constants are kept with the result: their addresses in the key stay theirs
-        checked[key] = (result, [constants[n] for n in _placeholders_under(node, constants)])
+        checked[key] = (quant_weights.exact(value, _Values(constants, foldable)[node]),
+                        [constants[n] for n in _placeholders_under(node, constants)])
     return checked[key][0]
 
 
@@ -180,7 +179,7 @@ def _subgraph_key(node, constants: dict, keys: dict):
     if node in constants:
         t = constants[node]
         key = ("constant", t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
-    elif isinstance(node, torch.fx.Node):
+    else:
         args = torch.fx.map_arg((node.args, dict(sorted(node.kwargs.items()))),
                                 lambda m: _subgraph_key(m, constants, keys))
         key = (str(node.target), repr(args))

@@ -697,6 +697,10 @@ def _per_dtype(d) -> dict[str, callable]:
         "mlp_decode": lambda: (MLP([2048, 4096, 2048]).eval().to(d), (_randn(1, 2048, dtype=d),)),
         "resnet_tiny": lambda: _resnet(d),
         "convnet": lambda: (ConvNet().eval().to(d), (_randn(2, 3, 224, 224, dtype=d),)),
+        # a VGG stage's last conv with its ReLU and 2 x 2 max pooling in one launch (the ConvNet's stem
+        # pools 3 x 3 windows of stride 2): 128 -> 256 channels at 112 x 112
+        "conv_pool_vgg": lambda: (nn.Sequential(nn.Conv2d(128, 256, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)
+                                                ).eval().to(d), (_randn(1, 128, 112, 112, dtype=d),)),
         # Whisper-base's front end: two 1-D convs with GELU epilogues (the second strided) over 3000 frames
         "conv1d_whisper": lambda: (nn.Sequential(nn.Conv1d(80, 512, 3, padding=1), nn.GELU(),
                                                  nn.Conv1d(512, 512, 3, stride=2, padding=1), nn.GELU()).eval().to(d),

@@ -28,7 +28,7 @@ RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for
 
 class Zoo(torch.nn.Module):
     """One delegate over most kernel families: gather, norm, matmul, attention, softmax, cumsum, conv
-    with an epilogue, batch norm, pooling, padding, a pointwise chain, a norm with a prologue, a reduction
+    with an epilogue and a max pooling, batch norm, an average pooling, padding, a pointwise chain, a norm with a prologue, a reduction
     with an epilogue, a scatter, a top-k, a histogram, a router's top-k of a softmax, a cat of two parts, a
     bilinear resize, a grid sample, an embedding bag, a cdist, a depthwise conv and a cummax."""
 
@@ -53,7 +53,8 @@ class Zoo(torch.nn.Module):
                 torch.histc(p, 5, -1, 1), *torch.topk(torch.softmax(h[0], -1), 2), p.exp() * 0.5,
                 torch.cat((h[0], s[0]), -1), F.interpolate(y, scale_factor=1.5, mode="bilinear"),
                 F.grid_sample(img, torch.tanh(h[:, :3, :4].reshape(1, 3, 2, 2)), align_corners=False),
-                self.bag(ids.view(2, 2)), torch.cdist(h[0], s[0]), self.dw(y), *torch.cummax(p, -1))
+                self.bag(ids.view(2, 2)), torch.cdist(h[0], s[0]), self.dw(y), *torch.cummax(p, -1),
+                F.avg_pool2d(img, 3))
 
 
 def _zoo_args():
@@ -557,6 +558,41 @@ def test_a_transposed_convolution_loads_and_its_damage_is_refused():
         torch.testing.assert_close(_load(lowered)(*args), model(*args))
     where = rf"delegate {d} \('triton_0'\) launch {k} \('conv2d'"
     for _, damage, match in CONV_T_DAMAGE:
+        program = copy.deepcopy(lowered.program)
+        damage(program.methods[0].delegates[d].plan.launches[k])
+        _refused(lowered, program, rf"{where}.*{match}")
+
+
+# -- a convolution that stores its max pooling (POOL_KH, POOL_KW: rows are pooled pixels) ---------------
+POOLED_CONV_DAMAGE = [
+    ("a larger convolution output", _set_int("OH", 10**6), r"argument 'e0_ptr' reaches"),
+    ("a pooled output stride", _set_int("os_h", 10**6), r"argument 'out_ptr' reaches"),
+    ("the residual's stride", _set_int("e0s2", 10**6), r"argument 'e0_ptr' reaches"),
+    ("one window size", _set_constexpr("POOL_KW", 0), "takes both window sizes"),
+    ("pooled by phase", _set_constexpr("PHASED", True), "neither PHASED nor DEPTH"),
+    ("a window too large", _set_constexpr("POOL_KH", 65), "constexpr POOL_KH=65 is not allowed"),
+]
+
+
+class ConvPool(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1)
+
+    def forward(self, x, skip):
+        return F.max_pool2d(torch.relu(self.conv(x) + skip), 3, 2, 1)
+
+
+def test_a_pooling_convolution_loads_and_its_damage_is_refused():
+    torch.manual_seed(0)
+    model, args = ConvPool().eval(), (torch.randn(2, 3, 9, 11), torch.randn(2, 5, 5, 6))
+    lowered = td.lower(torch.export.export(model, args), config=RESIDENT)
+    ((d, k, launch),) = _launches(lowered.program)
+    assert launch.kernel == "conv2d" and launch.constexprs["POOL_KH"].value == 3
+    with torch.no_grad():
+        torch.testing.assert_close(_load(lowered)(*args), model(*args))
+    where = rf"delegate {d} \('triton_0'\) launch {k} \('conv2d'"
+    for _, damage, match in POOLED_CONV_DAMAGE:
         program = copy.deepcopy(lowered.program)
         damage(program.methods[0].delegates[d].plan.launches[k])
         _refused(lowered, program, rf"{where}.*{match}")

@@ -81,6 +81,7 @@ import triton.language as tl
 
 from . import elementwise as ew
 from .elementwise import _epilogue
+from .pool import MaxPool
 from ..dtypes import dtype_name
 from .refs import TRef, node_value
 from .sizes import next_power_of_2
@@ -205,21 +206,30 @@ def _phase_walk(acc, x_rows, mask_m, w_cols, mask_n, od, oh, ow, od0, oh0, ow0, 
 
 
 @triton.jit
-def _tile_rows(pid, M, OD, OH, OW, sd, sh, sw, pd, ph, pw, BLOCK_M: tl.constexpr, TRANSPOSED: tl.constexpr,
-               DEPTH: tl.constexpr):
-    """The rows of program ``pid`` (not PHASED): flat output pixels [pid * BLOCK_M, + BLOCK_M) < M, their
-    (n, od, oh, ow) (``_coords``), and per dim what their taps share (``_rows``: (id0, d_res), (ih0, h_res),
-    (iw0, w_res); without DEPTH the first pair stands in for the absent depth and is never read)."""
+def _tile_pixels(pid, M, OD, OH, OW, BLOCK_M: tl.constexpr, DEPTH: tl.constexpr):
+    """The rows of program ``pid`` (not PHASED): flat output pixels [pid * BLOCK_M, + BLOCK_M) < M, as
+    (n, od, oh, ow) (``_coords``) and their mask."""
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
     n, od, oh, ow = _coords(offs_m, OD, OH, OW, DEPTH)
-    if DEPTH:
-        id0, d_res = _rows(od, sd, pd, TRANSPOSED)
-    else:
-        id0, d_res = oh, oh
-    ih0, h_res = _rows(oh, sh, ph, TRANSPOSED)
-    iw0, w_res = _rows(ow, sw, pw, TRANSPOSED)
-    return n, od, oh, ow, mask_m, id0, d_res, ih0, h_res, iw0, w_res
+    return n, od, oh, ow, offs_m < M
+
+
+@triton.jit
+def _pool_tap(ph, pw, t, mask_m, OH, OW, pool_sh, pool_sw, pool_ph, pool_pw, POOL_KW: tl.constexpr):
+    """The convolution's output pixels (oh, ow) that tap ``t`` (th * POOL_KW + tw) of the max-pooling
+    windows of pooled pixels (ph, pw) reads, and which of them are real (inside the convolution's output:
+    a window's padding never wins)."""
+    oh = ph * pool_sh - pool_ph + t // POOL_KW
+    ow = pw * pool_sw - pool_pw + t % POOL_KW
+    return oh, ow, mask_m & (oh >= 0) & (oh < OH) & (ow >= 0) & (ow < OW)
+
+
+@triton.jit
+def _max_into(best, acc, real):
+    """The running maximum of a pooling window: ``acc``'s rows that are ``real`` taken where larger, or
+    NaN (a NaN stays: eager's max pooling propagates it)."""
+    v = tl.where(real[:, None], acc, float("-inf"))
+    return tl.where((v > best) | (v != v), v, best)
 
 
 @triton.jit
@@ -250,11 +260,17 @@ def _gather(x_rows, mask_m, offs_k, K, id0, d_res, ih0, h_res, iw0, w_res, D, H,
 
 
 @triton.jit
-def _walk(acc, x_rows, mask_m, w_cols, mask_n, id0, d_res, ih0, h_res, iw0, w_res, D, H, W, CIN_G,
-          xs_c, xs_d, xs_h, xs_w, ws_i, ws_d, ws_h, ws_w, sd, sh, sw, dil_d, dil_h, dil_w,
+def _walk(acc, x_rows, mask_m, w_cols, mask_n, od, oh, ow, D, H, W, CIN_G,
+          xs_c, xs_d, xs_h, xs_w, ws_i, ws_d, ws_h, ws_w, sd, sh, sw, pd, ph, pw, dil_d, dil_h, dil_w,
           KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSED: tl.constexpr,
           DEPTH: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """acc + the K walk of a program (not PHASED): K = Cg * KD * KH * KW in steps of BLOCK_K (``_gather``)."""
+    """acc + the K walk of a program (not PHASED) over output pixels (od, oh, ow): K = Cg * KD * KH * KW in
+    steps of BLOCK_K (``_gather``), from what each row's taps share (``_rows``)."""
+    id0, d_res = oh, oh  # without DEPTH: stand-ins for the absent depth, never read
+    if DEPTH:
+        id0, d_res = _rows(od, sd, pd, TRANSPOSED)
+    ih0, h_res = _rows(oh, sh, ph, TRANSPOSED)
+    iw0, w_res = _rows(ow, sw, pw, TRANSPOSED)
     K = CIN_G * KD * KH * KW
     for k0 in range(0, K, BLOCK_K):
         a, w_offs, mask_k = _gather(x_rows, mask_m, k0 + tl.arange(0, BLOCK_K), K, id0, d_res, ih0, h_res, iw0,
@@ -293,10 +309,13 @@ def conv2d_kernel(
     e0s0, e0s1, e0s2, e0s3, e1s0, e1s1, e1s2, e1s3,
     e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3,
     D, OD, xs_d, ws_d, os_d, stride_d, pad_d, dil_d, e0s4, e1s4, e2s4, e3s4,
+    # a max pooling of the result (POOL_KH > 0): the pooled size and the window's stride and padding
+    POH, POW, pool_sh, pool_sw, pool_ph, pool_pw,
     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr,
     DEPTH: tl.constexpr = False,  # 3-D: x and out have a depth (D, OD); else every depth term is absent
     PHASED: tl.constexpr = False,  # transposed, dilation 1: by stride phase (the module docstring)
+    POOL_KH: tl.constexpr = 0, POOL_KW: tl.constexpr = 0,  # the max pooling's window (0: none)
     EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
     EOP0: tl.constexpr = "copy", EARITY0: tl.constexpr = 1, ESWAP0: tl.constexpr = False,
     EOP1: tl.constexpr = "copy", EARITY1: tl.constexpr = 1, ESWAP1: tl.constexpr = False,
@@ -309,13 +328,15 @@ def conv2d_kernel(
     pid_n = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)
 
-    # Rows: output pixels (n, [od,] oh, ow), PHASED those of one phase. Columns: output channels of group g.
+    # Rows: output pixels (n, [od,] oh, ow), PHASED those of one phase, POOL pooled pixels (n, 0, ph, pw)
+    # whose windows' taps are walked in turn. Columns: output channels of group g.
     if PHASED:
         n, od, oh, ow, mask_m, od0, oh0, ow0 = _phase_rows(pid_m, M, OD, OH, OW, stride_d, stride_h, stride_w,
                                                            BLOCK_M, DEPTH)
+    elif POOL_KH > 0:
+        n, od, ph, pw, mask_m = _tile_pixels(pid_m, M, 1, POH, POW, BLOCK_M, False)
     else:
-        n, od, oh, ow, mask_m, id0, d_res, ih0, h_res, iw0, w_res = _tile_rows(
-            pid_m, M, OD, OH, OW, stride_d, stride_h, stride_w, pad_d, pad_h, pad_w, BLOCK_M, TRANSPOSED, DEPTH)
+        n, od, oh, ow, mask_m = _tile_pixels(pid_m, M, OD, OH, OW, BLOCK_M, DEPTH)
     x_rows = x_ptr + n * xs_n + g * CIN_G * xs_c  # [BLOCK_M] pointers
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -323,35 +344,40 @@ def conv2d_kernel(
     co = g * COUT_G + offs_n  # int64: absolute output channel
     w_cols = w_ptr + g * ws_g + offs_n.to(tl.int64) * ws_o  # [BLOCK_N] pointers
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PHASED:
-        acc = _phase_walk(acc, x_rows, mask_m, w_cols, mask_n, od, oh, ow, od0, oh0, ow0, D, H, W, CIN_G,
-                          xs_c, xs_d, xs_h, xs_w, ws_i, ws_d, ws_h, ws_w, stride_d, stride_h, stride_w,
-                          pad_d, pad_h, pad_w, KD, KH, KW, BLOCK_K, DEPTH, DOT_UPCAST)
-    else:
-        acc = _walk(acc, x_rows, mask_m, w_cols, mask_n, id0, d_res, ih0, h_res, iw0, w_res, D, H, W, CIN_G,
-                    xs_c, xs_d, xs_h, xs_w, ws_i, ws_d, ws_h, ws_w, stride_d, stride_h, stride_w, dil_d, dil_h, dil_w,
-                    KD, KH, KW, BLOCK_K, TRANSPOSED, DEPTH, DOT_UPCAST)
-
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + co, mask=mask_n, other=0.0).to(tl.float32)
-        acc += bias[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if EPILOGUE > 0:  # operands addressed by their strides over the output's dims
-        i2, i3, i4 = oh[:, None], ow[:, None], 0  # 2-D: no fifth index (its 0 strides fold away)
-        if DEPTH:
-            i2, i3, i4 = od[:, None], oh[:, None], ow[:, None]
-        acc = _epilogue(acc, mask, n[:, None], co[None, :], i2, i3, i4,
-                        e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
-                        e0s0, e0s1, e0s2, e0s3, e0s4, e1s0, e1s1, e1s2, e1s3, e1s4,
-                        e2s0, e2s1, e2s2, e2s3, e2s4, e3s0, e3s1, e3s2, e3s3, e3s4,
-                        EPILOGUE, ROUND_TO, EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1, EIS_SCALAR1,
-                        EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
+    result = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
+    for t in range(0, max(POOL_KH * POOL_KW, 1)):  # one trip without POOL (the compiler drops the loop)
+        real = mask_m
+        if POOL_KH > 0:
+            oh, ow, real = _pool_tap(ph, pw, t, mask_m, OH, OW, pool_sh, pool_sw, pool_ph, pool_pw, POOL_KW)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if PHASED:
+            acc = _phase_walk(acc, x_rows, mask_m, w_cols, mask_n, od, oh, ow, od0, oh0, ow0, D, H, W, CIN_G,
+                              xs_c, xs_d, xs_h, xs_w, ws_i, ws_d, ws_h, ws_w, stride_d, stride_h, stride_w,
+                              pad_d, pad_h, pad_w, KD, KH, KW, BLOCK_K, DEPTH, DOT_UPCAST)
+        else:
+            acc = _walk(acc, x_rows, real, w_cols, mask_n, od, oh, ow, D, H, W, CIN_G, xs_c, xs_d, xs_h, xs_w,
+                        ws_i, ws_d, ws_h, ws_w, stride_d, stride_h, stride_w, pad_d, pad_h, pad_w, dil_d, dil_h,
+                        dil_w, KD, KH, KW, BLOCK_K, TRANSPOSED, DEPTH, DOT_UPCAST)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + co, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if EPILOGUE > 0:  # operands addressed by their strides over the output's dims
+            i2, i3, i4 = oh[:, None], ow[:, None], 0  # 2-D: no fifth index (its 0 strides fold away)
+            if DEPTH:
+                i2, i3, i4 = od[:, None], oh[:, None], ow[:, None]
+            acc = _epilogue(acc, real[:, None] & mask_n[None, :], n[:, None], co[None, :], i2, i3, i4,
+                            e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+                            e0s0, e0s1, e0s2, e0s3, e0s4, e1s0, e1s1, e1s2, e1s3, e1s4,
+                            e2s0, e2s1, e2s2, e2s3, e2s4, e3s0, e3s1, e3s2, e3s3, e3s4,
+                            EPILOGUE, ROUND_TO, EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1,
+                            EIS_SCALAR1, EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
+        result = _max_into(result, acc, real) if POOL_KH > 0 else acc
+    if POOL_KH > 0:
+        oh, ow = ph, pw  # the store's pixels: the pooled ones
     out_rows = n * os_n + oh * os_h + ow * os_w
     if DEPTH:
         out_rows += od * os_d
-    out_offs = out_rows[:, None] + (co * os_c)[None, :]
-    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + out_rows[:, None] + (co * os_c)[None, :], result.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
 
 
 # --- host launcher --------------------------------------------------------------------------------
@@ -404,6 +430,7 @@ class ConvOp:
     dilation: tuple
     groups: int
     transposed: bool = False  # weight [C_in, C_out / groups, (KD,) KH, KW]; the module docstring's second form
+    pool: MaxPool | None = None  # a max pooling of the result (after the epilogue), stored instead of it
     kernel = "conv2d"  # the kernel its launch runs (a subclass's own: ``depthwise.DepthwiseOp``)
 
     @property
@@ -424,30 +451,38 @@ class ConvOp:
         """(grid, arguments, constexprs): storing into ``out`` (default: the result) after an epilogue
         of ``steps`` ((op, arity, swap)) reading ``operands`` (a (TRef, its strides over ``out``'s dims)
         pair, a Python scalar, or None where the step is unary). Every operand is walked as
-        [N, C, D, H, W] (``_ncdhw``: 1-D and 2-D ones at a depth of 1)."""
+        [N, C, D, H, W] (``_ncdhw``: 1-D and 2-D ones at a depth of 1). With ``pool`` the launch stores
+        the pooling's result, ``pool.out``, and its rows are the pooled pixels."""
         out = self.c if out is None else out
         x, weight = self.x, self.weight
         (n, _, d, h, w), (xs_n, xs_c, xs_d, xs_h, xs_w) = _ncdhw(x.shape, x.strides)
-        (_, _, od, oh, ow), (os_n, os_c, os_d, os_h, os_w) = _ncdhw(out.shape, out.strides)
+        stored = out if self.pool is None else self.pool.out
+        (_, _, od, oh, ow), _ = _ncdhw(out.shape, out.strides)
+        (_, _, _, poh, pow_), (os_n, os_c, os_d, os_h, os_w) = _ncdhw(stored.shape, stored.strides)
         (_, _, kd, kh, kw), _ = _ncdhw(weight.shape, weight.strides)
         cin_g, cout_g, (ws_g, ws_o, ws_i, ws_d, ws_h, ws_w) = self._weight_walk()
         m = n * od * oh * ow
         lead = 3 - len(self.stride)  # (d, h, w): a 2-D convolution walks a depth of 1 with no padding
         (sd, *s_hw), (pd, *p_hw), (dd, *d_hw) = ((fill,) * lead + tuple(v) for fill, v in (
             (1, self.stride), (0, self.padding), (1, self.dilation)))
-        epilogue, fifth, constexprs = _epilogue_args(out, steps, operands, dtype_name(self.c.dtype))
+        epilogue, fifth, constexprs = _epilogue_args(stored, steps, operands, dtype_name(self.c.dtype))
         if self.phased:  # programs (tile, phase) on axis 0, tiles of the largest phase's rows; K per tap: Cg
             rows = n * math.prod(triton.cdiv(o, s) for o, s in zip((od, oh, ow), (sd, *s_hw)))
             block_m, block_n, block_k = self._blocks(rows, cout_g, cin_g)
             grid = (sd * math.prod(s_hw) * triton.cdiv(rows, block_m), triton.cdiv(cout_g, block_n), self.groups)
             constexprs["PHASED"] = True
         else:
+            if self.pool is not None:  # rows: the pooled pixels, each walking its window's taps in turn
+                m = n * poh * pow_
+                constexprs.update(POOL_KH=self.pool.kernel[0], POOL_KW=self.pool.kernel[1])
             block_m, block_n, block_k = self._blocks(m, cout_g, cin_g * kd * kh * kw)
             grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
-        args = [x, weight, self.bias if self.bias is not None else out, out,  # out stands in for a missing bias
+        window = (*self.pool.stride, *self.pool.padding) if self.pool is not None else (1, 1, 0, 0)
+        args = [x, weight, self.bias if self.bias is not None else stored, stored,  # a stand-in for no bias
                 m, h, w, oh, ow, cin_g, cout_g, xs_n, xs_c, xs_h, xs_w, ws_g, ws_o, ws_i, ws_h, ws_w,
                 os_n, os_c, os_h, os_w, *s_hw, *p_hw, *d_hw, *epilogue,
-                d, od, xs_d, ws_d, os_d, sd, pd, dd, *fifth]  # the depth's, last (see the kernel)
+                d, od, xs_d, ws_d, os_d, sd, pd, dd, *fifth,  # the depth's (see the kernel)
+                poh, pow_, *window]  # the pooling's, last
         # 8 warps: the gathered A tile's int64 addresses and masks ([BLOCK_M, BLOCK_K] each) next to the
         # accumulator spill at 4 warps on sm_90 (scripts/compile_check.py); spread over 256 threads they fit.
         constexprs.update(KD=kd, KH=kh, KW=kw, HAS_BIAS=self.bias is not None, TRANSPOSED=self.transposed,
@@ -464,7 +499,7 @@ class ConvOp:
         146 to 162 registers at 32 x 64. Dilated (64 -> 32 channels, k3 s(1, 2, 2) d(1, 2, 2), fp16): 255
         and 8 bytes at 64 x 32, 164 at 32 x 32)."""
         k_step = FP32_K_STEP if self.x.dtype.itemsize >= 4 else K_STEP
-        rows = 32 if self.transposed and self.depth else 64
+        rows = 32 if (self.transposed and self.depth) or self.pool is not None else 64
         return _block(m, 16, rows), _block(cout_g, 16, 64), _block(k, 16, k_step)
 
     def _weight_walk(self) -> tuple:

@@ -101,7 +101,7 @@ from . import conv as cv
 from . import grouped_mm as gmm
 from . import dequant_rows as dq
 from . import elementwise as ew
-from . import fuse_cat, fuse_gather, fuse_pad, fuse_reduce, fuse_rows
+from . import fuse_cat, fuse_gather, fuse_pad, fuse_pool, fuse_reduce, fuse_rows
 from . import sizes as size_fns
 from . import matmul as mm
 from . import scatter as sc
@@ -232,7 +232,7 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
            for kind, kernels in (("pointwise", {"pointwise"}),
                                  ("matmul", {"matmul", "conv2d", "depthwise_conv", "grouped_mm", "dequant_rows"}),
                                  ("norm", {"norm"}), ("rows", {"norm", "softmax", "reduce"}),
-                                 ("gather", {"gather"}))}
+                                 ("gather", {"gather"}), ("pool", {"pool2d"}))}
     users: dict[int, set[int]] = defaultdict(set)
     for position, buffers in enumerate(touched):
         for buf in buffers:
@@ -242,17 +242,21 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     touched = [set(t) for t in touched]
     chains, merged_away = _merge_chains(launches, ops["pointwise"], touched, writes, keep, users, view)
     merged_away |= prologued
-    epilogues = _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away)
+    sources: dict[int, tuple] = {}  # an epilogue's position -> (its matmul's, the chain)
+    epilogues = _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away, sources)
     writes = [set(w) for w in writes]  # updated as row launches move
     rows = fuse_rows.merge_rows(launches, ops["rows"], chains, touched, writes, keep, users,
                                 _unwritten, merged_away, set(epilogues), {"reduce": fuse_reduce.reduce_launch})
     gathers = fuse_gather.merge_gathers(launches, ops["gather"], chains, writes, keep, users, merged_away,
                                         set(epilogues) | set(rows))
+    pools = fuse_pool.merge_pools(launches, ops["pool"], matmuls, sources, touched, writes, keep, users,
+                                  merged_away, _whole_result_epilogue_launch)
     if not merged_away:
         records, cats = fuse_cat.merge_copies(records, view)
         return FusionResult(records, paired or padded or cats)
     fused = [
-        LaunchRecord(rows[i]) if i in rows
+        LaunchRecord(pools[i]) if i in pools
+        else LaunchRecord(rows[i]) if i in rows
         else LaunchRecord(gathers[i]) if i in gathers
         else LaunchRecord(epilogues[i]) if i in epilogues
         else LaunchRecord(_launch(chains[i])) if i in chains and len(chains[i].names) > 1
@@ -417,9 +421,9 @@ def _grouped_prologue_op(op: gmm.GroupedOp, norm, view) -> "gmm.GroupedOp | None
 
 
 # --- matmul epilogues -----------------------------------------------------------------------------
-def _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away) -> dict[int, Launch]:
+def _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away, sources) -> dict[int, Launch]:
     """Consumer position -> the matmul launch that now computes its chain; each matmul merged is added
-    to ``merged_away``."""
+    to ``merged_away``, and ``sources`` maps the consumer to (the matmul's position, the chain)."""
     epilogues: dict[int, Launch] = {}
     for m, op in sorted(matmuls.items()):
         t = op.c
@@ -434,6 +438,7 @@ def _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away
         launch = _epilogue_launch(op, chains[c], launches[m])
         if launch is not None:
             epilogues[c] = launch
+            sources[c] = (m, chains[c])
             merged_away.add(m)
     return epilogues
 

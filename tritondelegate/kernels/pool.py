@@ -24,13 +24,14 @@ padded and viewed as [N, 1, C, H, W]: a 3-D average pooling like any other.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from . import sizes
-from .refs import node_value
+from .refs import TRef, node_value
 from .sizes import next_power_of_2, upper
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -167,6 +168,18 @@ def pool2d_kernel(
     tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@dataclass(frozen=True)
+class MaxPool:
+    """A 2-D max pooling that writes no indices (the op of its launch record): a convolution whose result
+    only it reads stores the pooling instead (``fuse_pool.py``)."""
+
+    x: TRef
+    out: TRef
+    kernel: tuple  # (KH, KW)
+    stride: tuple
+    padding: tuple
+
+
 # --- host launcher --------------------------------------------------------------------------------
 def _adaptive_window(size, out_size) -> int:
     """The largest adaptive window: max over o of ceil((o+1) * size / out) - floor(o * size / out).
@@ -216,12 +229,14 @@ def launch_pool2d(b, mode: str, out, x, kernel=(1, 1), stride=(1, 1), padding=(0
                    *s_hw, *p_hw, *d_hw, int(divisor_override or 0),
                    d, od, *(s[2] for s in strides), sd, pd, dd]  # the depth's, last
     depth_constexpr = {"DEPTH": True} if depth else {}  # a 2-D launch keeps the kernel's default
-    b.launch(
+    record = b.launch(
         "pool2d", (triton.cdiv(total, block_m),), *record_args,
         MODE=mode, KD=kd, KH=kh, KW=kw, COUNT_INCLUDE_PAD=bool(count_include_pad),
         DIVISOR_OVERRIDE=bool(divisor_override), WRITE_INDICES=indices is not None,
         BLOCK_M=block_m, BLOCK_K=block_k, **depth_constexpr, num_warps=warps,
     )
+    if record is not None and mode == "max" and indices is None and not depth and tuple(dilation) == (1, 1):
+        record.op = MaxPool(x, out, (kh, kw), tuple(s_hw), tuple(p_hw))
 
 
 def _ncdhw_strides(strides) -> tuple:

@@ -157,15 +157,17 @@ def _phase_taps(out: int, stride: int, pad: int, k: int) -> int:
 
 
 def _conv_flops(a: Args) -> int:
-    # implicit GEMM per group: M = N*OD*OH*OW rows, COUT_G columns, K = CIN_G*KD*KH*KW taps walked per row;
+    # implicit GEMM per group: M = N*OD*OH*OW rows, COUT_G columns, K = CIN_G*KD*KH*KW taps walked per row
+    # (a pooling one: M pooled rows, each computing the POOL_KH*POOL_KW pixels of its window);
     # groups = grid axis 2 (a 2-D launch: KD = 1). A dilated transposed one walks every tap too, masking
     # those that are not exact (stride_d*stride_h*stride_w times the useful ones); one by stride phase
     # (PHASED) walks each row's exact taps only, CIN_G per tap: N * CIN_G * the product over dims of
     # _phase_taps (taps whose input lies outside x, at the borders, are walked and masked)
     cout = a["COUT_G"] * a["grid"][2]
-    bias = a["M"] * cout if a["HAS_BIAS"] else 0
+    pixels = a["M"] * max(a.get("POOL_KH", 0) * a.get("POOL_KW", 0), 1)  # pooling: each row's window's taps
+    bias = pixels * cout if a["HAS_BIAS"] else 0
     if not a.get("PHASED"):
-        return 2 * a["M"] * cout * a["CIN_G"] * a["KD"] * a["KH"] * a["KW"] + bias
+        return 2 * pixels * cout * a["CIN_G"] * a["KD"] * a["KH"] * a["KW"] + bias
     dims = ("d", "h", "w") if a.get("DEPTH") else ("h", "w")
     sizes = {"d": a["OD"], "h": a["OH"], "w": a["OW"]}
     batch = a["M"] // max(math.prod(sizes[d] for d in dims), 1)

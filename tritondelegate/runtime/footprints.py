@@ -229,7 +229,8 @@ def _conv2d(x: LaunchArgs) -> Footprint:
     Without DEPTH (2-D) the kernel computes no depth term: rows are (n, oh, ow), and the depth counts are 1
     (D and OD never read, the depth strides reach nothing)."""
     M, H, W, cin, cout = (x.i(name) for name in ("M", "H", "W", "CIN_G", "COUT_G"))
-    depth, D, (n, od, oh, ow) = _conv_pixels(x, M)
+    pool = _conv_pool(x, M)
+    depth, D, (n, od, oh, ow) = _conv_pixels(x, M) if pool is None else (False, 1, (pool[0], 1, x.i("OH"), x.i("OW")))
     groups, KD, KH, KW = x.grid[2], x.c["KD"], x.c["KH"], x.c["KW"]
     co = groups * cout  # output channels: group g's are g * COUT_G + [0, COUT_G)
     k_loop = cin * KD * KH * KW
@@ -249,8 +250,8 @@ def _conv2d(x: LaunchArgs) -> Footprint:
                          (W, x.i("xs_w")))),
         Access("w_ptr", ((groups, x.i("ws_g")), (cout, x.i("ws_o")), (cin, x.i("ws_i")), (KD, x.i("ws_d")),
                          (KH, x.i("ws_h")), (KW, x.i("ws_w")))),
-        Access("out_ptr", ((n, x.i("os_n")), (co, x.i("os_c")), (od, x.i("os_d")), (oh, x.i("os_h")),
-                           (ow, x.i("os_w"))), write=True),
+        Access("out_ptr", ((n, x.i("os_n")), (co, x.i("os_c")), (od, x.i("os_d")),
+                           *zip(pool[1:] if pool else (oh, ow), (x.i("os_h"), x.i("os_w")))), write=True),
     ]
     if x.c["HAS_BIAS"]:
         acc.append(Access("bias_ptr", ((co, 1),)))
@@ -261,6 +262,17 @@ def _conv2d(x: LaunchArgs) -> Footprint:
     if x.c["PHASED"]:  # every phase walks the largest phase's tiles: a stride past the output's size adds empty ones
         sizes["rows of the phases' tiles"] = programs * x.c["BLOCK_M"]
     return Footprint(acc, grid, sizes)
+
+
+def _conv_pool(x: LaunchArgs, M: int) -> list[int] | None:
+    """A pooling convolution's (POOL_KH > 0) counts of its M rows, the pooled pixels (n, ph, pw); its
+    taps' pixels are masked to the convolution's (OH, OW), where its epilogue reads. None without."""
+    if not x.c["POOL_KH"] and not x.c["POOL_KW"]:
+        return None
+    if not (x.c["POOL_KH"] and x.c["POOL_KW"]) or x.c["PHASED"] or x.c["DEPTH"]:
+        raise DelegateError(f"{x.where}: a pooling convolution (POOL_KH {x.c['POOL_KH']}, POOL_KW "
+                            f"{x.c['POOL_KW']}) takes both window sizes, and is neither PHASED nor DEPTH")
+    return _unravel(M, x.d("POH", "POW"))
 
 
 def _depthwise_conv(x: LaunchArgs) -> Footprint:
@@ -780,7 +792,7 @@ RULES: dict[str, KernelRule] = {
         _GEMM_TILES + (("BLOCK_M", "BLOCK_K", "BLOCK_N"), ("BLOCK_M", "BLOCK_E"))),
     "conv2d": KernelRule(_conv2d, {**_GEMM, "KD": in_range(1, 4096), "KH": in_range(1, 4096), "KW": in_range(1, 4096),
                                    "HAS_BIAS": FLAG, "TRANSPOSED": FLAG, "DEPTH": FLAG, "PHASED": FLAG,
-                                   **_epilogue_constexprs()},
+                                   "POOL_KH": in_range(0, 64), "POOL_KW": in_range(0, 64), **_epilogue_constexprs()},
                          _GEMM_TILES),
     "depthwise_conv": KernelRule(_depthwise_conv, {
         "BLOCK_M": pow2(1, 4096), "BLOCK_N": pow2(16, 256), "KD": in_range(1, 4096), "KH": in_range(1, 4096),

@@ -134,3 +134,18 @@ def test_traffic_counts_the_pooled_store_and_every_tap():
     assert launch.bytes_written == rows * channels * 4
     pixels = rows * 9  # each pooled pixel computes its window's 3 x 3 conv pixels
     assert launch.flops == 2 * pixels * channels * (3 * 3 * 3) + pixels * channels  # products, then the bias
+
+
+def test_dynamic_image_size():
+    """The pooled size follows the image's: the launch's sizes are expressions of the symbols."""
+    h, w = Dim("h", min=8, max=20), Dim("w", min=8, max=20)
+    calls = [(torch.randn(1, 3, *size),) for size in ((12, 12), (8, 19), (20, 9))]
+    lowered, _ = check_dynamic(_model(), calls, {"x": {2: h, 3: w}})
+    assert _pooled(plan_launches(lowered)) == [("conv2d", 3)]
+
+
+def test_grouped_convolution():
+    model = _model(norm=False, c_in=4, c_out=8)
+    model.conv = torch.nn.Conv2d(4, 8, 3, 2, 1, groups=2)
+    (launch,) = check_launches(model, (torch.randn(2, 4, 10, 11),))
+    assert launch.grid[2] == 2 and launch.constexprs["POOL_KH"].value == 3

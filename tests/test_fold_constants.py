@@ -65,6 +65,28 @@ def test_only_input_independent_deterministic_small_results_fold():
     assert any("expand" in op for op in ops)  # the large result stays a computation
 
 
+class Reused(torch.nn.Module):
+    """A computed weight read by the program and by another computation that is folded too (a
+    transposed copy, a row sum): the second is computed from the first's new constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        a = self.w * 2.0
+        return x @ a, x @ a.t(), x + a.sum(0)
+
+
+def test_a_folded_value_read_by_a_later_folded_one():
+    model, args = Reused(), (torch.randn(3, 4),)
+    ep = decompose(torch.export.export(model, args))
+    assert len(fold_constants(ep)) == 3
+    with torch.no_grad():
+        for result, expected in zip(_lower(model, args).load().load_method("forward")(*args), model(*args)):
+            torch.testing.assert_close(result, expected)
+
+
 @pytest.mark.parametrize("fold", [True, False])
 def test_folded_program_matches_eager_and_keeps_state(fold):
     class Counter(torch.nn.Module):

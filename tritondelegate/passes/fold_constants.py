@@ -107,7 +107,9 @@ def fold_constants(ep: torch.export.ExportedProgram, state: set[str] = frozenset
         read = sum(_nbytes(constants[p]) for p in _placeholders_under(node, constants))
         if _nbytes(value) > max(read, MAX_GROWTH_BYTES):
             continue
-        _replace_with_constant(ep, node, value.contiguous())
+        value = value.contiguous()
+        # a later frontier node computed from this one now reads the new constant: its value is known
+        values[_replace_with_constant(ep, node, value)] = value
         folded.append(node.name)
     if folded or kept:
         _drop_dead(ep)
@@ -286,10 +288,12 @@ def add_constant(ep, value: torch.Tensor, prefix: str = FOLDED_PREFIX) -> torch.
     return placeholder
 
 
-def _replace_with_constant(ep, node: torch.fx.Node, value: torch.Tensor) -> None:
+def _replace_with_constant(ep, node: torch.fx.Node, value: torch.Tensor) -> torch.fx.Node:
+    """The constant placeholder of ``value`` that now stands for ``node`` everywhere."""
     placeholder = add_constant(ep, value)
     placeholder.meta["val"] = node.meta["val"]
     node.replace_all_uses_with(placeholder)
+    return placeholder
 
 
 def _drop_dead(ep) -> None:

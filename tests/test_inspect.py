@@ -52,3 +52,32 @@ def test_inspect_shows_dynamic_dimensions(tmp_path, capsys):
     assert method["inputs"][0]["shape"] == [symbol["name"], 8]
     assert cli.main(["inspect", str(path)]) == 0
     assert f"dynamic dimensions: {symbol['name']} = 'x' dim 0 in 0..33" in capsys.readouterr().out
+
+
+def test_inspect_lists_each_launch_with_its_traffic(tmp_path, capsys):
+    """``--json`` holds every launch of each delegate's plan with its modelled bytes and FLOPs, in the
+    order they run; ``--launches`` prints them, each with its share of the method's bytes."""
+    import torch
+
+    import tritondelegate as td
+    from tritondelegate.models import MLP
+
+    ep = torch.export.export(MLP([8, 16, 4]).eval(), (torch.randn(5, 8),),
+                             dynamic_shapes={"x": {0: torch.export.Dim("batch", max=33)}})
+    lowered = td.lower(ep)
+    path = tmp_path / "mlp.tdp"
+    lowered.save(path)
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    (method,) = json.loads(capsys.readouterr().out)["methods"]
+    (delegate,) = method["delegates"]
+    plan = lowered.program.methods[0].delegates[0].plan
+    assert [(f["kernel"], f["op"], f["bytes_read"], f["bytes_written"], f["flops"]) for f in delegate["launch_plan"]] \
+        == [(x.kernel, x.op, x.bytes_read, x.bytes_written, x.flops) for x in plan.launches]
+    assert sum(f["bytes_read"] + f["bytes_written"] for f in delegate["launch_plan"]) == method["traffic"]["bytes"]
+    assert any(isinstance(g, str) for f in delegate["launch_plan"] for g in f["grid"])  # the batch's expression
+    assert cli.main(["inspect", str(path), "--launches"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("       ")][1:]  # past the header
+    assert [row[1] for row in rows] == [x.kernel for x in plan.launches]
+    assert rows[0][-1] == plan.launches[0].op
+    shares = [float(next(c for c in row if c.endswith("%"))[:-1]) for row in rows]
+    assert abs(sum(shares) - 100) < 0.1 * len(rows)

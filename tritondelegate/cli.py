@@ -240,7 +240,7 @@ def _print_generation(result: dict) -> None:
 
 
 def _inspect(args) -> int:
-    from tritondelegate.inspection import describe, format_description
+    from tritondelegate.inspection import describe, format_description, format_launches
     from tritondelegate.errors import ProgramError
     from tritondelegate.serialize.reader import load_program
 
@@ -270,6 +270,8 @@ def _inspect(args) -> int:
         print()
     else:
         print(format_description(facts))
+        if args.launches:
+            print(format_launches(facts))
     return 0
 
 
@@ -308,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     insp.add_argument("--json", action="store_true", help="print one JSON object")
     insp.add_argument("--key-file", metavar="FILE",
                       help="the secret a signed program was saved with (LoweredProgram.save(path, key=...))")
+    insp.add_argument("--launches", action="store_true",
+                      help="also list each method's launches in order: kernel, grid, bytes read and written, "
+                           "their share of the method's modelled bytes, FLOPs, the nodes each computes "
+                           "(--json always holds them, as each delegate's launch_plan)")
     insp.add_argument("--plot", metavar="FILE.png",
                       help="also draw each arena and segment (values by lifetime and offset) into a PNG "
                            "(needs matplotlib: pip install 'tritondelegate[plot]')")

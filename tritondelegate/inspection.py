@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .constant_methods import decode as decode_constant_methods
-from .kernels.traffic import method_traffic, traffic_line
+from .kernels.traffic import method_traffic, si_units, traffic_line
 from .program import InstrKind, Program, Role
 
 
@@ -70,7 +70,8 @@ def _method(program: Program, m) -> dict:
             d = m.delegates[instr.delegate]
             delegates.append({"name": instr.name, "device": d.device, "launches": len(d.plan.launches),
                               "kernels": dict(Counter(launch.kernel for launch in d.plan.launches)),
-                              "scratch_bytes": d.plan.scratch_bytes})
+                              "scratch_bytes": d.plan.scratch_bytes,
+                              "launch_plan": [launch_facts(launch) for launch in d.plan.launches]})
     return {
         "name": m.name,
         "symbols": symbol_facts(m),
@@ -84,6 +85,39 @@ def _method(program: Program, m) -> dict:
         "arenas": [{"device": a.device, "bytes": a.nbytes, "lower_bound_bytes": a.lower_bound} for a in m.arenas],
         "traffic": method_traffic(m),
     }
+
+
+def launch_facts(launch) -> dict:
+    """One launch of a plan: its kernel, the nodes it computes, its grid (a dynamic size as its
+    expression) and its modelled traffic."""
+    return {"kernel": launch.kernel, "op": launch.op,
+            "grid": [g if isinstance(g, int) else str(g) for g in launch.grid],
+            "bytes_read": launch.bytes_read, "bytes_written": launch.bytes_written, "flops": launch.flops}
+
+
+def format_launches(facts: dict) -> str:
+    """Each method's launches in the order they run, with the bytes each reads and writes and its FLOPs
+    (``inspect --launches``); the share of the method's modelled bytes each moves shows where fusion
+    would pay."""
+    lines = []
+    for m in facts["methods"]:
+        total = max(m["traffic"]["bytes"], 1)
+        lines.append(f"method {m['name']!r}: {m['launches_per_call']} launches, {traffic_line(m['traffic'], _mib)}")
+        for d in m["delegates"]:
+            lines.append(f"  {d['name']} on {d['device']}:")
+            lines.append(f"    {'#':>4}  {'kernel':<18} {'grid':<16} {'read':>10} {'written':>10} {'share':>6} "
+                         f"{'FLOPs':>8}  node")
+            for k, launch in enumerate(d["launch_plan"]):
+                moved = launch["bytes_read"] + launch["bytes_written"]
+                grid = "x".join(map(str, launch["grid"]))
+                lines.append(f"    {k:>4}  {launch['kernel']:<18} {grid:<16} {_mib(launch['bytes_read']):>10} "
+                             f"{_mib(launch['bytes_written']):>10} {moved / total:>6.1%} {si_units(launch['flops']):>8}  "
+                             f"{launch['op']}")
+    return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def _constants(program: Program) -> list[dict]:

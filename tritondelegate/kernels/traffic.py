@@ -751,7 +751,8 @@ def method_traffic(method: Method) -> dict:
     }
 
 
-def _si(n: float) -> str:
+def si_units(n: float) -> str:
+    """A count with an SI prefix: 950, 1.2 K, 3.6 G."""
     for prefix in ("", " K", " M", " G", " T"):
         if abs(n) < 1000 or prefix == " T":
             return f"{n:.0f}" if not prefix else f"{n:.1f}{prefix}"
@@ -764,4 +765,4 @@ def traffic_line(t: dict, size: Callable[[int], str] = str) -> str:
     formats a byte count."""
     return (f"modelled traffic: {size(t['bytes_read'])} read + {size(t['bytes_written'])} written = "
             f"{size(t['bytes'])} (lower bound {size(t['lower_bound'])}, ratio {t['ratio']:.2f}); "
-            f"FLOPs {_si(t['flops'])}")
+            f"FLOPs {si_units(t['flops'])}")

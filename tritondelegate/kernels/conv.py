@@ -59,6 +59,12 @@ matmuls: an activation, a residual add) runs on the tile before the store, with 
 ((n, c, h, w), or (n, c, d, h, w); 0 where it broadcasts) or is a scalar; the result goes to the chain's
 output, and the convolution's own result is never stored.
 
+A 2-D convolution may store a max pooling of its result instead (``fuse_pool.py``; POOL_KH, POOL_KW > 0,
+neither PHASED nor DEPTH): its rows are then the pooled pixels (n, ph, pw), and for each tap (th, tw) of
+their windows it computes, with bias and epilogue, the output pixels (ph * pool_sh - pool_ph + th,
+pw * pool_sw - pool_pw + tw), taking the running maximum of those inside the output (NaN wins). A pixel
+shared by overlapping windows is computed once per window; the full-size result is never stored.
+
 A is never materialized: each program gathers its [BLOCK_M, BLOCK_K] tile of A straight from x with
 masked loads (the mask is the zero padding), so x, weight and out may have any strides (a permuted
 NHWC input needs no copy). K runs over (ci, kd, kh, kw) flattened, which keeps the tile dense when Cg is

@@ -701,6 +701,9 @@ def _per_dtype(d) -> dict[str, callable]:
         # pools 3 x 3 windows of stride 2): 128 -> 256 channels at 112 x 112
         "conv_pool_vgg": lambda: (nn.Sequential(nn.Conv2d(128, 256, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)
                                                 ).eval().to(d), (_randn(1, 128, 112, 112, dtype=d),)),
+        # a DenseNet-121 transition (256 -> 128 channels at 56 x 56): its 1x1 conv and 2 x 2 average pooling
+        "conv_pool_densenet": lambda: (nn.Sequential(nn.BatchNorm2d(256), nn.ReLU(), nn.Conv2d(256, 128, 1, bias=False),
+                                                     nn.AvgPool2d(2)).eval().to(d), (_randn(2, 256, 56, 56, dtype=d),)),
         # Whisper-base's front end: two 1-D convs with GELU epilogues (the second strided) over 3000 frames
         "conv1d_whisper": lambda: (nn.Sequential(nn.Conv1d(80, 512, 3, padding=1), nn.GELU(),
                                                  nn.Conv1d(512, 512, 3, stride=2, padding=1), nn.GELU()).eval().to(d),

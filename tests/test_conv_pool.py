@@ -1,6 +1,6 @@
-"""A max pooling that alone reads a convolution's result (after its epilogue) runs in the convolution's
-launch (kernels/fuse_pool.py, conv.conv2d_kernel's POOL_KH and POOL_KW): the full-size result is never
-stored."""
+"""A max or average pooling that alone reads a convolution's result (after its epilogue) runs in the
+convolution's launch (kernels/fuse_pool.py, conv.conv2d_kernel's POOL_KH, POOL_KW and POOL): the full-size
+result is never stored."""
 
 from __future__ import annotations
 
@@ -72,6 +72,33 @@ def test_a_residual_epilogue_reads_the_conv_pixels_of_each_tap(dtype):
     assert launch.constexprs["POOL_KH"].value == 3 and launch.constexprs["EPILOGUE"].value == 2
 
 
+class ConvAvg(torch.nn.Module):
+    """A DenseNet transition's 1x1 conv (or a 3x3 one) with ReLU, then an average pooling."""
+
+    def __init__(self, k=1, **pool):
+        super().__init__()
+        self.conv, self.pool = torch.nn.Conv2d(4, 6, k, padding=k // 2), pool
+
+    def forward(self, x):
+        return F.avg_pool2d(torch.relu(self.conv(x)), **self.pool)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("k,pool", [
+    (1, dict(kernel_size=2)),  # DenseNet's transition
+    (3, dict(kernel_size=3, stride=2, padding=1)),  # the divisor counts the padding
+    (3, dict(kernel_size=3, stride=2, padding=1, count_include_pad=False)),  # it counts the real taps only
+    (3, dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)),  # the last window hangs past the padding
+    (3, dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, count_include_pad=False)),
+    (1, dict(kernel_size=2, divisor_override=3)),
+])
+def test_an_average_pooling_runs_in_the_convolution(dtype, k, pool):
+    torch.manual_seed(0)
+    (launch,) = check_launches(ConvAvg(k, **pool).eval().to(dtype), (torch.randn(2, 4, 11, 10).to(dtype),), dtype)
+    assert launch.constexprs["POOL"].value == "avg"
+    assert launch.constexprs["POOL_COUNT_PAD"].value is pool.get("count_include_pad", True)
+
+
 def test_padding_never_wins_and_nan_propagates():
     model = _model(act=None, norm=False)
     model.conv.bias.data.fill_(-50.0)  # every conv output negative: a padded tap (0) must not win
@@ -111,12 +138,12 @@ class Kept(torch.nn.Module):
             return F.max_pool2d(y, 2), y
         if self.case == "dilated":
             return F.max_pool2d(y, 2, dilation=2)
-        if self.case == "average":
-            return F.avg_pool2d(y, 2)
+        if self.case == "adaptive":
+            return F.adaptive_avg_pool2d(y, 3)
         return F.max_pool2d(y, 2)
 
 
-@pytest.mark.parametrize("case", ["indices", "returned", "dilated", "average", "depthwise", "transposed"])
+@pytest.mark.parametrize("case", ["indices", "returned", "dilated", "adaptive", "depthwise", "transposed"])
 def test_the_pooling_stays_apart_where_it_cannot_merge(case):
     launches = check_launches(Kept(case).eval(), (torch.randn(2, 4, 8, 9),))
     assert [launch.kernel for launch in launches][:2] == [

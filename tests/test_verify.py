@@ -571,6 +571,7 @@ POOLED_CONV_DAMAGE = [
     ("one window size", _set_constexpr("POOL_KW", 0), "takes both window sizes"),
     ("pooled by phase", _set_constexpr("PHASED", True), "neither PHASED nor DEPTH"),
     ("a window too large", _set_constexpr("POOL_KH", 65), "constexpr POOL_KH=65 is not allowed"),
+    ("no such pooling", _set_constexpr("POOL", "min"), "constexpr POOL='min' is not allowed"),
 ]
 
 

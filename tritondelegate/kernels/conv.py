@@ -59,11 +59,12 @@ matmuls: an activation, a residual add) runs on the tile before the store, with 
 ((n, c, h, w), or (n, c, d, h, w); 0 where it broadcasts) or is a scalar; the result goes to the chain's
 output, and the convolution's own result is never stored.
 
-A 2-D convolution may store a max pooling of its result instead (``fuse_pool.py``; POOL_KH, POOL_KW > 0,
-neither PHASED nor DEPTH): its rows are then the pooled pixels (n, ph, pw), and for each tap (th, tw) of
-their windows it computes, with bias and epilogue, the output pixels (ph * pool_sh - pool_ph + th,
-pw * pool_sw - pool_pw + tw), taking the running maximum of those inside the output (NaN wins). A pixel
-shared by overlapping windows is computed once per window; the full-size result is never stored.
+A 2-D convolution may store a max or average pooling of its result instead (``fuse_pool.py``; POOL_KH,
+POOL_KW > 0, neither PHASED nor DEPTH): its rows are then the pooled pixels (n, ph, pw), and for each tap
+(th, tw) of their windows it computes, with bias and epilogue, the output pixels (ph * pool_sh - pool_ph +
+th, pw * pool_sw - pool_pw + tw), taking the running maximum (NaN wins) or sum of those inside the output
+(``_pool_into``). A pixel shared by overlapping windows is computed once per window; the full-size result
+is never stored.
 
 A is never materialized: each program gathers its [BLOCK_M, BLOCK_K] tile of A straight from x with
 masked loads (the mask is the zero padding), so x, weight and out may have any strides (a permuted
@@ -87,7 +88,7 @@ import triton.language as tl
 
 from . import elementwise as ew
 from .elementwise import _epilogue
-from .pool import MaxPool
+from .pool import Pooling
 from ..dtypes import dtype_name
 from .refs import TRef, node_value
 from .sizes import next_power_of_2
@@ -231,11 +232,18 @@ def _pool_tap(ph, pw, t, mask_m, OH, OW, pool_sh, pool_sw, pool_ph, pool_pw, POO
 
 
 @triton.jit
-def _max_into(best, acc, real):
-    """The running maximum of a pooling window: ``acc``'s rows that are ``real`` taken where larger, or
-    NaN (a NaN stays: eager's max pooling propagates it)."""
-    v = tl.where(real[:, None], acc, float("-inf"))
-    return tl.where((v > best) | (v != v), v, best)
+def _pool_into(best, acc, real, POOL_KH: tl.constexpr, POOL: tl.constexpr):
+    """A pooling window's running value after a tap's pixels of value ``acc``, those inside the output
+    ``real`` (without pooling, POOL_KH 0: ``acc`` itself). "max": the maximum, a NaN staying once seen
+    (eager's max pooling propagates it), the padding never winning. "avg": the sum of the real taps."""
+    if POOL_KH == 0:
+        best = acc
+    elif POOL == "max":
+        v = tl.where(real[:, None], acc, float("-inf"))
+        best = tl.where((v > best) | (v != v), v, best)
+    else:
+        best += tl.where(real[:, None], acc, 0.0)
+    return best
 
 
 @triton.jit
@@ -263,6 +271,39 @@ def _gather(x_rows, mask_m, offs_k, K, id0, d_res, ih0, h_res, iw0, w_res, D, H,
     if DEPTH:
         w_offs += kd * ws_d
     return a, w_offs, mask_k
+
+
+@triton.jit
+def _window_extent(p, stride, pad, size, K: tl.constexpr, POOL_COUNT_PAD: tl.constexpr):
+    """Along one dim, the taps of pooled pixels ``p``'s windows that an average counts: those in the
+    window clipped to the padded output (POOL_COUNT_PAD: eager's count_include_pad), or to the output."""
+    start = p * stride - pad
+    if POOL_COUNT_PAD:
+        return tl.minimum(start + K, size + pad) - start
+    return tl.minimum(start + K, size) - tl.maximum(start, 0)
+
+
+@triton.jit
+def _pooled(result, ph, pw, OH, OW, pool_sh, pool_sw, pool_ph, pool_pw, pool_div, POOL_KH: tl.constexpr,
+            POOL_KW: tl.constexpr, POOL: tl.constexpr, POOL_COUNT_PAD: tl.constexpr):
+    """A pooling's value: the maximum as it is; a sum divided by divisor_override (``pool_div`` > 0) or
+    by the window's taps that eager counts (at least 1 in a real row)."""
+    if POOL == "avg":
+        count = (_window_extent(ph, pool_sh, pool_ph, OH, POOL_KH, POOL_COUNT_PAD)
+                 * _window_extent(pw, pool_sw, pool_pw, OW, POOL_KW, POOL_COUNT_PAD))
+        divisor = tl.where(pool_div > 0, pool_div, tl.maximum(count, 1)).to(tl.float32)
+        result = result / divisor[:, None]
+    return result
+
+
+@triton.jit
+def _epilogue_index(od, oh, ow, DEPTH: tl.constexpr):
+    """The third to fifth indices of an epilogue operand over the output's dims: (h, w, 0) in 2-D (the
+    fifth's 0 strides fold away), (d, h, w) in 3-D."""
+    i2, i3, i4 = oh[:, None], ow[:, None], 0
+    if DEPTH:
+        i2, i3, i4 = od[:, None], oh[:, None], ow[:, None]
+    return i2, i3, i4
 
 
 @triton.jit
@@ -315,13 +356,15 @@ def conv2d_kernel(
     e0s0, e0s1, e0s2, e0s3, e1s0, e1s1, e1s2, e1s3,
     e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3,
     D, OD, xs_d, ws_d, os_d, stride_d, pad_d, dil_d, e0s4, e1s4, e2s4, e3s4,
-    # a max pooling of the result (POOL_KH > 0): the pooled size and the window's stride and padding
-    POH, POW, pool_sh, pool_sw, pool_ph, pool_pw,
+    # a pooling of the result (POOL_KH > 0): the pooled size, the window's stride and padding, an average's
+    # divisor_override (0: none)
+    POH, POW, pool_sh, pool_sw, pool_ph, pool_pw, pool_div,
     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_UPCAST: tl.constexpr,
     DEPTH: tl.constexpr = False,  # 3-D: x and out have a depth (D, OD); else every depth term is absent
     PHASED: tl.constexpr = False,  # transposed, dilation 1: by stride phase (the module docstring)
-    POOL_KH: tl.constexpr = 0, POOL_KW: tl.constexpr = 0,  # the max pooling's window (0: none)
+    POOL_KH: tl.constexpr = 0, POOL_KW: tl.constexpr = 0,  # the pooling's window (0: none)
+    POOL: tl.constexpr = "max", POOL_COUNT_PAD: tl.constexpr = False,  # "max" or "avg" (_pool_into)
     EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
     EOP0: tl.constexpr = "copy", EARITY0: tl.constexpr = 1, ESWAP0: tl.constexpr = False,
     EOP1: tl.constexpr = "copy", EARITY1: tl.constexpr = 1, ESWAP1: tl.constexpr = False,
@@ -350,7 +393,7 @@ def conv2d_kernel(
     co = g * COUT_G + offs_n  # int64: absolute output channel
     w_cols = w_ptr + g * ws_g + offs_n.to(tl.int64) * ws_o  # [BLOCK_N] pointers
 
-    result = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
+    result = tl.full((BLOCK_M, BLOCK_N), float("-inf") if POOL == "max" else 0.0, tl.float32)
     for t in range(0, max(POOL_KH * POOL_KW, 1)):  # one trip without POOL (the compiler drops the loop)
         real = mask_m
         if POOL_KH > 0:
@@ -367,18 +410,18 @@ def conv2d_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + co, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if EPILOGUE > 0:  # operands addressed by their strides over the output's dims
-            i2, i3, i4 = oh[:, None], ow[:, None], 0  # 2-D: no fifth index (its 0 strides fold away)
-            if DEPTH:
-                i2, i3, i4 = od[:, None], oh[:, None], ow[:, None]
+            i2, i3, i4 = _epilogue_index(od, oh, ow, DEPTH)
             acc = _epilogue(acc, real[:, None] & mask_n[None, :], n[:, None], co[None, :], i2, i3, i4,
                             e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
                             e0s0, e0s1, e0s2, e0s3, e0s4, e1s0, e1s1, e1s2, e1s3, e1s4,
                             e2s0, e2s1, e2s2, e2s3, e2s4, e3s0, e3s1, e3s2, e3s3, e3s4,
                             EPILOGUE, ROUND_TO, EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1,
                             EIS_SCALAR1, EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
-        result = _max_into(result, acc, real) if POOL_KH > 0 else acc
-    if POOL_KH > 0:
-        oh, ow = ph, pw  # the store's pixels: the pooled ones
+        result = _pool_into(result, acc, real, POOL_KH, POOL)
+    if POOL_KH > 0:  # the store's pixels: the pooled ones; an average divided by its divisor
+        oh, ow = ph, pw
+        result = _pooled(result, ph, pw, OH, OW, pool_sh, pool_sw, pool_ph, pool_pw, pool_div, POOL_KH, POOL_KW,
+                         POOL, POOL_COUNT_PAD)
     out_rows = n * os_n + oh * os_h + ow * os_w
     if DEPTH:
         out_rows += od * os_d
@@ -436,7 +479,7 @@ class ConvOp:
     dilation: tuple
     groups: int
     transposed: bool = False  # weight [C_in, C_out / groups, (KD,) KH, KW]; the module docstring's second form
-    pool: MaxPool | None = None  # a max pooling of the result (after the epilogue), stored instead of it
+    pool: Pooling | None = None  # a pooling of the result (after the epilogue), stored instead of it
     kernel = "conv2d"  # the kernel its launch runs (a subclass's own: ``depthwise.DepthwiseOp``)
 
     @property
@@ -480,10 +523,11 @@ class ConvOp:
         else:
             if self.pool is not None:  # rows: the pooled pixels, each walking its window's taps in turn
                 m = n * poh * pow_
-                constexprs.update(POOL_KH=self.pool.kernel[0], POOL_KW=self.pool.kernel[1])
+                constexprs.update(POOL_KH=self.pool.kernel[0], POOL_KW=self.pool.kernel[1], POOL=self.pool.mode,
+                                  POOL_COUNT_PAD=self.pool.count_include_pad)
             block_m, block_n, block_k = self._blocks(m, cout_g, cin_g * kd * kh * kw)
             grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
-        window = (*self.pool.stride, *self.pool.padding) if self.pool is not None else (1, 1, 0, 0)
+        window = (*self.pool.stride, *self.pool.padding, self.pool.divisor) if self.pool is not None else (1, 1, 0, 0, 0)
         args = [x, weight, self.bias if self.bias is not None else stored, stored,  # a stand-in for no bias
                 m, h, w, oh, ow, cin_g, cout_g, xs_n, xs_c, xs_h, xs_w, ws_g, ws_o, ws_i, ws_h, ws_w,
                 os_n, os_c, os_h, os_w, *s_hw, *p_hw, *d_hw, *epilogue,

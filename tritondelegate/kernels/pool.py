@@ -169,15 +169,18 @@ def pool2d_kernel(
 
 
 @dataclass(frozen=True)
-class MaxPool:
-    """A 2-D max pooling that writes no indices (the op of its launch record): a convolution whose result
-    only it reads stores the pooling instead (``fuse_pool.py``)."""
+class Pooling:
+    """A 2-D max pooling that writes no indices, or a 2-D average pooling, of dilation 1 (the op of its
+    launch record): a convolution whose result only it reads stores the pooling instead (``fuse_pool.py``)."""
 
     x: TRef
     out: TRef
     kernel: tuple  # (KH, KW)
     stride: tuple
     padding: tuple
+    mode: str = "max"  # or "avg"
+    count_include_pad: bool = True  # avg: the divisor counts the window's taps in the padding
+    divisor: int = 0  # avg: divisor_override (0: none)
 
 
 # --- host launcher --------------------------------------------------------------------------------
@@ -235,8 +238,9 @@ def launch_pool2d(b, mode: str, out, x, kernel=(1, 1), stride=(1, 1), padding=(0
         DIVISOR_OVERRIDE=bool(divisor_override), WRITE_INDICES=indices is not None,
         BLOCK_M=block_m, BLOCK_K=block_k, **depth_constexpr, num_warps=warps,
     )
-    if record is not None and mode == "max" and indices is None and not depth and tuple(dilation) == (1, 1):
-        record.op = MaxPool(x, out, (kh, kw), tuple(s_hw), tuple(p_hw))
+    if record is not None and mode in ("max", "avg") and indices is None and not depth and tuple(dilation) == (1, 1):
+        record.op = Pooling(x, out, (kh, kw), tuple(s_hw), tuple(p_hw), mode, bool(count_include_pad),
+                            int(divisor_override or 0))
 
 
 def _ncdhw_strides(strides) -> tuple:

@@ -792,7 +792,8 @@ RULES: dict[str, KernelRule] = {
         _GEMM_TILES + (("BLOCK_M", "BLOCK_K", "BLOCK_N"), ("BLOCK_M", "BLOCK_E"))),
     "conv2d": KernelRule(_conv2d, {**_GEMM, "KD": in_range(1, 4096), "KH": in_range(1, 4096), "KW": in_range(1, 4096),
                                    "HAS_BIAS": FLAG, "TRANSPOSED": FLAG, "DEPTH": FLAG, "PHASED": FLAG,
-                                   "POOL_KH": in_range(0, 64), "POOL_KW": in_range(0, 64), **_epilogue_constexprs()},
+                                   "POOL_KH": in_range(0, 64), "POOL_KW": in_range(0, 64), "POOL": one_of("max", "avg"),
+                                   "POOL_COUNT_PAD": FLAG, **_epilogue_constexprs()},
                          _GEMM_TILES),
     "depthwise_conv": KernelRule(_depthwise_conv, {
         "BLOCK_M": pow2(1, 4096), "BLOCK_N": pow2(16, 256), "KD": in_range(1, 4096), "KH": in_range(1, 4096),

@@ -678,8 +678,12 @@ def _attention_cases(d) -> dict[str, callable]:
 
 def _per_dtype(d) -> dict[str, callable]:
     """The cases run in each float dtype ``d``."""
+    return {**_decoder_cases(d), **_vision_cases(d), **_op_cases(d)}
+
+
+def _decoder_cases(d) -> dict[str, callable]:
+    """Decoder layers at prefill and decode, and MLPs, in dtype ``d``."""
     llama = dict(dim=512, n_layers=1, hidden_dim=1376)
-    dw7 = nn.Conv2d(96, 96, 7, padding=3, groups=96).eval().to(d)
     return {
         "demo_decoder": lambda: _demo(d),
         "decoder_prefill_h64": lambda: _decoder(d, 384, n_heads=8, n_kv_heads=2, max_seq_len=512, **llama),
@@ -695,6 +699,13 @@ def _per_dtype(d) -> dict[str, callable]:
         "decoder_decode_int8": lambda: _quantized(_decoder(d, 1, n_heads=8, n_kv_heads=2, max_seq_len=64, **llama)),
         "mlp": lambda: (MLP([784, 1024, 1000]).eval().to(d), (_randn(64, 784, dtype=d),)),
         "mlp_decode": lambda: (MLP([2048, 4096, 2048]).eval().to(d), (_randn(1, 2048, dtype=d),)),
+    }
+
+
+def _vision_cases(d) -> dict[str, callable]:
+    """Convolutions (1-D, 2-D, 3-D, transposed, depthwise, pooled), pooling and grid sampling in dtype ``d``."""
+    dw7 = nn.Conv2d(96, 96, 7, padding=3, groups=96).eval().to(d)
+    return {
         "resnet_tiny": lambda: _resnet(d),
         "convnet": lambda: (ConvNet().eval().to(d), (_randn(2, 3, 224, 224, dtype=d),)),
         # a VGG stage's last conv with its ReLU and 2 x 2 max pooling in one launch (the ConvNet's stem
@@ -743,6 +754,12 @@ def _per_dtype(d) -> dict[str, callable]:
         # bilinear and nearest, zeros and reflection padding
         "grid_sample": lambda: (_GridSample().eval(), (_randn(8, 32, 100, 100, dtype=d),
                                                        torch.rand(8, 300, 4, 2, dtype=d) * 2 - 1)),
+    }
+
+
+def _op_cases(d) -> dict[str, callable]:
+    """Attention, rows, reductions, indexing, scatters, pointwise chains, matmuls, MoE, rotary in dtype ``d``."""
+    return {
         **_attention_cases(d),
         "reductions": lambda: _reductions(d),
         "softmax_norm": lambda: _rows(d),

@@ -222,6 +222,14 @@ def _tile_pixels(pid, M, OD, OH, OW, BLOCK_M: tl.constexpr, DEPTH: tl.constexpr)
 
 
 @triton.jit
+def _columns(pid_n, g, COUT_G, w_ptr, ws_g, ws_o, BLOCK_N: tl.constexpr):
+    """The columns of program (pid_n, group g): their mask (< COUT_G), absolute output channels (int64)
+    and weight pointers ([BLOCK_N])."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_n < COUT_G, g * COUT_G + offs_n, w_ptr + g * ws_g + offs_n.to(tl.int64) * ws_o
+
+
+@triton.jit
 def _pool_tap(ph, pw, t, mask_m, OH, OW, pool_sh, pool_sw, pool_ph, pool_pw, POOL_KW: tl.constexpr):
     """The convolution's output pixels (oh, ow) that tap ``t`` (th * POOL_KW + tw) of the max-pooling
     windows of pooled pixels (ph, pw) reads, and which of them are real (inside the convolution's output:
@@ -387,11 +395,7 @@ def conv2d_kernel(
     else:
         n, od, oh, ow, mask_m = _tile_pixels(pid_m, M, OD, OH, OW, BLOCK_M, DEPTH)
     x_rows = x_ptr + n * xs_n + g * CIN_G * xs_c  # [BLOCK_M] pointers
-
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < COUT_G
-    co = g * COUT_G + offs_n  # int64: absolute output channel
-    w_cols = w_ptr + g * ws_g + offs_n.to(tl.int64) * ws_o  # [BLOCK_N] pointers
+    mask_n, co, w_cols = _columns(pid_n, g, COUT_G, w_ptr, ws_g, ws_o, BLOCK_N)
 
     result = tl.full((BLOCK_M, BLOCK_N), float("-inf") if POOL == "max" else 0.0, tl.float32)
     for t in range(0, max(POOL_KH * POOL_KW, 1)):  # one trip without POOL (the compiler drops the loop)
@@ -422,9 +426,7 @@ def conv2d_kernel(
         oh, ow = ph, pw
         result = _pooled(result, ph, pw, OH, OW, pool_sh, pool_sw, pool_ph, pool_pw, pool_div, POOL_KH, POOL_KW,
                          POOL, POOL_COUNT_PAD)
-    out_rows = n * os_n + oh * os_h + ow * os_w
-    if DEPTH:
-        out_rows += od * os_d
+    out_rows = n * os_n + oh * os_h + ow * os_w + (od * os_d if DEPTH else 0)
     tl.store(out_ptr + out_rows[:, None] + (co * os_c)[None, :], result.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 

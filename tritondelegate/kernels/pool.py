@@ -117,8 +117,7 @@ def pool2d_kernel(
     ws, we = _window(ow, W, OW, stride_w, pad_w, dil_w, KW, adaptive)
     rows = x_ptr + n * xs_n + c * xs_c
 
-    best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    best_k = tl.full((BLOCK_M,), _NO_TAP, tl.int32)
+    best, best_k = tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), _NO_TAP, tl.int32)
     nan_k = tl.full((BLOCK_M,), -1, tl.int32)
     acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, KD * KH * KW, BLOCK_K):

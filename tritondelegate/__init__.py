@@ -27,7 +27,7 @@ _EXPORTS = {
     "load": "runtime", "DeviceAllocator": "runtime", "InputError": "runtime",
     "register_allocator": "runtime",
     "ProgramError": "errors",
-    "Generator": "generate", "Sampling": "sampling",
+    "Generator": "generate", "Sampling": "sampling", "PromptLookup": "lookup",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -5,6 +5,7 @@
     result = generator.generate(prompt, new_tokens=16)   # prompt [B, T] int64; greedy
     result.tokens, result.decode_tokens_per_s, result.steps[0], result.memory
     generator.generate(prompt, 16, sampling=Sampling(temperature=0.7, top_p=0.9, seed=0), stop_tokens=[eos])
+    generator.generate(prompt, 16, lookup=PromptLookup())  # greedy's tokens, drafted from the text: fewer calls
 
 The methods take ``(input_ids [B, T] int64, input_pos [T] int64)`` and return logits ``[B, T, vocab]``
 (``tritondelegate.models.KVCacheDecoder`` exported by ``export_prefill_decode``), or take them by keyword
@@ -14,7 +15,9 @@ program's state: prefill writes it, each decode step reads and extends it. Only 
 positions go in and logits come out; the next token is picked from the last logits on the host: their
 argmax, or drawn by a :class:`~tritondelegate.sampling.Sampling`. With ``stop_tokens``, a row that
 picks one of them is done (it repeats that token while the other rows go on), and generation ends
-when every row is done.
+when every row is done. With ``lookup`` (``lookup.PromptLookup``, greedy, one row, a decode method of
+several tokens) each decode call also checks tokens drafted from the text so far and keeps those the
+model picks itself.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .lookup import PromptLookup
 from .sampling import Sampling, greedy
 
 
@@ -57,7 +61,9 @@ class Generation:
     memory: dict  # program.memory() after the run
     logits: list[torch.Tensor] | None = field(default=None, repr=False)  # per call, with keep_logits
     stopped: list[bool] = field(default_factory=list)  # per row: whether it picked a stop token
-    next_position: int = 0  # the first cache position no call has written: where a next turn starts
+    next_position: int = 0  # the position after the last token a call read: where a next turn starts
+    drafted: int = 0  # with prompt lookup: tokens drafted, and of them the ones the model picked too
+    accepted: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -66,7 +72,7 @@ class Generation:
     @property
     def decode_tokens_per_s(self) -> float | None:
         """Generated tokens per second of the decode phase (all batch rows); None without a step."""
-        return self.tokens.shape[0] * len(self.steps) / self.decode_s if self.steps else None
+        return self.tokens.shape[0] * (self.tokens.shape[1] - 1) / self.decode_s if self.steps else None
 
     def as_dict(self) -> dict:
         """Plain data (JSON-ready), without the logits."""
@@ -81,6 +87,8 @@ class Generation:
             "memory": self.memory,
             "stopped": self.stopped,
             "next_position": self.next_position,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
         }
 
 
@@ -110,7 +118,8 @@ class Generator:
 
     def generate(self, prompt: torch.Tensor, new_tokens: int, keep_logits: bool = False, *,
                  sampling: Sampling | None = None, stop_tokens=None, start: int = 0,
-                 on_token: Callable[[torch.Tensor], None] | None = None) -> Generation:
+                 on_token: Callable[[torch.Tensor], None] | None = None,
+                 lookup: PromptLookup | None = None) -> Generation:
         """Prefill ``prompt`` [B, T] at positions ``start``..``start + T - 1``, then up to
         ``new_tokens - 1`` decode steps: greedy, or drawn by ``sampling``; fewer when every row has
         picked one of ``stop_tokens`` (default: the program's ``get_eos_ids``; ``()``: none).
@@ -121,6 +130,10 @@ class Generator:
         ``next_position``, the prompt beginning with its last token, which no call has read yet).
         ``on_token`` is called with each row's new token [B, 1] as it is picked (streaming).
         ``keep_logits`` keeps each call's logits in the result (the prompt's, then [B, 1, V] per step).
+        ``lookup``: prompt lookup decoding (greedy, one row; the decode method must take several tokens
+        and return every position's logits): each decode call runs the last token and up to
+        ``lookup.num_tokens`` tokens drafted from the prompt and the tokens so far, and keeps the drafted
+        tokens greedy decoding picks, then the model's next one ([1, kept, V] logits per call).
         """
         if new_tokens < 1:
             raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
@@ -130,6 +143,8 @@ class Generator:
         pick = greedy if sampling is None else _sampler(sampling, prompt)
         stop_tokens = self.eos_ids if stop_tokens is None else stop_tokens
         batch, length = prompt.shape
+        if lookup is not None:
+            self._check_lookup(lookup, sampling, batch)
         self._check_room(start, length, new_tokens)
         chunks = self._chunks(length)
         begin = time.perf_counter()
@@ -141,12 +156,17 @@ class Generator:
         if on_token is not None:
             on_token(first)
         begin = time.perf_counter()
-        tokens, steps = self.decode_from(first, start + length, new_tokens - 1, kept, pick=pick,
-                                         stop_tokens=stop_tokens, on_token=on_token)
+        drafts = (0, 0)
+        if lookup is None:
+            tokens, steps = self.decode_from(first, start + length, new_tokens - 1, kept, pick=pick,
+                                             stop_tokens=stop_tokens, on_token=on_token)
+        else:
+            tokens, steps, drafts = self.lookup_from(first, start + length, new_tokens - 1, prompt, lookup, kept,
+                                                     stop_tokens=stop_tokens, on_token=on_token)
         decode_s = time.perf_counter() - begin
         stopped = torch.isin(tokens, _ids(stop_tokens)).any(1).tolist()
         return Generation(tokens, batch * length, prefill_s, decode_s, steps, self.program.memory(), kept, stopped,
-                          start + length + len(steps))
+                          start + length + tokens.shape[1] - 1, *drafts)
 
     def decode_from(self, token: torch.Tensor, position: int, steps: int, kept: list | None = None, *,
                     pick=greedy, stop_tokens=(), on_token=None) -> tuple[torch.Tensor, list[StepStats]]:
@@ -173,6 +193,47 @@ class Generator:
                 on_token(picked)
         return torch.cat(tokens, dim=1), stats
 
+    def lookup_from(self, token: torch.Tensor, position: int, steps: int, text: torch.Tensor,
+                    lookup: PromptLookup, kept: list | None = None, *, stop_tokens=(), on_token=None
+                    ) -> tuple[torch.Tensor, list[StepStats], tuple[int, int]]:
+        """Up to ``steps`` new tokens after ``token`` [1, 1] at ``position``, greedy, in calls that each
+        run the last token and a draft (``lookup.draft`` of ``text`` [1, L], the tokens before ``token``,
+        and those generated) and keep the drafted tokens the model picks, then its next one; until a stop
+        token. Returns (``token`` and the new tokens [1, 1 + n], per-call stats, (drafted, accepted))."""
+        if steps > 0:
+            self._check_room(position, 1, steps)
+        most, stops = _prompt_lengths(self.decode)[1] - 1, _ids(stop_tokens)
+        text, tokens, stats, drafted, accepted = torch.cat([text[0], token[0]]), [token], [], 0, 0
+        while len(tokens) <= steps and not torch.isin(tokens[-1], stops).any():
+            draft = lookup.draft(text, min(most, steps - len(tokens)))
+            ids = torch.cat([tokens[-1][0], draft])[None]
+            logits = _call(self.decode, ids, torch.arange(position, position + ids.shape[1]), self.stream)
+            stats.append(StepStats.of(self.decode))
+            new = _kept_tokens(logits, draft, stops)
+            drafted, accepted = drafted + draft.numel(), accepted + new.numel() - 1
+            if kept is not None:
+                kept.append(logits[:, :new.numel()])
+            for t in new.view(-1, 1, 1):
+                tokens.append(t)
+                if on_token is not None:
+                    on_token(t)
+            text, position = torch.cat([text, new]), position + new.numel()
+        return torch.cat(tokens, dim=1), stats, (drafted, accepted)
+
+    def _check_lookup(self, lookup, sampling, batch: int) -> None:
+        """That prompt lookup can run: a PromptLookup, greedy, one row, a decode method of several tokens."""
+        if not isinstance(lookup, PromptLookup):
+            raise TypeError(f"lookup must be a td.PromptLookup, got {type(lookup).__name__}")
+        if sampling is not None:
+            raise ValueError("prompt lookup keeps the tokens greedy decoding picks; it takes no sampling")
+        if batch != 1:
+            raise ValueError(f"prompt lookup generates one row (rows would keep different numbers of drafted "
+                             f"tokens and need different positions); the prompt has {batch}")
+        if _prompt_lengths(self.decode)[1] < 2:
+            raise ValueError(f"decode method {self.decode.name!r} takes 1 token per call; prompt lookup needs "
+                             "one that takes several (a dynamic length, as transformers' "
+                             "TorchExportableModuleForDecoderOnlyLM.export(..., dynamic_shapes=...) gives)")
+
     def _check_room(self, start: int, length: int, new_tokens: int) -> None:
         """That ``length`` tokens at ``start`` and the ``new_tokens - 1`` calls after them fit the cache."""
         if start < 0:
@@ -192,6 +253,20 @@ class Generator:
             raise ValueError(f"prefill method {self.prefill.name!r} takes {takes} per call; a {length}-token "
                              f"prompt splits into calls of {high} with {last} left over")
         return chunks
+
+
+def _kept_tokens(logits: torch.Tensor, draft: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
+    """The tokens a call of the last token and ``draft`` gives, from its logits [1, 1 + k, V]: greedy's
+    pick after each position while the draft agrees with it, then the model's next pick; cut after a
+    stop token."""
+    if logits.shape[1] != draft.numel() + 1:
+        raise ValueError(f"the decode method returned logits for {logits.shape[1]} of {draft.numel() + 1} "
+                         "positions; prompt lookup needs every position's")
+    picks = torch.cat([greedy(logits[:, :i + 1]) for i in range(logits.shape[1])], dim=1)[0]
+    agree = int((picks[:-1] == draft).to(torch.int64).cumprod(0).sum()) if draft.numel() else 0
+    new = picks[:agree + 1]
+    hit = torch.isin(new, stops).nonzero().flatten()
+    return new[:int(hit[0]) + 1] if hit.numel() else new
 
 
 def _sampler(sampling: Sampling, prompt: torch.Tensor):

@@ -556,8 +556,14 @@ def test_a_transposed_convolution_loads_and_its_damage_is_refused():
     assert launch.grid[2] == 2
     with torch.no_grad():
         torch.testing.assert_close(_load(lowered)(*args), model(*args))
-    where = rf"delegate {d} \('triton_0'\) launch {k} \('conv2d'"
-    for _, damage, match in CONV_T_DAMAGE:
+    _each_damage_refused(lowered, d, k, CONV_T_DAMAGE)
+
+
+def _each_damage_refused(lowered, d: int, k: int, damages) -> None:
+    """Each (name, damage, match) of ``damages`` done to launch ``k`` of delegate ``d`` alone is refused at
+    load with a message that names the launch and matches."""
+    where = rf"delegate {d} \('triton_0'\) launch {k} \('{lowered.program.methods[0].delegates[d].plan.launches[k].kernel}'"
+    for _, damage, match in damages:
         program = copy.deepcopy(lowered.program)
         damage(program.methods[0].delegates[d].plan.launches[k])
         _refused(lowered, program, rf"{where}.*{match}")
@@ -592,11 +598,7 @@ def test_a_pooling_convolution_loads_and_its_damage_is_refused():
     assert launch.kernel == "conv2d" and launch.constexprs["POOL_KH"].value == 3
     with torch.no_grad():
         torch.testing.assert_close(_load(lowered)(*args), model(*args))
-    where = rf"delegate {d} \('triton_0'\) launch {k} \('conv2d'"
-    for _, damage, match in POOLED_CONV_DAMAGE:
-        program = copy.deepcopy(lowered.program)
-        damage(program.methods[0].delegates[d].plan.launches[k])
-        _refused(lowered, program, rf"{where}.*{match}")
+    _each_damage_refused(lowered, d, k, POOLED_CONV_DAMAGE)
 
 
 # -- a 3-D convolution with an epilogue and 3-D pooling (the depth's arguments and DEPTH) ----------------

@@ -28,9 +28,10 @@ RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for
 
 class Zoo(torch.nn.Module):
     """One delegate over most kernel families: gather, norm, matmul, attention, softmax, cumsum, conv
-    with an epilogue and a max pooling, batch norm, an average pooling, padding, a pointwise chain, a norm with a prologue, a reduction
-    with an epilogue, a scatter, a top-k, a histogram, a router's top-k of a softmax, a cat of two parts, a
-    bilinear resize, a grid sample, an embedding bag, a cdist, a depthwise conv and a cummax."""
+    with an epilogue and a max pooling, batch norm, an average pooling, padding, a pointwise chain, a
+    norm with a prologue, a reduction with an epilogue, a scatter, a top-k, a histogram, a router's top-k
+    of a softmax, a cat of two parts, a bilinear resize, a grid sample, an embedding bag, a cdist, a
+    depthwise conv and a cummax."""
 
     def __init__(self):
         super().__init__()
@@ -562,7 +563,8 @@ def test_a_transposed_convolution_loads_and_its_damage_is_refused():
 def _each_damage_refused(lowered, d: int, k: int, damages) -> None:
     """Each (name, damage, match) of ``damages`` done to launch ``k`` of delegate ``d`` alone is refused at
     load with a message that names the launch and matches."""
-    where = rf"delegate {d} \('triton_0'\) launch {k} \('{lowered.program.methods[0].delegates[d].plan.launches[k].kernel}'"
+    kernel = lowered.program.methods[0].delegates[d].plan.launches[k].kernel
+    where = rf"delegate {d} \('triton_0'\) launch {k} \('{kernel}'"
     for _, damage, match in damages:
         program = copy.deepcopy(lowered.program)
         damage(program.methods[0].delegates[d].plan.launches[k])

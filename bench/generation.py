@@ -15,6 +15,11 @@ sharing the cache as program state) and one prompt, in six modes:
                       weight-only quantized (``td.quantize_linears``: int8 per row; 4 bits per group of
                       64): a step reads a byte, or half of one, per weight; tokens checked against the
                       quantized model eager.
+* ``state_on_device_graphs_lookup`` the same with prompt lookup decoding (``td.PromptLookup()``): the
+                      prefill method, exported for 1 to max(prompt, 11) tokens, also decodes, each call
+                      the last token and the tokens drafted from the text so far; a round is the same
+                      ``steps`` tokens in fewer calls (``decode_calls_per_round``, ``drafted``,
+                      ``accepted``), checked against eager's.
 * ``hf_eager``        transformers' ``LlamaForCausalLM`` with the same config and weights, in its static-cache
                       export recipe (``TorchExportableModuleWithStaticCache``) run eagerly on the same
                       device: the reference front end of DESIGN.md's first workload.
@@ -51,7 +56,9 @@ from bench.harness import DEVICE, TORCH_DEVICE
 
 GEN_MODES = ("state_on_host", "state_on_device", "state_on_device_graphs", "state_on_device_graphs_dot",
              "state_on_device_graphs_one_pass", "state_on_device_graphs_int8", "state_on_device_graphs_int4",
-             "hf_eager")
+             "state_on_device_graphs_lookup", "hf_eager")
+# prompt lookup decoding: mode -> its drafts (decode runs through the prefill method, of several tokens)
+LOOKUP = {"state_on_device_graphs_lookup": td.PromptLookup()}
 # lowering variants of the device-state program: mode -> the target's changes
 VARIANTS = {"state_on_device_graphs_dot": {"gemv_rows": 0}, "state_on_device_graphs_one_pass": {"split_attention": False}}
 # weight-only quantized variants: mode -> td.quantize_linears' arguments (a linear whose input features the
@@ -77,10 +84,12 @@ class GenCase:
         prompt = torch.randint(0, vocab, (1, self.prompt_len), generator=torch.Generator().manual_seed(1))
         return model, prompt
 
-    def export(self, model):
-        """Prefill and decode of ``model`` as a dict of exported methods."""
+    def export(self, model, lookup: bool = False):
+        """Prefill and decode of ``model`` as a dict of exported methods; for prompt lookup, a prefill of 1
+        to max(prompt, drafts + 1) tokens returning every position's logits."""
         if not self.moe:
-            return export_prefill_decode(model, self.prompt_len)
+            most = max(self.prompt_len, max(x.num_tokens for x in LOOKUP.values()) + 1) if lookup else None
+            return export_prefill_decode(model, self.prompt_len, max_prompt_len=most)
         from transformers.integrations.executorch import convert_and_export_with_cache
 
         with warnings.catch_warnings():
@@ -210,7 +219,7 @@ class GenBench:
                 self.program_path(case, True)
             else:
                 self.program_path(case, False)  # first: the programs read the cache eager writes
-                for mode in ("state_on_device", *VARIANTS):
+                for mode in ("state_on_device", *VARIANTS, *LOOKUP):
                     self.program_path(case, True, mode)
             held.tokens = _eager_tokens(case, held.model, held.prompt)
         return held.tokens
@@ -231,7 +240,8 @@ class GenBench:
         its quantized model for a mode of :data:`QUANTIZED`."""
         variant = VARIANTS.get(mode, {})
         quant = QUANTIZED.get(mode)
-        key = (case.name, state_on_device, tuple(variant.items()), mode if quant is not None else None)
+        own = quant is not None or mode in LOOKUP  # a program of its own: quantized, or exported for lookup
+        key = (case.name, state_on_device, tuple(variant.items()), mode if own else None)
         if key not in self._files:
             config = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(
                 skip_h2d_for_constants=True, state_on_device=state_on_device),
@@ -239,10 +249,10 @@ class GenBench:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", td.PerCallCopyWarning)  # state_on_host: the copies are the point
                 model = self.prepare(case).model if quant is None else self.quantized(case, mode)[0]
-                lowered = td.lower(case.export(model), partitioner=td.TritonPartitioner(device="cuda:0"),
-                                   config=config)
+                lowered = td.lower(case.export(model, mode in LOOKUP),
+                                   partitioner=td.TritonPartitioner(device="cuda:0"), config=config)
             place = ("device" if state_on_device else "host") + "".join(f"-{k}{v}" for k, v in variant.items())
-            place += "" if quant is None else f"-{mode.rsplit('_', 1)[-1]}"
+            place += f"-{mode.rsplit('_', 1)[-1]}" if own else ""
             path = os.path.join(self.workdir, f"{case.name}.{place}.tdp")
             lowered.save(path)
             self._files[key] = path
@@ -257,18 +267,23 @@ class GenBench:
         expected = self.eager_tokens(case) if mode not in QUANTIZED else self.quantized(case, mode)[1]
         prompt = self.prepare(case).prompt
         program = td.load(self.program_path(case, mode != "state_on_host", mode))
-        generator = Generator(program, graphs=mode.startswith("state_on_device_graphs"), stream=self.stream)
+        generator = Generator(program, graphs=mode.startswith("state_on_device_graphs"), stream=self.stream,
+                              decode="prefill" if mode in LOOKUP else "decode")
         first = generator.generate(prompt, 1).tokens  # the prefill, once
 
         def call():
+            if mode in LOOKUP:
+                return generator.lookup_from(first, case.prompt_len, case.steps, prompt, LOOKUP[mode])
             return generator.decode_from(first, case.prompt_len, case.steps)
 
         def facts(out):
-            tokens, steps = out
+            tokens, steps = out[:2]
             last = steps[-1]
+            drafts = dict(zip(("drafted", "accepted"), out[2])) if mode in LOOKUP else {}
             return {"h2d_bytes_per_step": last.h2d_bytes, "d2h_bytes_per_step": last.d2h_bytes,
                     "launches_per_step": last.launches, "graph_replays_per_step": last.graph_replays,
                     "synchronizations_per_step": last.synchronizations, "memory": program.memory(),
+                    "decode_calls_per_round": len(steps), **drafts,
                     "tokens_match_eager": tokens[0].tolist() == expected}
 
         return call, facts

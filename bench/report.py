@@ -21,7 +21,7 @@ MODES = ("per_call_copy", "resident", "resident_io", "resident_graphs", "eager",
 LOWERED = ("per_call_copy", "resident", "resident_io", "resident_graphs")
 GENERATION_MODES = ("state_on_host", "state_on_device", "state_on_device_graphs", "state_on_device_graphs_dot",
                     "state_on_device_graphs_one_pass", "state_on_device_graphs_int8", "state_on_device_graphs_int4",
-                    "hf_eager")
+                    "state_on_device_graphs_lookup", "hf_eager")
 
 
 def _bytes(n) -> str:
@@ -269,6 +269,7 @@ def generation_section(generation: dict) -> str:
                        speedup("state_on_device_graphs", "state_on_device_graphs_one_pass"),
                        speedup("state_on_device_graphs_int8", "state_on_device_graphs"),
                        speedup("state_on_device_graphs_int4", "state_on_device_graphs"),
+                       speedup("state_on_device_graphs_lookup", "state_on_device_graphs"),
                        speedup("state_on_device_graphs", "hf_eager")])
     return "\n".join([
         "## Generation: decode throughput with a KV cache", "",
@@ -277,13 +278,15 @@ def generation_section(generation: dict) -> str:
         "the device; `_graphs`: decode replayed as CUDA graphs; `_dot`: lowered without the GEMV variant "
         "(every projection on tl.dot's 16-row tiles); `_one_pass`: decode attention never splits its keys; "
         "`_int8`, `_int4`: the linears weight-only quantized (`td.quantize_linears`; tokens checked against "
-        "the quantized model eager); `hf_eager`: transformers' LlamaForCausalLM "
+        "the quantized model eager); `_lookup`: prompt lookup decoding (`td.PromptLookup()`: the same tokens "
+        "in fewer calls); `hf_eager`: transformers' LlamaForCausalLM "
         "with the same weights and its static cache, eager, on the same device. Bytes, launches and memory "
         "from `method.stats` and `program.memory()`.", "",
         _table(header, rows), "",
         _table(["model", "weights", "KV cache", "state_on_device / state_on_host (tokens/s)",
                 "graphs / state_on_device", "GEMV / tl.dot (graphs)", "split keys / one pass (graphs)",
-                "int8 / float (graphs)", "int4 / float (graphs)", "state_on_device_graphs / hf_eager"],
+                "int8 / float (graphs)", "int4 / float (graphs)", "prompt lookup / plain (graphs)",
+                "state_on_device_graphs / hf_eager"],
                ratios), ""])
 
 

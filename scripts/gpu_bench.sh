@@ -10,7 +10,8 @@
 #   gpu-small.json        latency per mode and load time vs copy bandwidth, the small models together
 #   gpu-<case>.json       the same, one file per large model (or per model for SIZES other than default)
 #   gpu-generation.json   decode tokens/s with a KV cache: cache copied per call, program state on the
-#                         device, with CUDA graphs, transformers' Llama eager; and transformers' Mixtral
+#                         device, with CUDA graphs, with prompt lookup decoding, transformers' Llama eager;
+#                         and transformers' Mixtral
 #                         (8 experts, top 2) lowered and eager (bench/test_generation.py)
 #   gpu-generation-long.json  the same for a 3000-token context (split vs one-pass decode attention)
 #   gpu-generation-quantized.json  decode tokens/s with int8 and 4-bit weight-only quantized linears

@@ -243,6 +243,23 @@ def test_dynamic_sequence_length():
     assert _epilogues(lowered) == 1 and len(_rope_launches(lowered)) == 1
 
 
+def test_angles_over_a_dynamic_number_of_positions_are_computed_in_the_epilogue():
+    """Positions of a dynamic length (a KV-cache step's, one method for prefill and decode): the inverse
+    frequencies broadcast over that length take its size from the method's input, so the epilogue
+    computes the angles and no launch does."""
+    model = Projection("separate", "positions", bias=True).eval()
+    seq = Dim("seq", max=16)
+    lowered = _lower(model, _args(model), dynamic_shapes=({1: seq}, {0: seq}, {0: seq}, {0: seq}))
+    method = lowered.load().load_method()
+    for n in (5, 1, 16):
+        args = _args(model, seq=n)
+        with torch.no_grad():
+            for got, expected in zip(method(*args), model(*args)):
+                assert_close(got, expected, dtype=torch.float32)
+    assert _rope_launches(lowered) == ["positions"]
+    assert "pointwise_chain" not in [launch.kernel for launch in plan_launches(lowered)]  # no angles launch
+
+
 # --- models -----------------------------------------------------------------------------------------
 def test_demo_decoder_five_launches_per_layer(monkeypatch):
     """rms + qkv + rotary, attention, o + residual, rms + gate/up, down + residual: 5 per layer; the

@@ -75,23 +75,42 @@ def _replay(graph: torch.fx.Graph, node: torch.fx.Node, views: list) -> torch.fx
 
 
 def _as_angles(graph, node: torch.fx.Node, shape, outer: list, meta: dict) -> torch.fx.Node:
-    """``node`` broadcast to the product's ``shape``, then viewed as the angles are. Raises ValueError
-    when it would broadcast along a dim of dynamic size (-1 keeps a dim's own size)."""
+    """``node`` broadcast to the product's ``shape``, then viewed as the angles are (-1 keeps a dim's
+    own size). A dim of dynamic size it broadcasts along (the inverse frequencies over a dynamic number
+    of positions) takes its size from a method input's (``_size_node``). Raises ValueError when no
+    input has it."""
     own = tensor_val(node).shape
     pad = len(shape) - len(own)
-    own = [None] * pad + list(own)  # dims the broadcast adds in front: their size, which must be static
+    own = [None] * pad + list(own)  # dims the broadcast adds in front
     sizes = []
     for have, want in zip(own, shape):
-        if have is None and isinstance(want, int):
-            sizes.append(want)
-        elif have is not None and str(have) == str(want):
+        if have is not None and str(have) == str(want):
             sizes.append(-1)
-        elif isinstance(want, int) and isinstance(have, int) and have == 1:
-            sizes.append(want)
+        elif have is None or (isinstance(have, int) and have == 1):
+            sizes.append(want if isinstance(want, int) else _size_node(graph, want))
         else:
             raise ValueError(f"broadcasting {have} to {want}")
-    val = fake(lambda t: t.expand(sizes), tensor_val(node))
+    val = fake(lambda t: t.expand([s.meta["val"] if isinstance(s, torch.fx.Node) else s for s in sizes]),
+               tensor_val(node))
     return _replay(graph, new_node(graph, aten.expand.default, (node, sizes), val, meta), outer)
+
+
+def _size_node(graph, size) -> torch.fx.Node:
+    """A node giving the dynamic ``size``: the graph's ``sym_size`` of a method input that has it, or a new
+    one (a size read from a computed tensor would make the host need that tensor)."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in graph.nodes:
+        if (is_call(node, aten.sym_size.int) and node.args[0] in inputs
+                and str(node.meta.get("val")) == str(size)):
+            return node
+    for placeholder in inputs:
+        val = tensor_val(placeholder)
+        for dim, have in enumerate(val.shape if val is not None else ()):
+            if str(have) == str(size):
+                node = graph.call_function(aten.sym_size.int, (placeholder, dim))
+                node.meta["val"] = have
+                return node
+    raise ValueError(f"no method input has the dynamic size {size}")
 
 
 def rope_positions(ep: torch.export.ExportedProgram) -> list[str]:

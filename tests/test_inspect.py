@@ -76,7 +76,8 @@ def test_inspect_lists_each_launch_with_its_traffic(tmp_path, capsys):
     assert sum(f["bytes_read"] + f["bytes_written"] for f in delegate["launch_plan"]) == method["traffic"]["bytes"]
     assert any(isinstance(g, str) for f in delegate["launch_plan"] for g in f["grid"])  # the batch's expression
     assert cli.main(["inspect", str(path), "--launches"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("       ")][1:]  # past the header
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.startswith("       ")][1:]  # past the header
     assert [row[1] for row in rows] == [x.kernel for x in plan.launches]
     assert rows[0][-1] == plan.launches[0].op
     shares = [float(next(c for c in row if c.endswith("%"))[:-1]) for row in rows]

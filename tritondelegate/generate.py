@@ -262,8 +262,8 @@ def _kept_tokens(logits: torch.Tensor, draft: torch.Tensor, stops: torch.Tensor)
     if logits.shape[1] != draft.numel() + 1:
         raise ValueError(f"the decode method returned logits for {logits.shape[1]} of {draft.numel() + 1} "
                          "positions; prompt lookup needs every position's")
-    picks = torch.cat([greedy(logits[:, :i + 1]) for i in range(logits.shape[1])], dim=1)[0]
-    agree = int((picks[:-1] == draft).to(torch.int64).cumprod(0).sum()) if draft.numel() else 0
+    picks = logits[0].argmax(-1).cpu()  # greedy's pick after each position, in one transfer
+    agree = int((picks[:-1] == draft).to(torch.int64).cumprod(0).sum())  # the draft's agreeing prefix
     new = picks[:agree + 1]
     hit = torch.isin(new, stops).nonzero().flatten()
     return new[:int(hit[0]) + 1] if hit.numel() else new

@@ -102,7 +102,8 @@ def format_launches(facts: dict) -> str:
     lines = []
     for m in facts["methods"]:
         total = max(m["traffic"]["bytes"], 1)
-        lines.append(f"method {m['name']!r}: {m['launches_per_call']} launches, {traffic_line(m['traffic'], _mib)}")
+        traffic = traffic_line(m["traffic"], human_bytes)
+        lines.append(f"method {m['name']!r}: {m['launches_per_call']} launches, {traffic}")
         for d in m["delegates"]:
             lines.append(f"  {d['name']} on {d['device']}:")
             lines.append(f"    {'#':>4}  {'kernel':<18} {'grid':<16} {'read':>10} {'written':>10} {'share':>6} "
@@ -110,14 +111,19 @@ def format_launches(facts: dict) -> str:
             for k, launch in enumerate(d["launch_plan"]):
                 moved = launch["bytes_read"] + launch["bytes_written"]
                 grid = "x".join(map(str, launch["grid"]))
-                lines.append(f"    {k:>4}  {launch['kernel']:<18} {grid:<16} {_mib(launch['bytes_read']):>10} "
-                             f"{_mib(launch['bytes_written']):>10} {moved / total:>6.1%} {si_units(launch['flops']):>8}  "
-                             f"{launch['op']}")
+                read, written = human_bytes(launch["bytes_read"]), human_bytes(launch["bytes_written"])
+                lines.append(f"    {k:>4}  {launch['kernel']:<18} {grid:<16} {read:>10} {written:>10} "
+                             f"{moved / total:>6.1%} {si_units(launch['flops']):>8}  {launch['op']}")
     return "\n".join(lines)
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+def human_bytes(n: int) -> str:
+    """A byte count in B, KiB, MiB or GiB (what ``summary()`` and ``inspect --launches`` print)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def _constants(program: Program) -> list[dict]:

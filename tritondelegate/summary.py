@@ -13,19 +13,11 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from .inspection import segment_facts, state_facts, symbol_facts, symbols_line
+from .inspection import human_bytes as _bytes, segment_facts, state_facts, symbol_facts, symbols_line
 from .kernels.traffic import method_traffic, traffic_line
 from .program import Role
 
 LIMIT = 10  # items listed per group before "N more" (verbose=True: all)
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def method_facts(lowered, name: str) -> dict:

@@ -231,8 +231,8 @@ def _columns(pid_n, g, COUT_G, w_ptr, ws_g, ws_o, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _pool_tap(ph, pw, t, mask_m, OH, OW, pool_sh, pool_sw, pool_ph, pool_pw, POOL_KW: tl.constexpr):
-    """The convolution's output pixels (oh, ow) that tap ``t`` (th * POOL_KW + tw) of the max-pooling
-    windows of pooled pixels (ph, pw) reads, and which of them are real (inside the convolution's output:
+    """The convolution's output pixels (oh, ow) that tap ``t`` (th * POOL_KW + tw) of the pooling windows of
+    pooled pixels (ph, pw) reads, and which of them are real (inside the convolution's output:
     a window's padding never wins)."""
     oh = ph * pool_sh - pool_ph + t // POOL_KW
     ow = pw * pool_sw - pool_pw + t % POOL_KW
@@ -529,7 +529,9 @@ class ConvOp:
                                   POOL_COUNT_PAD=self.pool.count_include_pad)
             block_m, block_n, block_k = self._blocks(m, cout_g, cin_g * kd * kh * kw)
             grid = (triton.cdiv(m, block_m), triton.cdiv(cout_g, block_n), self.groups)
-        window = (*self.pool.stride, *self.pool.padding, self.pool.divisor) if self.pool is not None else (1, 1, 0, 0, 0)
+        window = (1, 1, 0, 0, 0)  # the pooling's strides, padding and divisor (stand-ins without one)
+        if self.pool is not None:
+            window = (*self.pool.stride, *self.pool.padding, self.pool.divisor)
         args = [x, weight, self.bias if self.bias is not None else stored, stored,  # a stand-in for no bias
                 m, h, w, oh, ow, cin_g, cout_g, xs_n, xs_c, xs_h, xs_w, ws_g, ws_o, ws_i, ws_h, ws_w,
                 os_n, os_c, os_h, os_w, *s_hw, *p_hw, *d_hw, *epilogue,

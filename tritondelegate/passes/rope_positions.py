@@ -74,11 +74,11 @@ def _replay(graph: torch.fx.Graph, node: torch.fx.Node, views: list) -> torch.fx
     return node
 
 
-def _as_angles(graph, node: torch.fx.Node, shape, outer: list, meta: dict) -> torch.fx.Node:
+def _as_angles(graph, node: torch.fx.Node, shape, outer: list, meta: dict, before: torch.fx.Node) -> torch.fx.Node:
     """``node`` broadcast to the product's ``shape``, then viewed as the angles are (-1 keeps a dim's
     own size). A dim of dynamic size it broadcasts along (the inverse frequencies over a dynamic number
-    of positions) takes its size from a method input's (``_size_node``). Raises ValueError when no
-    input has it."""
+    of positions) takes its size from a method input's (``_size_node``; the new nodes go before
+    ``before``). Raises ValueError when no input has it."""
     own = tensor_val(node).shape
     pad = len(shape) - len(own)
     own = [None] * pad + list(own)  # dims the broadcast adds in front
@@ -87,7 +87,7 @@ def _as_angles(graph, node: torch.fx.Node, shape, outer: list, meta: dict) -> to
         if have is not None and str(have) == str(want):
             sizes.append(-1)
         elif have is None or (isinstance(have, int) and have == 1):
-            sizes.append(want if isinstance(want, int) else _size_node(graph, want))
+            sizes.append(want if isinstance(want, int) else _size_node(graph, want, before))
         else:
             raise ValueError(f"broadcasting {have} to {want}")
     val = fake(lambda t: t.expand([s.meta["val"] if isinstance(s, torch.fx.Node) else s for s in sizes]),
@@ -95,11 +95,14 @@ def _as_angles(graph, node: torch.fx.Node, shape, outer: list, meta: dict) -> to
     return _replay(graph, new_node(graph, aten.expand.default, (node, sizes), val, meta), outer)
 
 
-def _size_node(graph, size) -> torch.fx.Node:
-    """A node giving the dynamic ``size``: the graph's ``sym_size`` of a method input that has it, or a new
-    one (a size read from a computed tensor would make the host need that tensor)."""
+def _size_node(graph, size, before: torch.fx.Node) -> torch.fx.Node:
+    """A node giving the dynamic ``size``: the graph's ``sym_size`` of a method input that has it, when it
+    comes before ``before``, or a new one (a size read from a computed tensor would make the host need that
+    tensor)."""
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     for node in graph.nodes:
+        if node is before:
+            break
         if (is_call(node, aten.sym_size.int) and node.args[0] in inputs
                 and str(node.meta.get("val")) == str(size)):
             return node
@@ -127,8 +130,8 @@ def rope_positions(ep: torch.export.ExportedProgram) -> list[str]:
         shape, before = tensor_val(product).shape, set(graph.nodes)
         try:
             with graph.inserting_before(rope):
-                positions = _as_angles(graph, _replay(graph, source, inner), shape, outer, angles.meta)
-                frequencies = _as_angles(graph, freqs, shape, outer, angles.meta)
+                positions = _as_angles(graph, _replay(graph, source, inner), shape, outer, angles.meta, rope)
+                frequencies = _as_angles(graph, freqs, shape, outer, angles.meta, rope)
             fits = tensor_val(positions).shape == tensor_val(angles).shape
         except (RuntimeError, ValueError):  # a view the broadcast operands cannot take
             fits = False

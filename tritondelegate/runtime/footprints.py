@@ -230,7 +230,10 @@ def _conv2d(x: LaunchArgs) -> Footprint:
     (D and OD never read, the depth strides reach nothing)."""
     M, H, W, cin, cout = (x.i(name) for name in ("M", "H", "W", "CIN_G", "COUT_G"))
     pool = _conv_pool(x, M)
-    depth, D, (n, od, oh, ow) = _conv_pixels(x, M) if pool is None else (False, 1, (pool[0], 1, x.i("OH"), x.i("OW")))
+    if pool is None:
+        depth, D, (n, od, oh, ow) = _conv_pixels(x, M)
+    else:  # rows: pooled pixels; the taps' pixels: the convolution's output
+        depth, D, (n, od, oh, ow) = False, 1, (pool[0], 1, x.i("OH"), x.i("OW"))
     groups, KD, KH, KW = x.grid[2], x.c["KD"], x.c["KH"], x.c["KW"]
     co = groups * cout  # output channels: group g's are g * COUT_G + [0, COUT_G)
     k_loop = cin * KD * KH * KW

@@ -196,6 +196,32 @@ def test_conv3d_bn_relu(folding, dtype):
     _check(lowered, model, x, dtype)
 
 
+class Conv1dBN(nn.Module):
+    """A Conformer's or TDNN's conv1d, BatchNorm1d and SiLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 6, 5, padding=2)
+        self.bn = _bn(6, kind=nn.BatchNorm1d)
+
+    def forward(self, x):
+        return nn.functional.silu(self.bn(self.conv(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_conv1d_bn_silu(folding, dtype):
+    model, x = Conv1dBN().eval().to(dtype), torch.randn(2, 4, 9).to(dtype)
+    lowered = _lower(model, (x,))
+    assert len(_folded(lowered)) == 1
+    assert _launches(lowered) == ["conv2d"]
+    constants = sorted((tuple(c.shape), c.dtype) for c in lowered.program.constants)
+    if dtype == torch.float32:
+        assert constants == [((6,), "float32"), ((6, 4, 5), "float32")]
+    else:  # the scale and shift per channel in fp32, over [C, L]
+        assert constants == [((6,), "bfloat16"), ((6, 1), "float32"), ((6, 1), "float32"), ((6, 4, 5), "bfloat16")]
+    _check(lowered, model, x, dtype)
+
+
 @pytest.mark.parametrize("variant", [
     dict(bias=False), dict(affine=False), dict(bias=False, affine=False, relu=False),
     dict(c_in=4, c_out=6, groups=2), dict(c_in=5, c_out=5, groups=5, bias=False),

@@ -78,7 +78,10 @@ Then row kernels with their neighbours (``fuse_rows.py``): a norm, softmax or on
 (``fuse_reduce.py``: a Mixture-of-Experts tail ``residual + y.view(T, k, H).sum(1)``) takes the chain
 that alone feeds it as a prologue and the chain that alone reads its result as an epilogue; then a
 gather (``fuse_gather.py``) takes the chain that alone reads its result as an epilogue (an embedding's
-add or scale). Last, consecutive plain copies into adjacent slices of one buffer (a cat's parts)
+add or scale); a convolution takes the max or average pooling that alone reads its result
+(``fuse_pool.py``), and a 1x1 convolution the depthwise convolution whose result (or that result's
+epilogue) alone it reads (``fuse_depthwise.py``: MobileNet's inverted residuals). Last, consecutive
+plain copies into adjacent slices of one buffer (a cat's parts)
 become one ``cat`` launch (``fuse_cat.py``).
 
 First of all, zero padding that only convolutions read becomes their own padding (``fuse_pad.py``),
@@ -101,7 +104,7 @@ from . import conv as cv
 from . import grouped_mm as gmm
 from . import dequant_rows as dq
 from . import elementwise as ew
-from . import fuse_cat, fuse_gather, fuse_pad, fuse_pool, fuse_reduce, fuse_rows
+from . import fuse_cat, fuse_depthwise, fuse_gather, fuse_pad, fuse_pool, fuse_reduce, fuse_rows
 from . import sizes as size_fns
 from . import matmul as mm
 from . import scatter as sc
@@ -251,11 +254,14 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
                                         set(epilogues) | set(rows))
     pools = fuse_pool.merge_pools(launches, ops["pool"], matmuls, sources, touched, writes, keep, users,
                                   merged_away, _whole_result_epilogue_launch)
+    separable = fuse_depthwise.merge_depthwise(launches, epilogues, matmuls, sources, touched, writes, keep, users,
+                                               merged_away, _whole_result_chain, _whole_result_epilogue_launch)
     if not merged_away:
         records, cats = fuse_cat.merge_copies(records, view)
         return FusionResult(records, paired or padded or cats)
     fused = [
-        LaunchRecord(pools[i]) if i in pools
+        LaunchRecord(separable[i]) if i in separable
+        else LaunchRecord(pools[i]) if i in pools
         else LaunchRecord(rows[i]) if i in rows
         else LaunchRecord(gathers[i]) if i in gathers
         else LaunchRecord(epilogues[i]) if i in epilogues
@@ -443,10 +449,11 @@ def _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away
     return epilogues
 
 
-def _whole_result_epilogue_launch(op, chain: _Chain, launch: Launch) -> Launch | None:
-    """``launch`` (computing ``op``: a ``conv.ConvOp``, ``grouped_mm.GroupedOp`` or ``dequant_rows.DequantRowsOp``) relaunched with
-    ``chain`` as its epilogue, or None unless the chain starts from the whole result, read as itself,
-    over the result's own shape."""
+def _whole_result_chain(op, chain: _Chain) -> tuple[list, list] | None:
+    """(steps, operands) of ``chain`` as the epilogue of ``op`` (a ``conv.ConvOp``, ``grouped_mm.GroupedOp``,
+    ``dequant_rows.DequantRowsOp`` or ``fuse_depthwise.DepthwisePointwiseOp``; each operand a (TRef, its
+    strides over the result's dims) pair, a scalar or None), or None unless the chain starts from the
+    whole result, read as itself, over the result's own shape."""
     t = op.c
     at = [k for k, s in enumerate(chain.slots) if isinstance(s, TRef) and s.buffer == t.buffer]
     if (chain.compute != "f32" or len(chain.steps) > ew.MAX_CHAIN or len(at) != 1 or at[0] > 1
@@ -457,8 +464,14 @@ def _whole_result_epilogue_launch(op, chain: _Chain, launch: Launch) -> Launch |
     if (view.shape, view.strides, view.offset) != (t.shape, t.strides, t.offset) or tuple(shape) != tuple(t.shape):
         return None
     steps, others = chain.from_slot(k)
-    operands = [(slot, broadcast_strides(slot, shape)) if isinstance(slot, TRef) else slot for slot in others]
-    launched = op.launch(chain.out, steps, operands)
+    return steps, [(slot, broadcast_strides(slot, shape)) if isinstance(slot, TRef) else slot for slot in others]
+
+
+def _whole_result_epilogue_launch(op, chain: _Chain, launch: Launch) -> Launch | None:
+    """``launch`` (computing ``op``, as :func:`_whole_result_chain` takes) relaunched with ``chain`` as its
+    epilogue, or None."""
+    walk = _whole_result_chain(op, chain)
+    launched = None if walk is None else op.launch(chain.out, *walk)
     if launched is None:
         return None
     grid, args, constexprs = launched

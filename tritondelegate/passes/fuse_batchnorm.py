@@ -1,6 +1,7 @@
-"""Folding an eval-mode batch norm into the 2-D or 3-D convolution before it.
+"""Folding an eval-mode batch norm into the 1-D, 2-D or 3-D convolution before it.
 
-``nn.Conv2d`` followed by ``nn.BatchNorm2d`` (or ``nn.Conv3d`` and ``nn.BatchNorm3d``) in eval mode
+``nn.Conv2d`` followed by ``nn.BatchNorm2d`` (or ``nn.Conv1d`` and ``nn.BatchNorm1d``: a Conformer's
+convolution module, a TDNN's or QuartzNet's blocks; or ``nn.Conv3d`` and ``nn.BatchNorm3d``) in eval mode
 decomposes to a convolution, then a batch norm over its result with the running statistics
 (``_native_batch_norm_legit_no_training`` and a ``getitem`` of its output, or ``aten.batch_norm`` /
 ``aten.native_batch_norm`` with ``training=False`` where one is kept whole). The batch norm is an affine
@@ -21,7 +22,7 @@ it, is scaled and shifted per channel in fp32 (``(y * scale + shift).to(dtype)``
 epilogue), as eager's batch norm computes in fp32 (rounding ``W'`` and ``b'`` to half precision lost
 what the normalization's cancellation needs).
 
-Folded when the convolution is 2-D or 3-D and not transposed, the batch norm reads its result and nothing
+Folded when the convolution is 1-D, 2-D or 3-D and not transposed, the batch norm reads its result and nothing
 else does (a convolution whose output is also used elsewhere keeps it, and its batch norm), the
 batch norm's other outputs (``save_mean``/``save_rstd``) are unused, and ``W``, ``b``, ``gamma``,
 ``beta``, ``mean`` and ``var`` are constant placeholders (parameter, buffer or lifted constant that
@@ -52,7 +53,7 @@ _CONVS = (aten.convolution.default, aten.conv2d.default)
 
 
 def _conv_operands(conv: torch.fx.Node, constants: set[torch.fx.Node]):
-    """(weight, bias or None) when ``conv`` is a 2-D or 3-D, non-transposed convolution with constant
+    """(weight, bias or None) when ``conv`` is a 1-D, 2-D or 3-D, non-transposed convolution with constant
     weight and bias, else None."""
     if conv.op != "call_function" or conv.target not in _CONVS or conv.kwargs:
         return None
@@ -63,7 +64,7 @@ def _conv_operands(conv: torch.fx.Node, constants: set[torch.fx.Node]):
     if weight not in constants or (bias is not None and bias not in constants):
         return None
     wv, yv = tensor_val(weight), tensor_val(conv)
-    if wv is None or yv is None or wv.ndim not in (4, 5) or yv.ndim != wv.ndim or wv.dtype not in _FLOATS:
+    if wv is None or yv is None or wv.ndim not in (3, 4, 5) or yv.ndim != wv.ndim or wv.dtype not in _FLOATS:
         return None
     if not isinstance(wv.shape[0], int) or yv.dtype != wv.dtype:
         return None
@@ -210,7 +211,7 @@ def _affine_after(ep, new, conv, bn, outs, operands, scale, up, channels: int, d
 
 
 def fuse_batchnorm(ep: torch.export.ExportedProgram, state: set[str] = frozenset()) -> list[str]:
-    """Fold every eval batch norm that follows a 2-D or 3-D convolution with constant operands into that
+    """Fold every eval batch norm that follows a 1-D, 2-D or 3-D convolution with constant operands into that
     convolution's weight and bias, in place. ``state``: FQNs of program state (mutable buffers), never
     treated as constants. Returns one description per folded batch norm. Relies on constant folding
     to compute the new weights once."""

@@ -730,11 +730,17 @@ def _vision_cases(d) -> dict[str, callable]:
                                    (_randn(1, 3, 16, 224, 224, dtype=d),)),
         "conv3d_unet_block": lambda: (UNet3dBlock().eval().to(d), (_randn(1, 32, 16, 64, 64, dtype=d),)),
         # depthwise (kernels/depthwise.py): MobileNetV2's inverted residual (1x1 expand, 3x3 depthwise at
-        # stride 2, 1x1 project), ConvNeXt's 7x7 with a residual add, a Mamba-style causal conv1d over 4096
-        # channels (kernel 4) at a 16-token prefill and at a decode step (one output), a 3-D one
+        # stride 2 with its batch norm and ReLU6 computed where the 1x1 project reads it: fuse_depthwise.py,
+        # the batch norm a prologue of 2 more steps in half precision), ConvNeXt's 7x7 with a residual
+        # add, a Mamba-style causal conv1d over 4096 channels (kernel 4) at a 16-token prefill and at a
+        # decode step (one output), a 3-D one; a Conformer's convolution module (depthwise conv1d, batch
+        # norm, SiLU, 1x1 conv1d over 256 channels and 500 frames)
         "depthwise_mobilenet": lambda: (nn.Sequential(
-            nn.Conv2d(32, 192, 1), nn.ReLU6(), nn.Conv2d(192, 192, 3, stride=2, padding=1, groups=192), nn.ReLU6(),
-            nn.Conv2d(192, 32, 1)).eval().to(d), (_randn(1, 32, 56, 56, dtype=d),)),
+            nn.Conv2d(32, 192, 1), nn.ReLU6(), nn.Conv2d(192, 192, 3, stride=2, padding=1, groups=192),
+            nn.BatchNorm2d(192), nn.ReLU6(), nn.Conv2d(192, 32, 1)).eval().to(d), (_randn(1, 32, 56, 56, dtype=d),)),
+        "depthwise_conformer": lambda: (nn.Sequential(
+            nn.Conv1d(256, 256, 31, padding=15, groups=256), nn.BatchNorm1d(256), nn.SiLU(),
+            nn.Conv1d(256, 256, 1)).eval().to(d), (_randn(1, 256, 500, dtype=d),)),
         "depthwise_convnext": lambda: (Fn(lambda x: x + dw7(x)).eval(), (_randn(2, 96, 56, 56, dtype=d),)),
         "depthwise_causal_conv1d": lambda: (nn.Sequential(nn.Conv1d(4096, 4096, 4, padding=3, groups=4096), nn.SiLU()
                                                           ).eval().to(d), (_randn(1, 4096, 16, dtype=d),)),

@@ -730,7 +730,7 @@ def _vision_cases(d) -> dict[str, callable]:
                                    (_randn(1, 3, 16, 224, 224, dtype=d),)),
         "conv3d_unet_block": lambda: (UNet3dBlock().eval().to(d), (_randn(1, 32, 16, 64, 64, dtype=d),)),
         # depthwise (kernels/depthwise.py): MobileNetV2's inverted residual (1x1 expand, 3x3 depthwise at
-        # stride 2 with its batch norm and ReLU6 computed where the 1x1 project reads it: fuse_depthwise.py,
+        # stride 2 with its batch norm and ReLU6 computed where the 1x1 project reads it: fuse_conv1x1.py,
         # the batch norm a prologue of 2 more steps in half precision), ConvNeXt's 7x7 with a residual
         # add, a Mamba-style causal conv1d over 4096 channels (kernel 4) at a 16-token prefill and at a
         # decode step (one output), a 3-D one; a Conformer's convolution module (depthwise conv1d, batch

@@ -47,8 +47,8 @@ def test_mobilenet_v2_is_fully_delegated_and_matches_eager():
     convs = ops["aten.convolution.default"]
     depthwise = sum(1 for n in decompose(ep).graph.nodes if n.target == torch.ops.aten.convolution.default
                     and n.args[8] == n.args[0].meta["val"].shape[1])  # groups == C_in
-    # every block's depthwise convolution runs in its 1x1 projection's launch (kernels/fuse_depthwise.py)
-    assert depthwise > 0 and kernels["dw_pointwise"] == depthwise and "depthwise_conv" not in kernels, kernels
+    # every block's depthwise convolution runs in its 1x1 projection's launch (kernels/fuse_conv1x1.py)
+    assert depthwise > 0 and kernels["conv1x1"] == depthwise and "depthwise_conv" not in kernels, kernels
     assert kernels["conv2d"] + 2 * depthwise == convs and "pad" not in kernels
     assert sum(kernels.values()) <= convs - depthwise + 3
     logits = lowered.load().load_method("forward")(x)

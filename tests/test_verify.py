@@ -208,7 +208,7 @@ SIZES = {"pointwise": "n", "pointwise_chain": "n", "matmul": "M", "conv2d": "M",
          "grouped_mm": "S", "attention_combine": "S", "attention_append": "Lq", "rank": "length", "histc": "n",
          "router": "length", "group_router": "length", "sort_offsets": "n", "cat": "n", "resize": "total",
          "grid_sample": "total", "depthwise_conv": "M", "embedding_bag": "n_bags", "cdist": "P",
-         "cumextreme": "rows", "dequant_rows": "R", "dw_pointwise": "M"}
+         "cumextreme": "rows", "dequant_rows": "R", "conv1x1": "M"}
 
 
 def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):

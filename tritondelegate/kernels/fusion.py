@@ -79,9 +79,10 @@ Then row kernels with their neighbours (``fuse_rows.py``): a norm, softmax or on
 that alone feeds it as a prologue and the chain that alone reads its result as an epilogue; then a
 gather (``fuse_gather.py``) takes the chain that alone reads its result as an epilogue (an embedding's
 add or scale); a convolution takes the max or average pooling that alone reads its result
-(``fuse_pool.py``), and a 1x1 convolution the depthwise convolution whose result (or that result's
-epilogue) alone it reads (``fuse_depthwise.py``: MobileNet's inverted residuals). Last, consecutive
-plain copies into adjacent slices of one buffer (a cat's parts)
+(``fuse_pool.py``), and a 1x1 convolution computes its input where it reads it, from the taps of the
+depthwise convolution (with its epilogue) or the pointwise chain that wrote it for it alone
+(``fuse_conv1x1.py``: MobileNet's inverted residuals, a squeeze-and-excitation scale, a pre-activation
+batch norm and ReLU). Last, consecutive plain copies into adjacent slices of one buffer (a cat's parts)
 become one ``cat`` launch (``fuse_cat.py``).
 
 First of all, zero padding that only convolutions read becomes their own padding (``fuse_pad.py``),
@@ -104,7 +105,7 @@ from . import conv as cv
 from . import grouped_mm as gmm
 from . import dequant_rows as dq
 from . import elementwise as ew
-from . import fuse_cat, fuse_depthwise, fuse_gather, fuse_pad, fuse_pool, fuse_reduce, fuse_rows
+from . import fuse_cat, fuse_conv1x1, fuse_gather, fuse_pad, fuse_pool, fuse_reduce, fuse_rows
 from . import sizes as size_fns
 from . import matmul as mm
 from . import scatter as sc
@@ -254,13 +255,14 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
                                         set(epilogues) | set(rows))
     pools = fuse_pool.merge_pools(launches, ops["pool"], matmuls, sources, touched, writes, keep, users,
                                   merged_away, _whole_result_epilogue_launch)
-    separable = fuse_depthwise.merge_depthwise(launches, epilogues, matmuls, sources, touched, writes, keep, users,
-                                               merged_away, _whole_result_chain, _whole_result_epilogue_launch)
+    so_far = fuse_conv1x1.Fused(epilogues, sources, set(rows) | set(gathers) | set(pools), merged_away)
+    inputs = fuse_conv1x1.merge_conv1x1(launches, matmuls, chains, so_far, touched, writes, keep, users,
+                                        _whole_result_chain, _whole_result_epilogue_launch, _unwritten)
     if not merged_away:
         records, cats = fuse_cat.merge_copies(records, view)
         return FusionResult(records, paired or padded or cats)
     fused = [
-        LaunchRecord(separable[i]) if i in separable
+        LaunchRecord(inputs[i]) if i in inputs
         else LaunchRecord(pools[i]) if i in pools
         else LaunchRecord(rows[i]) if i in rows
         else LaunchRecord(gathers[i]) if i in gathers
@@ -451,7 +453,7 @@ def _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away
 
 def _whole_result_chain(op, chain: _Chain) -> tuple[list, list] | None:
     """(steps, operands) of ``chain`` as the epilogue of ``op`` (a ``conv.ConvOp``, ``grouped_mm.GroupedOp``,
-    ``dequant_rows.DequantRowsOp`` or ``fuse_depthwise.DepthwisePointwiseOp``; each operand a (TRef, its
+    ``dequant_rows.DequantRowsOp`` or ``fuse_conv1x1.Conv1x1Op``; each operand a (TRef, its
     strides over the result's dims) pair, a scalar or None), or None unless the chain starts from the
     whole result, read as itself, over the result's own shape."""
     t = op.c

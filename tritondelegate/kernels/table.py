@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import attention, batchnorm, conv, creation, elementwise, index, layout, matmul, norm, pad, pool, reduce, rotary
 from . import bags, depthwise, distance, grid_sample, grouped_mm, histogram, ranking, resize, router, scatter, softmax
-from . import dequant_rows, fuse_depthwise, sort_offsets
+from . import dequant_rows, fuse_conv1x1, sort_offsets
 
 KERNELS: dict[str, object] = {
     "pointwise": elementwise.pointwise_kernel,
@@ -32,7 +32,7 @@ KERNELS: dict[str, object] = {
     "grouped_mm": grouped_mm.grouped_mm_kernel,
     "conv2d": conv.conv2d_kernel,
     "depthwise_conv": depthwise.depthwise_conv_kernel,
-    "dw_pointwise": fuse_depthwise.dw_pointwise_kernel,
+    "conv1x1": fuse_conv1x1.conv1x1_kernel,
     "pool2d": pool.pool2d_kernel,
     "grid_sample": grid_sample.grid_sample_kernel,
     "resize": resize.resize_kernel,

@@ -239,13 +239,14 @@ def _row_chain_flops(a: Args) -> int:
     return a["rows"] * a["cols"] * (pro * (1 if a["ONE_PASS"] else 2) + epi)
 
 
-def _dw_pointwise_flops(a: Args) -> int:
-    """``fuse_depthwise``'s kernel: the depthwise result once per program column, then the 1x1 GEMM."""
+def _conv1x1_flops(a: Args) -> int:
+    """``fuse_conv1x1``'s kernel: its input t once per program column, then the 1x1 GEMM."""
     t = a["M"] * a["K"]
     pro = sum(_pointwise_op_flops(a[f"POP{k}"]) for k in range(a.get("PROLOGUE") or 0))
     epi = sum(_pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0))
-    depthwise = t * (2 * a["KH"] * a["KW"] + (1 if a["HAS_DW_BIAS"] else 0) + pro) * a["grid"][1]
-    return depthwise + a["M"] * a["COUT"] * (2 * a["K"] + (1 if a["HAS_BIAS"] else 0) + epi)
+    taps = 2 * a["KH"] * a["KW"] + (1 if a["HAS_DW_BIAS"] else 0) if a["DEPTHWISE"] else 0
+    inputs = t * (taps + pro) * a["grid"][1]
+    return inputs + a["M"] * a["COUT"] * (2 * a["K"] + (1 if a["HAS_BIAS"] else 0) + epi)
 
 
 REDUCE_FLOPS = {"sum": 1, "prod": 1, "max": 1, "min": 1, "argmax": 2, "argmin": 2, "welford": 4}
@@ -437,15 +438,15 @@ TRAFFIC: dict[str, KernelTraffic] = {
         writes=(Access("out_ptr"),),
         flops=lambda a: a["M"] * a["COUT"] * (2 * a["KD"] * a["KH"] * a["KW"] + (1 if a["HAS_BIAS"] else 0)),
     ),
-    # a 1x1 convolution of the depthwise result t (K channels, computed where it is read): per program
-    # column (grid axis 1) each of t's M x K elements takes KH * KW multiply-adds, its bias and its
-    # PROLOGUE steps; then 2 FLOPs per (pixel, output channel, k), the bias and the EPILOGUE steps
-    "dw_pointwise": KernelTraffic(
-        reads=(Access("x_ptr"), Access("v_ptr"), Access("c_ptr", _flag("HAS_DW_BIAS")), Access("w_ptr"),
-               Access("bias_ptr", _flag("HAS_BIAS")),
-               *_ROW_CHAIN_READS),
+    # a 1x1 convolution of t (K channels) computed where it is read, from a depthwise convolution's taps
+    # (DEPTHWISE) or a tensor over t's shape, then the PROLOGUE steps: per program column (grid axis 1)
+    # each of t's M x K elements takes KH * KW multiply-adds, the depthwise bias and those steps; then
+    # 2 FLOPs per (pixel, output channel, k), the bias and the EPILOGUE steps
+    "conv1x1": KernelTraffic(
+        reads=(Access("x_ptr"), Access("v_ptr", _flag("DEPTHWISE")), Access("c_ptr", _flag("HAS_DW_BIAS")),
+               Access("w_ptr"), Access("bias_ptr", _flag("HAS_BIAS")), *_ROW_CHAIN_READS),
         writes=(Access("out_ptr"),),
-        flops=_dw_pointwise_flops,
+        flops=_conv1x1_flops,
     ),
     # each output element reads its grid point and 4 taps (bilinear: 3 mul-adds and 8 weight ops each
     # side) or 1 (nearest); the input counts at most the taps

@@ -299,23 +299,24 @@ def _depthwise_conv(x: LaunchArgs) -> Footprint:
     return Footprint(acc, grid, {"output elements": max(M, 0) * max(cout, 0), "COUT_G": cout_g})
 
 
-def _dw_pointwise(x: LaunchArgs) -> Footprint:
-    """A 1x1 convolution whose input t, K channels at M pixels (n, oh, ow), is a depthwise convolution's
-    result computed where it is read: t's channel k reads x's channel k // V_G at input coordinates masked
-    to [0, H) x [0, W), and weight row k; its prologue's operands are addressed over t's (n, k, oh, ow)
-    as the epilogue's are over the output's (n, co, oh, ow)."""
+def _conv1x1(x: LaunchArgs) -> Footprint:
+    """A 1x1 convolution whose input t, K channels at M pixels (n, oh, ow), is computed where it is read.
+    DEPTHWISE: from a depthwise convolution, t's channel k reading x's channel k // V_G at input
+    coordinates masked to [0, H) x [0, W), and weight row k; else x is t's shape itself (H, W: OH, OW,
+    V_G 1). The prologue's operands are addressed over t's (n, k, oh, ow) as the epilogue's are over the
+    output's (n, co, oh, ow)."""
     M, H, W, K, cout = (x.i(name) for name in ("M", "H", "W", "K", "COUT"))
     (v_g,) = x.d("V_G")
     n, oh, ow = _unravel(M, x.d("OH", "OW"))
     acc = [
-        Access("x_ptr", ((n, x.i("xs_n")), (_cdiv(K, v_g), x.i("xs_c")), (H, x.i("xs_h")),
-                         (W, x.i("xs_w")))),
-        Access("v_ptr", ((K, x.i("vs_c")), (x.c["KH"], x.i("vs_h")), (x.c["KW"], x.i("vs_w")))),
+        Access("x_ptr", ((n, x.i("xs_n")), (_cdiv(K, v_g), x.i("xs_c")), (H, x.i("xs_h")), (W, x.i("xs_w")))),
         Access("w_ptr", ((cout, x.i("ws_o")), (K, x.i("ws_i")))),
         Access("out_ptr", ((n, x.i("os_n")), (cout, x.i("os_c")), (oh, x.i("os_h")), (ow, x.i("os_w"))),
                write=True),
     ]
-    if x.c["HAS_DW_BIAS"]:
+    if x.c["DEPTHWISE"]:
+        acc.append(Access("v_ptr", ((K, x.i("vs_c")), (x.c["KH"], x.i("vs_h")), (x.c["KW"], x.i("vs_w")))))
+    if x.c["DEPTHWISE"] and x.c["HAS_DW_BIAS"]:
         acc.append(Access("c_ptr", ((K, 1),)))
     if x.c["HAS_BIAS"]:
         acc.append(Access("bias_ptr", ((cout, 1),)))
@@ -829,8 +830,9 @@ RULES: dict[str, KernelRule] = {
     "depthwise_conv": KernelRule(_depthwise_conv, {
         "BLOCK_M": pow2(1, 4096), "BLOCK_N": pow2(16, 256), "KD": in_range(1, 4096), "KH": in_range(1, 4096),
         "KW": in_range(1, 4096), "HAS_BIAS": FLAG, "DEPTH": FLAG, **_epilogue_constexprs()}, (("BLOCK_M", "BLOCK_N"),)),
-    "dw_pointwise": KernelRule(_dw_pointwise, {
-        **_GEMM, "KH": in_range(1, 4096), "KW": in_range(1, 4096), "HAS_DW_BIAS": FLAG, "HAS_BIAS": FLAG,
+    "conv1x1": KernelRule(_conv1x1, {
+        **_GEMM, "KH": in_range(1, 4096), "KW": in_range(1, 4096), "DEPTHWISE": FLAG, "HAS_DW_BIAS": FLAG,
+        "HAS_BIAS": FLAG,
         **_epilogue_constexprs("PROLOGUE", "P_ROUND", "P"), **_epilogue_constexprs()}, _GEMM_TILES),
     "pool2d": KernelRule(_pool2d, {
         "MODE": one_of("max", "avg", "adaptive_avg", "adaptive_max"), "KD": in_range(1, 4096),

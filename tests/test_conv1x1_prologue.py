@@ -1,6 +1,7 @@
-"""A depthwise convolution whose result (after its epilogue) only a 1x1 convolution reads runs in the
-1x1 convolution's launch (kernels/fuse_depthwise.py, ``dw_pointwise``): the depthwise result, as wide as
-an inverted residual's expanded channels, is never stored."""
+"""A 1x1 convolution computes its input where it reads it (kernels/fuse_conv1x1.py, ``conv1x1``): from
+the taps of the depthwise convolution that alone feeds it (with that convolution's epilogue), or from the
+pointwise chain that wrote it for it alone. The input, as wide as an inverted residual's expanded
+channels, is never stored."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_the_depthwise_convolution_runs_in_the_pointwise_one(dtype, case):
     model = _model(dtype, **case)
     c = case.get("c", 24)
     (launch,) = check_launches(model, (torch.randn(2, c, 7, 9).to(dtype),), dtype)
-    assert launch.kernel == "dw_pointwise" and _constexpr(launch, "KH") == case.get("k", 3)
+    assert launch.kernel == "conv1x1" and _constexpr(launch, "KH") == case.get("k", 3)
     # half precision keeps the batch norm as the depthwise result's epilogue (fp32 folds it into the weights)
     act = {"relu6": 2, "silu": 1, None: 0}[case.get("act", "relu6")]  # relu6: a lower and an upper clamp
     steps = act + (2 if dtype != torch.float32 and case.get("norm", True) else 0)
@@ -82,7 +83,7 @@ def test_many_channels_and_rows():
     """Several program rows and columns and a K walk of many steps, against eager."""
     model = _model(c=96, c_out=80, stride=2)
     (launch,) = check_launches(model, (torch.randn(1, 96, 17, 18),))
-    assert launch.kernel == "dw_pointwise" and tuple(launch.grid) == (2, 2)
+    assert launch.kernel == "conv1x1" and tuple(launch.grid) == (2, 2)
 
 
 class Conformer(torch.nn.Module):
@@ -106,21 +107,85 @@ def test_a_one_dimensional_pair(dtype):
     model = Conformer().eval()
     model.bn.running_var.uniform_(0.5, 2.0)
     launches = check_launches(model.to(dtype), (torch.randn(2, 16, 21).to(dtype),), dtype)
-    assert _fused(launches)[-1] == "dw_pointwise"
+    assert _fused(launches)[-1] == "conv1x1"
 
 
 def test_a_channels_last_input():
     model = _model()
     x = torch.randn(2, 24, 7, 9).to(memory_format=torch.channels_last)
     (launch,) = check_launches(model, (x,))
-    assert launch.kernel == "dw_pointwise"
+    assert launch.kernel == "conv1x1"
 
 
 def test_dynamic_batch_and_size():
     batch, h = Dim("batch", max=4), Dim("h", min=4, max=16)
     calls = [(torch.randn(n, 24, rows, 9),) for n, rows in ((2, 7), (1, 16), (4, 4))]
     lowered, _ = check_dynamic(_model(stride=2), calls, {"x": {0: batch, 2: h}})
-    assert _fused(plan_launches(lowered)) == ["dw_pointwise"]
+    assert _fused(plan_launches(lowered)) == ["conv1x1"]
+
+
+class SqueezeExcite(torch.nn.Module):
+    """EfficientNet's block tail: t = SiLU(BN(dwconv(x))) is read by the squeeze (a mean) and by the
+    scaling, so the depthwise convolution keeps its launch; the scaling ``t * sigmoid(...)`` runs in the
+    1x1 projection's."""
+
+    def __init__(self, c=16, c_out=8, reduced=4):
+        super().__init__()
+        self.dw = torch.nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.reduce, self.expand = torch.nn.Conv2d(c, reduced, 1), torch.nn.Conv2d(reduced, c, 1)
+        self.project = torch.nn.Conv2d(c, c_out, 1, bias=False)
+
+    def forward(self, x):
+        t = torch.nn.functional.silu(self.dw(x))
+        s = torch.sigmoid(self.expand(torch.nn.functional.silu(self.reduce(t.mean((2, 3), keepdim=True)))))
+        return self.project(t * s)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_a_squeeze_and_excitation_scale_runs_in_the_projection(dtype):
+    torch.manual_seed(0)
+    model = SqueezeExcite().eval().to(dtype)
+    launches = check_launches(model, (torch.randn(2, 16, 7, 6).to(dtype),), dtype)
+    last = launches[-1]
+    assert last.kernel == "conv1x1" and not _constexpr(last, "DEPTHWISE")
+    assert _constexpr(last, "PROLOGUE") == 2 and _constexpr(last, "POP1") == "mul"  # sigmoid(s), then * t
+    assert "pointwise" not in _fused(launches) and "pointwise_chain" not in _fused(launches)
+
+
+class Activated(torch.nn.Module):
+    """A chain over x with operands that broadcast (per channel, per pixel, a scalar), then a 1x1 conv."""
+
+    def __init__(self, c=12, c_out=20):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.rand(c, 1, 1) + 0.5)
+        self.pw = torch.nn.Conv2d(c, c_out, 1)
+
+    def forward(self, x, pixels):
+        return self.pw(torch.relu(x * self.scale + pixels) - 0.25)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_a_pointwise_chain_runs_in_the_convolution_that_reads_it(dtype):
+    torch.manual_seed(0)
+    args = (torch.randn(2, 12, 5, 7).to(dtype), torch.randn(1, 1, 5, 7).to(dtype))
+    (launch,) = check_launches(Activated().eval().to(dtype), args, dtype)
+    assert launch.kernel == "conv1x1" and _constexpr(launch, "PROLOGUE") == 4
+
+
+def test_a_chain_of_broadcast_operands_only():
+    """The chain's first operand broadcasts over the 1x1 convolution's input too: the tiles start from
+    it as the chain reads it."""
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pw = torch.nn.Conv2d(6, 4, 1)
+
+        def forward(self, rows, cols):
+            return self.pw(torch.tanh(rows + cols))  # [1, 6, 5, 1] + [1, 6, 1, 7]
+
+    (launch,) = check_launches(Outer().eval(), (torch.randn(1, 6, 5, 1), torch.randn(1, 6, 1, 7)))
+    assert launch.kernel == "conv1x1" and _constexpr(launch, "PROLOGUE") == 2
 
 
 class Kept(torch.nn.Module):
@@ -134,6 +199,9 @@ class Kept(torch.nn.Module):
         self.pw = torch.nn.Conv2d(8, 8, k, stride, k // 2, groups=groups)
 
     def forward(self, x):
+        if self.case == "chain_returned":
+            u = torch.relu(x * 2.0)
+            return self.pw(u), u
         t = torch.relu(self.dw(x))
         if self.case == "returned":
             return self.pw(t), t
@@ -144,10 +212,11 @@ class Kept(torch.nn.Module):
         return self.pw(t)
 
 
-@pytest.mark.parametrize("case", ["returned", "read_twice", "3x3", "strided", "grouped"])
-def test_the_depthwise_convolution_stays_apart_where_it_cannot_merge(case):
+@pytest.mark.parametrize("case", ["returned", "read_twice", "3x3", "strided", "grouped", "chain_returned"])
+def test_the_input_stays_apart_where_it_cannot_merge(case):
     launches = check_launches(Kept(case).eval(), (torch.randn(2, 8, 6, 7),))
-    assert "dw_pointwise" not in _fused(launches) and "depthwise_conv" in _fused(launches)
+    kept = "pointwise_chain" if case == "chain_returned" else "depthwise_conv"
+    assert "conv1x1" not in _fused(launches) and kept in _fused(launches)
 
 
 def test_traffic_counts_no_depthwise_result_and_the_recomputed_taps():

@@ -153,6 +153,21 @@ def test_generate_cli_quantized_json():
     assert memory["constants"] < 0.3 * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def test_generate_cli_prompt_lookup_json():
+    """``--lookup 6``: decode calls of the 'verify' method run the last token and a draft from the text so
+    far; the tokens are greedy decoding's (eager's), in one call fewer per drafted token kept."""
+    proc = subprocess.run([sys.executable, "-m", "tritondelegate", "generate", "--json", "--tokens", "50",
+                           "--lookup", "6"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["tokens"] == r["eager_tokens"] and r["tokens_match"] and r["max_abs_logit_error"] < 1e-3
+    look = r["lookup"]
+    assert look["num_tokens"] == 6 and 0 < look["accepted"] <= look["drafted"]
+    assert len(r["decode_steps"]) == 49 - look["accepted"]  # each call: its last token's successor, then those kept
+    assert set(r["methods"]) == {"prefill", "verify"}
+    assert max(step["h2d_bytes"] for step in r["decode_steps"]) > 16  # some calls carried a draft
+
+
 # --- a loaded program: state shared by prefill and decode, kept per load ---------------------------
 def test_generation_matches_eager_with_the_cache_on_the_device(program_file):
     program = td.load(program_file)

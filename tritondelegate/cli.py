@@ -129,7 +129,8 @@ def _generate(args) -> dict:
     # Exported once with an example length; the program takes any prompt length up to the bound (the
     # generator prefills a longer one in calls of that many). Prefill returns its last position's logits
     # only: the next token's.
-    programs = export_prefill_decode(model, 16, max_prompt_len=GENERATE_MAX_PROMPT_LEN, last_logits=True)
+    programs = export_prefill_decode(model, 16, max_prompt_len=GENERATE_MAX_PROMPT_LEN, last_logits=True,
+                                     verify_len=args.lookup + 1 if args.lookup else None)
     timings["export_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -149,10 +150,11 @@ def _generate(args) -> dict:
         lowered.save(path)
         start = time.perf_counter()
         program = td.load(path, devices=args.device)
-        generator = Generator(program, graphs=args.graphs)
+        generator = Generator(program, graphs=args.graphs, decode="verify" if args.lookup else "decode")
         timings["load_s"] = time.perf_counter() - start
+        lookup = td.PromptLookup(num_tokens=args.lookup) if args.lookup else None
         with torch.no_grad():
-            result = generator.generate(prompt, args.tokens, keep_logits=True)
+            result = generator.generate(prompt, args.tokens, keep_logits=True, lookup=lookup)
 
     tokens, expected = result.tokens[0].tolist(), expected_tokens[0].tolist()
     mismatch = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
@@ -172,17 +174,19 @@ def _generate(args) -> dict:
         "eager_tokens": expected,
         "tokens_match": mismatch is None,
         "first_mismatch": mismatch,
-        "max_abs_logit_error": max((a.float() - b.float()).abs().max().item()
-                                   for a, b in zip(result.logits, expected_logits)),
+        # every position's logits, prefill's last then each decode call's (with lookup, several a call)
+        "max_abs_logit_error": (torch.cat(result.logits, 1).float() - torch.cat(expected_logits, 1).float()
+                                ).abs().max().item(),
         **{k: run[k] for k in ("prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s")},
         "decode_steps": run["steps"],
+        "lookup": args.lookup and {"num_tokens": args.lookup, "drafted": run["drafted"], "accepted": run["accepted"]},
         # What a decode step should move: the token ids and their position in, the logits out.
         "expected_step_h2d_bytes": prompt.shape[0] * 8 + 8,
         "expected_step_d2h_bytes": prompt.shape[0] * cfg["vocab_size"] * 4,
         "cache_bytes": sum(b.numel() * b.element_size() for b in model.cache_buffers().values()),
         "memory": run["memory"],
         "methods": {name: _method_summary(lowered, name, method)
-                    for name, method in (("prefill", generator.prefill), ("decode", generator.decode))},
+                    for name, method in (("prefill", generator.prefill), (generator.decode.name, generator.decode))},
         "timings": timings,
     }
 
@@ -201,7 +205,8 @@ def _print_generation(result: dict) -> None:
     where = "on the device" if result["state_on_device"] else "on the host, copied every call"
     print(f"tritondelegate generate: {result['model']} ({c['n_layers']} layers, dim {c['dim']}, "
           f"vocab {c['vocab_size']}, {c['max_seq_len']} positions) on the {result['device']} device")
-    print(f"  one program, methods prefill and decode; KV cache ({result['cache_bytes']} bytes) {where}"
+    methods = "prefill, decode and verify" if result["lookup"] else "prefill and decode"
+    print(f"  one program, methods {methods}; KV cache ({result['cache_bytes']} bytes) {where}"
           + (", decode replayed as CUDA graphs" if result["graphs"] else ""))
     if result["quantize"]:
         print(f"  linears weight-only quantized ({result['quantize']}), dequantized in the kernels that read them")
@@ -222,10 +227,15 @@ def _print_generation(result: dict) -> None:
         steps = result["decode_steps"]
         print(f"  decode: {len(steps)} steps in {result['decode_s']:.3f} s "
               f"({result['decode_tokens_per_s']:.2f} tokens/s)")
+        if result["lookup"]:
+            look = result["lookup"]
+            print(f"  prompt lookup: {n - 1} tokens after the first in {len(steps)} calls of the 'verify' method; "
+                  f"{look['accepted']} of {look['drafted']} drafted tokens kept (up to {look['num_tokens']} a call)")
         h2d = sorted({s["h2d_bytes"] for s in steps})
         d2h = sorted({s["d2h_bytes"] for s in steps})
         if result["state_on_device"]:
-            expected = "the token id and position in, the logits out, nothing else"
+            expected = ("the token ids and positions in, their logits out" if result["lookup"] else
+                        "the token id and position in, the logits out") + ", nothing else"
         else:
             expected = f"the {result['cache_bytes']}-byte cache both ways, besides the ids, position and logits"
         print(f"  per decode step: {'/'.join(map(str, h2d))} bytes host->device, {'/'.join(map(str, d2h))} bytes "
@@ -304,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
                                                      "features (a power of two >= 16; default: one per row)")
     gen.add_argument("--quantize-embeddings", action="store_true",
                      help="with --quantize: the embedding table too (td.quantize_linears(embeddings=True))")
+    gen.add_argument("--lookup", type=int, metavar="N", default=0,
+                     help="prompt lookup decoding: each decode call runs the last token and up to N drafted from "
+                          "the text so far (a third method, 'verify', of 1..N+1 tokens), keeping those greedy "
+                          "decoding picks (td.PromptLookup; default 0: off)")
     gen.add_argument("--seed", type=int, default=0)
     insp = sub.add_parser("inspect", help="what a program file holds: methods, delegates, constants, state, memory")
     insp.add_argument("program", help="a program file written by LoweredProgram.save")

@@ -244,7 +244,8 @@ def kv_cache_decoder(seed: int = 0, max_batch: int = 1, **overrides) -> KVCacheD
 
 
 def export_prefill_decode(model: KVCacheDecoder, prompt_len: int, max_prompt_len: int | None = None,
-                          last_logits: bool = False) -> dict[str, torch.export.ExportedProgram]:
+                          last_logits: bool = False, verify_len: int | None = None
+                          ) -> dict[str, torch.export.ExportedProgram]:
     """``{"prefill": ep, "decode": ep}``: ``model`` exported for ``prompt_len`` tokens at positions
     0..prompt_len-1 and for one token at position prompt_len. Both programs name the cache buffers
     with the same fully-qualified names, so ``td.lower`` of the dict makes them one shared state.
@@ -256,7 +257,12 @@ def export_prefill_decode(model: KVCacheDecoder, prompt_len: int, max_prompt_len
 
     ``last_logits``: prefill returns the logits of the prompt's last position only, [B, 1, vocab]
     (``KVCacheDecoder.logits_to_keep = 1`` while it is exported): what generation samples from, without
-    the LM head over every prompt position or their logits crossing the bus."""
+    the LM head over every prompt position or their logits crossing the bus.
+
+    ``verify_len``: also a method ``"verify"`` of 1 to ``verify_len`` tokens (a dynamic length) that
+    returns every position's logits: the decode calls of prompt lookup decoding (``Generator(...,
+    decode="verify")`` with ``generate(..., lookup=td.PromptLookup(...))``), which run the last token and
+    a draft and keep the drafted tokens greedy decoding picks."""
     limit = model.cfg.max_seq_len - 1
     if not 0 < prompt_len <= limit or (max_prompt_len is not None and not prompt_len <= max_prompt_len <= limit):
         raise ValueError(f"need 1 <= prompt_len <= max_prompt_len <= {limit} (max_seq_len - 1), got "
@@ -276,7 +282,15 @@ def export_prefill_decode(model: KVCacheDecoder, prompt_len: int, max_prompt_len
         prefill = torch.export.export(model, prefill_args, dynamic_shapes=dynamic)
     finally:
         model.logits_to_keep = keep
-    return {"prefill": prefill, "decode": torch.export.export(model, decode_args)}
+    programs = {"prefill": prefill, "decode": torch.export.export(model, decode_args)}
+    if verify_len is not None:
+        if not 2 <= verify_len <= limit:
+            raise ValueError(f"need 2 <= verify_len <= {limit} (max_seq_len - 1), got {verify_len}")
+        tokens = torch.export.Dim("tokens", min=1, max=verify_len)
+        example = (torch.zeros(batch, 2, dtype=torch.long), torch.arange(2))
+        programs["verify"] = torch.export.export(model, example, dynamic_shapes={
+            "input_ids": {1: tokens}, "input_pos": {0: tokens}})
+    return programs
 
 
 @torch.no_grad()

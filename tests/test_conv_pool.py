@@ -140,10 +140,12 @@ class Kept(torch.nn.Module):
             return F.max_pool2d(y, 2, dilation=2)
         if self.case == "adaptive":
             return F.adaptive_avg_pool2d(y, 3)
+        if self.case == "global":  # EfficientNet's pooler: a window of 8 x 9 taps, one per pixel of the map
+            return F.avg_pool2d(y, 1280, ceil_mode=True)
         return F.max_pool2d(y, 2)
 
 
-@pytest.mark.parametrize("case", ["indices", "returned", "dilated", "adaptive", "depthwise", "transposed"])
+@pytest.mark.parametrize("case", ["indices", "returned", "dilated", "adaptive", "depthwise", "transposed", "global"])
 def test_the_pooling_stays_apart_where_it_cannot_merge(case):
     launches = check_launches(Kept(case).eval(), (torch.randn(2, 4, 8, 9),))
     assert [launch.kernel for launch in launches][:2] == [

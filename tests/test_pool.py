@@ -90,6 +90,23 @@ def test_global_avg_pool(shape, dtype):
     assert [launch.op for launch in plan.launches] == ["mean"]
 
 
+WINDOWS_PAST_THE_INPUT = {  # one output per dim: the taps past the padded input reach nothing
+    "efficientnet_pooler": lambda x: F.avg_pool2d(x, 1280, ceil_mode=True),
+    "exclude_pad": lambda x: F.avg_pool2d(x, 40, 40, 1, ceil_mode=True, count_include_pad=False),
+    "include_pad": lambda x: F.avg_pool2d(x, (40, 3), (40, 1), (1, 1), ceil_mode=True),
+    "max": lambda x: F.max_pool2d(x, 50, ceil_mode=True, return_indices=True),
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_windows_larger_than_the_input_walk_the_input_only(dtype):
+    """EfficientNet's pooler, ``AvgPool2d(1280, ceil_mode=True)`` over a 7 x 7 map: 49 taps a window, not
+    1280 x 1280; eager's divisors and maxima (and indices) are kept."""
+    _, plan = check(all_of(WINDOWS_PAST_THE_INPUT), torch.randn(2, 3, 7, 6), dtype)
+    windows = [(launch.constexprs["KH"].value, launch.constexprs["KW"].value) for launch in plan.launches]
+    assert windows == [(7, 6), (9, 8), (9, 3), (7, 6)]  # include_pad: 40 x 3 taps, 9 along the padded rows
+
+
 def _node(fn, x, target):
     ep = export_decomposed(Fn(fn), (x,))
     return next(n for n in ep.graph.nodes if n.target is target)

@@ -25,7 +25,7 @@ eager's divisor: ``divisor_override``, or the window clipped to the padded input
 
 P merges when all of these hold:
   - P is a 2-D max pooling that writes no indices, or a 2-D average pooling, of dilation 1
-    (``pool.Pooling``);
+    (``pool.Pooling``), of at most ``MAX_TAPS`` taps;
   - C is a 2-D ``conv2d`` launch (not transposed, not depthwise, no pooling yet), with or without an
     epilogue, that writes exactly P's input;
   - t's buffer is scratch, touched by no launch but C and P, and neither a delegate output nor viewed
@@ -62,7 +62,7 @@ def merge_pools(launches, pools, convs, sources, touched, writes, keep, users, m
             continue
         op = convs[m]
         moved = (touched[q] | touched[m]) - {t.buffer, op.c.buffer}
-        if not _poolable(op) or any(moved & writes[k] for k in range(q + 1, p)):
+        if not _poolable(op, window) or any(moved & writes[k] for k in range(q + 1, p)):
             continue
         pooled = replace(op, pool=window)
         if chain is None:
@@ -76,6 +76,14 @@ def merge_pools(launches, pools, convs, sources, touched, writes, keep, users, m
     return merged
 
 
-def _poolable(op) -> bool:
-    """Whether ``op`` is a plain 2-D convolution the conv2d kernel can pool."""
-    return type(op) is cv.ConvOp and not op.transposed and op.pool is None and op.c.ndim == 4
+# The largest window merged. Each tap is a whole K walk of the program's rows, one after another: a
+# stem's 3 x 3 or a VGG stage's 2 x 2 pays for a store and a load of the full-size result, but a global
+# pooling (EfficientNet's 7 x 7 over its last map: one pooled pixel per image) would run the whole map's
+# convolution in one program row per image, where the convolution alone spreads it over many.
+MAX_TAPS = 16
+
+
+def _poolable(op, window) -> bool:
+    """Whether ``op`` is a plain 2-D convolution the conv2d kernel can pool with ``window``."""
+    return (type(op) is cv.ConvOp and not op.transposed and op.pool is None and op.c.ndim == 4
+            and window.kernel[0] * window.kernel[1] <= MAX_TAPS)

@@ -196,6 +196,17 @@ def _adaptive_window(size, out_size) -> int:
     return max(1, min(most, -(-most // out_size) + 1))
 
 
+def _clamped(k, size, out_size, pad, dil):
+    """A window of ``k`` taps along a dim of ``size`` (padded by ``pad`` each side) with one output: its
+    taps past the padded input reach nothing, so ``min(k, size + 2 * pad)`` takes the same taps and
+    (counting from the window's start, clipped to the padded input, as eager's divisor does) the same
+    divisor. EfficientNet's pooler is ``AvgPool2d(1280, ceil_mode=True)`` over a 7 x 7 map: 49 taps, not
+    1280 x 1280. Dynamic sizes, dilated windows and more outputs keep ``k``."""
+    if dil != 1 or not sizes.is_static((size, out_size)) or out_size != 1:
+        return k
+    return max(1, min(k, size + 2 * pad))
+
+
 def _dhw(v, fill) -> tuple:
     """Per spatial dim (h, w) or (d, h, w) values as (d, h, w): a 2-D pooling's depth is ``fill``."""
     return (fill,) * (3 - len(v)) + tuple(v)
@@ -213,6 +224,8 @@ def launch_pool2d(b, mode: str, out, x, kernel=(1, 1), stride=(1, 1), padding=(0
     adaptive = mode.startswith("adaptive")
     if adaptive:
         kernel = tuple(_adaptive_window(s, o) for s, o in zip(size, out_size))
+    else:
+        kernel = tuple(_clamped(*dims) for dims in zip(kernel, size, out_size, padding, dilation))
     (d, h, w), (od, oh, ow), (kd, kh, kw) = _dhw(size, 1), _dhw(out_size, 1), _dhw(kernel, 1)
     total = n * c * od * oh * ow
     # Register spills on sm_90 (scripts/compile_check.py) set the tiles: adaptive windows keep [16, 64]

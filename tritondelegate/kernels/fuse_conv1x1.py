@@ -233,7 +233,7 @@ class Fused:
 def merge_conv1x1(launches, matmuls, chains, fused: Fused, touched, writes, keep, users, chain_of, relaunch,
                   unwritten) -> dict:
     """The position of a 1x1 convolution (or of its epilogue) -> the launch that now computes it with its
-    input. ``chain_of(op, chain)`` gives (steps, operands) of ``chain`` as ``op``'s epilogue (or None),
+    input. ``chain_of(op, chain)`` gives (its result, steps, operands) of ``chain`` as ``op``'s epilogue (or None),
     ``relaunch(op, chain, launch)`` relaunches ``op`` with it, ``unwritten(chain, upto, writes)`` (as
     ``fusion._unwritten``) whether a chain's reads may move to ``upto``. Each producer merged is added
     to ``fused.merged_away``."""
@@ -284,11 +284,12 @@ def _input(d: int, pw, final: int, matmuls, chains, fused: Fused, touched, write
         dw = matmuls[m]
         if not _depthwise(dw) or not same_view(t, dw.c if chain is None else chain.out):
             return None
-        walk = ((), ()) if chain is None else chain_of(dw, chain)
+        produced = dw.c if chain is None else chain.out
+        walk = (produced, (), ()) if chain is None else chain_of(dw, chain)
         moved = (touched[d] | touched[m]) - {t.buffer, dw.c.buffer}
-        if walk is None or any(moved & writes[p] for p in range(d + 1, final)):
-            return None
-        return Conv1x1Op(pw, dw, tuple(walk[0]), tuple(walk[1]))
+        if walk is None or walk[0] is not produced or any(moved & writes[p] for p in range(d + 1, final)):
+            return None  # (a chain reading dw's result reordered writes t in another order than P reads it)
+        return Conv1x1Op(pw, dw, tuple(walk[1]), tuple(walk[2]))
     chain = chains.get(d)
     if chain is None or d in fused.epilogues or chain.compute != "f32" or not same_view(t, chain.out):
         return None

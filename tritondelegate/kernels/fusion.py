@@ -102,6 +102,7 @@ import torch
 
 from ..plan import Launch
 from . import conv as cv
+from . import depthwise as dw
 from . import grouped_mm as gmm
 from . import dequant_rows as dq
 from . import elementwise as ew
@@ -451,11 +452,13 @@ def _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away
     return epilogues
 
 
-def _whole_result_chain(op, chain: _Chain) -> tuple[list, list] | None:
-    """(steps, operands) of ``chain`` as the epilogue of ``op`` (a ``conv.ConvOp``, ``grouped_mm.GroupedOp``,
-    ``dequant_rows.DequantRowsOp`` or ``fuse_conv1x1.Conv1x1Op``; each operand a (TRef, its
-    strides over the result's dims) pair, a scalar or None), or None unless the chain starts from the
-    whole result, read as itself, over the result's own shape."""
+def _whole_result_chain(op, chain: _Chain) -> tuple[TRef, list, list] | None:
+    """(the chain's result as written over the result's dims, steps, operands) of ``chain`` as the
+    epilogue of ``op`` (a ``conv.ConvOp``, ``grouped_mm.GroupedOp``, ``dequant_rows.DequantRowsOp`` or
+    ``fuse_conv1x1.Conv1x1Op``; each operand a (TRef, its strides over the result's dims) pair, a scalar
+    or None), or None unless the chain starts from the whole result, read as itself over the result's
+    own shape, or (a convolution's contiguous result) through a permutation or reshape that reads each
+    element once: Segformer's and PVT's ``dwconv(x).flatten(2).transpose(1, 2)`` before their GELU."""
     t = op.c
     at = [k for k, s in enumerate(chain.slots) if isinstance(s, TRef) and s.buffer == t.buffer]
     if (chain.compute != "f32" or len(chain.steps) > ew.MAX_CHAIN or len(at) != 1 or at[0] > 1
@@ -463,17 +466,27 @@ def _whole_result_chain(op, chain: _Chain) -> tuple[list, list] | None:
         return None
     k = at[0]
     view, shape = chain.slots[k], chain.out.shape
-    if (view.shape, view.strides, view.offset) != (t.shape, t.strides, t.offset) or tuple(shape) != tuple(t.shape):
-        return None
     steps, others = chain.from_slot(k)
-    return steps, [(slot, broadcast_strides(slot, shape)) if isinstance(slot, TRef) else slot for slot in others]
+    if (view.shape, view.strides, view.offset) == (t.shape, t.strides, t.offset) and tuple(shape) == tuple(t.shape):
+        return chain.out, steps, [(s, broadcast_strides(s, shape)) if isinstance(s, TRef) else s for s in others]
+    if type(op) not in (cv.ConvOp, dw.DepthwiseOp) or t.offset != 0 or not t.is_contiguous():
+        return None
+    dims = _product_order(view, shape, t)  # the chain's dims in t's order
+    if dims is None:
+        return None
+    over_t = lambda ref: _product_strides(shape, broadcast_strides(ref, shape), dims, t.shape)  # noqa: E731
+    operands = [(s, over_t(s)) if isinstance(s, TRef) else s for s in others]
+    out = over_t(chain.out)
+    if out is None or any(isinstance(o, tuple) and o[1] is None for o in operands):
+        return None
+    return replace(chain.out, shape=tuple(t.shape), strides=tuple(out)), steps, operands
 
 
 def _whole_result_epilogue_launch(op, chain: _Chain, launch: Launch) -> Launch | None:
     """``launch`` (computing ``op``, as :func:`_whole_result_chain` takes) relaunched with ``chain`` as its
     epilogue, or None."""
     walk = _whole_result_chain(op, chain)
-    launched = None if walk is None else op.launch(chain.out, *walk)
+    launched = None if walk is None else op.launch(*walk)
     if launched is None:
         return None
     grid, args, constexprs = launched

@@ -133,6 +133,22 @@ class Pool3d(nn.Module):
                 self.lrn(x[:, :, 0]))
 
 
+class SqueezeExciteTail(nn.Module):
+    """An EfficientNet-B0 block's tail at 28 x 28 (240 channels): the depthwise conv with its SiLU, the
+    squeeze-and-excitation vector, and the 1x1 projection to 40 channels computing ``t * s`` as it reads
+    its input (fuse_conv1x1.py: a chain prologue, no depthwise taps)."""
+
+    def __init__(self, c=240, reduced=10, c_out=40):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 5, padding=2, groups=c)
+        self.reduce, self.expand = nn.Conv2d(c, reduced, 1), nn.Conv2d(reduced, c, 1)
+        self.project = nn.Conv2d(c, c_out, 1, bias=False)
+
+    def forward(self, x):
+        t = F.silu(self.dw(x))
+        return self.project(t * torch.sigmoid(self.expand(F.silu(self.reduce(t.mean((2, 3), keepdim=True))))))
+
+
 class _GridSample(nn.Module):
     def forward(self, x, grid):
         return (F.grid_sample(x, grid, align_corners=False),
@@ -738,6 +754,7 @@ def _vision_cases(d) -> dict[str, callable]:
         "depthwise_mobilenet": lambda: (nn.Sequential(
             nn.Conv2d(32, 192, 1), nn.ReLU6(), nn.Conv2d(192, 192, 3, stride=2, padding=1, groups=192),
             nn.BatchNorm2d(192), nn.ReLU6(), nn.Conv2d(192, 32, 1)).eval().to(d), (_randn(1, 32, 56, 56, dtype=d),)),
+        "conv1x1_squeeze_excite": lambda: (SqueezeExciteTail().eval().to(d), (_randn(1, 240, 28, 28, dtype=d),)),
         "depthwise_conformer": lambda: (nn.Sequential(
             nn.Conv1d(256, 256, 31, padding=15, groups=256), nn.BatchNorm1d(256), nn.SiLU(),
             nn.Conv1d(256, 256, 1)).eval().to(d), (_randn(1, 256, 500, dtype=d),)),

@@ -1,7 +1,7 @@
 """Launches per call (per layer and outside the layers) and modelled traffic against its lower bound,
 for the models issue "fewer, fatter launches" tracks: the demo decoder, transformers' Llama and GPT-2
 (tiny configs, random weights) and the ResNet-style CNN of the tests; transformers' MobileNetV2 at its
-default config; then a generation step with a KV cache, prefill and decode, for the demo's
+default config and EfficientNet-B0; then a generation step with a KV cache, prefill and decode, for the demo's
 ``KVCacheDecoder`` and transformers' Llama through its static-cache export recipe; last, Llama-3-8B's
 decode attention before and after packing its query heads and splitting its keys; last, a decode step
 with weight-only quantized weights against bf16 ones. Needs no GPU: the figures come from the lowered plans (no kernel runs).
@@ -174,19 +174,25 @@ def _decode_attention() -> None:
         print(f"  cache {keys}, batch {batch}: {row[0]}; packed: {row[1]}; packed + split: {row[2]}")
 
 
-def _mobilenet() -> None:
-    """transformers' MobileNetV2 at 224 x 224 (TensorFlow's SAME padding before its convolutions)."""
+def _mobile_cnns() -> None:
+    """transformers' MobileNetV2 at its default config (224 x 224; TensorFlow's SAME padding before its
+    convolutions) with its classifier, and EfficientNet-B0 (its widths and depths, 224 x 224) to the
+    pooled features."""
     import transformers
 
     from test_mobilenet import Classifier
 
     torch.manual_seed(0)
-    model = Classifier(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config()).eval())
-    for batch in (1, 8):
-        traffic = method_traffic(_lower(model, (torch.randn(batch, 3, 224, 224),)).program.methods[0])
-        print(f"MobileNetV2 224 x 224, batch {batch}: {traffic['launches']} launches, "
-              f"{traffic['bytes'] / 1e6:.1f} MB modelled, lower bound {traffic['lower_bound'] / 1e6:.1f} MB "
-              f"({traffic['ratio']:.2f}x)")
+    b0 = transformers.EfficientNetConfig(width_coefficient=1.0, depth_coefficient=1.0, image_size=224, hidden_dim=1280)
+    models = {"MobileNetV2": Classifier(transformers.MobileNetV2ForImageClassification(
+        transformers.MobileNetV2Config()).eval()),
+              "EfficientNet-B0": _Pooled(transformers.EfficientNetModel(b0).eval())}
+    for name, model in models.items():
+        for batch in (1, 8):
+            traffic = method_traffic(_lower(model, (torch.randn(batch, 3, 224, 224),)).program.methods[0])
+            print(f"{name} 224 x 224, batch {batch}: {traffic['launches']} launches, "
+                  f"{traffic['bytes'] / 1e6:.1f} MB modelled, lower bound {traffic['lower_bound'] / 1e6:.1f} MB "
+                  f"({traffic['ratio']:.2f}x)")
 
 
 QUANTIZED = (("bf16 weights", None), ("int8 per row", {}),
@@ -257,7 +263,7 @@ def main() -> int:
             ratios = [method_traffic(_lower(*make(2, b, **dims)).program.methods[0])["ratio"] for b in (1, 8)]
             print(f"  {name}: {two} launches (2 layers), {layers}; traffic / lower bound: "
                   f"{ratios[0]:.2f} at batch 1, {ratios[1]:.2f} at batch 8")
-    _mobilenet()
+    _mobile_cnns()
     _kv_steps()
     _decode_attention()
     _quantized_decode()

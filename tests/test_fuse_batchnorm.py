@@ -235,11 +235,13 @@ def test_variants(folding, variant):
 
 
 def test_conv_output_also_returned(folding):
-    """The convolution's own result is needed: nothing is folded, both still right."""
+    """The convolution's own result is needed: nothing is folded into the weights; the batch norm is a
+    scale and shift per channel (``affine_batchnorms``), in one launch with the ReLU; both still right."""
     model, x = ConvBN(also_conv=True).eval(), torch.randn(2, 3, 5, 5)
     lowered = _lower(model, (x,))
     assert _folded(lowered) == []
-    assert "batch_norm" in _launches(lowered)
+    assert _launches(lowered) == ["conv2d", "pointwise_chain"]
+    assert any(d.startswith("batch norm -> scale and shift per channel") for d in lowered.reports["forward"].fused)
     _check(lowered, model, x, torch.float32)
 
 
@@ -255,6 +257,7 @@ def test_tiny_resnet(folding, monkeypatch):
 
     monkeypatch.setattr(lower_module, "fuse_patterns", fuse_module.fuse_patterns)
     monkeypatch.setattr(fuse_module, "fuse_batchnorm", lambda ep, state=frozenset(): [], raising=False)
+    monkeypatch.setattr(fuse_module, "affine_batchnorms", lambda ep, state=frozenset(): [], raising=False)
     plain = _launches(_lower(model, (x,)))
     assert plain.count("batch_norm") == 7
     assert kernels.count("conv2d") == plain.count("conv2d")
@@ -272,3 +275,55 @@ def test_dynamic_batch(folding):
     assert len(_folded(lowered)) == 1
     assert "batch_norm" not in _launches(lowered)
 
+
+
+# --- batch norms after no convolution: a scale and shift per channel --------------------------------
+class DenseLayer(nn.Module):
+    """A DenseNet layer: batch norm and ReLU of the features so far (a cat), a 1x1 conv, batch norm and
+    ReLU, a 3x3 conv; its output joins the features."""
+
+    def __init__(self, c=6, growth=4, width=8):
+        super().__init__()
+        self.bn1, self.conv1 = _bn(c), nn.Conv2d(c, width, 1, bias=False)
+        self.bn2, self.conv2 = _bn(width), nn.Conv2d(width, growth, 3, padding=1, bias=False)
+
+    def forward(self, a, b):
+        features = torch.cat((a, b), 1)
+        h = self.conv1(torch.relu(self.bn1(features)))
+        return torch.cat((features, self.conv2(torch.relu(self.bn2(h)))), 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_a_pre_activation_runs_in_the_1x1_convolution(dtype):
+    torch.manual_seed(0)
+    model = DenseLayer().eval().to(dtype)
+    args = (torch.randn(2, 2, 5, 6).to(dtype), torch.randn(2, 4, 5, 6).to(dtype))
+    lowered = _lower(model, args)
+    kernels = _launches(lowered)
+    assert "batch_norm" not in kernels and kernels.count("conv1x1") == 1, kernels
+    assert any(d.startswith("batch norm -> scale and shift per channel") for d in lowered.reports["forward"].fused)
+    result = lowered.load().load_method("forward")(*args)
+    with torch.no_grad():
+        expected = model.float()(*(a.float() for a in args))
+    assert_close(result.float(), expected, dtype=dtype)
+
+
+class LinearBN(nn.Module):
+    """LeViT's MLPLayerWithBN: a linear, a BatchNorm1d over its tokens flattened, then Hardswish."""
+
+    def __init__(self, c=8, out=12):
+        super().__init__()
+        self.linear, self.bn = nn.Linear(c, out, bias=False), _bn(out, kind=nn.BatchNorm1d)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return nn.functional.hardswish(self.bn(h.flatten(0, 1)).reshape_as(h))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_batch_norm_after_a_linear_runs_in_its_epilogue(dtype):
+    torch.manual_seed(0)
+    model, x = LinearBN().eval().to(dtype), torch.randn(2, 5, 8).to(dtype)
+    lowered = _lower(model, (x,))
+    assert _launches(lowered) == ["matmul"]
+    _check(lowered, model, x, dtype)

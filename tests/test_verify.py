@@ -49,7 +49,9 @@ class Zoo(torch.nn.Module):
         h = self.fc(self.ln(self.emb(ids)))[None]
         s = torch.softmax(F.scaled_dot_product_attention(h, h, h, is_causal=True) * 2.0, -1)
         y = F.max_pool2d(torch.relu(self.conv(img)), 2)
-        p = F.layer_norm(torch.sigmoid(F.pad(self.bn(img), (1, 1))) * 3.0 + 1.0, (8,))
+        # a batch norm of computed statistics (constant ones become a scale and shift per channel)
+        normed = F.batch_norm(img, img.mean((0, 2, 3)), img.var((0, 2, 3)), self.bn.weight, self.bn.bias)
+        p = F.layer_norm(torch.sigmoid(F.pad(normed, (1, 1))) * 3.0 + 1.0, (8,))
         z = torch.zeros(6, 8).index_copy(0, ids[:2], h[0, :2])
         # p's chain is the norm's prologue, amax's chain its epilogue; p.exp() * 0.5 a chain of its own
         return (s, torch.cumsum(ids, 0), y, p, s.amax(-1) * 2.0 - 1.0, z, *torch.topk(s[0], 3),

@@ -58,7 +58,8 @@ constant folding and partitioning:
 * ``head_norm``: per-head norms (Qwen3's q_norm and k_norm) that the epilogue did not take run in
   the rotary launch that reads them;
 * ``fuse_batchnorm``: an eval batch norm after a convolution is folded into its weight and bias
-  (computed once by ``lower()``).
+  (computed once by ``lower()``); ``affine_batchnorms``: every other one with constant operands
+  becomes a scale and a shift per channel (two pointwise steps that fuse with their neighbours).
 
 Each returns a description of every rewrite it made (``summary()`` lists them).
 """
@@ -74,7 +75,7 @@ from .dedupe import dedupe
 from .eager_attention import eager_attention
 from .expert_dispatch import expert_dispatch
 from .fold_constants import quantize_weights
-from .fuse_batchnorm import fuse_batchnorm
+from .fuse_batchnorm import affine_batchnorms, fuse_batchnorm
 from .fuse_activations import fuse_activations
 from .fuse_gelu import fuse_gelu
 from .fuse_glu import fuse_glu
@@ -99,7 +100,8 @@ def fuse_patterns(ep: torch.export.ExportedProgram, state: set[str], fold: bool)
             + eager_attention(ep) + position_mask(ep))
     if fold:  # these store new constants (concatenated or folded weights): folding computes them once
         done += (quantize_weights(ep, state) + fuse_glu(ep, state) + fuse_grouped_glu(ep, state) + fuse_projections(ep, state)
-                 + fuse_rope_linear(ep, state) + rope_positions(ep) + fuse_batchnorm(ep, state))
+                 + fuse_rope_linear(ep, state) + rope_positions(ep) + fuse_batchnorm(ep, state)
+                 + affine_batchnorms(ep, state))
     done += expert_dispatch(ep) + fuse_router(ep) + cat_slices(ep) + head_norm(ep)
     if done:
         ep.graph_module.recompile()

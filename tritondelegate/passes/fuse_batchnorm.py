@@ -154,16 +154,14 @@ class _Builder:
 
 def _fold(ep: torch.export.ExportedProgram, conv, bn, outs, weight, bias, operands) -> str:
     graph = ep.graph_module.graph
-    gamma, beta, mean, var, eps = operands
+    _, beta, mean, _, _ = operands
     dtype = tensor_val(weight).dtype
     channels = tensor_val(weight).shape[0]
     with graph.inserting_before(conv):
         new = _Builder(graph, conv.meta)
         compute = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for an fp64 weight
         up = lambda n: new.cast(n, compute)  # noqa: E731
-        scale = new(aten.rsqrt.default, new(aten.add.Tensor, up(var), eps))
-        if gamma is not None:
-            scale = new(aten.mul.Tensor, scale, up(gamma))
+        scale = _scale(new, operands, up)
         if dtype != compute:  # fp16/bf16: an fp32 scale and shift after the convolution (its epilogue)
             return _affine_after(ep, new, conv, bn, outs, operands, scale, up, channels, dtype)
         # The last node of each is named, for the summary's list of what constant folding computed.
@@ -192,22 +190,68 @@ def _affine_after(ep, new, conv, bn, outs, operands, scale, up, channels: int, d
     precision convolution: eager rounds the convolution's result to its dtype, then normalizes in fp32;
     rounding ``W * scale`` and ``b'`` to fp16/bf16 instead loses what the normalization's cancellation
     needs (LeViT in bf16: 12x eager's error). The chain runs in the convolution's epilogue."""
+    _affine(ep, new, conv, bn, outs, operands, scale, up, channels, dtype, conv.name)
+    return f"batch norm -> conv epilogue (fp32 scale and shift): {bn.name} after {conv.name}"
+
+
+def _affine(ep, new, x, bn, outs, operands, scale, up, channels: int, dtype, prefix: str) -> None:
+    """Replaces ``bn``'s outputs ``outs`` by ``(x * scale + shift).to(dtype)`` (the product and sum in
+    ``scale``'s dtype), scale and shift per channel (dim 1 of x), computed by ``new`` before ``x`` or
+    ``bn`` and named after ``prefix``."""
     graph = ep.graph_module.graph
     _, beta, mean, _, _ = operands
     shift = new(aten.mul.Tensor, up(mean), scale)
     shift = new(aten.sub.Tensor, up(beta), shift) if beta is not None else new(aten.neg.default, shift)
-    per_channel = [channels] + [1] * (tensor_val(conv).ndim - 2)  # over y's [C, (D,) H, W]
-    scale = new(aten.view.default, scale, per_channel, name=f"{conv.name}_bn_scale")
-    shift = new(aten.view.default, shift, per_channel, name=f"{conv.name}_bn_shift")
+    per_channel = [channels] + [1] * (tensor_val(x).ndim - 2)  # over x's [C, (D,) (H,) (W)]
+    scale = new(aten.view.default, scale, per_channel, name=f"{prefix}_bn_scale")
+    shift = new(aten.view.default, shift, per_channel, name=f"{prefix}_bn_shift")
     with graph.inserting_before(bn):
         after = _Builder(graph, bn.meta)
-        z = after.cast(after(aten.add.Tensor, after(aten.mul.Tensor, conv, scale), shift), dtype)
+        z = after.cast(after(aten.add.Tensor, after(aten.mul.Tensor, x, scale), shift), dtype)  # x * fp32: fp32
     for out in outs:
         replace_node(ep, out, z)
     for user in list(bn.users):
         graph.erase_node(user)
     graph.erase_node(bn)
-    return f"batch norm -> conv epilogue (fp32 scale and shift): {bn.name} after {conv.name}"
+
+
+def _scale(new, operands, up):
+    """rsqrt(var + eps) * gamma, in the compute dtype ``up`` casts to."""
+    gamma, _, _, var, eps = operands
+    scale = new(aten.rsqrt.default, new(aten.add.Tensor, up(var), eps))
+    return new(aten.mul.Tensor, scale, up(gamma)) if gamma is not None else scale
+
+
+def affine_batchnorms(ep: torch.export.ExportedProgram, state: set[str] = frozenset()) -> list[str]:
+    """Every eval batch norm left (after no convolution it could fold into: a pre-activation network's,
+    LeViT's after its linears, one after a pooling) with constant statistics and affine parameters
+    becomes ``(x * scale + shift).to(dtype)``, scale and shift per channel computed once by ``lower()``
+    (fp32, or fp64 for fp64): two pointwise steps that fuse with their neighbours (a matmul's epilogue,
+    an activation, a 1x1 convolution's prologue), where the batch norm kernel was a launch of its own.
+    Eager's eval batch norm computes the same ``x * alpha + beta``. Returns one description each."""
+    graph = ep.graph_module.graph
+    constants = set(constant_inputs(ep, set(state)))
+    done = []
+    for bn in list(graph.nodes):
+        if bn.op != "call_function" or bn.target not in _BATCH_NORMS or not bn.args:
+            continue
+        x, outs = bn.args[0], _outputs(bn)
+        xv = tensor_val(x) if isinstance(x, torch.fx.Node) else None
+        if xv is None or xv.ndim < 2 or not isinstance(xv.shape[1], int) or xv.dtype not in _FLOATS or not outs:
+            continue
+        operands = _batch_norm_operands(bn, constants, xv.shape[1])
+        if operands is None or any(tensor_val(o) is None or tensor_val(o).dtype != xv.dtype for o in outs):
+            continue
+        with graph.inserting_before(bn):
+            new = _Builder(graph, bn.meta)
+            compute = torch.promote_types(xv.dtype, torch.float32)
+            up = lambda n: new.cast(n, compute)  # noqa: E731
+            _affine(ep, new, x, bn, outs, operands, _scale(new, operands, up), up, xv.shape[1], xv.dtype, bn.name)
+        done.append(f"batch norm -> scale and shift per channel: {bn.name}")
+    if done:
+        graph.lint()
+        ep.graph_module.recompile()
+    return done
 
 
 def fuse_batchnorm(ep: torch.export.ExportedProgram, state: set[str] = frozenset()) -> list[str]:

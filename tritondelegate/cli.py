@@ -106,6 +106,18 @@ GENERATE_MODEL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=
 GENERATE_MAX_PROMPT_LEN = 32
 
 
+def _check_generate_args(args) -> None:
+    """That the prompt, the tokens after it and a lookup's draft fit the demo's cache."""
+    positions, prompt_len = GENERATE_MODEL["max_seq_len"], args.prompt_len
+    if not 1 <= prompt_len <= positions:
+        raise SystemExit(f"--prompt-len must be in 1..{positions}")
+    if not 1 <= args.tokens <= positions - prompt_len + 1:
+        raise SystemExit(f"--tokens must be in 1..{positions - prompt_len + 1} "
+                         f"(a {prompt_len}-token prompt in a {positions}-position cache)")
+    if args.lookup and not 1 <= args.lookup <= positions - 2:
+        raise SystemExit(f"--lookup must be in 1..{positions - 2} (0: off)")
+
+
 def _generate(args) -> dict:
     import torch
 
@@ -114,11 +126,7 @@ def _generate(args) -> dict:
     from tritondelegate.models import export_prefill_decode, generate_eager, kv_cache_decoder, llm_constant_methods
 
     cfg, prompt_len = GENERATE_MODEL, args.prompt_len
-    if not 1 <= prompt_len <= cfg["max_seq_len"]:
-        raise SystemExit(f"--prompt-len must be in 1..{cfg['max_seq_len']}")
-    if not 1 <= args.tokens <= cfg["max_seq_len"] - prompt_len + 1:
-        raise SystemExit(f"--tokens must be in 1..{cfg['max_seq_len'] - prompt_len + 1} "
-                         f"(a {prompt_len}-token prompt in a {cfg['max_seq_len']}-position cache)")
+    _check_generate_args(args)
     timings = {}
     start = time.perf_counter()
     model = kv_cache_decoder(seed=args.seed, **cfg)

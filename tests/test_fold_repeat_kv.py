@@ -42,6 +42,23 @@ def test_repeat_kv_becomes_enable_gqa_and_matches_eager():
     torch.testing.assert_close(out, attention(q, k, v, mask), atol=1e-4, rtol=1e-4)
 
 
+def test_one_key_value_head_repeats_as_a_view_and_becomes_enable_gqa_too():
+    """Multi-query attention (Gemma-2B, Gemma 3 1B, Falcon-7B: one key/value head): the repeat is an
+    expand and a view, with no clone between them."""
+    def mqa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), is_causal=True)
+
+    q, k, v = torch.randn(2, 4, 9, 16), torch.randn(2, 1, 9, 16), torch.randn(2, 1, 9, 16)
+    ep = decompose(torch.export.export(Fn(mqa), (q, k, v)))
+    assert not [n for n in ep.graph_module.graph.nodes if n.target == aten.clone.default]
+    assert fold_repeat_kv(ep.graph_module)
+    (sdpa,) = [n for n in ep.graph_module.graph.nodes if n.target == aten.scaled_dot_product_attention.default]
+    assert sdpa.kwargs["enable_gqa"] is True and [a.op for a in sdpa.args[1:3]] == ["placeholder", "placeholder"]
+    lowered = _lower(Fn(mqa), (q, k, v))
+    out = lowered.load(devices="simulated").load_method()(q, k, v)
+    torch.testing.assert_close(out, mqa(q, k, v), atol=1e-4, rtol=1e-4)
+
+
 def test_other_repeats_are_left_alone():
     def not_gqa(q, k, v):  # only the key is repeated: no GQA call expresses this
         return torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 3), torch.cat([v] * 3, dim=1))

@@ -4,7 +4,8 @@ Llama-style models repeat each key/value head for its group of query heads befor
 
     view(clone(expand(unsqueeze(k, 2), [b, kv, rep, s, d])), [b, kv * rep, s, d])
 
-which costs a copy of k and of v per layer. The attention kernel reads head ``h`` of a GQA call from
+which costs a copy of k and of v per layer (with one key/value head, multi-query attention: Gemma-2B,
+Gemma 3 1B, Falcon-7B, the view needs no copy and there is no ``clone``). The attention kernel reads head ``h`` of a GQA call from
 kv head ``h // rep`` directly, so the pass hands it ``k`` and ``v`` themselves. It runs on the exported
 graph before partitioning and changes no result: ``enable_gqa`` is defined as that repetition.
 """
@@ -30,17 +31,17 @@ def repeated_kv(node) -> tuple[torch.fx.Node, int, list[torch.fx.Node]] | None:
     chain = [node]
     if not (isinstance(node, torch.fx.Node) and node.target in _VIEWS):
         return None
-    clone = node.args[0]
-    if not (isinstance(clone, torch.fx.Node) and clone.target == aten.clone.default):
-        return None
-    expand = clone.args[0]
+    expand = node.args[0]
+    if isinstance(expand, torch.fx.Node) and expand.target == aten.clone.default:
+        chain.append(expand)
+        expand = expand.args[0]  # one key/value head (multi-query) repeats as a view: no clone
     if not (isinstance(expand, torch.fx.Node) and expand.target == aten.expand.default):
         return None
     unsqueeze = expand.args[0]
     if not (isinstance(unsqueeze, torch.fx.Node) and unsqueeze.target == aten.unsqueeze.default
             and unsqueeze.args[1] == 2):
         return None
-    chain += [clone, expand, unsqueeze]
+    chain += [expand, unsqueeze]
     source = unsqueeze.args[0]
     src, out, expanded = _shape(source), _shape(node), _shape(expand)
     if src is None or out is None or expanded is None or len(src) != 4 or len(expanded) != 5:

@@ -233,9 +233,9 @@ class Fused:
 def merge_conv1x1(launches, matmuls, chains, fused: Fused, touched, writes, keep, users, chain_of, relaunch,
                   unwritten) -> dict:
     """The position of a 1x1 convolution (or of its epilogue) -> the launch that now computes it with its
-    input. ``chain_of(op, chain)`` gives (its result, steps, operands) of ``chain`` as ``op``'s epilogue (or None),
-    ``relaunch(op, chain, launch)`` relaunches ``op`` with it, ``unwritten(chain, upto, writes)`` (as
-    ``fusion._unwritten``) whether a chain's reads may move to ``upto``. Each producer merged is added
+    input. ``chain_of(op, chain)`` gives (its result, steps, operands) of ``chain`` as ``op``'s epilogue
+    (or None), ``relaunch(op, chain, launch)`` relaunches ``op`` with it, ``unwritten(chain, upto,
+    writes)`` (as ``fusion._unwritten``) whether a chain's reads may move to ``upto``. Each producer merged is added
     to ``fused.merged_away``."""
     merged = {}
     after = {m: c for c, (m, _) in fused.sources.items()}  # a matmul's position -> its epilogue's
@@ -282,9 +282,9 @@ def _input(d: int, pw, final: int, matmuls, chains, fused: Fused, touched, write
     if d in fused.sources or _depthwise(matmuls.get(d)):
         m, chain = fused.sources.get(d, (d, None))
         dw = matmuls[m]
-        if not _depthwise(dw) or not same_view(t, dw.c if chain is None else chain.out):
-            return None
         produced = dw.c if chain is None else chain.out
+        if not _depthwise(dw) or not same_view(t, produced):
+            return None
         walk = (produced, (), ()) if chain is None else chain_of(dw, chain)
         moved = (touched[d] | touched[m]) - {t.buffer, dw.c.buffer}
         if walk is None or walk[0] is not produced or any(moved & writes[p] for p in range(d + 1, final)):

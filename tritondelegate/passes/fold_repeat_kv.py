@@ -5,9 +5,10 @@ Llama-style models repeat each key/value head for its group of query heads befor
     view(clone(expand(unsqueeze(k, 2), [b, kv, rep, s, d])), [b, kv * rep, s, d])
 
 which costs a copy of k and of v per layer (with one key/value head, multi-query attention: Gemma-2B,
-Gemma 3 1B, Falcon-7B, the view needs no copy and there is no ``clone``). The attention kernel reads head ``h`` of a GQA call from
-kv head ``h // rep`` directly, so the pass hands it ``k`` and ``v`` themselves. It runs on the exported
-graph before partitioning and changes no result: ``enable_gqa`` is defined as that repetition.
+Gemma 3 1B, Falcon-7B, the view needs no copy and there is no ``clone``). The attention kernel reads
+head ``h`` of a GQA call from kv head ``h // rep`` directly, so the pass hands it ``k`` and ``v``
+themselves. It runs on the exported graph before partitioning and changes no result: ``enable_gqa`` is
+defined as that repetition.
 """
 
 from __future__ import annotations

@@ -146,9 +146,18 @@ def test_a_reshape_an_operand_cannot_follow_is_not_fused():
     for fn in (lambda a, b, w: (a + b.t()).reshape(24) * 2, lambda a, b, w: (a + w).reshape(24) * 2):
         _, plan = check_model(Fn(fn), (a, b, w))
         assert kernels(plan) == ["pointwise", "pointwise"]
-    # a transposed read of the sum is no reshape either
+    # a transposed read of the sum is a permutation: the operands are read transposed too, one launch
     _, plan = check_model(Fn(lambda a, b, w: (a + b.t()).t() * 2), (a, b, w))
-    assert len(plan.launches) == 2
+    assert chains(plan) == [["add", "mul"]] and len(plan.launches) == 1
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_a_consumer_reading_through_a_permutation(dtype):
+    """ConvNeXt's block tail: ``x + (y * gamma).permute(0, 3, 1, 2)``, y channels-last; the scale's
+    operands are read in the residual's order, one launch."""
+    y, gamma, x = torch.randn(2, 3, 5, 8), torch.randn(8), torch.randn(2, 8, 3, 5)
+    _, plan = check_low(Fn(lambda y, gamma, x: x + (y * gamma).permute(0, 3, 1, 2)), (y, gamma, x), dtype)
+    assert chains(plan) == [["mul", "add"]] and len(plan.launches) == 1
 
 
 def test_a_clone_of_a_temporary_is_the_temporary():
@@ -156,9 +165,10 @@ def test_a_clone_of_a_temporary_is_the_temporary():
     x = torch.randn(5, 7)
     _, plan = check_model(Fn(lambda x: (x * 2).clone() + 1), (x,))
     assert chains(plan) == [["mul", "add"]] and len(plan.launches) == 1
-    # a clone of a delegate input, or of a transposed temporary, copies (here fused into its consumer)
+    # a clone of a delegate input copies (fused into its consumer); a clone of a transposed temporary
+    # reads the temporary's operands transposed (one launch with it)
     _, plan = check_model(Fn(lambda x: (x.clone() * 3, (x * 2).t().clone() + 1)), (x,))
-    assert [launch.op for launch in plan.launches] == ["clone+mul", "mul_1", "clone_1+add"]
+    assert [launch.op for launch in plan.launches] == ["clone+mul", "mul_1+clone_1+add"]
 
 
 def test_a_clone_of_state_keeps_the_value_before_its_update():

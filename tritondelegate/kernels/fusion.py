@@ -315,22 +315,42 @@ def fuse_pointwise_chains(records: list[LaunchRecord], touched: list[set[int]], 
 
 
 def _reshaped(chain: _Chain, operand: TRef, view) -> _Chain | None:
-    """``chain`` seen through ``operand``, a reshape of its contiguous result (``x.float()[:, None]``:
-    the same elements in the same order, another shape): its result and operands viewed in that shape,
-    or None when ``operand`` is no such view or an operand has no view of that shape."""
+    """``chain`` seen through ``operand``, a view of its contiguous result that reads each element once:
+    a reshape (``x.float()[:, None]``: the same elements in the same order, another shape) or a
+    permutation of one (ConvNeXt's ``x.permute(0, 3, 1, 2)`` before its residual add): its result and
+    operands viewed in that shape and order, or None when ``operand`` is no such view or an operand has
+    no such view."""
     t = chain.out
     if (view is None or operand.buffer != t.buffer or operand.offset != t.offset or operand.dtype != t.dtype
-            or not (t.is_contiguous() and operand.is_contiguous()) or operand.numel != t.numel):
+            or not t.is_contiguous() or operand.numel != t.numel):
+        return None
+    dims = _product_order(operand, operand.shape, t)  # operand's dims in t's order
+    if dims is None:
         return None
     slots = []
     for slot in chain.slots:
         if isinstance(slot, TRef):
-            strides = _product_strides(t.shape, broadcast_strides(slot, t.shape), range(len(t.shape)), operand.shape)
+            strides = _walked_strides(t.shape, broadcast_strides(slot, t.shape), operand.shape, dims)
             if strides is None:
                 return None
             slot = view(slot, operand.shape, strides, slot.offset)
         slots.append(slot)
     return replace(chain, out=operand, slots=slots)
+
+
+def _walked_strides(shape, strides, target, dims) -> tuple[int, ...] | None:
+    """The strides over ``target`` of a tensor over ``shape`` (``strides``) read as a view of ``target``
+    whose dims ``dims`` (outermost first; the others of size 1) walk ``shape`` in its own order; None
+    when no view of that shape exists."""
+    try:
+        with size_fns.tensor_like(list(shape), list(strides), 0, torch.float32) as x:
+            walked = size_fns.shape(x.view(size_fns.fake_sizes([target[d] for d in dims])).stride())
+    except (RuntimeError, ValueError):
+        return None
+    result = [0] * len(target)
+    for d, s in zip(dims, walked):
+        result[d] = s
+    return tuple(result)
 
 
 def _merge_chains(launches, pointwise, touched, writes, keep, users, view=None

@@ -57,12 +57,34 @@ class Mixed(torch.nn.Module):
 def test_only_input_independent_deterministic_small_results_fold():
     ep = decompose(torch.export.export(Mixed(), (torch.randn(3, 6),)))
     folded = fold_constants(ep, state={"steps"})
-    values = [ep.constants[s.target] for s in ep.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"]
-    assert len(folded) == 1 and values[0].shape == (6,)
-    torch.testing.assert_close(values[0], torch.arange(6, dtype=torch.float32).exp())
+    values = {tuple(ep.constants[s.target].shape): ep.constants[s.target]
+              for s in ep.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"}
+    # the scale, and the 4 bytes the large result is computed from (the large result itself is not)
+    assert len(folded) == 2 and set(values) == {(6,), (1,)}
+    torch.testing.assert_close(values[(6,)], torch.arange(6, dtype=torch.float32).exp())
+    torch.testing.assert_close(values[(1,)], torch.ones(1))
     ops = {str(n.target) for n in ep.graph_module.graph.nodes if n.op == "call_function"}
     assert {"aten.rand.default", "aten.permute.default"} <= ops or {"aten.rand.default", "aten.t.default"} <= ops
     assert any("expand" in op for op in ops)  # the large result stays a computation
+
+
+class RepeatedMask(torch.nn.Module):
+    """Swin's shifted-window mask: built from aranges (input-independent, 9.6 KB), repeated over the
+    windows and heads (2.4 MB: too big to store), added to the scores."""
+
+    def forward(self, scores):
+        idx = torch.arange(49)
+        mask = (idx[:, None] // 7 != idx[None, :] // 7).float() * -100.0
+        return scores + mask.repeat(64, 4, 1, 1)
+
+
+def test_a_result_too_big_to_store_folds_what_it_is_computed_from():
+    model, args = RepeatedMask(), (torch.randn(64, 4, 49, 49),)
+    lowered = _lower(model, args)
+    kernels = [launch.kernel for d in lowered.program.methods[0].delegates for launch in d.plan.launches]
+    assert "arange" not in kernels and len(kernels) <= 2, kernels  # the repeat and the add, at most
+    assert [tuple(c.shape) for c in lowered.program.constants] == [(49, 49)]
+    torch.testing.assert_close(lowered.load().load_method("forward")(*args), model(*args))
 
 
 class Reused(torch.nn.Module):

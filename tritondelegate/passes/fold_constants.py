@@ -99,13 +99,21 @@ def fold_constants(ep: torch.export.ExportedProgram, state: set[str] = frozenset
     quantized = quant_weights.evaluate(graph, constants, foldable, values)
     kept = [node for node in constants if _dequantize_in_kernels(ep, node, quantized)]
     folded = []
-    for node in frontier:
+    pending, seen = list(frontier), set(frontier)
+    while pending:
+        node = pending.pop(0)
         if _dequantize_in_kernels(ep, node, quantized):
             folded.append(node.name)
             continue
         value = values[node]
         read = sum(_nbytes(constants[p]) for p in _placeholders_under(node, constants))
         if _nbytes(value) > max(read, MAX_GROWTH_BYTES):
+            # too big to store (a mask repeated over heads, a table broadcast over the batch): fold what
+            # it is computed from instead, and keep only its last steps at run time
+            more = [a for a in node.all_input_nodes if a in foldable and a not in constants and a not in seen
+                    and isinstance(a.meta.get("val"), torch.Tensor) and not _is_view_only(a, constants)]
+            seen.update(more)
+            pending.extend(more)
             continue
         value = value.contiguous()
         # a later frontier node computed from this one now reads the new constant: its value is known

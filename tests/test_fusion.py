@@ -5,9 +5,11 @@ import warnings
 
 import pytest
 import torch
+from torch.export import Dim
 
 import tritondelegate as td
-from harness import FLOAT_DTYPES, Buffered, Fn, check_low, check_model, check_state_updates
+from harness import (FLOAT_DTYPES, Buffered, Fn, check_dynamic, check_low, check_model, check_state_updates,
+                     plan_launches)
 from tritondelegate.kernels import fusion
 from tritondelegate.kernels.refs import LaunchRecord, TRef
 from tritondelegate.kernels.elementwise import PointwiseOp
@@ -158,6 +160,19 @@ def test_a_consumer_reading_through_a_permutation(dtype):
     y, gamma, x = torch.randn(2, 3, 5, 8), torch.randn(8), torch.randn(2, 8, 3, 5)
     _, plan = check_low(Fn(lambda y, gamma, x: x + (y * gamma).permute(0, 3, 1, 2)), (y, gamma, x), dtype)
     assert chains(plan) == [["mul", "add"]] and len(plan.launches) == 1
+
+
+class PermutedTail(torch.nn.Module):
+    def forward(self, y, gamma, x):
+        return x + (y * gamma).permute(0, 3, 1, 2)
+
+
+def test_a_consumer_reading_through_a_permutation_of_dynamic_sizes():
+    batch, rows = Dim("batch", max=4), Dim("rows", min=2, max=9)
+    calls = [(torch.randn(n, r, 5, 8), torch.randn(8), torch.randn(n, 8, r, 5)) for n, r in ((2, 3), (1, 9), (4, 2))]
+    lowered, _ = check_dynamic(PermutedTail(), calls, {"y": {0: batch, 1: rows}, "gamma": None,
+                                                       "x": {0: batch, 2: rows}})
+    assert [launch.kernel for launch in plan_launches(lowered)] == ["pointwise_chain"]
 
 
 def test_a_clone_of_a_temporary_is_the_temporary():

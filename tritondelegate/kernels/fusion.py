@@ -342,10 +342,8 @@ def _walked_strides(shape, strides, target, dims) -> tuple[int, ...] | None:
     """The strides over ``target`` of a tensor over ``shape`` (``strides``) read as a view of ``target``
     whose dims ``dims`` (outermost first; the others of size 1) walk ``shape`` in its own order; None
     when no view of that shape exists."""
-    try:
-        with size_fns.tensor_like(list(shape), list(strides), 0, torch.float32) as x:
-            walked = size_fns.shape(x.view(size_fns.fake_sizes([target[d] for d in dims])).stride())
-    except (RuntimeError, ValueError):
+    walked = _product_strides(shape, strides, range(len(shape)), [target[d] for d in dims])
+    if walked is None:
         return None
     result = [0] * len(target)
     for d, s in zip(dims, walked):

@@ -90,6 +90,12 @@ def _pointwise_op_flops(op: str, alpha=1) -> int:
     return POINTWISE_FLOPS.get(op, 1) + extra
 
 
+def _steps_flops(a: Args, p: str = "E") -> int:
+    """FLOPs per element of a fused chain's steps: the epilogue's (``p`` "E") or the prologue's ("P")."""
+    count = {"P": "PROLOGUE", "E": "EPILOGUE"}[p]
+    return sum(_pointwise_op_flops(a[f"{p}OP{k}"]) for k in range(a.get(count) or 0))
+
+
 def _pointwise_operand(slot: int, scalar: str) -> Callable[[Args], bool]:
     """Operand ``slot`` (0: a, 1: b, 2: c) of a ``pointwise`` launch is read when it is used and is
     not a scalar; otherwise its pointer is a stand-in (the output)."""
@@ -144,7 +150,7 @@ def _matmul_flops(a: Args) -> int:
     # element of C (alpha, the bias, then the fused pointwise steps)
     z = a["grid"][1]
     epilogue = (a["alpha"] != 1) + (1 + (a["beta"] != 1) if a["HAS_BIAS"] else 0)
-    epilogue += sum(_pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0))
+    epilogue += _steps_flops(a, "E")
     return z * (2 * a["M"] * a["N"] * a["K"] + epilogue * a["M"] * a["N"])
 
 
@@ -234,16 +240,16 @@ _ROW_CHAIN_READS = tuple(Access(f"{p.lower()}{k}_ptr", _row_chain_operand(p, k))
 def _row_chain_flops(a: Args) -> int:
     """A row kernel's fused steps per element: the prologue's once per read of x (twice when a row
     takes two passes), the epilogue's once."""
-    pro = sum(_pointwise_op_flops(a[f"POP{k}"]) for k in range(a.get("PROLOGUE") or 0))
-    epi = sum(_pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0))
+    pro = _steps_flops(a, "P")
+    epi = _steps_flops(a, "E")
     return a["rows"] * a["cols"] * (pro * (1 if a["ONE_PASS"] else 2) + epi)
 
 
 def _conv1x1_flops(a: Args) -> int:
     """``fuse_conv1x1``'s kernel: its input t once per program column, then the 1x1 GEMM."""
     t = a["M"] * a["K"]
-    pro = sum(_pointwise_op_flops(a[f"POP{k}"]) for k in range(a.get("PROLOGUE") or 0))
-    epi = sum(_pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0))
+    pro = _steps_flops(a, "P")
+    epi = _steps_flops(a, "E")
     taps = 2 * a["KH"] * a["KW"] + (1 if a["HAS_DW_BIAS"] else 0) if a["DEPTHWISE"] else 0
     inputs = t * (taps + pro) * a["grid"][1]
     return inputs + a["M"] * a["COUT"] * (2 * a["K"] + (1 if a["HAS_BIAS"] else 0) + epi)
@@ -255,8 +261,8 @@ REDUCE_FLOPS = {"sum": 1, "prod": 1, "max": 1, "min": 1, "argmax": 2, "argmin": 
 def _reduce_flops(a: Args) -> int:
     """The formula per element, a fused prologue's steps per element, an epilogue's per row."""
     per = REDUCE_FLOPS.get(a["COMBINE"], 1) + (a["MAP"] != "id")
-    pro = sum(_pointwise_op_flops(a[f"POP{k}"]) for k in range(a.get("PROLOGUE") or 0))
-    epi = sum(_pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0))
+    pro = _steps_flops(a, "P")
+    epi = _steps_flops(a, "E")
     return a["rows"] * (a["cols"] * (per + pro) + epi)
 
 
@@ -336,7 +342,7 @@ TRAFFIC: dict[str, KernelTraffic] = {
                Access("idx1_ptr", _indices(2)), Access("idx2_ptr", _indices(3)),
                *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
         writes=(Access("out_ptr"),),
-        flops=lambda a: a["n"] * sum(_pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0)),
+        flops=lambda a: a["n"] * _steps_flops(a, "E"),
     ),
     # out[r] = the dequantized row idx[r] of a quantized table: R rows of q at most (half a byte per value
     # with 4 bits), and of each table R rows of its groups; a few ops per value; then EPILOGUE fused
@@ -347,8 +353,7 @@ TRAFFIC: dict[str, KernelTraffic] = {
                Access("qz_ptr", lambda a: "zero" in a["QUANT"], at_most=_table_rows),
                Access("qs_ptr", lambda a: "scale" in a["QUANT"], at_most=_table_rows),
                *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
-        writes=(Access("out_ptr"),), flops=lambda a: a["R"] * a["D"] * (2 + sum(
-            _pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0)))),
+        writes=(Access("out_ptr"),), flops=lambda a: a["R"] * a["D"] * (2 + _steps_flops(a, "E"))),
     "cumsum": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"),),
                             flops=lambda a: a["rows"] * a["length"]),
     "cumextreme": KernelTraffic(reads=(Access("x_ptr"),), writes=(Access("out_ptr"), Access("idx_ptr")),
@@ -421,8 +426,7 @@ TRAFFIC: dict[str, KernelTraffic] = {
                Access("qs_ptr", lambda a: "scale" in a["QUANT"], at_most=_expert_tables),
                *(Access(f"e{k}_ptr", _epilogue_operand(k)) for k in range(4))),
         writes=(Access("out_ptr"),),
-        flops=lambda a: 2 * a["S"] * a["N"] * a["K"] + a["S"] * a["N"] // (2 if a["GLU"] else 1) * sum(
-            _pointwise_op_flops(a[f"EOP{k}"]) for k in range(a.get("EPILOGUE") or 0)),
+        flops=lambda a: 2 * a["S"] * a["N"] * a["K"] + a["S"] * a["N"] // (2 if a["GLU"] else 1) * _steps_flops(a, "E"),
     ),
     # without a bias bias_ptr is out, never read
     "conv2d": KernelTraffic(

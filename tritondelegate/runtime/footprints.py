@@ -132,12 +132,14 @@ def _cat(x: LaunchArgs) -> Footprint:
     return Footprint(acc, (_cdiv(n, x.c["BLOCK"]),), {"n": n})
 
 
-def _epilogue(x: LaunchArgs, index: tuple, strides: int) -> list[Access]:
+def _epilogue(x: LaunchArgs, index: tuple, strides: int, p: str = "e") -> list[Access]:
     """The operands a GEMM epilogue (``elementwise._epilogue``) loads: step k < EPILOGUE, binary,
-    with a tensor operand addressed by its own strides over ``index`` (counts)."""
-    return [Access(f"e{k}_ptr", _walk(index, x.ints(f"e{k}s", strides)))
+    with a tensor operand addressed by its own strides over ``index`` (counts). ``p`` "p": those of a
+    prologue run by the same function (PROLOGUE steps, operands p<k>)."""
+    count, c = {"e": "EPILOGUE", "p": "PROLOGUE"}[p], p.upper()
+    return [Access(f"{p}{k}_ptr", _walk(index, x.ints(f"{p}{k}s", strides)))
             for k in range(4)
-            if k < x.c["EPILOGUE"] and x.c[f"EARITY{k}"] != 1 and not x.c[f"EIS_SCALAR{k}"]]
+            if k < x.c[count] and x.c[f"{c}ARITY{k}"] != 1 and not x.c[f"{c}IS_SCALAR{k}"]]
 
 
 def _rope(x: LaunchArgs, rows: int, N: int) -> list[Access]:
@@ -320,10 +322,7 @@ def _conv1x1(x: LaunchArgs) -> Footprint:
         acc.append(Access("c_ptr", ((K, 1),)))
     if x.c["HAS_BIAS"]:
         acc.append(Access("bias_ptr", ((cout, 1),)))
-    acc += [Access(f"p{k}_ptr", _walk((n, K, oh, ow), x.ints(f"p{k}s", 4)))
-            for k in range(4)
-            if k < x.c["PROLOGUE"] and x.c[f"PARITY{k}"] != 1 and not x.c[f"PIS_SCALAR{k}"]]
-    acc += _epilogue(x, (n, cout, oh, ow, 1), 5)
+    acc += _epilogue(x, (n, K, oh, ow), 4, "p") + _epilogue(x, (n, cout, oh, ow, 1), 5)
     grid = (_cdiv(M, x.c["BLOCK_M"]), _cdiv(cout, x.c["BLOCK_N"]))
     return Footprint(acc, grid, {"output elements": max(M, 0) * max(cout, 0), "K": K, "V_G": v_g})
 

@@ -952,16 +952,27 @@ def case_bf16(name, model, dtype=torch.bfloat16):
 
     module, args, _ = _inputs(name, model, batch=2, length=9)
     with torch.no_grad():
-        ref = module(*args).float()
+        ref = torch.utils._pytree.tree_leaves(module(*args))
     low = copy.deepcopy(module).to(dtype)
     low_args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
     lowered, out, eager = _lower_run(low, low_args)
-    scale = max(1.0, ref.abs().max().item())
-    err = (out.float() - ref).abs().max().item() / scale
-    eager_err = (eager.float() - ref).abs().max().item() / scale
+    err, eager_err = (_worst_error(torch.utils._pytree.tree_leaves(got), ref) for got in (out, eager))
     bad = not err <= 2 * eager_err + 1.6e-2
     note = f"err {err:.3g} vs eager's {eager_err:.3g}" if bad else ""
     return (err if bad else 0.0, note, *_facts(lowered))
+
+
+def _worst_error(outs, refs) -> float:
+    """The largest error of ``outs`` against the fp32 ``refs``, each output scaled by its largest value
+    (at least 1); integer outputs must match exactly."""
+    worst = 0.0
+    for o, r in zip(outs, refs, strict=True):
+        if not r.is_floating_point():
+            worst = max(worst, 0.0 if torch.equal(o, r) else float("inf"))
+            continue
+        r = r.float()
+        worst = max(worst, (o.float() - r).abs().max().item() / max(1.0, r.abs().max().item()))
+    return worst
 
 
 def case_forward(name, model):

@@ -745,6 +745,11 @@ def _vision_cases(d) -> dict[str, callable]:
         "conv3d_tubelet": lambda: (nn.Conv3d(3, 768, (2, 16, 16), (2, 16, 16)).eval().to(d),
                                    (_randn(1, 3, 16, 224, 224, dtype=d),)),
         "conv3d_unet_block": lambda: (UNet3dBlock().eval().to(d), (_randn(1, 32, 16, 64, 64, dtype=d),)),
+        # a diffusion UNet's GroupNorm(32, 320) -> SiLU at 64 x 64 (the statistics, then the apply with
+        # the SiLU in its epilogue: group_norm.py), and an instance norm's apply (per-channel statistics)
+        "group_norm_silu": lambda: (nn.Sequential(nn.GroupNorm(32, 320), nn.SiLU()).eval().to(d),
+                                    (_randn(1, 320, 64, 64, dtype=d),)),
+        "instance_norm": lambda: (nn.InstanceNorm2d(64, affine=True).eval().to(d), (_randn(2, 64, 56, 56, dtype=d),)),
         # depthwise (kernels/depthwise.py): MobileNetV2's inverted residual (1x1 expand, 3x3 depthwise at
         # stride 2 with its batch norm and ReLU6 computed where the 1x1 project reads it: fuse_conv1x1.py,
         # the batch norm a prologue of 2 more steps in half precision), ConvNeXt's 7x7 with a residual

@@ -31,7 +31,7 @@ class Zoo(torch.nn.Module):
     with an epilogue and a max pooling, batch norm, an average pooling, padding, a pointwise chain, a
     norm with a prologue, a reduction with an epilogue, a scatter, a top-k, a histogram, a router's top-k
     of a softmax, a cat of two parts, a bilinear resize, a grid sample, an embedding bag, a cdist, a
-    depthwise conv, a depthwise conv in a 1x1 conv's launch and a cummax."""
+    depthwise conv, a depthwise conv in a 1x1 conv's launch, a cummax and a group norm with its SiLU."""
 
     def __init__(self):
         super().__init__()
@@ -44,6 +44,7 @@ class Zoo(torch.nn.Module):
         self.dw = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4)
         self.separable = torch.nn.Sequential(torch.nn.Conv2d(2, 2, 3, padding=1, groups=2), torch.nn.ReLU6(),
                                              torch.nn.Conv2d(2, 3, 1))
+        self.gn = torch.nn.GroupNorm(2, 4)
 
     def forward(self, ids, img):
         h = self.fc(self.ln(self.emb(ids)))[None]
@@ -59,7 +60,7 @@ class Zoo(torch.nn.Module):
                 torch.cat((h[0], s[0]), -1), F.interpolate(y, scale_factor=1.5, mode="bilinear"),
                 F.grid_sample(img, torch.tanh(h[:, :3, :4].reshape(1, 3, 2, 2)), align_corners=False),
                 self.bag(ids.view(2, 2)), torch.cdist(h[0], s[0]), self.dw(y), *torch.cummax(p, -1),
-                F.avg_pool2d(img, 3), self.separable(img))
+                F.avg_pool2d(img, 3), self.separable(img), F.silu(self.gn(y)))
 
 
 def _zoo_args():
@@ -210,7 +211,7 @@ SIZES = {"pointwise": "n", "pointwise_chain": "n", "matmul": "M", "conv2d": "M",
          "grouped_mm": "S", "attention_combine": "S", "attention_append": "Lq", "rank": "length", "histc": "n",
          "router": "length", "group_router": "length", "sort_offsets": "n", "cat": "n", "resize": "total",
          "grid_sample": "total", "depthwise_conv": "M", "embedding_bag": "n_bags", "cdist": "P",
-         "cumextreme": "rows", "dequant_rows": "R", "conv1x1": "M"}
+         "cumextreme": "rows", "dequant_rows": "R", "conv1x1": "M", "norm_apply": "rows"}
 
 
 def test_each_kernel_family_bounds_its_grid_and_its_sizes(zoo):

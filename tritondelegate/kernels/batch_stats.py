@@ -18,8 +18,8 @@ returns the running statistics after the update, as eager writes them:
     running_var'  = momentum * var * M / (M - 1) + (1 - momentum) * running_var
 
 Launches: the two statistics (``reduce``'s sums over x seen as [C, N, HxW], the centering fused into the
-second), rstd, scale and shift (chains over [C]: tiny), one chain over x, and the running statistics'
-chains when they are read.
+second), then ``group_norm.norm_apply`` over x, which computes rstd, scale and shift of each channel from
+them; the running statistics' chains when they are read.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import torch
 
 from . import elementwise as ew
 from . import reduce as red
-from .group_norm import STATS, scale_shift
+from . import group_norm as gn
+from .group_norm import STATS
 from .refs import FLOAT_DTYPES, node_value, stats_read
 
 
@@ -49,32 +50,26 @@ def batch_norm_batch_stats(b, node):
     x = b.contiguous(b.ref(x))
     weight, bias = (None if t is None else b.ref(t) for t in (weight, bias))
     n, channels, positions = x.shape[0], x.shape[1], math.prod(x.shape[2:])
-    rstd, shifted = (b.alloc((1, channels, 1), STATS) for _ in range(2))
     if training:
-        var, mean = (b.alloc((1, channels, 1), STATS) for _ in range(2))
+        var, mean = (b.alloc((channels,), STATS) for _ in range(2))
         _statistics(b, x, mean, var)
-    else:  # the running statistics, seen as [1, C, 1]
-        mean, var = (_channels(b, b.ref(t)) for t in (running_mean, running_var))
-    ew.launch_pointwise(b, "add", shifted, [var, float(eps)])
-    ew.launch_pointwise(b, "rsqrt", rstd, [shifted])
-    scale, shift = scale_shift(b, rstd, mean, weight, bias, 1, channels, 1)
-    grid, flat = (n, channels, positions), (channels * positions, positions, 1)
-    scaled = b.alloc(grid, STATS)
-    ew.launch_pointwise(b, "mul", scaled, [b.view(x, grid, flat), _over(b, scale, grid)])
-    ew.launch_pointwise(b, "add", b.view(b.out(node, 0), grid, flat), [scaled, _over(b, shift, grid)])
+    else:  # the running statistics
+        mean, var = b.ref(running_mean), b.ref(running_var)
+    gn.launch_apply(b, x, b.out(node, 0), (var, mean), (weight, bias), eps, 1, 0)
     if not training:  # save_mean, save_rstd: empty; bound so that a getitem of them still lowers
         b.out(node, 1)
         b.out(node, 2)
     elif stats_read(node):
-        ew.launch_pointwise(b, "copy", b.out(node, 1), [b.view(mean, (channels,), (1,))])
-        ew.launch_pointwise(b, "copy", b.out(node, 2), [b.view(rstd, (channels,), (1,))])
+        shifted = b.alloc((channels,), STATS)
+        ew.launch_pointwise(b, "add", shifted, [var, float(eps)])
+        ew.launch_pointwise(b, "rsqrt", b.out(node, 2), [shifted])
+        ew.launch_pointwise(b, "copy", b.out(node, 1), [mean])
     if len(node.meta["val"]) == 5 and _read(node, {3, 4}):
-        flat_stats = (b.view(mean, (channels,), (1,)), b.view(var, (channels,), (1,)))
-        _running(b, node, flat_stats, (b.ref(running_mean), b.ref(running_var)), momentum, n * positions)
+        _running(b, node, (mean, var), (b.ref(running_mean), b.ref(running_var)), momentum, n * positions)
 
 
 def _statistics(b, x, mean, var) -> None:
-    """mean and var ([1, C, 1], fp32) of x [N, C, *] per channel: its sum over N x HxW, then the sum
+    """mean and var ([C], fp32) of x [N, C, *] per channel: its sum over N x HxW, then the sum
     of the squared differences from the mean."""
     n, channels, positions = x.shape[0], x.shape[1], math.prod(x.shape[2:])
     shape, flat = (channels, n, positions), (positions, channels * positions, 1)
@@ -84,16 +79,6 @@ def _statistics(b, x, mean, var) -> None:
     ew.launch_pointwise(b, "sub", centered, [b.view(x, shape, flat), b.view(mean, shape, (1, 0, 0))])
     red.launch_reduce(b, centered, [1, 2], b.view(var, (channels,), (1,)), map_="sq", combine="sum",
                       finish="div", divisor=n * positions)
-
-
-def _channels(b, t):
-    """A [C] tensor seen as [1, C, 1]."""
-    return b.view(t, (1, t.shape[0], 1), (0, t.strides[0], 0))
-
-
-def _over(b, t, grid):
-    """A per-channel [1, C, 1] scale or shift seen over x's [N, C, HxW]."""
-    return b.view(t, grid, (0, t.strides[1], 0))
 
 
 def _read(node, indices: set) -> bool:

@@ -1,7 +1,8 @@
 """Row kernels with their pointwise neighbours: a pass of ``fusion.fuse`` over a delegate's launch
 records, after pointwise chains and matmul epilogues are merged.
 
-A norm or softmax launch (``norm.RowNorm``, ``softmax.RowSoftmax``) takes the pointwise chain
+A norm, softmax or norm-apply launch (``norm.RowNorm``, ``softmax.RowSoftmax``, ``group_norm.NormApply``:
+a GroupNorm's, instance norm's or training batch norm's normalization) takes the pointwise chain
 (``fusion._Chain``) that alone feeds it as a prologue, and the chain that alone reads its result as an
 epilogue (``rows.row_load``, ``rows.row_store``):
 
@@ -40,12 +41,13 @@ import inspect
 from dataclasses import replace
 
 from ..plan import Arg, Launch
+from . import group_norm as gn
 from . import norm as nm
 from . import rows as rw
 from . import softmax as sm
 from .refs import TRef, broadcast_strides, plan_arg
 
-KERNELS = {"norm": nm.norm_kernel, "softmax": sm.softmax_kernel}
+KERNELS = {"norm": nm.norm_kernel, "softmax": sm.softmax_kernel, "norm_apply": gn.norm_apply_kernel}
 
 
 def merge_rows(launches, rows, chains, touched, writes, keep, users, unwritten, merged_away, taken,

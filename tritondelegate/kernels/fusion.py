@@ -222,7 +222,8 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     ``elementwise.PointwiseOp`` for a ``pointwise`` launch, a ``matmul.MatmulOp``, ``conv.ConvOp`` or
     ``grouped_mm.GroupedOp`` for a ``matmul``, ``conv2d`` or ``grouped_mm`` launch, a
     ``dequant_rows.DequantRowsOp`` for a ``dequant_rows`` launch, a ``norm.RowNorm``,
-    ``softmax.RowSoftmax`` or ``reduce.RowReduce`` for a ``norm``, ``softmax`` or one-pass ``reduce`` launch, a
+    ``softmax.RowSoftmax``, ``reduce.RowReduce`` or ``group_norm.NormApply`` for a ``norm``, ``softmax``,
+    one-pass ``reduce`` or ``norm_apply`` launch, a
     ``scatter.ScatterOp`` for a plain ``scatter`` launch, an ``index.GatherOp`` for a ``gather``;
     None: left alone). ``touched[i]`` and ``writes[i]`` are the buffers launch ``i`` passes and may
     write (``LaunchBuilder.effects``); buffers in ``keep`` (delegate inputs and outputs) are never fused
@@ -236,7 +237,7 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     ops = {kind: {i: r.op for i, r in enumerate(records) if r.op is not None and r.launch.kernel in kernels}
            for kind, kernels in (("pointwise", {"pointwise"}),
                                  ("matmul", {"matmul", "conv2d", "depthwise_conv", "grouped_mm", "dequant_rows"}),
-                                 ("norm", {"norm"}), ("rows", {"norm", "softmax", "reduce"}),
+                                 ("norm", {"norm"}), ("rows", {"norm", "softmax", "reduce", "norm_apply"}),
                                  ("gather", {"gather"}), ("pool", {"pool2d"}))}
     users: dict[int, set[int]] = defaultdict(set)
     for position, buffers in enumerate(touched):

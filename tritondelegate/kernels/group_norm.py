@@ -7,25 +7,136 @@ per-channel affine, computed as eager's CPU kernel computes it:
     shift     = bias[c] - mean[n, g(c)] * scale[n, c]        (-mean * scale without a bias)
     out       = x * scale[n, c] + shift[n, c]
 
-so an inf or NaN in x, weight or bias gives eager's NaNs. Four launches: the statistics (``reduce``'s
-welford over x seen as [N * G, C / G * HxW]), rstd with the scale and then the shift (chains over
-[N, C]: tiny), and one chain over x that reads each element once and rounds once to the result's dtype. GroupNorm is
-wav2vec2's feature extractor's, BiT's and diffusion UNets' norm.
+so an inf or NaN in x, weight or bias gives eager's NaNs. Two launches: the statistics (``reduce``'s
+welford over x seen as [N * G, C / G * HxW]), then ``norm_apply`` over x, which computes rstd, scale and
+shift of each row (n, c) from the statistics and reads each element of x once, rounding once to the
+result's dtype. GroupNorm is wav2vec2's feature extractor's, BiT's and diffusion UNets' norm.
+
+``norm_apply`` serves every norm whose statistics another launch computed (``batch_stats.py``: instance
+norm, batch norm in training mode): the rows of its [rows, cols] walk (``rows.py``) are the (n, c) of x
+[N, C, *] in row-major order, its columns the positions, and row (n, c) reads the statistics at
+
+    n * sample_stride + c // per             (group norm: G, C / G;  batch norm: 0, 1)
+
+It is a row kernel: ``fuse_rows.py`` gives it the pointwise chain that alone reads its result as an
+epilogue (a UNet's GroupNorm -> SiLU is one launch after the statistics) and the one that alone feeds
+it as a prologue.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from . import elementwise as ew
 from . import reduce as red
-from .refs import FLOAT_DTYPES, node_value, stats_read
+from . import rows as rw
+from .refs import FLOAT_DTYPES, TRef, node_value, stats_read
+from .rows import row_index, row_load, row_store
 
 STATS = torch.float32  # the statistics and the per-channel scale and shift, as eager's opmath
+MAX_BLOCK_C = 1024
 
 
+# --- kernel ---------------------------------------------------------------------------------------
+@triton.jit
+def norm_apply_kernel(
+    x_ptr, out_ptr, var_ptr, mean_ptr, w_ptr, b_ptr,
+    rows, cols, n1, n2,
+    xs0, xs1, xs2, xsc,
+    os0, os1, os2, osc,
+    channels, per, sample_stride, eps,
+    # a fused prologue's and epilogue's operands (rows.chain_args; stand-ins without one)
+    p0_ptr, p1_ptr, p2_ptr, p3_ptr, p0_scalar, p1_scalar, p2_scalar, p3_scalar,
+    p0s0, p0s1, p0s2, p0s3, p1s0, p1s1, p1s2, p1s3, p2s0, p2s1, p2s2, p2s3, p3s0, p3s1, p3s2, p3s3,
+    e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
+    e0s0, e0s1, e0s2, e0s3, e1s0, e1s1, e1s2, e1s3, e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    PROLOGUE: tl.constexpr = 0, P_ROUND: tl.constexpr = "",
+    POP0: tl.constexpr = "copy", PARITY0: tl.constexpr = 1, PSWAP0: tl.constexpr = False, PIS_SCALAR0: tl.constexpr = False,
+    POP1: tl.constexpr = "copy", PARITY1: tl.constexpr = 1, PSWAP1: tl.constexpr = False, PIS_SCALAR1: tl.constexpr = False,
+    POP2: tl.constexpr = "copy", PARITY2: tl.constexpr = 1, PSWAP2: tl.constexpr = False, PIS_SCALAR2: tl.constexpr = False,
+    POP3: tl.constexpr = "copy", PARITY3: tl.constexpr = 1, PSWAP3: tl.constexpr = False, PIS_SCALAR3: tl.constexpr = False,
+    EPILOGUE: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
+    EOP0: tl.constexpr = "copy", EARITY0: tl.constexpr = 1, ESWAP0: tl.constexpr = False, EIS_SCALAR0: tl.constexpr = False,
+    EOP1: tl.constexpr = "copy", EARITY1: tl.constexpr = 1, ESWAP1: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
+    EOP2: tl.constexpr = "copy", EARITY2: tl.constexpr = 1, ESWAP2: tl.constexpr = False, EIS_SCALAR2: tl.constexpr = False,
+    EOP3: tl.constexpr = "copy", EARITY3: tl.constexpr = 1, ESWAP3: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
+):
+    """out[n, c, p] = x[n, c, p] * scale + shift, scale and shift of row (n, c) computed from var and
+    mean in fp32 as eager computes them; a [BLOCK_R, BLOCK_C] tile per program, grid (row blocks,
+    column blocks)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < rows
+    ix = row_index(r, n1, n2)
+    c = (tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+    mask = rmask[:, None] & (c < cols)
+    pro = (p0_ptr, p1_ptr, p2_ptr, p3_ptr, p0_scalar, p1_scalar, p2_scalar, p3_scalar, p0s0, p0s1, p0s2, p0s3,
+           p1s0, p1s1, p1s2, p1s3, p2s0, p2s1, p2s2, p2s3, p3s0, p3s1, p3s2, p3s3)
+    epi = (e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar, e0s0, e0s1, e0s2, e0s3,
+           e1s0, e1s1, e1s2, e1s3, e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3)
+    PRO: tl.constexpr = (PROLOGUE, "", POP0, PARITY0, PSWAP0, PIS_SCALAR0, POP1, PARITY1, PSWAP1, PIS_SCALAR1,
+                         POP2, PARITY2, PSWAP2, PIS_SCALAR2, POP3, PARITY3, PSWAP3, PIS_SCALAR3)
+    EPI: tl.constexpr = (EPILOGUE, ROUND_TO, EOP0, EARITY0, ESWAP0, EIS_SCALAR0, EOP1, EARITY1, ESWAP1, EIS_SCALAR1,
+                         EOP2, EARITY2, ESWAP2, EIS_SCALAR2, EOP3, EARITY3, ESWAP3, EIS_SCALAR3)
+    x = row_load(x_ptr, ix, c, mask, (xs0, xs1, xs2, xsc), 0.0, pro, PRO, P_ROUND)
+    channel = r % channels
+    stat = (r // channels) * sample_stride + channel // per
+    var = tl.load(var_ptr + stat, mask=rmask, other=1.0).to(tl.float32)
+    mean = tl.load(mean_ptr + stat, mask=rmask, other=0.0).to(tl.float32)
+    scale = tl.rsqrt(var + eps)
+    if HAS_W:
+        scale = scale * tl.load(w_ptr + channel, mask=rmask, other=0.0).to(tl.float32)
+    shift = -(scale * mean)
+    if HAS_B:
+        shift = tl.load(b_ptr + channel, mask=rmask, other=0.0).to(tl.float32) - scale * mean
+    y = x * scale[:, None] + shift[:, None]
+    row_store(out_ptr, ix, c, mask, (os0, os1, os2, osc), y, epi, EPI)
+
+
+# --- host launcher --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NormApply:
+    """What a ``norm_apply`` launch computes, for ``fusion.py``: ``out`` from ``x`` [N, C, *] and the
+    statistics; ``dims`` are the positions' dims (the columns of its rows walk)."""
+
+    x: TRef
+    out: TRef
+    dims: tuple[int, ...]
+    stats: tuple[TRef, ...]  # var, mean, and the weight and bias where present
+
+    @property
+    def reads(self) -> tuple[TRef, ...]:
+        return (self.x, *self.stats)
+
+
+def launch_apply(b, x: TRef, out: TRef, stats: tuple[TRef, TRef], affine: tuple, eps: float,
+                 per: int, sample_stride: int) -> None:
+    """``out = x * scale + shift`` over x [N, C, *], scale and shift of (n, c) from ``stats`` (var,
+    mean: contiguous, at ``n * sample_stride + c // per``) and ``affine`` (weight, bias [C], each
+    optional)."""
+    dims = tuple(range(2, x.ndim))
+    x, plan = rw.lay_out(b, x, dims, [out.strides])
+    var, mean = (b.contiguous(t) for t in stats)
+    weight, bias = (None if t is None else b.contiguous(t) for t in affine)
+    block_r, block_c = rw.blocks(plan, MAX_BLOCK_C)
+    grid = (triton.cdiv(plan.rows, block_r), triton.cdiv(plan.cols, block_c))
+    w, bi = (x if t is None else t for t in (weight, bias))  # stand-ins: HAS_W and HAS_B keep off them
+    record = b.launch(
+        "norm_apply", grid, x, out, var, mean, w, bi, plan.rows, plan.cols, plan.n1, plan.n2,
+        *plan.args(0), *plan.args(1), x.shape[1], per, sample_stride, float(eps),
+        *rw.chain_args((), x), *rw.chain_args((), out),
+        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=rw.num_warps(block_r, block_c))
+    if record is not None:
+        record.op = NormApply(x, out, dims, tuple(t for t in (var, mean, weight, bias) if t is not None))
+
+
+# --- lowering -------------------------------------------------------------------------------------
 def native_group_norm(b, node):
     """native_group_norm(x [N, C, *], weight, bias, N, C, HxW, group, eps) -> (out, mean, rstd)."""
     x, weight, bias, _, channels, _, groups, eps = node.args
@@ -33,51 +144,15 @@ def native_group_norm(b, node):
     weight, bias = (None if t is None else b.ref(t) for t in (weight, bias))
     n, per = x.shape[0], channels // groups
     positions = math.prod(x.shape[2:])
-    # [N, G, 1]: they broadcast over [N, G, C / G] as right-aligned operands, so their chains fuse
-    var, mean, rstd, shifted = (b.alloc((n, groups, 1), STATS) for _ in range(4))
-    red.launch_reduce(b, b.view(x, (n * groups, per * positions), (per * positions, 1)), [1],
-                      b.view(var, (n * groups,), (1,)), b.view(mean, (n * groups,), (1,)), combine="welford",
-                      divisor=per * positions)
-    ew.launch_pointwise(b, "add", shifted, [var, float(eps)])
-    ew.launch_pointwise(b, "rsqrt", rstd, [shifted])
-    scale, shift = scale_shift(b, rstd, mean, weight, bias, n, groups, per)
-    grid = (n, groups, per, positions)  # x and out seen as [N, G, C / G, HxW]
-    flat = (groups * per * positions, per * positions, positions, 1)
-    scaled = b.alloc(grid, STATS)
-    ew.launch_pointwise(b, "mul", scaled, [b.view(x, grid, flat), _per_channel(b, scale, grid)])
-    ew.launch_pointwise(b, "add", b.view(b.out(node, 0), grid, flat), [scaled, _per_channel(b, shift, grid)])
+    var, mean = (b.alloc((n * groups,), STATS) for _ in range(2))
+    red.launch_reduce(b, b.view(x, (n * groups, per * positions), (per * positions, 1)), [1], var, mean,
+                      combine="welford", divisor=per * positions)
+    launch_apply(b, x, b.out(node, 0), (var, mean), (weight, bias), eps, per, groups)
     if stats_read(node):
+        shifted = b.alloc((n * groups,), STATS)
+        ew.launch_pointwise(b, "add", shifted, [var, float(eps)])
+        ew.launch_pointwise(b, "rsqrt", b.view(b.out(node, 2), (n * groups,), (1,)), [shifted])
         ew.launch_pointwise(b, "copy", b.out(node, 1), [b.view(mean, (n, groups), (groups, 1))])
-        ew.launch_pointwise(b, "copy", b.out(node, 2), [b.view(rstd, (n, groups), (groups, 1))])
-
-
-def scale_shift(b, rstd, mean, weight, bias, n: int, groups: int, per: int):
-    """(scale, shift) [N, G, C / G] in fp32 (scratch, or a broadcast view of rstd without a weight);
-    rstd and mean are [N, G, 1]."""
-    shape = (n, groups, per)
-    if weight is None:
-        scale = b.view(rstd, shape, (groups, 1, 0))
-    else:
-        scale = b.alloc(shape, STATS)
-        ew.launch_pointwise(b, "mul", scale, [rstd, _channel(b, weight, shape)])
-    product = b.alloc(shape, STATS)
-    ew.launch_pointwise(b, "mul", product, [scale, mean])
-    shift = b.alloc(shape, STATS)
-    if bias is None:
-        ew.launch_pointwise(b, "neg", shift, [product])
-    else:
-        ew.launch_pointwise(b, "sub", shift, [_channel(b, bias, shape), product])
-    return scale, shift
-
-
-def _channel(b, t, shape):
-    """A per-channel [C] tensor seen over [N, G, C / G]."""
-    return b.view(t, shape, (0, shape[2] * t.strides[0], t.strides[0]))
-
-
-def _per_channel(b, t, grid):
-    """[N, G, C / G] per-channel values seen over [N, G, C / G, HxW]."""
-    return b.view(t, grid, (*t.strides, 0))
 
 
 def supported(node) -> str | None:

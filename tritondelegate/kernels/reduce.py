@@ -298,7 +298,7 @@ def launch_reduce(b, x: TRef, dims, out: TRef, out2: TRef | None = None, *, map_
     if laid_out is not x:  # a contiguous copy, its dims permuted: the kept dims first
         dims = list(range(x.ndim - len(dims), x.ndim))
     x = laid_out
-    blocks = rw.blocks(plan, MAX_BLOCK_C)
+    blocks = _spread(plan, rw.blocks(plan, MAX_BLOCK_C))
     programs = triton.cdiv(plan.rows, blocks[0])
     # one pass or a split: a speed decision, taken for the largest sizes of a dynamic range
     max_cols = upper(plan.cols)
@@ -321,6 +321,19 @@ def launch_reduce(b, x: TRef, dims, out: TRef, out2: TRef | None = None, *, map_
     blocks = rw.blocks(plan, MAX_BLOCK_C)
     _launch(b, (triton.cdiv(plan.rows, blocks[0]), 1), partial, out, out, plan, split, divisor, blocks,
             MAP="id", COMBINE=combine, FINISH=finish, INT_ACC=int_acc)
+
+
+def _spread(plan: rw.Rows, blocks: tuple[int, int]) -> tuple[int, int]:
+    """Fewer rows a program where the rows would fill fewer than MIN_PROGRAMS programs, so that few
+    long rows (a GroupNorm's 32 groups of a UNet's 40960 values) are read by one program each rather
+    than 4 rows by one program (at the largest rows of a dynamic range). Rows contiguous with each
+    other keep 32 a program, so that their loads stay coalesced."""
+    block_r, block_c = blocks
+    rows, xs = upper(plan.rows), plan.strides[0]
+    least = 32 if xs[3] != 1 and xs[2] == 1 else 1
+    while block_r > least and triton.cdiv(rows, block_r) < MIN_PROGRAMS:
+        block_r //= 2
+    return block_r, block_c
 
 
 @dataclass(frozen=True)

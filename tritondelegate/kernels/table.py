@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import attention, batchnorm, conv, creation, elementwise, index, layout, matmul, norm, pad, pool, reduce, rotary
 from . import bags, depthwise, distance, grid_sample, grouped_mm, histogram, ranking, resize, router, scatter, softmax
-from . import dequant_rows, fuse_conv1x1, sort_offsets
+from . import dequant_rows, fuse_conv1x1, group_norm, sort_offsets
 
 KERNELS: dict[str, object] = {
     "pointwise": elementwise.pointwise_kernel,
@@ -42,6 +42,7 @@ KERNELS: dict[str, object] = {
     "attention_combine": attention.attention_combine_kernel,
     "softmax": softmax.softmax_kernel,
     "norm": norm.norm_kernel,
+    "norm_apply": group_norm.norm_apply_kernel,
     "reduce": reduce.reduce_kernel,
     "rotary": rotary.rotary_kernel,
 }

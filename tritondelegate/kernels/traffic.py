@@ -499,6 +499,13 @@ TRAFFIC: dict[str, KernelTraffic] = {
         writes=(Access("out_ptr"), Access("mean_ptr", _flag("STATS")), Access("rstd_ptr", _flag("STATS"))),
         flops=_norm_flops,
     ),
+    # per row: rstd, the scale and the shift (5 ops); per element: x * scale + shift and the chains
+    "norm_apply": KernelTraffic(
+        reads=(Access("x_ptr"), Access("var_ptr"), Access("mean_ptr"), Access("w_ptr", _flag("HAS_W")),
+               Access("b_ptr", _flag("HAS_B")), *_ROW_CHAIN_READS),
+        writes=(Access("out_ptr"),),
+        flops=lambda a: 5 * a["rows"] + a["rows"] * a["cols"] * (2 + _steps_flops(a, "P") + _steps_flops(a, "E")),
+    ),
     # out2 (mean, or the index) only for welford and arg reductions; else out2 is out
     "reduce": KernelTraffic(
         reads=(Access("x_ptr"), *_ROW_CHAIN_READS),

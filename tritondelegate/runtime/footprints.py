@@ -443,6 +443,22 @@ def _norm(x: LaunchArgs) -> Footprint:
     return footprint
 
 
+def _norm_apply(x: LaunchArgs) -> Footprint:
+    """``group_norm.norm_apply_kernel``: x and out over the rows walk; row r = (n, c) reads the
+    statistics at n * sample_stride + c // per and the weight and bias at c."""
+    rows, cols, channels, per = x.i("rows"), x.i("cols"), x.i("channels"), x.i("per")
+    if channels < 1 or per < 1:
+        raise DelegateError(f"{x.where}: {channels} channels in groups of {per}")
+    samples, seen = _unravel(rows, [channels])
+    acc = [Access("x_ptr", _rows(x, x.ints("xs", 3)) + ((cols, x.i("xsc")),)),
+           Access("out_ptr", _rows(x, x.ints("os", 3)) + ((cols, x.i("osc")),), write=True)]
+    acc += [Access(p, ((samples, x.i("sample_stride")), (_cdiv(seen, per), 1))) for p in ("var_ptr", "mean_ptr")]
+    acc += [Access(p, ((seen, 1),)) for p, flag in (("w_ptr", "HAS_W"), ("b_ptr", "HAS_B")) if x.c[flag]]
+    acc += _row_chains(x, cols, cols)
+    grid = (_cdiv(rows, x.c["BLOCK_R"]), _cdiv(cols, x.c["BLOCK_C"]))
+    return Footprint(acc, grid, {"rows": rows, "cols": cols})
+
+
 # Per tensor of a rotary launch: its rows, row dims, and (pointer, row strides' prefix, last dim's
 # stride, written) per pointer. kx (with PAIR) reads cos and sin through its own row strides. With
 # ANGLES, cos and sin are the angles: half a row each.
@@ -853,6 +869,8 @@ RULES: dict[str, KernelRule] = {
     "softmax": KernelRule(_softmax, {"LOG": FLAG, "ONE_PASS": FLAG, **_ROWS, **_ROW_CHAINS}, (("BLOCK_R", "BLOCK_C"),)),
     "norm": KernelRule(_norm, {"RMS": FLAG, "HAS_W": FLAG, "HAS_B": FLAG, "STATS": FLAG, "ONE_PASS": FLAG,
                                **_ROWS, **_ROW_CHAINS}, (("BLOCK_R", "BLOCK_C"),)),
+    "norm_apply": KernelRule(_norm_apply, {"HAS_W": FLAG, "HAS_B": FLAG, **_ROWS, **_ROW_CHAINS},
+                             (("BLOCK_R", "BLOCK_C"),)),
     "reduce": KernelRule(_reduce, {
         "MAP": one_of("id", "sq", "abs"), "FINISH": one_of("none", "div", "sqrt"), "INT_ACC": FLAG,
         "COMBINE": one_of("sum", "prod", "max", "min", "argmax", "argmin", "welford"), **_ROWS, **_ROW_CHAINS},

@@ -1,0 +1,141 @@
+"""A norm whose statistics another launch computes applies them in one launch (``group_norm.norm_apply``):
+GroupNorm, instance norm and batch norm in training mode. Each row (n, c) computes its rstd, scale and
+shift from the statistics as eager does and reads x once; the pointwise chain that alone reads the
+result runs in its epilogue (a UNet's GroupNorm -> SiLU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.export import Dim
+
+import tritondelegate as td
+from harness import FLOAT_DTYPES, TOLERANCES, check_dynamic, check_launches, plan_launches
+
+RESIDENT = td.LowerConfig(propagate_device=td.PropagateDeviceConfig(skip_h2d_for_constants=True))
+
+
+class NormAct(torch.nn.Module):
+    """norm -> SiLU (a diffusion UNet's ResNet block and VAE), optionally also returning the norm's result."""
+
+    def __init__(self, norm, both=False):
+        super().__init__()
+        self.norm, self.both = norm, both
+
+    def forward(self, x):
+        y = self.norm(x)
+        return (torch.nn.functional.silu(y), y) if self.both else torch.nn.functional.silu(y)
+
+
+def _affine(norm, seed=0):
+    torch.manual_seed(seed)
+    if getattr(norm, "weight", None) is not None:
+        torch.nn.init.normal_(norm.weight)
+        torch.nn.init.normal_(norm.bias)
+    return norm
+
+
+def _kernels(launches) -> list[str]:
+    return [launch.kernel for launch in launches]
+
+
+def _epilogue(launch) -> int:
+    return launch.constexprs["EPILOGUE"].value if "EPILOGUE" in launch.constexprs else 0
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape, groups", [((2, 32, 6, 5), 8), ((1, 12, 17), 3), ((3, 6, 2, 3, 4), 6)])
+def test_group_norm_and_its_activation_are_two_launches(dtype, shape, groups):
+    model = NormAct(_affine(torch.nn.GroupNorm(groups, shape[1]))).eval()
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    launches = check_launches(model.to(dtype), (x,), dtype)
+    assert _kernels(launches) == ["reduce", "norm_apply"]
+    assert _epilogue(launches[1]) == 1 and launches[1].op.endswith("+silu")
+
+
+def test_a_group_norm_read_twice_keeps_its_result():
+    """The norm's result is a method output and the SiLU's input: it is stored, and the SiLU stays a launch."""
+    model = NormAct(_affine(torch.nn.GroupNorm(4, 16)), both=True).eval()
+    launches = check_launches(model, (torch.randn(2, 16, 5, 5),))
+    assert _kernels(launches) == ["reduce", "norm_apply", "pointwise"]
+    assert _epilogue(launches[1]) == 0
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_group_norm_over_many_rows_and_positions(affine):
+    """Several program rows and columns: 64 channels (rows of 2 samples) over 40 x 40 positions."""
+    model = NormAct(_affine(torch.nn.GroupNorm(16, 64, affine=affine))).eval()
+    launches = check_launches(model, (torch.randn(2, 64, 40, 40) * 2 - 1,))
+    assert _kernels(launches) == ["reduce", "norm_apply"] and tuple(launches[1].grid)[1] > 1
+
+
+def test_group_norm_of_a_channels_last_input():
+    model = _affine(torch.nn.GroupNorm(4, 8)).eval()
+    x = torch.randn(2, 8, 5, 7).to(memory_format=torch.channels_last)
+    launches = check_launches(model, (x,))
+    assert _kernels(launches)[-1] == "norm_apply"
+
+
+def test_group_norm_without_positions():
+    """GroupNorm takes [N, C] too: one column a row."""
+    model = _affine(torch.nn.GroupNorm(2, 6)).eval()
+    launches = check_launches(model, (torch.randn(4, 6),))
+    assert _kernels(launches) == ["reduce", "norm_apply"]
+
+
+def test_group_norm_with_an_inf_weight_gives_eagers_nans():
+    """Eager computes x * (rstd * weight) + (bias - mean * rstd * weight): opposite infinities give NaN,
+    where ``(x - mean) * rstd * weight + bias`` would give an infinity."""
+    model = _affine(torch.nn.GroupNorm(2, 4)).eval()
+    with torch.no_grad():
+        model.weight[1] = float("inf")
+    x = torch.randn(2, 4, 3, 3)
+    out = td.lower(torch.export.export(model, (x,)), config=RESIDENT).load().load_method()(x)
+    expected = model(x)
+    assert expected[:, 1].isnan().any()
+    torch.testing.assert_close(out, expected, equal_nan=True)
+
+
+def test_dynamic_batch_and_size_with_the_epilogue():
+    batch, h = Dim("batch", max=4), Dim("h", min=2, max=12)
+    model = NormAct(_affine(torch.nn.GroupNorm(4, 8))).eval()
+    calls = [(torch.randn(n, 8, rows, 5),) for n, rows in ((2, 7), (1, 12), (4, 2))]
+    lowered, _ = check_dynamic(model, calls, {"x": {0: batch, 2: h}})
+    assert _kernels(plan_launches(lowered)) == ["reduce", "norm_apply"]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_instance_norm_with_its_activation(dtype):
+    """Instance norm (style transfer, some vocoders): two statistics launches, then the apply. Export
+    normalizes x seen as [1, N * C, *] and views the result back as [N, C, *]; the ReLU reads it through
+    that view, which the rows walk cannot follow, so it stays a launch."""
+    model = torch.nn.Sequential(_affine(torch.nn.InstanceNorm2d(6, affine=True)), torch.nn.ReLU()).eval()
+    x = (torch.randn(2, 6, 9, 7) * 2 + 1).to(dtype)
+    launches = check_launches(model.to(dtype), (x,), dtype)
+    assert _kernels(launches) == ["reduce", "reduce", "norm_apply", "pointwise"]
+
+
+def test_training_batch_norm_applies_its_batch_statistics_in_one_launch():
+    """A batch norm in training mode: per channel (not per sample) statistics, the running ones updated."""
+    model = torch.nn.Sequential(_affine(torch.nn.BatchNorm2d(5, momentum=0.2)), torch.nn.SiLU()).train()
+    eager = copy.deepcopy(model)
+    x = torch.randn(3, 5, 4, 6) * 2 + 0.5
+    lowered = td.lower(torch.export.export(model, (x,)), config=RESIDENT)
+    assert "norm_apply" in _kernels(plan_launches(lowered))
+    out = lowered.load().load_method()(x)
+    atol, rtol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(out, eager(x), atol=atol, rtol=rtol)
+
+
+def test_traffic_reads_x_once_and_writes_only_the_activation():
+    """The modelled bytes of the apply launch: x read once, the statistics, weight and bias, and the
+    SiLU's result written; the norm's result is never stored."""
+    n, c, h, w, groups = 2, 16, 8, 8, 4
+    model = NormAct(_affine(torch.nn.GroupNorm(groups, c))).eval()
+    lowered = td.lower(torch.export.export(model, (torch.randn(n, c, h, w),)), config=RESIDENT)
+    apply = plan_launches(lowered)[-1]
+    assert apply.kernel == "norm_apply"
+    assert apply.bytes_read == 4 * (n * c * h * w + 2 * n * groups + 2 * c)
+    assert apply.bytes_written == 4 * n * c * h * w

@@ -713,8 +713,11 @@ def _buffer_bytes(group: list[tuple[TensorDesc, int | None]]) -> int:
 def method_traffic(method: Method) -> dict:
     """The modelled traffic of one call of ``method`` (its delegates' launches summed) next to its
     lower bound, as plain data: ``bytes_read``, ``bytes_written``, ``bytes``, ``flops``, ``launches``,
-    ``lower_bound_read``, ``lower_bound_written``, ``lower_bound`` and ``ratio`` (modelled bytes over
-    the lower bound; 1.0 when both are 0)."""
+    ``lower_bound_read``, ``lower_bound_written``, ``lower_bound``, ``ratio`` (modelled bytes over
+    the lower bound; 1.0 when both are 0) and ``intermediates``: the bytes launches write and read of
+    values that are neither the method's inputs, constants, state nor results (their delegates' scratch,
+    and values one delegate passes to another). Above the bound, what is not an intermediate is a
+    bound value read or written more than once."""
     values = method.values
     source: dict[int, int] = {}  # a copy's result -> what it copied
     producer: dict[int, int] = {}  # value -> the delegate instruction that wrote it
@@ -735,6 +738,7 @@ def method_traffic(method: Method) -> dict:
     totals = {"bytes_read": 0, "bytes_written": 0, "flops": 0, "launches": 0}
     read_of: dict[int, int] = {}  # root value -> bytes the launches read of it
     written_of: dict[int, int] = {}  # value -> bytes the launches wrote into it
+    scratch = 0  # bytes the launches read from and wrote into their delegates' scratch
     for ins in method.instructions:
         if ins.kind != InstrKind.DELEGATE:
             continue
@@ -749,6 +753,7 @@ def method_traffic(method: Method) -> dict:
             except TrafficError:  # a kernel this build does not know: its values count in full
                 reads = {(int(Base.INPUT), i): values[v].nbytes for i, v in enumerate(ins.inputs)}
                 writes = {}
+            scratch += sum(n for (base, _), n in (*reads.items(), *writes.items()) if base == Base.SCRATCH)
             for (base, index), n in reads.items():
                 if base == Base.INPUT and index < len(ins.inputs):
                     v = root(ins.inputs[index])
@@ -772,6 +777,9 @@ def method_traffic(method: Method) -> dict:
     bound_written = sum(min(values[v].nbytes, written_of.get(v, values[v].nbytes)) for v in results)
     modelled = totals["bytes_read"] + totals["bytes_written"]
     bound = bound_read + bound_written
+    # values between launches: scratch, and what a delegate passes to another through the method
+    passed = sum(n for v, n in read_of.items() if values[v].role == Role.INTERMEDIATE)
+    passed += sum(n for v, n in written_of.items() if v not in results and values[v].role == Role.INTERMEDIATE)
     return {
         **totals,
         "bytes": modelled,
@@ -779,6 +787,7 @@ def method_traffic(method: Method) -> dict:
         "lower_bound_written": bound_written,
         "lower_bound": bound,
         "ratio": modelled / bound if bound else 1.0,
+        "intermediates": scratch + passed,
     }
 
 
@@ -795,5 +804,6 @@ def traffic_line(t: dict, size: Callable[[int], str] = str) -> str:
     """One method's :func:`method_traffic` as the line ``summary()`` and ``inspect`` print; ``size``
     formats a byte count."""
     return (f"modelled traffic: {size(t['bytes_read'])} read + {size(t['bytes_written'])} written = "
-            f"{size(t['bytes'])} (lower bound {size(t['lower_bound'])}, ratio {t['ratio']:.2f}); "
+            f"{size(t['bytes'])} (lower bound {size(t['lower_bound'])}, ratio {t['ratio']:.2f}; "
+            f"{size(t['intermediates'])} of values between launches); "
             f"FLOPs {si_units(t['flops'])}")

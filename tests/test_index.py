@@ -192,3 +192,45 @@ def test_indexing_results_with_more_dims_of_size_one_than_a_launch_walks():
     lowered = lower_resident(Fn(fold), (y,))
     assert not lowered.reports["forward"].nodes.host
     torch.testing.assert_close(lowered.load().load_method()(y), fold(y))
+
+
+class PatchUnfold(torch.nn.Module):
+    """MobileViTv2's patches: ``unfold`` into non-overlapping 2 x 2 patches, then ``fold`` back, at a batch
+    of 2: each decomposes into an index (index_put with accumulation) of six dims of size other than 1,
+    whose batch and channel dims merge (the patches cover the map), so five are walked."""
+
+    def forward(self, x):
+        patches = torch.nn.functional.unfold(x, (2, 2), stride=(2, 2)) * 2.0
+        return torch.nn.functional.fold(patches, x.shape[-2:], (2, 2), stride=(2, 2))
+
+
+def test_indexing_of_six_dims_that_merge_into_five():
+    from harness import lower_resident
+
+    x = torch.randn(2, 3, 6, 8)
+    lowered = lower_resident(PatchUnfold(), (x,))
+    assert not lowered.reports["forward"].nodes.host
+    torch.testing.assert_close(lowered.load().load_method()(x), PatchUnfold()(x))
+
+
+def test_indexing_of_six_dims_at_a_dynamic_batch():
+    from harness import check_dynamic
+
+    batch = torch.export.Dim("batch", min=2, max=4)
+    calls = [(torch.randn(n, 3, 6, 8),) for n in (2, 4, 3)]
+    check_dynamic(PatchUnfold(), calls, {"x": {0: batch}})
+
+
+def test_indexing_of_six_dims_that_do_not_merge_stays_on_the_host():
+    """x[:, i, :, j, :, k] with i, j, k along three dims of their broadcast: the three index dims, then
+    x's dims 0, 2 and 4, no two of them contiguous together (with x's strides or a contiguous copy's)."""
+    fn = lambda x, i, j, k: x[:, i[:, None, None], :, j[None, :, None], :, k] * 1.0  # noqa: E731
+    args = (torch.randn(2, 3, 4, 5, 6, 7), torch.tensor([0, 2, 1]), torch.tensor([1, 4]), torch.tensor([6, 0]))
+    ep = torch.export.export(Fn(fn), args)
+    node = next(n for n in ep.graph.nodes if n.target == torch.ops.aten.index.Tensor)
+    assert "dims of size other than 1 that do not merge (at most 5)" in index.supported_index(node)
+    from harness import lower_resident
+
+    lowered = lower_resident(Fn(fn), args)
+    assert [op for _, op, _ in lowered.reports["forward"].nodes.host] == ["aten.index.Tensor"]
+    torch.testing.assert_close(lowered.load().load_method()(*args), fn(*args))

@@ -37,8 +37,9 @@ import triton.language as tl
 from . import elementwise as ew
 from .dequant_rows import launch_dequant_rows
 from .matmul import QuantWeight
-from .refs import TRef, broadcast_strides, collapse_padded, node_value
+from .refs import TRef, broadcast_strides, collapse, collapse_padded, contiguous_strides, node_value
 from .sizes import SymbolicShapeError, is_static, next_power_of_2
+from .sizes import shape as size_shape
 
 MAX_RANK = 5
 FLOAT_OR_INT = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
@@ -408,33 +409,48 @@ def gather(b, node):  # gather(src, dim, index): out[o] = src[o with o_dim := in
     launch_gather(b, out, src, direct, [(idx, list(idx.strides), src.shape[dim], src.strides[dim])])
 
 
-def index(b, node):
-    """index.Tensor(src, [idx or None, ...]): PyTorch advanced indexing with integer index tensors.
-
-    The index tensors broadcast to a shape B. When the indexed dims are adjacent, B replaces them in
-    place; otherwise B comes first, followed by the dims that are not indexed."""
-    src = b.ref(node.args[0])
-    entries = list(node.args[1]) + [None] * (src.ndim - len(node.args[1]))
-    dims = [d for d, e in enumerate(entries) if e is not None]
-    refs = [b.ref(entries[d]) for d in dims]
+def advanced_layout(src, refs, dims):
+    """PyTorch's advanced-indexing layout over ``src`` (a TRef, or anything with ``shape``, ``strides``
+    and ``ndim``): the index tensors ``refs`` (on ``dims`` of ``src``) broadcast to a shape B, which
+    replaces the indexed dims in place when they are adjacent and comes first otherwise. Returns
+    (iteration shape, S (src's stride per iteration dim), [(index, T, N, U)] as ``launch_gather`` takes)."""
     bshape = broadcast_shape(r.shape for r in refs)
     adjacent = dims == list(range(dims[0], dims[-1] + 1))
     rest = [d for d in range(src.ndim) if d not in dims]
     before = [d for d in rest if d < dims[0]] if adjacent else []
     after = [d for d in rest if d not in before]
-    # Output dims: the direct dims before B, B, the direct dims after it.
     shape = tuple(src.shape[d] for d in before) + bshape + tuple(src.shape[d] for d in after)
-    out = b.out(node)
-    if shape != out.shape:
-        raise ValueError(f"computed index result shape {shape} differs from the traced {out.shape}")
-    zeros_b = [0] * len(bshape)
-    direct = [src.strides[d] for d in before] + zeros_b + [src.strides[d] for d in after]
+    direct = [src.strides[d] for d in before] + [0] * len(bshape) + [src.strides[d] for d in after]
     pad_before, pad_after = [0] * len(before), [0] * len(after)
     indices = [
         (r, pad_before + list(broadcast_strides(r, bshape)) + pad_after, src.shape[d], src.strides[d])
         for r, d in zip(refs, dims)
     ]
-    launch_gather(b, out, src, direct, indices)
+    return shape, direct, indices
+
+
+def index(b, node):
+    """index.Tensor(src, [idx or None, ...]): PyTorch advanced indexing with integer index tensors
+    (:func:`advanced_layout`). A source whose strides leave more than MAX_RANK dims to walk is read
+    through a contiguous copy (``index_reason`` admits the node when either walk fits)."""
+    src = b.ref(node.args[0])
+    entries = list(node.args[1]) + [None] * (src.ndim - len(node.args[1]))
+    dims = [d for d, e in enumerate(entries) if e is not None]
+    refs = [b.ref(entries[d]) for d in dims]
+    out = b.out(node)
+    for source in (src, None):
+        source = source or b.contiguous(src)
+        shape, direct, indices = advanced_layout(source, refs, dims)
+        if shape != out.shape:
+            raise ValueError(f"computed index result shape {shape} differs from the traced {out.shape}")
+        if walk_rank(shape, [contiguous_strides(shape), direct] + [t for _, t, _, _ in indices]) <= MAX_RANK:
+            break
+    launch_gather(b, out, source, direct, indices)
+
+
+def walk_rank(shape, stride_sets) -> int:
+    """The dims a kernel walks over ``shape`` after merging those every stride set walks contiguously."""
+    return len(collapse(shape, stride_sets)[0])
 
 
 def cumsum(b, node):  # cumsum(x, dim, dtype=None)
@@ -468,16 +484,58 @@ def _supported_gather_op(node, src_arg, index_args) -> str | None:
     return reason or index_reason(index_args, out)
 
 
-def index_reason(index_args, out) -> str | None:
-    """Why the indices or the result of an indexing op (gather or scatter) cannot be lowered, or None."""
+def index_reason(index_args, out, layouts=()) -> str | None:
+    """Why the indices or the result of an indexing op (gather or scatter) cannot be lowered, or None.
+    ``layouts``: (iteration shape, stride sets) walks of which the kernel may take any; the result
+    fits when one merges to at most MAX_RANK dims. Without them, every dim of the result of a size
+    other than 1 counts."""
     for arg in index_args:
         reason = _dtype_reason(node_value(arg), "an index", INDEX_DTYPES)
         if reason:
             return reason
-    walked = sum(1 for n in out.shape if not (isinstance(n, int) and n == 1))  # size-1 dims are dropped
+    walked = min((walk_rank(shape, sets) for shape, sets in layouts), default=None)
+    if walked is None:
+        walked = sum(1 for n in out.shape if not (isinstance(n, int) and n == 1))  # size-1 dims are dropped
     if walked > MAX_RANK:
-        return f"result has {walked} dims of size other than 1 (at most {MAX_RANK})"
+        return f"result has {walked} dims of size other than 1 that do not merge (at most {MAX_RANK})"
     return None
+
+
+def meta_view(val) -> TRef | None:
+    """A fake tensor's shape and strides (ints or sympy expressions) as a TRef of no buffer, or None."""
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return TRef(0, 0, val.dtype, size_shape(val.shape), size_shape(val.stride()), 0)
+    except SymbolicShapeError:
+        return None
+
+
+def index_walks(src_val, index_vals, dims, values_val=None) -> list:
+    """The walks (iteration shape, stride sets) of an advanced indexing of ``src_val`` by ``index_vals``
+    (on ``dims``) as the lowering takes them: through the source's strides, then a contiguous copy's;
+    the result (contiguous; or ``values_val`` broadcast, for index_put) walked with them. Empty when
+    a size or stride is not one the plan can express."""
+    views = [meta_view(v) for v in (src_val, *index_vals)]
+    values = None if values_val is None else meta_view(values_val)
+    if any(v is None for v in views) or (values_val is not None and values is None):
+        return []
+    walks = []
+    src, refs = views[0], views[1:]
+    for strides in (src.strides, contiguous_strides(src.shape)):
+        shape, direct, indices = advanced_layout(TRef(0, 0, src.dtype, src.shape, strides, 0), refs, dims)
+        first = contiguous_strides(shape) if values is None else values_strides(values, shape)
+        walks.append((shape, [first, direct] + [t for _, t, _, _ in indices]))
+    return walks
+
+
+def values_strides(values: TRef, shape) -> tuple:
+    """``values`` broadcast to ``shape``, leading size-1 dims beyond its rank dropped (index_put's rule)."""
+    extra = values.ndim - len(shape)
+    if extra > 0:
+        values = TRef(values.index, values.buffer, values.dtype, values.shape[extra:], values.strides[extra:],
+                      values.offset)
+    return broadcast_strides(values, shape)
 
 
 def supported_embedding(node) -> str | None:
@@ -508,7 +566,11 @@ def supported_index(node) -> str | None:
             return "boolean mask indexing gives a data-dependent shape; only integer index tensors are supported"
     if len(entries) > MAX_INDICES:
         return f"{len(entries)} index tensors (at most {MAX_INDICES})"
-    return _supported_gather_op(node, node.args[0], entries)
+    out = node.meta.get("val")
+    reason = _dtype_reason(out, "the result", ew.DTYPES) or _dtype_reason(node_value(node.args[0]), "the source", ew.DTYPES)
+    dims = [d for d, e in enumerate(node.args[1]) if e is not None]
+    walks = index_walks(node_value(node.args[0]), [node_value(e) for e in entries], dims)
+    return reason or index_reason(entries, out, walks)
 
 
 def supported_cumextreme(node) -> str | None:

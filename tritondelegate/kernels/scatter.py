@@ -37,11 +37,12 @@ import triton.language as tl
 from . import elementwise as ew
 from . import sizes as size_fns
 from .creation import is_empty
-from .index import MAX_INDICES, _dtype_reason, broadcast_shape, index_reason, indexed_offsets
+from .index import (MAX_INDICES, _dtype_reason, advanced_layout, broadcast_shape, index_reason, index_walks,
+                    indexed_offsets, values_strides, walk_rank)
 from .layout import view_of
 from ..errors import LoweringError
 from ..plan import Arg, Launch
-from .refs import FLOAT_DTYPES, MAX_RANK, TRef, broadcast_strides, collapse, node_value, same_view
+from .refs import FLOAT_DTYPES, MAX_RANK, TRef, collapse, node_value, same_view
 from .rows import node_arg
 
 aten = torch.ops.aten
@@ -248,35 +249,6 @@ def _copy_into_view(b, node, op, *view_args) -> None:
 
 
 # --- lowerings ------------------------------------------------------------------------------------
-def _advanced_layout(dst: TRef, refs, dims):
-    """PyTorch's advanced-indexing layout: the index tensors (on ``dims`` of ``dst``) broadcast to a
-    shape B, which replaces the indexed dims in place when they are adjacent and comes first
-    otherwise. Returns (iteration shape, S, [(index, T, N, U)])."""
-    bshape = broadcast_shape(r.shape for r in refs)
-    adjacent = dims == list(range(dims[0], dims[-1] + 1))
-    rest = [d for d in range(dst.ndim) if d not in dims]
-    before = [d for d in rest if d < dims[0]] if adjacent else []
-    after = [d for d in rest if d not in before]
-    shape = tuple(dst.shape[d] for d in before) + bshape + tuple(dst.shape[d] for d in after)
-    direct = [dst.strides[d] for d in before] + [0] * len(bshape) + [dst.strides[d] for d in after]
-    pad_before, pad_after = [0] * len(before), [0] * len(after)
-    indices = [
-        (r, pad_before + list(broadcast_strides(r, bshape)) + pad_after, dst.shape[d], dst.strides[d])
-        for r, d in zip(refs, dims)
-    ]
-    return shape, direct, indices
-
-
-def _value_strides(values: TRef, shape) -> tuple[int, ...]:
-    """``values`` broadcast to ``shape``; leading size-1 dims beyond ``shape``'s rank are dropped,
-    as index_put allows."""
-    extra = values.ndim - len(shape)
-    if extra > 0:
-        values = TRef(values.index, values.buffer, values.dtype, values.shape[extra:],
-                      values.strides[extra:], values.offset)
-    return broadcast_strides(values, shape)
-
-
 def index_put(b, node):
     """index_put(self, indices, values, accumulate=False): ``self[indices] = values`` (``+=`` with
     accumulate), indices a list of integer index tensors or None (the whole dim)."""
@@ -286,9 +258,9 @@ def index_put(b, node):
         entries = list(node.args[1])
         dims = [d for d, e in enumerate(entries) if e is not None]
         refs = [_apart(b, b.ref(entries[d]), dst) for d in dims]
-        shape, direct, indices = _advanced_layout(dst, refs, dims)
+        shape, direct, indices = advanced_layout(dst, refs, dims)
         values = _apart(b, b.ref(node.args[2]), dst)
-        launch_scatter(b, dst, values, shape, direct, _value_strides(values, shape), indices, accumulate)
+        launch_scatter(b, dst, values, shape, direct, values_strides(values, shape), indices, accumulate)
 
     _scatter_update(b, node, accumulate, scatter)
 
@@ -402,11 +374,14 @@ def supported_index_put(node) -> str | None:
     except (RuntimeError, ValueError, size_fns.SymbolicShapeError):
         return f"index tensors of shapes {[tuple(s) for s in shapes]} do not broadcast together"
     rank = self_val.ndim - len(tensors) + len(bshape)
-    indexed = {d for d, t in enumerate(node.args[1]) if t is not None}
+    indexed = [d for d, t in enumerate(node.args[1]) if t is not None]
     kept = [n for d, n in enumerate(size_fns.shape(self_val.shape)) if d not in indexed]
-    walked = sum(1 for n in (*kept, *bshape) if not (isinstance(n, int) and n == 1))  # size-1 dims are dropped
+    walks = index_walks(self_val, [node_value(e) for e in tensors], indexed, values)
+    walked = min((walk_rank(shape, sets) for shape, sets in walks), default=None)
+    if walked is None:  # every dim of a size other than 1 counts
+        walked = sum(1 for n in (*kept, *bshape) if not (isinstance(n, int) and n == 1))
     if walked > MAX_RANK:
-        return f"the indexing result has {walked} dims of size other than 1 (at most {MAX_RANK})"
+        return f"the indexing result has {walked} dims of size other than 1 that do not merge (at most {MAX_RANK})"
     leading = size_fns.shape(values.shape[: max(values.ndim - rank, 0)])
     if any(s != 1 for s in leading):
         return f"values of shape {tuple(values.shape)} do not broadcast to the {rank}-dim indexing result"

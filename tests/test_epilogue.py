@@ -199,14 +199,16 @@ def test_intermediate_read_twice():
 
 
 def test_consumer_layout_that_no_view_maps():
-    # Two batch entries of the product transposed (z splits over two dims of the result), and an
-    # operand whose rows do not merge: each stays a launch of its own, still correct.
+    # Two batch entries of the product transposed (z splits over two dims of the result): the clone
+    # stays a launch of its own, still correct.
     a, b = torch.randn(6, 17, 16), torch.randn(6, 16, 33)
     plan = check(Fn(lambda a, b: (a @ b).view(2, 3, 17, 33).transpose(1, 2).contiguous()), (a, b))
     assert launches(plan) == [("matmul", []), ("pointwise", "clone")]
+    # an operand whose rows do not merge across the batch: the linear runs as one product per batch
+    # entry (matmul.batch_split), which addresses it
     r = torch.randn(17, 2, 20)
     plan = check(Linears(lambda lin, x, r: lin[0](x) + r.transpose(0, 1), (33, 20, False)), (torch.randn(2, 17, 33), r))
-    assert launches(plan) == [("matmul", []), ("pointwise", "add")]
+    assert launches(plan) == [("matmul", ["add"])] and tuple(plan.launches[0].grid)[1] == 2
     # the product broadcast over a batch: each element would be computed twice
     plan = check(Linears(lambda lin, x, r: lin[0](x) + r, (33, 20, False)),
                  (torch.randn(17, 33), torch.randn(2, 17, 20)))

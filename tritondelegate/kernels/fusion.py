@@ -249,7 +249,7 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     chains, merged_away = _merge_chains(launches, ops["pointwise"], touched, writes, keep, users, view)
     merged_away |= prologued
     sources: dict[int, tuple] = {}  # an epilogue's position -> (its matmul's, the chain)
-    epilogues = _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away, sources)
+    epilogues = _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away, sources, view)
     writes = [set(w) for w in writes]  # updated as row launches move
     rows = fuse_rows.merge_rows(launches, ops["rows"], chains, touched, writes, keep, users,
                                 _unwritten, merged_away, set(epilogues), {"reduce": fuse_reduce.reduce_launch})
@@ -427,12 +427,23 @@ def _prologue_op(op, norm, view):
             or a.shape[2] != width or not a.is_contiguous() or a.numel != t.numel):
         return None  # (a contiguous [Z, M, K] view of all of contiguous t: row z*M + m of t is A[z, m])
     # x itself may be strided (a norm of a slice of a projection's columns): A reads x's rows in place;
-    # a contiguous x is read as A is, t's layout
-    strides = a.strides if norm.x.is_contiguous() else _product_strides(
-        t.shape, norm.x.strides, range(len(t.shape)), a.shape)
+    # a contiguous x is read as A is, t's layout. A permuted x whose rows step by image (ConvNeXt's
+    # NCHW result seen as NHWC, at a batch of images) is read as one product per image.
+    if norm.x.is_contiguous():
+        return replace(op, a=view(norm.x, a.shape, a.strides, norm.x.offset),
+                       prologue=(norm.kind, norm.weight, norm.bias, norm.eps))
+    dims = range(len(t.shape))
+    strides = _product_strides(t.shape, norm.x.strides, dims, a.shape)
+    split = None
+    if strides is None and len(t.shape) > 2:
+        split = mm.batch_split(op, t.shape[0])
+        target = None if split is None else (*split, a.shape[2])
+        strides = None if split is None else _product_strides(t.shape, norm.x.strides, dims, target)
     if strides is None:
         return None
-    return replace(op, a=view(norm.x, a.shape, strides, norm.x.offset),
+    if split is not None:
+        op = mm.rebatched(op, split, view)
+    return replace(op, a=view(norm.x, op.a.shape, strides, norm.x.offset),
                    prologue=(norm.kind, norm.weight, norm.bias, norm.eps))
 
 
@@ -449,7 +460,8 @@ def _grouped_prologue_op(op: gmm.GroupedOp, norm, view) -> "gmm.GroupedOp | None
 
 
 # --- matmul epilogues -----------------------------------------------------------------------------
-def _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away, sources) -> dict[int, Launch]:
+def _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away, sources, view=None
+                     ) -> dict[int, Launch]:
     """Consumer position -> the matmul launch that now computes its chain; each matmul merged is added
     to ``merged_away``, and ``sources`` maps the consumer to (the matmul's position, the chain)."""
     epilogues: dict[int, Launch] = {}
@@ -463,7 +475,7 @@ def _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away
             continue
         if any(r.buffer in writes[p] for r in op.reads for p in range(m + 1, c)):
             continue  # an in-place update between M and C: M's reads may not move to C
-        launch = _epilogue_launch(op, chains[c], launches[m])
+        launch = _epilogue_launch(op, chains[c], launches[m], view)
         if launch is not None:
             epilogues[c] = launch
             sources[c] = (m, chains[c])
@@ -512,9 +524,12 @@ def _whole_result_epilogue_launch(op, chain: _Chain, launch: Launch) -> Launch |
     return new_launch(launch.kernel, grid, args, constexprs, "+".join([launch.op] + chain.names))
 
 
-def _epilogue_launch(op, chain: _Chain, matmul: Launch) -> Launch | None:
+def _epilogue_launch(op, chain: _Chain, matmul: Launch, view=None) -> Launch | None:
     """``matmul`` (computing ``op``) relaunched with ``chain`` as its epilogue, or None when the chain
-    does not start from the product or cannot be addressed in the product's [Z, M, N] walk."""
+    does not start from the product or cannot be addressed in the product's [Z, M, N] walk. With the
+    builder's ``view``, a product of one batch may become one product per step of the chain's
+    outermost dim (``matmul.batch_split``): ConvNeXt's ``x + (gamma * y).permute(0, 3, 1, 2)`` at a
+    batch of images, x NCHW and y's rows NHWC."""
     if isinstance(op, (cv.ConvOp, gmm.GroupedOp, dq.DequantRowsOp)):
         return _whole_result_epilogue_launch(op, chain, matmul)
     t = op.c
@@ -532,19 +547,34 @@ def _epilogue_launch(op, chain: _Chain, matmul: Launch) -> Launch | None:
     if dims is None:
         return None
     steps, others = chain.from_slot(k)
+    walk = _epilogue_walk(shape, dims, t.shape, others, chain.out)
+    split = None
+    if walk is None and view is not None and len(dims) > 2:  # one product per step of the outermost dim
+        split = mm.batch_split(op, shape[dims[0]])
+        walk = None if split is None else _epilogue_walk(shape, dims, (*split, t.shape[2]), others, chain.out)
+    if walk is None:
+        return None
+    operands, out_strides = walk
+    if split is not None:
+        op = mm.rebatched(op, split, view)
+    grid, args, constexprs = mm.epilogue_launch(op, chain.out, out_strides, steps, operands)
+    return new_launch(matmul.kernel, grid, args, constexprs, "+".join([matmul.op] + chain.names))
+
+
+def _epilogue_walk(shape, dims, target, others, out: TRef) -> tuple[list, tuple] | None:
+    """(operands, the result's strides) of an epilogue over the product's ``target`` [Z, M, N]: each tensor
+    operand of ``others`` paired with its strides there (read over the chain's ``shape``, walked in
+    ``dims`` order), or None when one cannot be addressed there."""
     operands = []
     for slot in others:
         if isinstance(slot, TRef):
-            strides = _product_strides(shape, broadcast_strides(slot, shape), dims, t.shape)
+            strides = _product_strides(shape, broadcast_strides(slot, shape), dims, target)
             if strides is None:
                 return None
             slot = (slot, strides)
         operands.append(slot)
-    out_strides = _product_strides(shape, chain.out.strides, dims, t.shape)
-    if out_strides is None:
-        return None
-    grid, args, constexprs = mm.epilogue_launch(op, chain.out, out_strides, steps, operands)
-    return new_launch(matmul.kernel, grid, args, constexprs, "+".join([matmul.op] + chain.names))
+    out_strides = _product_strides(shape, out.strides, dims, target)
+    return None if out_strides is None else (operands, out_strides)
 
 
 def _product_order(view: TRef, shape, t: TRef) -> list[int] | None:

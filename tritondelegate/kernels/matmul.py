@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import sympy
 import torch
 import triton
 import triton.language as tl
@@ -727,6 +728,33 @@ def epilogue_launch(op: MatmulOp, out: TRef, out_strides, steps, operands) -> tu
     op = replace(op, cfg=epilogue_config(op.cfg, op.a.dtype, tiles))
     constexprs = {**op.constexprs(), **ew.epilogue_args(out, steps, operands, 3, dtype_name(op.c.dtype))[1]}
     return op.grid(), op.args(out, out_strides, operands), constexprs
+
+
+def batch_split(op: MatmulOp, z) -> tuple | None:
+    """(z, rows): ``op``'s one product (Z = 1) of M rows as ``z`` products of ``rows = M / z`` rows each,
+    or None when it has a batch already, a rotary epilogue (its tables are indexed by row), or M is not
+    a multiple of z. ConvNeXt's linears at a batch of images: each image's rows are a run of A and of C,
+    while a residual or a norm's input in NCHW steps by image between them."""
+    batch, m, _ = op.a.shape
+    quant_batch = op.quant is not None and op.quant.q.ndim == 3  # tables of one weight per batch
+    if batch != 1 or op.rope is not None or quant_batch or (sizes.is_static(z) and z <= 1):
+        return None
+    if sizes.is_static(m) and sizes.is_static(z):
+        return (z, m // z) if m % z == 0 else None
+    rows = sympy.simplify(sympy.sympify(m) / z)
+    return (z, rows) if rows.is_integer and not rows.free_symbols & sympy.sympify(z).free_symbols else None
+
+
+def rebatched(op: MatmulOp, split: tuple, view) -> MatmulOp:
+    """``op`` as the products of :func:`batch_split`'s ``split``: A's, C's and the bias's rows in ``z``
+    runs of ``rows`` (the builder's ``view`` makes the views), B and a quantized B's tables shared."""
+    z, rows = split
+
+    def runs(t: TRef) -> TRef:
+        return view(t, (z, rows, t.shape[2]), (rows * t.strides[1], t.strides[1], t.strides[2]), t.offset)
+
+    bmat = view(op.bmat, (z, *op.bmat.shape[1:]), (0, *op.bmat.strides[1:]), op.bmat.offset)
+    return replace(op, a=runs(op.a), bmat=bmat, c=runs(op.c), x=runs(op.x) if op.has_bias else op.x)
 
 
 def _batch_chunks(batch) -> list[tuple[int, object]]:

@@ -750,6 +750,10 @@ def _vision_cases(d) -> dict[str, callable]:
         "group_norm_silu": lambda: (nn.Sequential(nn.GroupNorm(32, 320), nn.SiLU()).eval().to(d),
                                     (_randn(1, 320, 64, 64, dtype=d),)),
         "instance_norm": lambda: (nn.InstanceNorm2d(64, affine=True).eval().to(d), (_randn(2, 64, 56, 56, dtype=d),)),
+        # BiT's pre-activation: GroupNorm(32, 256) and ReLU computed where the 1x1 convolution to 64
+        # channels reads them (fuse_conv1x1.claim_norms: NORM), at 56 x 56
+        "group_norm_conv1x1": lambda: (nn.Sequential(nn.GroupNorm(32, 256), nn.ReLU(), nn.Conv2d(256, 64, 1)
+                                                     ).eval().to(d), (_randn(1, 256, 56, 56, dtype=d),)),
         # depthwise (kernels/depthwise.py): MobileNetV2's inverted residual (1x1 expand, 3x3 depthwise at
         # stride 2 with its batch norm and ReLU6 computed where the 1x1 project reads it: fuse_conv1x1.py,
         # the batch norm a prologue of 2 more steps in half precision), ConvNeXt's 7x7 with a residual

@@ -139,3 +139,86 @@ def test_traffic_reads_x_once_and_writes_only_the_activation():
     assert apply.kernel == "norm_apply"
     assert apply.bytes_read == 4 * (n * c * h * w + 2 * n * groups + 2 * c)
     assert apply.bytes_written == 4 * n * c * h * w
+
+
+class PreActivation(torch.nn.Module):
+    """A pre-activation bottleneck's start (BiT, ResNet-v2): norm -> [ReLU] -> 1x1 convolution [+ x]."""
+
+    def __init__(self, norm, c=16, act=True, residual=False):
+        super().__init__()
+        self.norm, self.act, self.residual = norm, act, residual
+        self.conv = torch.nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        y = self.norm(x)
+        y = self.conv(torch.relu(y) if self.act else y)
+        return y + x if self.residual else y
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("act, residual", [(True, False), (False, False), (True, True)])
+def test_a_group_norm_is_computed_where_a_1x1_convolution_reads_it(dtype, act, residual):
+    """The normalized (and activated) tensor is never stored: the convolution normalizes each tile of
+    x it loads (fuse_conv1x1.claim_norms), then its own epilogue adds the residual."""
+    model = PreActivation(_affine(torch.nn.GroupNorm(4, 16)), act=act, residual=residual).eval()
+    x = (torch.randn(2, 16, 5, 7) * 2 + 1).to(dtype)
+    launches = check_launches(model.to(dtype), (x,), dtype)
+    assert _kernels(launches) == ["reduce", "conv1x1"]
+    conv = launches[1]
+    assert conv.constexprs["NORM"].value and conv.constexprs["HAS_NW"].value and conv.constexprs["HAS_NB"].value
+    assert ("PROLOGUE" in conv.constexprs) == act and conv.op.endswith("+add" if residual else "convolution")
+
+
+def test_a_training_batch_norm_is_computed_where_a_1x1_convolution_reads_it():
+    """Per-channel statistics (sample stride 0, groups of one channel), the running statistics updated."""
+    model = PreActivation(_affine(torch.nn.BatchNorm2d(16, momentum=0.2))).train()
+    eager = copy.deepcopy(model)
+    x = torch.randn(3, 16, 4, 6) * 2 + 0.5
+    lowered = td.lower(torch.export.export(model, (x,)), config=RESIDENT)
+    assert _kernels(plan_launches(lowered))[-1] == "conv1x1"
+    atol, rtol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(lowered.load().load_method()(x), eager(x), atol=atol, rtol=rtol)
+
+
+class ReadTwice(torch.nn.Module):
+    """The activated norm feeds the 1x1 convolution and is returned: it must be stored."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.conv = _affine(torch.nn.GroupNorm(4, 16)), torch.nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.norm(x))
+        return self.conv(y), y
+
+
+def test_a_normalized_tensor_read_twice_is_stored():
+    launches = check_launches(ReadTwice().eval(), (torch.randn(2, 16, 5, 5),))
+    assert _kernels(launches) == ["reduce", "norm_apply", "conv2d"]
+
+
+def test_an_instance_norm_before_a_1x1_convolution_keeps_its_launch():
+    """Instance norm normalizes x seen as [1, N * C, *]: its rows are not the convolution's (image, channel),
+    so the convolution reads its stored result."""
+    model = PreActivation(_affine(torch.nn.InstanceNorm2d(16, affine=True))).eval()
+    launches = check_launches(model, (torch.randn(2, 16, 5, 5),))
+    assert "norm_apply" in _kernels(launches)
+
+
+def test_a_norm_in_a_1x1_convolution_at_a_dynamic_batch_and_size():
+    batch, h = Dim("batch", max=4), Dim("h", min=2, max=12)
+    model = PreActivation(_affine(torch.nn.GroupNorm(4, 16)), residual=True).eval()
+    calls = [(torch.randn(n, 16, rows, 5),) for n, rows in ((2, 7), (1, 12), (4, 2))]
+    lowered, _ = check_dynamic(model, calls, {"x": {0: batch, 2: h}})
+    assert _kernels(plan_launches(lowered)) == ["reduce", "conv1x1"]
+
+
+def test_traffic_of_a_norm_in_a_1x1_convolution():
+    """x read once with the statistics, weight and bias; the convolution's weight and bias; its result."""
+    n, c, h, w, groups = 2, 16, 6, 6, 4
+    model = PreActivation(_affine(torch.nn.GroupNorm(groups, c))).eval()
+    lowered = td.lower(torch.export.export(model, (torch.randn(n, c, h, w),)), config=RESIDENT)
+    conv = plan_launches(lowered)[-1]
+    assert conv.kernel == "conv1x1"
+    assert conv.bytes_read == 4 * (n * c * h * w + 2 * n * groups + 2 * c + c * c + c)
+    assert conv.bytes_written == 4 * n * c * h * w

@@ -38,7 +38,7 @@ D merges into P when all of these hold:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import triton
 import triton.language as tl
@@ -46,6 +46,7 @@ import triton.language as tl
 from . import conv as cv
 from .conv import _dot, _epilogue_args, _epilogue_strides, _ncdhw, _tile_pixels
 from .depthwise import DepthwiseOp
+from .group_norm import NormApply
 from .elementwise import _epilogue
 from .refs import TRef, broadcast_strides, new_launch, same_view
 from .rows import chain_args, chain_constexprs
@@ -73,6 +74,23 @@ def _depthwise_tile(x_rows, mask_m, ih0, iw0, k, mask_k, H, W, xs_c, xs_h, xs_w,
 
 
 @triton.jit
+def _normalized(a, n, k, mask, mask_k, var_ptr, mean_ptr, nw_ptr, nb_ptr, per, sample_stride, eps,
+                HAS_NW: tl.constexpr, HAS_NB: tl.constexpr):
+    """The tile ``a`` of x (pixels of images ``n``, channels ``k``) normalized as ``group_norm``'s
+    ``norm_apply_kernel`` does: x * scale + shift, from the statistics at n * sample_stride + k // per."""
+    stat = n[:, None] * sample_stride + (k // per)[None, :]
+    var = tl.load(var_ptr + stat, mask=mask, other=1.0).to(tl.float32)
+    mean = tl.load(mean_ptr + stat, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.rsqrt(var + eps)
+    if HAS_NW:
+        scale = scale * tl.load(nw_ptr + k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+    shift = -(scale * mean)
+    if HAS_NB:
+        shift = tl.load(nb_ptr + k, mask=mask_k, other=0.0).to(tl.float32)[None, :] - scale * mean
+    return a * scale + shift
+
+
+@triton.jit
 def conv1x1_kernel(
     x_ptr, v_ptr, c_ptr, w_ptr, bias_ptr, out_ptr,
     M, H, W, OH, OW, K, V_G, COUT,
@@ -85,6 +103,8 @@ def conv1x1_kernel(
     e0_ptr, e1_ptr, e2_ptr, e3_ptr, e0_scalar, e1_scalar, e2_scalar, e3_scalar,
     e0s0, e0s1, e0s2, e0s3, e1s0, e1s1, e1s2, e1s3, e2s0, e2s1, e2s2, e2s3, e3s0, e3s1, e3s2, e3s3,
     e0s4, e1s4, e2s4, e3s4,
+    # a norm's statistics, weight and bias, its groups and eps (NORM: t is x normalized; else stand-ins)
+    var_ptr, mean_ptr, nw_ptr, nb_ptr, n_per, n_sample, n_eps,
     KH: tl.constexpr, KW: tl.constexpr, DEPTHWISE: tl.constexpr, HAS_DW_BIAS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
@@ -102,10 +122,11 @@ def conv1x1_kernel(
     EOP3: tl.constexpr = "copy", EARITY3: tl.constexpr = 1, ESWAP3: tl.constexpr = False,
     EIS_SCALAR0: tl.constexpr = False, EIS_SCALAR1: tl.constexpr = False,
     EIS_SCALAR2: tl.constexpr = False, EIS_SCALAR3: tl.constexpr = False,
+    NORM: tl.constexpr = False, HAS_NW: tl.constexpr = False, HAS_NB: tl.constexpr = False,
 ):
     # Rows: output pixels (n, oh, ow), t's and the output's alike (a 1x1 conv of stride 1); columns:
     # output channels; K: t's channels. DEPTHWISE: t's tiles from the taps of x; else x is t's chain's
-    # first operand, over t's shape.
+    # first operand, over t's shape (NORM: the input of the norm that wrote it).
     n, _, oh, ow, mask_m = _tile_pixels(tl.program_id(0).to(tl.int64), M, 1, OH, OW, BLOCK_M, False)
     co = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = co < COUT
@@ -123,6 +144,9 @@ def conv1x1_kernel(
         else:
             a = tl.load(x_rows[:, None] + (oh * xs_h + ow * xs_w)[:, None] + k.to(tl.int64)[None, :] * xs_c,
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            if NORM:
+                a = _normalized(a, n, k, mask_m[:, None] & mask_k[None, :], mask_k, var_ptr, mean_ptr, nw_ptr,
+                                nb_ptr, n_per, n_sample, n_eps, HAS_NW, HAS_NB)
         if PROLOGUE > 0:  # at t's (n, k, oh, ow)
             a = _epilogue(a, mask_m[:, None] & mask_k[None, :], n[:, None], k[None, :], oh[:, None], ow[:, None], 0,
                           p0_ptr, p1_ptr, p2_ptr, p3_ptr, p0_scalar, p1_scalar, p2_scalar, p3_scalar,
@@ -156,12 +180,14 @@ class Conv1x1Op:
     ``source``, a depthwise convolution (``depthwise.DepthwiseOp``) or a tensor read over t's dims (a
     (TRef, its strides over t's dims) pair), then
     ``steps`` ((op, arity, swap); () for none) reading ``operands`` (a (TRef, its strides over t's
-    dims) pair, a Python scalar, or None where a step is unary)."""
+    dims) pair, a Python scalar, or None where a step is unary). With ``norm``, the tensor source is
+    normalized by it first (``group_norm.NormApply``: a GroupNorm's or instance norm's statistics)."""
 
     pw: cv.ConvOp
     source: DepthwiseOp | tuple
     steps: tuple
     operands: tuple
+    norm: NormApply | None = None  # with a tensor source: the norm that reads it (the source is its x)
     kernel = "conv1x1"
 
     @property
@@ -171,7 +197,8 @@ class Conv1x1Op:
     @property
     def reads(self) -> tuple[TRef, ...]:
         source = self.source.reads if isinstance(self.source, DepthwiseOp) else (self.source[0],)
-        return source + tuple(o[0] for o in self.operands if isinstance(o, tuple)) + self.pw.reads[1:]
+        norm = () if self.norm is None else self.norm.reads[1:]
+        return source + norm + tuple(o[0] for o in self.operands if isinstance(o, tuple)) + self.pw.reads[1:]
 
     def launch(self, out: TRef | None = None, steps=(), operands=()) -> tuple[tuple, list, dict]:
         """(grid, arguments, constexprs), as ``conv.ConvOp.launch``: storing into ``out`` (default: pw's
@@ -189,7 +216,8 @@ class Conv1x1Op:
         geometry = (1, 1, 0, 0, 1, 1) if dw is None else (*dw.stride, *dw.padding, *dw.dilation)
         prologue = [(o[0], _epilogue_strides(o[1])[:4]) if isinstance(o, tuple) else o for o in self.operands]
         epilogue, fifth, constexprs = _epilogue_args(out, steps, operands, dtype_name(pw.c.dtype))
-        stored = x.dtype if dw is None else dw.c.dtype  # the dtype the first step reads t's values in
+        # the dtype the first step reads t's values in
+        stored = dw.c.dtype if dw is not None else x.dtype if self.norm is None else self.norm.out.dtype
         if self.steps:
             constexprs.update(chain_constexprs("prologue", self.steps, prologue, stored))
         k_step = cv.FP32_K_STEP if pw.x.dtype.itemsize >= 4 else cv.K_STEP
@@ -197,10 +225,13 @@ class Conv1x1Op:
         args = [x, out if dw is None else dw.weight, out if dw is None or dw.bias is None else dw.bias, pw.weight,
                 pw.bias if pw.bias is not None else out, out,
                 m, h, w, oh, ow, k, 1 if dw is None else k // dw.groups, cout, xs_n, xs_c, xs_h, xs_w, vs_c, vs_h,
-                vs_w, ws_o, ws_i, os_n, os_c, os_h, os_w, *geometry, *chain_args(prologue, out), *epilogue, *fifth[:4]]
+                vs_w, ws_o, ws_i, os_n, os_c, os_h, os_w, *geometry, *chain_args(prologue, out), *epilogue, *fifth[:4],
+                *([out] * 4 + [1, 0, 0.0] if self.norm is None else self.norm.args(out))]
         constexprs.update(KH=kh, KW=kw, DEPTHWISE=dw is not None, HAS_DW_BIAS=dw is not None and dw.bias is not None,
                           HAS_BIAS=pw.bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                           DOT_UPCAST=False, num_warps=8)
+        if self.norm is not None:
+            constexprs.update(NORM=True, HAS_NW=self.norm.weight is not None, HAS_NB=self.norm.bias is not None)
         return (triton.cdiv(m, block_m), triton.cdiv(cout, block_n)), args, constexprs
 
 
@@ -222,12 +253,15 @@ class Fused:
     """What ``fusion.fuse`` has merged so far: ``epilogues`` maps a consumer's position to its matmul
     launch with the consumer's chain as epilogue, ``sources`` to (the matmul's position, the chain);
     ``taken``: positions whose chain another launch computes (a row kernel's epilogue, a gather's, a
-    pooling convolution's); ``merged_away``: positions gone (updated here)."""
+    pooling convolution's); ``merged_away``: positions gone (updated here); ``norms``: a 1x1
+    convolution's position -> (its input as a :class:`Conv1x1Op`, the positions it merges), from
+    :func:`claim_norms`."""
 
     epilogues: dict
     sources: dict
     taken: set
     merged_away: set
+    norms: dict = field(default_factory=dict)  # :func:`claim_norms`' claims
 
 
 def merge_conv1x1(launches, matmuls, chains, fused: Fused, touched, writes, keep, users, chain_of, relaunch,
@@ -243,19 +277,71 @@ def merge_conv1x1(launches, matmuls, chains, fused: Fused, touched, writes, keep
         final = after.get(q, q)
         if not _pointwise(pw) or final in fused.merged_away or (final == q and q in fused.merged_away):
             continue
-        d = _producer(pw.x, q, keep, users, fused.merged_away | fused.taken)
-        op = None if d is None else _input(d, pw, final, matmuls, chains, fused, touched, writes, chain_of,
-                                           unwritten)
+        if q in fused.norms:
+            op, producers = fused.norms[q]
+        else:
+            d = _producer(pw.x, q, keep, users, fused.merged_away | fused.taken)
+            op = None if d is None else _input(d, pw, final, matmuls, chains, fused, touched, writes, chain_of,
+                                               unwritten)
+            producers = (d,)
         if op is None:
             continue
-        name = "+".join(_name(i, launches, chains, fused) for i in (d, q))
+        name = "+".join(_name(i, launches, chains, fused) for i in (*producers, q))
         launch = new_launch(op.kernel, *op.launch(), name)
         if final != q:
             launch = relaunch(op, fused.sources[final][1], launch)
         if launch is not None:
             merged[final] = launch
-            fused.merged_away.add(d)
+            fused.merged_away.update(producers)
     return merged
+
+
+def claim_norms(matmuls, norms, chains, fused: Fused, writes, keep, users, unwritten) -> dict:
+    """A 1x1 convolution's position -> (a :class:`Conv1x1Op` computing its input, the positions merged
+    into it) where that input is a ``norm_apply``'s result (``group_norm.NormApply``: a GroupNorm's),
+    or a pointwise chain's of it (a pre-activation network's ReLU: BiT's bottlenecks), which nothing
+    else reads. Claimed before ``fuse_rows`` would give the norm the chain as its epilogue: the
+    normalized tensor is then never stored."""
+    claims = {}
+    after = {m: c for c, (m, _) in fused.sources.items()}
+    gone = fused.merged_away | fused.taken | set(fused.epilogues)
+    for q, pw in sorted(matmuls.items()):
+        final = after.get(q, q)
+        if not _pointwise(pw) or final in fused.merged_away or (final == q and q in gone):
+            continue
+        d = _producer(pw.x, q, keep, users, gone)
+        if d is None:
+            continue
+        r, chain = (d, None) if isinstance(norms.get(d), NormApply) else (None, chains.get(d))
+        if chain is not None and chain.compute == "f32" and same_view(pw.x, chain.out):
+            first = [k for k, slot in enumerate(chain.slots[:2]) if isinstance(slot, TRef)]
+            r = None if not first else _producer(chain.slots[first[0]], d, keep, users, gone)
+            if r is None or not isinstance(norms.get(r), NormApply) or not unwritten(chain, final, writes):
+                continue
+        norm = norms.get(r)
+        op = None if norm is None else _normalized_input(pw, norm, chain)
+        if op is None or any(t.buffer in writes[p] for t in norm.reads for p in range(r + 1, final)):
+            continue
+        claims[q] = (op, (r,) if chain is None else (r, d))
+    return claims
+
+
+def _normalized_input(pw, norm: NormApply, chain) -> "Conv1x1Op | None":
+    """``pw``'s input computed from ``norm``'s x (then ``chain``'s steps, when there is one), or None
+    unless ``norm`` writes its result over pw's input's dims: image n's channel c is row (n, c)."""
+    u, t = norm.out, pw.x
+    steps, operands = (), ()
+    if chain is not None:
+        at = [k for k, slot in enumerate(chain.slots) if isinstance(slot, TRef) and slot.buffer == u.buffer]
+        if len(at) != 1 or at[0] > 1 or not same_view(chain.slots[at[0]], u) or tuple(u.shape) != tuple(t.shape):
+            return None
+        steps, others = chain.from_slot(at[0])
+        operands = tuple((o, broadcast_strides(o, t.shape)) if isinstance(o, TRef) else o for o in others)
+    elif not same_view(u, t):
+        return None
+    if tuple(norm.x.shape) != tuple(t.shape):
+        return None
+    return Conv1x1Op(pw, (norm.x, tuple(norm.x.strides)), tuple(steps), operands, norm)
 
 
 def _name(i: int, launches, chains, fused: Fused) -> str:

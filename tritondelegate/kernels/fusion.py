@@ -251,13 +251,16 @@ def fuse(records: list[LaunchRecord], touched: list[set[int]], writes: list[set[
     sources: dict[int, tuple] = {}  # an epilogue's position -> (its matmul's, the chain)
     epilogues = _merge_epilogues(launches, chains, matmuls, writes, keep, users, merged_away, sources, view)
     writes = [set(w) for w in writes]  # updated as row launches move
+    norms = fuse_conv1x1.claim_norms(matmuls, ops["rows"], chains, fuse_conv1x1.Fused(epilogues, sources, set(),
+                                     merged_away), writes, keep, users, _unwritten)
+    claimed = {p for _, producers in norms.values() for p in producers}
     rows = fuse_rows.merge_rows(launches, ops["rows"], chains, touched, writes, keep, users,
-                                _unwritten, merged_away, set(epilogues), {"reduce": fuse_reduce.reduce_launch})
+                                _unwritten, merged_away, set(epilogues) | claimed, {"reduce": fuse_reduce.reduce_launch})
     gathers = fuse_gather.merge_gathers(launches, ops["gather"], chains, writes, keep, users, merged_away,
                                         set(epilogues) | set(rows))
     pools = fuse_pool.merge_pools(launches, ops["pool"], matmuls, sources, touched, writes, keep, users,
                                   merged_away, _whole_result_epilogue_launch)
-    so_far = fuse_conv1x1.Fused(epilogues, sources, set(rows) | set(gathers) | set(pools), merged_away)
+    so_far = fuse_conv1x1.Fused(epilogues, sources, set(rows) | set(gathers) | set(pools), merged_away, norms)
     inputs = fuse_conv1x1.merge_conv1x1(launches, matmuls, chains, so_far, touched, writes, keep, users,
                                         _whole_result_chain, _whole_result_epilogue_launch, _unwritten)
     if not merged_away:

@@ -102,16 +102,30 @@ def norm_apply_kernel(
 @dataclass(frozen=True)
 class NormApply:
     """What a ``norm_apply`` launch computes, for ``fusion.py``: ``out`` from ``x`` [N, C, *] and the
-    statistics; ``dims`` are the positions' dims (the columns of its rows walk)."""
+    statistics ``var`` and ``mean`` (contiguous, row (n, c)'s at ``n * sample_stride + c // per``), the
+    per-channel ``weight`` and ``bias`` (either None); ``dims`` are the positions' dims (the columns of
+    its rows walk). ``fuse_conv1x1.py`` computes it where a 1x1 convolution reads its result."""
 
     x: TRef
     out: TRef
     dims: tuple[int, ...]
-    stats: tuple[TRef, ...]  # var, mean, and the weight and bias where present
+    var: TRef
+    mean: TRef
+    weight: TRef | None
+    bias: TRef | None
+    eps: float
+    per: int
+    sample_stride: int
 
     @property
     def reads(self) -> tuple[TRef, ...]:
-        return (self.x, *self.stats)
+        return tuple(t for t in (self.x, self.var, self.mean, self.weight, self.bias) if t is not None)
+
+    def args(self, stand_in: TRef) -> list:
+        """var, mean, weight and bias (``stand_in`` where absent), per, sample_stride and eps: the order
+        both kernels that apply it take them in."""
+        w, b = (stand_in if t is None else t for t in (self.weight, self.bias))
+        return [self.var, self.mean, w, b, self.per, self.sample_stride, float(self.eps)]
 
 
 def launch_apply(b, x: TRef, out: TRef, stats: tuple[TRef, TRef], affine: tuple, eps: float,
@@ -123,17 +137,18 @@ def launch_apply(b, x: TRef, out: TRef, stats: tuple[TRef, TRef], affine: tuple,
     x, plan = rw.lay_out(b, x, dims, [out.strides])
     var, mean = (b.contiguous(t) for t in stats)
     weight, bias = (None if t is None else b.contiguous(t) for t in affine)
+    op = NormApply(x, out, dims, var, mean, weight, bias, float(eps), per, sample_stride)
     block_r, block_c = rw.blocks(plan, MAX_BLOCK_C)
     grid = (triton.cdiv(plan.rows, block_r), triton.cdiv(plan.cols, block_c))
-    w, bi = (x if t is None else t for t in (weight, bias))  # stand-ins: HAS_W and HAS_B keep off them
+    var, mean, w, bi, per, sample_stride, eps = op.args(x)  # stand-ins: HAS_W and HAS_B keep off them
     record = b.launch(
         "norm_apply", grid, x, out, var, mean, w, bi, plan.rows, plan.cols, plan.n1, plan.n2,
-        *plan.args(0), *plan.args(1), x.shape[1], per, sample_stride, float(eps),
+        *plan.args(0), *plan.args(1), x.shape[1], per, sample_stride, eps,
         *rw.chain_args((), x), *rw.chain_args((), out),
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=rw.num_warps(block_r, block_c))
     if record is not None:
-        record.op = NormApply(x, out, dims, tuple(t for t in (var, mean, weight, bias) if t is not None))
+        record.op = op
 
 
 # --- lowering -------------------------------------------------------------------------------------

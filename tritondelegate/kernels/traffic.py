@@ -246,11 +246,12 @@ def _row_chain_flops(a: Args) -> int:
 
 
 def _conv1x1_flops(a: Args) -> int:
-    """``fuse_conv1x1``'s kernel: its input t once per program column, then the 1x1 GEMM."""
+    """``fuse_conv1x1``'s kernel: its input t once per program column (its taps, or a norm's scale and
+    shift), then the 1x1 GEMM."""
     t = a["M"] * a["K"]
     pro = _steps_flops(a, "P")
     epi = _steps_flops(a, "E")
-    taps = 2 * a["KH"] * a["KW"] + (1 if a["HAS_DW_BIAS"] else 0) if a["DEPTHWISE"] else 0
+    taps = 2 * a["KH"] * a["KW"] + (1 if a["HAS_DW_BIAS"] else 0) if a["DEPTHWISE"] else 2 if a.get("NORM") else 0
     inputs = t * (taps + pro) * a["grid"][1]
     return inputs + a["M"] * a["COUT"] * (2 * a["K"] + (1 if a["HAS_BIAS"] else 0) + epi)
 
@@ -448,7 +449,10 @@ TRAFFIC: dict[str, KernelTraffic] = {
     # 2 FLOPs per (pixel, output channel, k), the bias and the EPILOGUE steps
     "conv1x1": KernelTraffic(
         reads=(Access("x_ptr"), Access("v_ptr", _flag("DEPTHWISE")), Access("c_ptr", _flag("HAS_DW_BIAS")),
-               Access("w_ptr"), Access("bias_ptr", _flag("HAS_BIAS")), *_ROW_CHAIN_READS),
+               Access("w_ptr"), Access("bias_ptr", _flag("HAS_BIAS")), *_ROW_CHAIN_READS,
+               Access("var_ptr", _flag("NORM")), Access("mean_ptr", _flag("NORM")),
+               Access("nw_ptr", lambda a: a.get("NORM") and a.get("HAS_NW")),
+               Access("nb_ptr", lambda a: a.get("NORM") and a.get("HAS_NB"))),
         writes=(Access("out_ptr"),),
         flops=_conv1x1_flops,
     ),

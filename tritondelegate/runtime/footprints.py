@@ -306,7 +306,8 @@ def _conv1x1(x: LaunchArgs) -> Footprint:
     DEPTHWISE: from a depthwise convolution, t's channel k reading x's channel k // V_G at input
     coordinates masked to [0, H) x [0, W), and weight row k; else x is t's shape itself (H, W: OH, OW,
     V_G 1). The prologue's operands are addressed over t's (n, k, oh, ow) as the epilogue's are over the
-    output's (n, co, oh, ow)."""
+    output's (n, co, oh, ow). NORM: x is normalized first, by statistics per (image, group of n_per
+    channels) and a weight and bias per channel."""
     M, H, W, K, cout = (x.i(name) for name in ("M", "H", "W", "K", "COUT"))
     (v_g,) = x.d("V_G")
     n, oh, ow = _unravel(M, x.d("OH", "OW"))
@@ -322,6 +323,12 @@ def _conv1x1(x: LaunchArgs) -> Footprint:
         acc.append(Access("c_ptr", ((K, 1),)))
     if x.c["HAS_BIAS"]:
         acc.append(Access("bias_ptr", ((cout, 1),)))
+    if x.c["NORM"]:  # image n's channel k reads the statistics at n * n_sample + k // n_per
+        per = x.i("n_per")
+        if per < 1:
+            raise DelegateError(f"{x.where}: a norm's groups of {per} channels")
+        acc += [Access(p, ((n, x.i("n_sample")), (_cdiv(K, per), 1))) for p in ("var_ptr", "mean_ptr")]
+        acc += [Access(p, ((K, 1),)) for p, flag in (("nw_ptr", "HAS_NW"), ("nb_ptr", "HAS_NB")) if x.c[flag]]
     acc += _epilogue(x, (n, K, oh, ow), 4, "p") + _epilogue(x, (n, cout, oh, ow, 1), 5)
     grid = (_cdiv(M, x.c["BLOCK_M"]), _cdiv(cout, x.c["BLOCK_N"]))
     return Footprint(acc, grid, {"output elements": max(M, 0) * max(cout, 0), "K": K, "V_G": v_g})
@@ -847,7 +854,7 @@ RULES: dict[str, KernelRule] = {
         "KW": in_range(1, 4096), "HAS_BIAS": FLAG, "DEPTH": FLAG, **_epilogue_constexprs()}, (("BLOCK_M", "BLOCK_N"),)),
     "conv1x1": KernelRule(_conv1x1, {
         **_GEMM, "KH": in_range(1, 4096), "KW": in_range(1, 4096), "DEPTHWISE": FLAG, "HAS_DW_BIAS": FLAG,
-        "HAS_BIAS": FLAG,
+        "HAS_BIAS": FLAG, "NORM": FLAG, "HAS_NW": FLAG, "HAS_NB": FLAG,
         **_epilogue_constexprs("PROLOGUE", "P_ROUND", "P"), **_epilogue_constexprs()}, _GEMM_TILES),
     "pool2d": KernelRule(_pool2d, {
         "MODE": one_of("max", "avg", "adaptive_avg", "adaptive_max"), "KD": in_range(1, 4096),

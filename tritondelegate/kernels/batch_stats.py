@@ -33,7 +33,8 @@ from . import elementwise as ew
 from . import reduce as red
 from . import group_norm as gn
 from .group_norm import STATS
-from .refs import FLOAT_DTYPES, node_value, stats_read
+from . import sizes as size_fns
+from .refs import FLOAT_DTYPES, contiguous_strides, node_value, stats_read
 
 
 def _args(node):
@@ -55,7 +56,12 @@ def batch_norm_batch_stats(b, node):
         _statistics(b, x, mean, var)
     else:  # the running statistics
         mean, var = b.ref(running_mean), b.ref(running_var)
-    gn.launch_apply(b, x, b.out(node, 0), (var, mean), (weight, bias), eps, 1, 0)
+    out, channels = b.out(node, 0), None
+    images = _instances(node)
+    if images is not None:  # an instance norm's [1, N * C, *], contiguous: applied over [N, C, *] as read
+        strides = contiguous_strides(images)
+        x, out, channels = b.view(x, images, strides, x.offset), b.view(out, images, strides, out.offset), x.shape[1]
+    gn.launch_apply(b, x, out, (var, mean), (weight, bias), eps, 1, 0, channels)
     if not training:  # save_mean, save_rstd: empty; bound so that a getitem of them still lowers
         b.out(node, 1)
         b.out(node, 2)
@@ -79,6 +85,30 @@ def _statistics(b, x, mean, var) -> None:
     ew.launch_pointwise(b, "sub", centered, [b.view(x, shape, flat), b.view(mean, shape, (1, 0, 0))])
     red.launch_reduce(b, centered, [1, 2], b.view(var, (channels,), (1,)), map_="sq", combine="sum",
                       finish="div", divisor=n * positions)
+
+
+def _instances(node) -> tuple | None:
+    """[N, C, *] when ``node`` normalizes x [1, N * C, *] viewed from a contiguous [N, C, *] (how
+    ``nn.InstanceNorm`` exports) and its result is read only through the view back: the apply then walks
+    [N, C, *], so the chain after the view (an activation) is its epilogue."""
+    view = node.args[0]
+    if node.target is not torch.ops.aten._native_batch_norm_legit.no_stats or not _is_view(view):
+        return None
+    source, x = node_value(view.args[0]), node_value(view)
+    if not isinstance(source, torch.Tensor) or source.dim() != x.dim():
+        return None
+    shape, flat = size_fns.shape(source.shape), size_fns.shape(x.shape)  # ints or sympy: no guards
+    if flat[0] != 1 or shape[0] * shape[1] != flat[1] or shape[2:] != flat[2:]:
+        return None
+    users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+    readers = [r for u in users for r in u.users]
+    if not readers or not all(_is_view(r) and size_fns.shape(node_value(r).shape) == shape for r in readers):
+        return None
+    return shape
+
+
+def _is_view(node) -> bool:
+    return hasattr(node, "target") and node.target in (torch.ops.aten.view.default, torch.ops.aten.reshape.default)
 
 
 def _read(node, indices: set) -> bool:

@@ -339,8 +339,8 @@ def _normalized_input(pw, norm: NormApply, chain) -> "Conv1x1Op | None":
         operands = tuple((o, broadcast_strides(o, t.shape)) if isinstance(o, TRef) else o for o in others)
     elif not same_view(u, t):
         return None
-    if tuple(norm.x.shape) != tuple(t.shape):
-        return None
+    if tuple(norm.x.shape) != tuple(t.shape) or norm.channels is not None:
+        return None  # (an instance norm's rows are not the convolution's (image, channel))
     return Conv1x1Op(pw, (norm.x, tuple(norm.x.strides)), tuple(steps), operands, norm)
 
 

@@ -116,6 +116,7 @@ class NormApply:
     eps: float
     per: int
     sample_stride: int
+    channels: object = None  # the rows a sample holds when not x's channels (an instance norm's N * C)
 
     @property
     def reads(self) -> tuple[TRef, ...]:
@@ -129,21 +130,22 @@ class NormApply:
 
 
 def launch_apply(b, x: TRef, out: TRef, stats: tuple[TRef, TRef], affine: tuple, eps: float,
-                 per: int, sample_stride: int) -> None:
+                 per: int, sample_stride: int, channels=None) -> None:
     """``out = x * scale + shift`` over x [N, C, *], scale and shift of (n, c) from ``stats`` (var,
     mean: contiguous, at ``n * sample_stride + c // per``) and ``affine`` (weight, bias [C], each
-    optional)."""
+    optional). ``channels``: the kernel's channel count when not C (then the rows are (n, c) of
+    [N * C / channels, channels] and every index above reads that way)."""
     dims = tuple(range(2, x.ndim))
     x, plan = rw.lay_out(b, x, dims, [out.strides])
     var, mean = (b.contiguous(t) for t in stats)
     weight, bias = (None if t is None else b.contiguous(t) for t in affine)
-    op = NormApply(x, out, dims, var, mean, weight, bias, float(eps), per, sample_stride)
+    op = NormApply(x, out, dims, var, mean, weight, bias, float(eps), per, sample_stride, channels)
     block_r, block_c = rw.blocks(plan, MAX_BLOCK_C)
     grid = (triton.cdiv(plan.rows, block_r), triton.cdiv(plan.cols, block_c))
     var, mean, w, bi, per, sample_stride, eps = op.args(x)  # stand-ins: HAS_W and HAS_B keep off them
     record = b.launch(
         "norm_apply", grid, x, out, var, mean, w, bi, plan.rows, plan.cols, plan.n1, plan.n2,
-        *plan.args(0), *plan.args(1), x.shape[1], per, sample_stride, eps,
+        *plan.args(0), *plan.args(1), x.shape[1] if channels is None else channels, per, sample_stride, eps,
         *rw.chain_args((), x), *rw.chain_args((), out),
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=rw.num_warps(block_r, block_c))

@@ -19,7 +19,9 @@ returns the running statistics after the update, as eager writes them:
 
 Launches: the two statistics (``reduce``'s sums over x seen as [C, N, HxW], the centering fused into the
 second), then ``group_norm.norm_apply`` over x, which computes rstd, scale and shift of each channel from
-them; the running statistics' chains when they are read.
+them; the running statistics' chains when they are read. An instance norm's x, [1, N * C, *] viewed from
+[N, C, *], is applied over [N, C, *] when its result is read only through the view back, so that the
+chain after the view (an activation) is the apply's epilogue.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ norm, batch norm in training mode): the rows of its [rows, cols] walk (``rows.py
 
 It is a row kernel: ``fuse_rows.py`` gives it the pointwise chain that alone reads its result as an
 epilogue (a UNet's GroupNorm -> SiLU is one launch after the statistics) and the one that alone feeds
-it as a prologue.
+it as a prologue. Where a 1x1 convolution alone reads its result (or such a chain's), the convolution
+computes it instead, tile by tile (``fuse_conv1x1.claim_norms``: BiT's pre-activation GroupNorm and ReLU).
 """
 
 from __future__ import annotations

@@ -86,3 +86,14 @@ def test_an_inf_weight_gives_eagers_nans():
     expected = model(x)
     assert expected[:, 1].isnan().any()
     torch.testing.assert_close(out, expected, equal_nan=True)
+
+
+def test_training_statistics_when_read():
+    """native_batch_norm in training mode returns its batch's mean and 1 / std too (save_mean,
+    save_invstd), computed from the same statistics the apply launch reads."""
+    from harness import Fn, check_model
+
+    fn = lambda x, w, b, rm, rv: torch.ops.aten.native_batch_norm(x, w, b, rm.clone(), rv.clone(), True, 0.1, 1e-5)  # noqa: E731
+    torch.manual_seed(0)
+    args = (torch.randn(4, 3, 5) * 2 + 1, torch.randn(3), torch.randn(3), torch.zeros(3), torch.ones(3))
+    check_model(Fn(fn), args)

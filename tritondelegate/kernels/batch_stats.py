@@ -58,12 +58,12 @@ def batch_norm_batch_stats(b, node):
         _statistics(b, x, mean, var)
     else:  # the running statistics
         mean, var = b.ref(running_mean), b.ref(running_var)
-    out, channels = b.out(node, 0), None
+    out, rows = b.out(node, 0), None
     images = _instances(node)
     if images is not None:  # an instance norm's [1, N * C, *], contiguous: applied over [N, C, *] as read
         strides = contiguous_strides(images)
-        x, out, channels = b.view(x, images, strides, x.offset), b.view(out, images, strides, out.offset), x.shape[1]
-    gn.launch_apply(b, x, out, (var, mean), (weight, bias), eps, 1, 0, channels)
+        x, out, rows = b.view(x, images, strides, x.offset), b.view(out, images, strides, out.offset), channels
+    gn.launch_apply(b, x, out, (var, mean), (weight, bias), eps, 1, 0, rows)
     if not training:  # save_mean, save_rstd: empty; bound so that a getitem of them still lowers
         b.out(node, 1)
         b.out(node, 2)

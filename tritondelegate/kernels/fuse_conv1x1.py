@@ -46,7 +46,7 @@ import triton.language as tl
 from . import conv as cv
 from .conv import _dot, _epilogue_args, _epilogue_strides, _ncdhw, _tile_pixels
 from .depthwise import DepthwiseOp
-from .group_norm import NormApply
+from .group_norm import NormApply, scale_shift
 from .elementwise import _epilogue
 from .refs import TRef, broadcast_strides, new_launch, same_view
 from .rows import chain_args, chain_constexprs
@@ -79,14 +79,8 @@ def _normalized(a, n, k, mask, mask_k, var_ptr, mean_ptr, nw_ptr, nb_ptr, per, s
     """The tile ``a`` of x (pixels of images ``n``, channels ``k``) normalized as ``group_norm``'s
     ``norm_apply_kernel`` does: x * scale + shift, from the statistics at n * sample_stride + k // per."""
     stat = n[:, None] * sample_stride + (k // per)[None, :]
-    var = tl.load(var_ptr + stat, mask=mask, other=1.0).to(tl.float32)
-    mean = tl.load(mean_ptr + stat, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.rsqrt(var + eps)
-    if HAS_NW:
-        scale = scale * tl.load(nw_ptr + k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
-    shift = -(scale * mean)
-    if HAS_NB:
-        shift = tl.load(nb_ptr + k, mask=mask_k, other=0.0).to(tl.float32)[None, :] - scale * mean
+    scale, shift = scale_shift(var_ptr, mean_ptr, stat, mask, nw_ptr, nb_ptr, k[None, :], mask_k[None, :], eps,
+                               HAS_NW, HAS_NB)
     return a * scale + shift
 
 

@@ -45,6 +45,23 @@ MAX_BLOCK_C = 1024
 
 # --- kernel ---------------------------------------------------------------------------------------
 @triton.jit
+def scale_shift(var_ptr, mean_ptr, stat, stat_mask, w_ptr, b_ptr, channel, channel_mask, eps,
+                HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """(scale, shift) in fp32 as eager computes them from the statistics at ``stat`` and the weight and
+    bias at ``channel`` (broadcast together): ``rstd = 1 / sqrt(var + eps)``, ``scale = rstd * w``,
+    ``shift = b - mean * scale`` (``-(mean * scale)`` without a bias). ``fuse_conv1x1`` uses it too."""
+    var = tl.load(var_ptr + stat, mask=stat_mask, other=1.0).to(tl.float32)
+    mean = tl.load(mean_ptr + stat, mask=stat_mask, other=0.0).to(tl.float32)
+    scale = tl.rsqrt(var + eps)
+    if HAS_W:
+        scale = scale * tl.load(w_ptr + channel, mask=channel_mask, other=0.0).to(tl.float32)
+    shift = -(scale * mean)
+    if HAS_B:
+        shift = tl.load(b_ptr + channel, mask=channel_mask, other=0.0).to(tl.float32) - scale * mean
+    return scale, shift
+
+
+@triton.jit
 def norm_apply_kernel(
     x_ptr, out_ptr, var_ptr, mean_ptr, w_ptr, b_ptr,
     rows, cols, n1, n2,
@@ -87,14 +104,7 @@ def norm_apply_kernel(
     x = row_load(x_ptr, ix, c, mask, (xs0, xs1, xs2, xsc), 0.0, pro, PRO, P_ROUND)
     channel = r % channels
     stat = (r // channels) * sample_stride + channel // per
-    var = tl.load(var_ptr + stat, mask=rmask, other=1.0).to(tl.float32)
-    mean = tl.load(mean_ptr + stat, mask=rmask, other=0.0).to(tl.float32)
-    scale = tl.rsqrt(var + eps)
-    if HAS_W:
-        scale = scale * tl.load(w_ptr + channel, mask=rmask, other=0.0).to(tl.float32)
-    shift = -(scale * mean)
-    if HAS_B:
-        shift = tl.load(b_ptr + channel, mask=rmask, other=0.0).to(tl.float32) - scale * mean
+    scale, shift = scale_shift(var_ptr, mean_ptr, stat, rmask, w_ptr, b_ptr, channel, rmask, eps, HAS_W, HAS_B)
     y = x * scale[:, None] + shift[:, None]
     row_store(out_ptr, ix, c, mask, (os0, os1, os2, osc), y, epi, EPI)
 

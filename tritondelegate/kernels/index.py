@@ -478,10 +478,10 @@ def _dtype_reason(val, what: str, allowed) -> str | None:
     return None
 
 
-def _supported_gather_op(node, src_arg, index_args) -> str | None:
+def _supported_gather_op(node, src_arg, index_args, layouts=()) -> str | None:
     out = node.meta.get("val")
     reason = _dtype_reason(out, "the result", ew.DTYPES) or _dtype_reason(node_value(src_arg), "the source", ew.DTYPES)
-    return reason or index_reason(index_args, out)
+    return reason or index_reason(index_args, out, layouts)
 
 
 def index_reason(index_args, out, layouts=()) -> str | None:
@@ -493,12 +493,17 @@ def index_reason(index_args, out, layouts=()) -> str | None:
         reason = _dtype_reason(node_value(arg), "an index", INDEX_DTYPES)
         if reason:
             return reason
-    walked = min((walk_rank(shape, sets) for shape, sets in layouts), default=None)
-    if walked is None:
-        walked = sum(1 for n in out.shape if not (isinstance(n, int) and n == 1))  # size-1 dims are dropped
+    walked = walked_dims(layouts, out.shape)
     if walked > MAX_RANK:
         return f"result has {walked} dims of size other than 1 that do not merge (at most {MAX_RANK})"
     return None
+
+
+def walked_dims(layouts, shape) -> int:
+    """The fewest dims any of ``layouts`` ((iteration shape, stride sets)) walks after merging; without
+    layouts, the dims of ``shape`` of a size other than 1 (size-1 dims are dropped)."""
+    walked = min((walk_rank(s, sets) for s, sets in layouts), default=None)
+    return sum(1 for n in shape if not (isinstance(n, int) and n == 1)) if walked is None else walked
 
 
 def meta_view(val) -> TRef | None:
@@ -566,11 +571,9 @@ def supported_index(node) -> str | None:
             return "boolean mask indexing gives a data-dependent shape; only integer index tensors are supported"
     if len(entries) > MAX_INDICES:
         return f"{len(entries)} index tensors (at most {MAX_INDICES})"
-    out = node.meta.get("val")
-    reason = _dtype_reason(out, "the result", ew.DTYPES) or _dtype_reason(node_value(node.args[0]), "the source", ew.DTYPES)
     dims = [d for d, e in enumerate(node.args[1]) if e is not None]
     walks = index_walks(node_value(node.args[0]), [node_value(e) for e in entries], dims)
-    return reason or index_reason(entries, out, walks)
+    return _supported_gather_op(node, node.args[0], entries, walks)
 
 
 def supported_cumextreme(node) -> str | None:

@@ -38,7 +38,7 @@ from . import elementwise as ew
 from . import sizes as size_fns
 from .creation import is_empty
 from .index import (MAX_INDICES, _dtype_reason, advanced_layout, broadcast_shape, index_reason, index_walks,
-                    indexed_offsets, values_strides, walk_rank)
+                    indexed_offsets, values_strides, walked_dims)
 from .layout import view_of
 from ..errors import LoweringError
 from ..plan import Arg, Launch
@@ -376,10 +376,7 @@ def supported_index_put(node) -> str | None:
     rank = self_val.ndim - len(tensors) + len(bshape)
     indexed = [d for d, t in enumerate(node.args[1]) if t is not None]
     kept = [n for d, n in enumerate(size_fns.shape(self_val.shape)) if d not in indexed]
-    walks = index_walks(self_val, [node_value(e) for e in tensors], indexed, values)
-    walked = min((walk_rank(shape, sets) for shape, sets in walks), default=None)
-    if walked is None:  # every dim of a size other than 1 counts
-        walked = sum(1 for n in (*kept, *bshape) if not (isinstance(n, int) and n == 1))
+    walked = walked_dims(index_walks(self_val, [node_value(e) for e in tensors], indexed, values), (*kept, *bshape))
     if walked > MAX_RANK:
         return f"the indexing result has {walked} dims of size other than 1 that do not merge (at most {MAX_RANK})"
     leading = size_fns.shape(values.shape[: max(values.ndim - rank, 0)])

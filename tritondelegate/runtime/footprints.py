@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..kernels import elementwise
@@ -324,11 +324,8 @@ def _conv1x1(x: LaunchArgs) -> Footprint:
     if x.c["HAS_BIAS"]:
         acc.append(Access("bias_ptr", ((cout, 1),)))
     if x.c["NORM"]:  # image n's channel k reads the statistics at n * n_sample + k // n_per
-        per = x.i("n_per")
-        if per < 1:
-            raise DelegateError(f"{x.where}: a norm's groups of {per} channels")
-        acc += [Access(p, ((n, x.i("n_sample")), (_cdiv(K, per), 1))) for p in ("var_ptr", "mean_ptr")]
-        acc += [Access(p, ((K, 1),)) for p, flag in (("nw_ptr", "HAS_NW"), ("nb_ptr", "HAS_NB")) if x.c[flag]]
+        acc += _norm_stats(x, n, K, x.i("n_per"), "n_sample", ("var_ptr", "mean_ptr", "nw_ptr", "nb_ptr"),
+                           ("HAS_NW", "HAS_NB"))
     acc += _epilogue(x, (n, K, oh, ow), 4, "p") + _epilogue(x, (n, cout, oh, ow, 1), 5)
     grid = (_cdiv(M, x.c["BLOCK_M"]), _cdiv(cout, x.c["BLOCK_N"]))
     return Footprint(acc, grid, {"output elements": max(M, 0) * max(cout, 0), "K": K, "V_G": v_g})
@@ -451,19 +448,29 @@ def _norm(x: LaunchArgs) -> Footprint:
 
 
 def _norm_apply(x: LaunchArgs) -> Footprint:
-    """``group_norm.norm_apply_kernel``: x and out over the rows walk; row r = (n, c) reads the
-    statistics at n * sample_stride + c // per and the weight and bias at c."""
-    rows, cols, channels, per = x.i("rows"), x.i("cols"), x.i("channels"), x.i("per")
-    if channels < 1 or per < 1:
-        raise DelegateError(f"{x.where}: {channels} channels in groups of {per}")
+    """``group_norm.norm_apply_kernel``: x, out and the chains over the rows walk (a softmax's); row
+    r = (n, c) reads the statistics at n * sample_stride + c // per and the weight and bias at c; grid
+    (row blocks, column blocks)."""
+    footprint, rows, channels = _softmax(x), x.i("rows"), x.i("channels")
+    if channels < 1:
+        raise DelegateError(f"{x.where}: a norm over {channels} channels")
     samples, seen = _unravel(rows, [channels])
-    acc = [Access("x_ptr", _rows(x, x.ints("xs", 3)) + ((cols, x.i("xsc")),)),
-           Access("out_ptr", _rows(x, x.ints("os", 3)) + ((cols, x.i("osc")),), write=True)]
-    acc += [Access(p, ((samples, x.i("sample_stride")), (_cdiv(seen, per), 1))) for p in ("var_ptr", "mean_ptr")]
-    acc += [Access(p, ((seen, 1),)) for p, flag in (("w_ptr", "HAS_W"), ("b_ptr", "HAS_B")) if x.c[flag]]
-    acc += _row_chains(x, cols, cols)
-    grid = (_cdiv(rows, x.c["BLOCK_R"]), _cdiv(cols, x.c["BLOCK_C"]))
-    return Footprint(acc, grid, {"rows": rows, "cols": cols})
+    footprint.accesses.extend(_norm_stats(x, samples, seen, x.i("per"), "sample_stride",
+                                          ("var_ptr", "mean_ptr", "w_ptr", "b_ptr"), ("HAS_W", "HAS_B")))
+    grid = (_cdiv(rows, x.c["BLOCK_R"]), _cdiv(x.i("cols"), x.c["BLOCK_C"]))
+    return replace(footprint, grid=grid)
+
+
+def _norm_stats(x: LaunchArgs, samples: int, channels: int, per: int, sample_stride: str, pointers, flags
+                ) -> list[Access]:
+    """A norm's statistics (var, mean) read at n * sample_stride + c // per over ``samples`` x
+    ``channels`` (n, c), and its weight and bias (when their ``flags`` are set) at c: ``norm_apply``'s
+    and ``conv1x1``'s with NORM."""
+    if per < 1:
+        raise DelegateError(f"{x.where}: a norm's groups of {per} channels")
+    var, mean, weight, bias = pointers
+    acc = [Access(p, ((samples, x.i(sample_stride)), (_cdiv(channels, per), 1))) for p in (var, mean)]
+    return acc + [Access(p, ((channels, 1),)) for p, flag in zip((weight, bias), flags) if x.c[flag]]
 
 
 # Per tensor of a rotary launch: its rows, row dims, and (pointer, row strides' prefix, last dim's
